@@ -1,0 +1,32 @@
+# Two commands: `make quickstart` runs the whole lifecycle, `make test` runs the suite.
+# Both create the virtual environment first if it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of PyTorch; set TORCH_SPEC="torch==2.13.0" (or a CUDA build) on GPU machines as needed.
+TORCH_SPEC ?= torch==2.13.0
+WORKDIR ?= work/quickstart
+PYTEST_ARGS ?=
+
+.PHONY: env quickstart test clean
+
+env: $(VENV)/.installed
+
+# torch first and pinned, so that nothing later resolves an unpinned torch to a CUDA wheel;
+# DeepSpeed without build isolation, so that its build sees that torch instead of fetching another.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.16"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+quickstart: env
+	$(VENV)/bin/lmfoundry quickstart --workdir $(WORKDIR)
+
+test: env
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) work

@@ -1,0 +1,1 @@
+"""Ray Data curation: sample corpus, normalisation, filters, dedup, tokenizer and packing."""

@@ -1,0 +1,63 @@
+"""Sampling with a KV cache: temperature, nucleus (top-p), stop tokens, a seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmfoundry.model.transformer import KVCache, Transformer
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens or context full)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
+    """logits: (V,). Greedy at temperature 0, otherwise nucleus sampling."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = sorted_p.cumsum(0) - sorted_p >= top_p
+        sorted_p[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    stop_tokens: frozenset[int] = frozenset(),
+    seed: int | None = None,
+) -> Generation:
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    device = next(model.parameters()).device
+    limit = model.cfg.max_seq_len
+    if len(prompt) >= limit:
+        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in a context of {limit}")
+    max_new_tokens = min(max_new_tokens, limit - len(prompt))
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+    cache = KVCache(model.cfg, 1, len(prompt) + max_new_tokens, device, next(model.parameters()).dtype)
+    logits, _ = model(torch.tensor([prompt], device=device), cache=cache)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = sample_next(logits[0, -1], temperature, top_p, gen)
+        if token in stop_tokens:
+            return Generation(out, "stop")
+        out.append(token)
+        if len(out) == max_new_tokens:
+            break
+        logits, _ = model(torch.tensor([[token]], device=device), cache=cache)
+    return Generation(out, "length")

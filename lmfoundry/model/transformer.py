@@ -1,0 +1,202 @@
+"""A decoder-only transformer, read top-down: config, helpers, attention, MLP, block, model.
+
+RMSNorm, rotary position embeddings, grouped-query attention through
+`scaled_dot_product_attention` (flash attention on GPUs), SwiGLU MLP, tied embeddings.
+Shapes: B batch, T time, C d_model, H query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+
+from lmfoundry.platform.config import StageConfig
+
+
+class ModelConfig(StageConfig):
+    vocab_size: int = Field(0, ge=0, description="0: taken from the tokenizer at pretraining")
+    max_seq_len: int = Field(0, ge=0, description="0: taken from the packed sequence length")
+    n_layer: int = Field(4, ge=1)
+    d_model: int = Field(128, ge=8)
+    n_head: int = Field(4, ge=1)
+    n_kv_head: int = Field(2, ge=1, description="key/value heads; fewer than n_head is GQA")
+    ffn_multiple_of: int = Field(32, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    tie_embeddings: bool = True
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError("head dim d_model/n_head must be even for rotary embeddings")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ffn_hidden(self) -> int:
+        # SwiGLU with 2/3 of the classic 4x width keeps the parameter count of a GELU MLP.
+        hidden = int(2 * 4 * self.d_model / 3)
+        return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (T, D/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, heads, T, D); rotate pairs (x1, x2) = the two halves of the head dimension.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, None], sin[None, None]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class KVCache:
+    """Preallocated keys and values for every layer, filled as generation advances."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
+        shape = (cfg.n_layer, batch, cfg.n_kv_head, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # positions filled so far
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.shape[2]
+        self.k[layer, :, :, self.length : self.length + t] = k
+        self.v[layer, :, :, self.length : self.length + t] = v
+        end = self.length + t
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.wkv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K, D = self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim
+        q = self.wq(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k, v = self.wkv(x).view(B, T, 2, K, D).permute(2, 0, 3, 1, 4)  # 2 x (B, K, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        prefix = 0
+        if cache is not None:
+            prefix = cache.length
+            k, v = cache.update(self.layer, k, v)  # (B, K, prefix+T, D)
+        if K != H:
+            k = k.repeat_interleave(H // K, dim=1)
+            v = v.repeat_interleave(H // K, dim=1)
+        if prefix == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # New queries sit at positions prefix..prefix+T-1 and may see every key up to their own.
+            q_pos = torch.arange(prefix, prefix + T, device=x.device)[:, None]
+            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= q_pos
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size < 1 or cfg.max_seq_len < 1:
+            raise ValueError(
+                f"vocab_size ({cfg.vocab_size}) and max_seq_len ({cfg.max_seq_len}) must be set "
+                "before building the model"
+            )
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the projections that write into the residual stream.
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "w_down.weight")):
+                nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx: (B, T) token ids. Returns logits (B, T, V) and, given targets, the mean loss."""
+        B, T = idx.shape
+        start = cache.length if cache is not None else 0
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin, cache)
+        if cache is not None:
+            cache.length += T
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss

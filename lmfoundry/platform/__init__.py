@@ -1,0 +1,1 @@
+"""What every stage shares: configs, storage, the Ray connection, logging and the CLI."""

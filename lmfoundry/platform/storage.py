@@ -1,0 +1,139 @@
+"""URIs (local paths or s3://...) through pyarrow filesystems, atomic writes and manifests.
+
+A stage's output directory counts as done only when its manifest (`_MANIFEST.json`) exists: the
+manifest is written last, so a stage killed midway leaves a directory that a rerun clears and
+redoes instead of trusting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+MANIFEST = "_MANIFEST.json"
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def normalize(uri: str) -> str:
+    """Absolute local paths (Ray workers may run in another cwd); remote URIs unchanged."""
+    if is_remote(uri):
+        return uri.rstrip("/")
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    return str(Path(uri).expanduser().resolve())
+
+
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    uri = normalize(uri)
+    if is_remote(uri):
+        return pafs.FileSystem.from_uri(uri)
+    return pafs.LocalFileSystem(), uri
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *parts])
+
+
+def exists(uri: str) -> bool:
+    fs, path = filesystem(uri)
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def list_files(uri: str, suffixes: tuple[str, ...] = ()) -> list[str]:
+    """Files under `uri` (recursively), sorted, skipping hidden and underscore-prefixed names."""
+    fs, path = filesystem(uri)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return [normalize(uri)]
+    if info.type == pafs.FileType.NotFound:
+        return []
+    found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    prefix = uri.split("://")[0] + "://" if is_remote(uri) else ""
+    out = []
+    for f in found:
+        name = f.base_name
+        if f.type != pafs.FileType.File or name.startswith((".", "_")):
+            continue
+        if suffixes and not name.endswith(suffixes):
+            continue
+        out.append(prefix + f.path)
+    return sorted(out)
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = filesystem(uri)
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def write_bytes_atomic(uri: str, data: bytes) -> None:
+    """Write under a temporary name, then rename: readers never see half a file."""
+    fs, path = filesystem(uri)
+    parent = path.rsplit("/", 1)[0]
+    fs.create_dir(parent, recursive=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    fs.move(tmp, path)
+
+
+def write_json_atomic(uri: str, obj: Any) -> None:
+    write_bytes_atomic(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_json(uri: str) -> Any:
+    return json.loads(read_bytes(uri))
+
+
+def remove_dir(uri: str) -> None:
+    fs, path = filesystem(uri)
+    if fs.get_file_info(path).type != pafs.FileType.NotFound:
+        fs.delete_dir(path)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_committed(stage_dir: str) -> bool:
+    return exists(join(stage_dir, MANIFEST))
+
+
+def read_manifest(stage_dir: str) -> dict:
+    if not is_committed(stage_dir):
+        raise FileNotFoundError(
+            f"{stage_dir} has no {MANIFEST}: it is not the committed output of an lmfoundry stage "
+            "(the stage did not finish, or the path is wrong)"
+        )
+    return read_json(join(stage_dir, MANIFEST))
+
+
+def prepare_output(stage_dir: str, overwrite: bool = False) -> bool:
+    """Make `stage_dir` ready for a stage. Returns False when committed output already stands
+    there and `overwrite` is off, so that a rerun skips finished work instead of redoing it."""
+    if is_committed(stage_dir) and not overwrite:
+        return False
+    remove_dir(stage_dir)  # a partial output of a killed run, or one the user asked to replace
+    fs, path = filesystem(stage_dir)
+    fs.create_dir(path, recursive=True)
+    return True
+
+
+def commit(stage_dir: str, stage: str, details: dict) -> dict:
+    """Write the stage's manifest last: from here on the directory counts as finished."""
+    manifest = {"stage": stage, "format_version": 1, **details}
+    write_json_atomic(join(stage_dir, MANIFEST), manifest)
+    return manifest

@@ -25,8 +25,10 @@ $(VENV)/.installed: pyproject.toml
 quickstart: env
 	$(VENV)/bin/lmfoundry quickstart --workdir $(WORKDIR)
 
+# pytest exits 5 when it collects nothing (e.g. a -k that matches no test): say so, and fail.
 test: env
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) work

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,10 @@ def generate(
     top_p: float = 1.0,
     stop_tokens: frozenset[int] = frozenset(),
     seed: int | None = None,
+    should_stop: Callable[[list[int]], bool] | None = None,
 ) -> Generation:
+    """Sample up to max_new_tokens after `prompt`. `should_stop(tokens so far)` lets the caller
+    end generation early, e.g. when the decoded text reaches a stop string."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     device = next(model.parameters()).device
@@ -57,6 +61,8 @@ def generate(
         if token in stop_tokens:
             return Generation(out, "stop")
         out.append(token)
+        if should_stop is not None and should_stop(out):
+            return Generation(out, "stop")
         if len(out) == max_new_tokens:
             break
         logits, _ = model(torch.tensor([[token]], device=device), cache=cache)

@@ -83,8 +83,8 @@ def build_config(cls: type[Cfg], data: dict, source: str = "<dict>", overrides: 
         raise ConfigError(format_validation_error(cls, err, source)) from None
 
 
-def load_config(cls: type[Cfg], path: str | Path, overrides: list[str] | None = None) -> Cfg:
-    """Read a YAML recipe into `cls`, applying `--set` overrides first."""
+def read_recipe(path: str | Path) -> dict:
+    """The mapping in a YAML recipe, or a ConfigError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -94,4 +94,9 @@ def load_config(cls: type[Cfg], path: str | Path, overrides: list[str] | None = 
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(data).__name__}")
-    return build_config(cls, data, source=str(path), overrides=overrides)
+    return data
+
+
+def load_config(cls: type[Cfg], path: str | Path, overrides: list[str] | None = None) -> Cfg:
+    """Read a YAML recipe into `cls`, applying `--set` overrides first."""
+    return build_config(cls, read_recipe(path), source=str(path), overrides=overrides)

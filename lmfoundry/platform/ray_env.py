@@ -29,6 +29,6 @@ def init_ray(address: str | None = None) -> None:
     else:
         cpus = local_logical_cpus()
         logger.info("starting an embedded local Ray with %d logical CPUs", cpus)
-        ray.init(num_cpus=cpus, include_dashboard=False)
+        ray.init(num_cpus=cpus)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = True

@@ -1,0 +1,1 @@
+"""Evaluation: held-out perplexity now; task suites and gates build on it."""

@@ -1,0 +1,1 @@
+"""Thin entry points, one per stage: `python -m lmfoundry.jobs.<stage> CONFIG ...`."""

@@ -1,0 +1,37 @@
+"""Serve a checkpoint behind the OpenAI-compatible API on Ray Serve, until interrupted.
+
+    LMFOUNDRY_API_KEYS=my-key python -m lmfoundry.jobs.serve configs/serve.yaml --input work/pretrain
+"""
+
+import sys
+import time
+
+from lmfoundry.platform.cli import run_stage
+from lmfoundry.platform.log import get_logger
+from lmfoundry.serving.app import ServeConfig, start
+
+logger = get_logger(__name__)
+
+
+def serve_forever(cfg: ServeConfig) -> dict:
+    from ray import serve
+
+    url, generated_key = start(cfg)
+    logger.info("serving %s at %s/v1 (Ctrl-C stops)", cfg.model_name, url)
+    if generated_key:
+        logger.warning("no keys in $%s: this server accepts the generated key %s", cfg.api_keys_env, generated_key)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return {"url": url, "stopped": True}
+
+
+def main(argv=None) -> int:
+    return run_stage("serve", ServeConfig, serve_forever, argv, input_field="checkpoint", output_field=None,
+                     description=__doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Ray Serve: the inference engine and the OpenAI-compatible API."""

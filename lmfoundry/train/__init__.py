@@ -1,0 +1,1 @@
+"""Ray Train + DeepSpeed pretraining: config, DeepSpeed config derivation, the worker loop."""

@@ -1,0 +1,86 @@
+"""The pretraining config and the one function that derives DeepSpeed's JSON from it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from lmfoundry.model.transformer import ModelConfig
+from lmfoundry.platform.config import StageConfig
+from lmfoundry.platform.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class PretrainConfig(StageConfig):
+    data: str = Field(..., description="a pack output directory (train/, val/, tokenizer.json)")
+    output: str = Field(..., description="the run directory: checkpoints and the run manifest")
+    model: ModelConfig = ModelConfig()
+    num_workers: int = Field(2, ge=1)
+    cpus_per_worker: float = Field(1.0, gt=0)
+    use_gpu: bool = False
+    zero_stage: int = Field(2, ge=0, le=3)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    micro_batch_size: int = Field(8, ge=1, description="sequences per worker per forward pass")
+    global_batch_tokens: int = Field(4096, ge=1, description="tokens per optimizer step, all workers")
+    max_steps: int = Field(200, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, ge=0)
+    checkpoint_every: int = Field(100, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(10, ge=1)
+    seed: int = 0
+    overwrite: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "PretrainConfig":
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be below max_steps={self.max_steps}")
+        return self
+
+
+def resolved_precision(cfg: PretrainConfig) -> str:
+    if cfg.precision == "auto":
+        return "bf16" if cfg.use_gpu else "fp32"
+    if cfg.precision == "bf16" and not cfg.use_gpu:
+        logger.warning("precision=bf16 on CPU workers is slow; fp32 is the CPU default")
+    return cfg.precision
+
+
+def gradient_accumulation(cfg: PretrainConfig, world_size: int, seq_len: int) -> int:
+    """Micro-steps per optimizer step, from the global batch in tokens."""
+    per_micro_step = cfg.micro_batch_size * world_size * seq_len
+    if cfg.global_batch_tokens % per_micro_step:
+        raise ValueError(
+            f"global_batch_tokens={cfg.global_batch_tokens} must be a multiple of micro_batch_size "
+            f"x workers x seq_len = {cfg.micro_batch_size} x {world_size} x {seq_len} = {per_micro_step}"
+        )
+    return cfg.global_batch_tokens // per_micro_step
+
+
+def deepspeed_config(cfg: PretrainConfig, world_size: int, seq_len: int) -> dict:
+    accum = gradient_accumulation(cfg, world_size, seq_len)
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": cfg.micro_batch_size * accum * world_size,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": cfg.use_gpu},
+        "bf16": {"enabled": resolved_precision(cfg) == "bf16"},
+        # torch's AdamW: DeepSpeed's fused and CPU Adam kernels need a compiler toolchain at run time.
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": cfg.lr, "betas": list(cfg.betas), "eps": 1e-8, "weight_decay": cfg.weight_decay,
+            "torch_adam": True,
+        }},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": cfg.max_steps, "warmup_num_steps": cfg.warmup_steps,
+            "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.min_lr_ratio,
+        }},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }

@@ -1,0 +1,131 @@
+"""The per-worker training loop that Ray Train runs on every worker.
+
+Each worker builds the same model (same seed), wraps it in a DeepSpeed engine over the process
+group Ray Train set up, and streams its shard of the packed sequences from Ray Data. Rank 0
+logs, writes checkpoints and hands them to `ray.train.report`; every rank reports, since a
+report is a collective step in Ray Train.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
+from lmfoundry.model.transformer import Transformer
+from lmfoundry.platform import checkpoint, storage
+from lmfoundry.platform.log import get_logger
+from lmfoundry.train.config import PretrainConfig, deepspeed_config
+
+logger = get_logger(__name__)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only; norms and embeddings are not decayed (as in GPT-3)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _mean_across_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return t.item() / torch.distributed.get_world_size()
+
+
+def _save_checkpoint(engine, cfg: PretrainConfig, tokenizer_json: str, state: dict) -> str:
+    """Rank 0 writes a sealed checkpoint into a fresh local directory and returns its path."""
+    directory = Path(tempfile.mkdtemp(prefix="lmfoundry-ckpt-"))
+    save_model_files(engine.module, directory)
+    (directory / TOKENIZER).write_text(tokenizer_json)
+    storage.write_json_atomic(str(directory / "train_state.json"), state)
+    checkpoint.seal(directory, {"kind": "lmfoundry.pretrain", "step": state["step"]})
+    return str(directory)
+
+
+def train_loop(loop_config: dict) -> None:
+    import deepspeed
+    import ray.train
+    from ray.train import Checkpoint
+
+    cfg = PretrainConfig.model_validate(loop_config["cfg"])
+    seq_len = loop_config["seq_len"]
+    tokenizer_json = loop_config["tokenizer_json"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if rank != 0:
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed's ZeRO-2 calls a torch collective that torch has renamed; once per step it warns.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model)
+    ds_config = deepspeed_config(cfg, world, seq_len)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg.weight_decay), config=ds_config
+    )
+    accum = ds_config["gradient_accumulation_steps"]
+    tokens_per_step = cfg.global_batch_tokens
+    if rank == 0:
+        logger.info("pretrain: %.2fM parameters, %d workers, ZeRO-%d, micro batch %d, grad accumulation %d "
+                    "(derived from global_batch_tokens=%d)", model.num_params() / 1e6, world, cfg.zero_stage,
+                    cfg.micro_batch_size, accum, tokens_per_step)
+
+    shard = ray.train.get_dataset_shard("train")
+    step, epoch, micro = 0, 0, 0
+    loss_sum, loss_count = 0.0, 0
+    history: list[list[float]] = []
+    t_last, step_last = time.time(), 0
+    device = engine.device
+    while step < cfg.max_steps:
+        for batch in shard.iter_torch_batches(batch_size=cfg.micro_batch_size, drop_last=True,
+                                               dtypes=torch.long, device=device):
+            tokens = batch["tokens"]
+            _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            micro += 1
+            loss_sum += loss.item()
+            loss_count += 1
+            if micro % accum:
+                continue
+            step += 1
+            last = step == cfg.max_steps
+            if step % cfg.log_every == 0 or step == 1 or last:
+                mean_loss = _mean_across_ranks(loss_sum / loss_count)
+                loss_sum, loss_count = 0.0, 0
+                now = time.time()
+                metrics = {
+                    "step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                    "tokens_per_s": (step - step_last) * tokens_per_step / max(now - t_last, 1e-9),
+                }
+                t_last, step_last = now, step
+                history.append([step, mean_loss])
+                if rank == 0:
+                    logger.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f", step, cfg.max_steps,
+                                mean_loss, metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"])
+                if step % cfg.checkpoint_every == 0 or last:
+                    ckpt_dir = None
+                    if rank == 0:
+                        state = {"step": step, "epoch": epoch, "tokens_seen": step * tokens_per_step,
+                                 "loss": mean_loss, "loss_history": history, "seed": cfg.seed,
+                                 "config": cfg.model_dump(mode="json")}
+                        ckpt_dir = _save_checkpoint(engine, cfg, tokenizer_json, state)
+                    ray.train.report(metrics, checkpoint=Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None)
+                    if ckpt_dir:
+                        shutil.rmtree(ckpt_dir, ignore_errors=True)  # Ray Train has persisted it
+                else:
+                    ray.train.report(metrics)
+            if last:
+                break
+        epoch += 1

@@ -1,0 +1,84 @@
+"""The pretraining driver: reads the pack manifest, derives the model shape, runs TorchTrainer
+and commits the run directory with a manifest naming the final checkpoint."""
+
+from __future__ import annotations
+
+import time
+from pathlib import PurePosixPath
+
+from lmfoundry.platform import storage
+from lmfoundry.platform.log import get_logger
+from lmfoundry.train.config import PretrainConfig, deepspeed_config, gradient_accumulation
+from lmfoundry.train.loop import train_loop
+
+logger = get_logger(__name__)
+
+
+def resolve_model_shape(cfg: PretrainConfig, pack_manifest: dict) -> PretrainConfig:
+    """Fill vocab_size and max_seq_len from the packed data where the config leaves them 0."""
+    model = cfg.model.model_copy()
+    if model.vocab_size == 0:
+        model.vocab_size = pack_manifest["vocab_size"]
+    elif model.vocab_size < pack_manifest["vocab_size"]:
+        raise ValueError(f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's "
+                         f"{pack_manifest['vocab_size']}")
+    if model.max_seq_len == 0:
+        model.max_seq_len = pack_manifest["seq_len"]
+    elif model.max_seq_len < pack_manifest["seq_len"]:
+        raise ValueError(f"model.max_seq_len={model.max_seq_len} is shorter than the packed "
+                         f"seq_len={pack_manifest['seq_len']}")
+    return cfg.model_copy(update={"model": model})
+
+
+def run_pretrain(cfg: PretrainConfig) -> dict:
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    data = storage.normalize(cfg.data)
+    pack = storage.read_manifest(data)
+    if pack.get("stage") != "pack":
+        raise ValueError(f"pretrain data {cfg.data!r} is a {pack.get('stage')!r} output, not a pack output")
+    cfg = resolve_model_shape(cfg, pack)
+    seq_len = pack["seq_len"]
+    gradient_accumulation(cfg, cfg.num_workers, seq_len)  # fail now, not inside the workers
+    out = storage.normalize(cfg.output)
+    if not storage.prepare_output(out, cfg.overwrite):
+        logger.info("pretrain: %s is already committed; skipping (set overwrite=true to redo)", out)
+        return storage.read_manifest(out)
+    logger.info("pretrain: DeepSpeed config %s", deepspeed_config(cfg, cfg.num_workers, seq_len))
+
+    started = time.time()
+    train_ds = ray.data.read_parquet(storage.list_files(storage.join(data, "train"), (".parquet",)))
+    tokenizer_json = storage.read_bytes(storage.join(data, pack["tokenizer"])).decode()
+    out_path = PurePosixPath(out) if not storage.is_remote(out) else None
+    storage_path, name = (str(out_path.parent), out_path.name) if out_path else out.rsplit("/", 1)
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"cfg": cfg.model_dump(mode="json"), "seq_len": seq_len, "tokenizer_json": tokenizer_json},
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
+        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
+        datasets={"train": train_ds},
+        run_config=RunConfig(
+            name=name, storage_path=storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+            failure_config=FailureConfig(max_failures=0),
+        ),
+    )
+    result = trainer.fit()
+    if result.error:
+        raise RuntimeError(f"pretraining failed: {result.error}") from result.error
+    if result.checkpoint is None:
+        raise RuntimeError("pretraining finished without a checkpoint")
+    final = result.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+    state = storage.read_json(storage.join(out, final, "train_state.json"))
+    history = state["loss_history"]
+    manifest = storage.commit(out, "pretrain", {
+        "data": data, "final_checkpoint": final, "steps": state["step"], "tokens_seen": state["tokens_seen"],
+        "first_loss": history[0][1], "final_loss": history[-1][1], "model": cfg.model.model_dump(),
+        "seconds": round(time.time() - started, 2),
+    })
+    logger.info("pretrain: %d steps, loss %.3f -> %.3f, final checkpoint %s",
+                state["step"], history[0][1], history[-1][1], storage.join(out, final))
+    return manifest

@@ -1,0 +1,71 @@
+"""Shared fixtures: one real local Ray per session and a tiny lifecycle whose artifacts the
+stage tests reuse (corpus -> curated -> packed -> pretrained), each built once."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    from lmfoundry.platform.ray_env import init_ray
+
+    init_ray()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def sample_corpus(tmp_path_factory):
+    from lmfoundry.data.sample_corpus import build_sample_corpus
+
+    out = tmp_path_factory.mktemp("raw")
+    details = build_sample_corpus(out, num_clean_docs=300, seed=1, shards=2)
+    return str(out), details
+
+
+@pytest.fixture(scope="session")
+def curated(ray_local, sample_corpus, tmp_path_factory):
+    from lmfoundry.data.curate import CurateConfig, run_curate
+
+    out = str(tmp_path_factory.mktemp("curated"))
+    report = run_curate(CurateConfig(input=sample_corpus[0], output=out))
+    return out, report
+
+
+@pytest.fixture(scope="session")
+def packed(curated, tmp_path_factory):
+    from lmfoundry.data.pack import PackConfig, run_pack
+
+    out = str(tmp_path_factory.mktemp("packed"))
+    manifest = run_pack(PackConfig(input=curated[0], output=out, vocab_size=1024, seq_len=64, val_fraction=0.1))
+    return out, manifest
+
+
+@pytest.fixture(scope="session")
+def pretrained(packed, tmp_path_factory):
+    from lmfoundry.model.transformer import ModelConfig
+    from lmfoundry.train.config import PretrainConfig
+    from lmfoundry.train.pretrain import run_pretrain
+
+    out = str(tmp_path_factory.mktemp("runs") / "tiny")
+    cfg = PretrainConfig(
+        data=packed[0], output=out, model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2),
+        num_workers=2, zero_stage=2, micro_batch_size=4, global_batch_tokens=2 * 4 * 64 * 2,
+        max_steps=40, warmup_steps=5, lr=5e-3, checkpoint_every=20, log_every=5,
+    )
+    manifest = run_pretrain(cfg)
+    return out, manifest

@@ -1,0 +1,83 @@
+import subprocess
+import sys
+
+import pytest
+
+from lmfoundry.data.curate import CurateConfig
+from lmfoundry.platform.config import ConfigError, apply_overrides, load_config
+from lmfoundry.train.config import PretrainConfig
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_names_file_key_and_allowed_keys(tmp_path):
+    p = write(tmp_path, "input: a\noutput: b\nfilters:\n  min_wrds: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(CurateConfig, p)
+    msg = str(e.value)
+    assert str(p) in msg and "filters.min_wrds" in msg and "min_words" in msg and "unknown key" in msg
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    p = write(tmp_path, "data: a\noutput: b\nmax_steps: many\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, p)
+    assert "max_steps" in str(e.value) and "'many'" in str(e.value)
+
+
+def test_missing_required_key(tmp_path):
+    with pytest.raises(ConfigError, match="'output'.*Field required"):
+        load_config(CurateConfig, write(tmp_path, "input: a\n"))
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    cfg = load_config(PretrainConfig, write(tmp_path, "data: a\noutput: b\n"),
+                      ["model.n_layer=3", "lr=1e-3", "betas=[0.9, 0.99]"])
+    assert cfg.model.n_layer == 3 and cfg.lr == 1e-3 and cfg.betas == (0.9, 0.99)
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="expected key=value"):
+        apply_overrides({}, ["model.n_layer"])
+
+
+def test_model_shape_is_validated():
+    with pytest.raises(ConfigError, match="n_head"):
+        from lmfoundry.platform.config import build_config
+
+        build_config(PretrainConfig, {"data": "a", "output": "b", "model": {"d_model": 100, "n_head": 3}})
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("input: {inp}\noutput: {out}\nbogus: 1\n", "bogus"),
+    ("input: {inp}/does-not-exist\noutput: {out}\n", "does not exist"),
+])
+def test_cli_rejects_bad_config_before_ray_starts(tmp_path, text, expect):
+    p = write(tmp_path, text.format(inp=tmp_path, out=tmp_path / "out"))
+    r = subprocess.run([sys.executable, "-m", "lmfoundry.jobs.curate", str(p)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    assert expect in r.stderr and str(p) in r.stderr
+    assert "Started a local Ray" not in r.stderr  # failed before any Ray work
+
+
+def test_every_recipe_in_configs_validates():
+    from pathlib import Path
+
+    from lmfoundry.eval.perplexity import EvaluateConfig
+    from lmfoundry.data.pack import PackConfig
+    from lmfoundry.jobs.quickstart import load_quickstart_config
+    from lmfoundry.serving.app import ServeConfig
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    models = {"curate.yaml": CurateConfig, "pack.yaml": PackConfig, "pretrain_tiny_cpu.yaml": PretrainConfig,
+              "pretrain_gpu.yaml": PretrainConfig, "evaluate.yaml": EvaluateConfig, "serve.yaml": ServeConfig}
+    for name, cls in models.items():
+        assert isinstance(load_config(cls, root / name), cls)
+    q = load_quickstart_config(str(root / "quickstart.yaml"), "/tmp/qs-work", [])
+    assert q.pretrain.data == "/tmp/qs-work/packed" and q.pretrain.zero_stage == 2
+    assert sorted(p.name for p in root.glob("*.yaml")) == sorted([*models, "quickstart.yaml"])

@@ -1,0 +1,31 @@
+import pytest
+
+from lmfoundry.train.config import PretrainConfig, deepspeed_config, gradient_accumulation
+
+
+def cfg(**kw) -> PretrainConfig:
+    return PretrainConfig(data="d", output="o", **kw)
+
+
+def test_accumulation_is_derived_from_global_batch_tokens():
+    c = cfg(micro_batch_size=4, global_batch_tokens=4 * 2 * 128 * 3)
+    ds = deepspeed_config(c, world_size=2, seq_len=128)
+    assert ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 4 * 3 * 2
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["bf16"]["enabled"] is False  # CPU default is fp32
+    assert ds["scheduler"]["params"]["total_num_steps"] == c.max_steps
+
+
+def test_indivisible_global_batch_is_a_clear_error():
+    with pytest.raises(ValueError, match="global_batch_tokens=1000 must be a multiple"):
+        gradient_accumulation(cfg(global_batch_tokens=1000), 2, 128)
+
+
+def test_bf16_on_gpu_by_default():
+    assert deepspeed_config(cfg(use_gpu=True, global_batch_tokens=2048), 2, 128)["bf16"]["enabled"] is True
+
+
+def test_warmup_must_be_shorter_than_training():
+    with pytest.raises(ValueError, match="warmup_steps"):
+        cfg(max_steps=10, warmup_steps=10)

@@ -1,0 +1,78 @@
+"""Each stage on tiny inputs with real Ray, real DeepSpeed (2 CPU workers, gloo, ZeRO-2)."""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+
+
+def test_curate_removes_noise_and_records_every_rejection(curated, sample_corpus):
+    out, report = curated
+    details = sample_corpus[1]
+    kept = pq.read_table(f"{out}/kept").to_pandas()
+    rejected = pq.read_table(f"{out}/rejected").to_pandas()
+    assert len(kept) + len(rejected) == details["documents"] == report["documents_in"]
+    assert (rejected["reason"] != "").all() and (kept["reason"] == "").all()
+    # the generated noise is gone from kept/: spam, keyword lists, too-short pages
+    assert not kept["noise"].isin(["spam", "keyword_list", "too_short"]).any()
+    # one copy of each exact duplicate survives, and no text appears twice
+    assert kept["text"].is_unique and kept["id"].is_unique
+    assert (rejected["reason"] == "exact_duplicate").sum() > 0
+    # boilerplate lines were stripped from the real documents that had them
+    assert not kept["text"].str.contains("cookie policy|Share on Facebook").any()
+    assert report["rejected_by_reason"] == rejected["reason"].value_counts().to_dict()
+    assert json.load(open(f"{out}/report.json"))["documents_kept"] == len(kept)
+
+
+def test_curate_rerun_skips_committed_output(curated, sample_corpus):
+    from lmfoundry.data.curate import CurateConfig, run_curate
+
+    out, report = curated
+    before = sorted(p.name for p in __import__("pathlib").Path(out, "kept").iterdir())
+    again = run_curate(CurateConfig(input=sample_corpus[0], output=out))
+    assert again == report
+    assert sorted(p.name for p in __import__("pathlib").Path(out, "kept").iterdir()) == before
+
+
+def test_pack_writes_fixed_length_sequences_and_a_tokenizer(packed, curated):
+    out, manifest = packed
+    tok = Tokenizer.from_file(f"{out}/tokenizer.json")
+    assert tok.get_vocab_size() == manifest["vocab_size"] <= 1024
+    text = "def f(x):\n    return x  # überall"
+    assert tok.decode(tok.encode(text).ids) == text  # byte-level: lossless
+    train = pq.read_table(f"{out}/train").column("tokens").to_numpy(zero_copy_only=False)
+    seqs = np.stack(train)
+    assert seqs.shape[1] == manifest["seq_len"] + 1 == 65
+    assert seqs.max() < manifest["vocab_size"] and (seqs == manifest["eos_id"]).any()
+    split = manifest["splits"]["train"]
+    assert split["sequences"] == len(seqs)
+    assert split["tokens_in"] - split["tokens_dropped"] == seqs.size
+    assert manifest["splits"]["val"]["sequences"] > 0
+
+
+def test_pretrain_with_deepspeed_lowers_the_loss_and_writes_a_self_describing_checkpoint(pretrained, packed):
+    from lmfoundry.platform import checkpoint
+
+    out, manifest = pretrained
+    assert manifest["steps"] == 40
+    assert manifest["final_loss"] < manifest["first_loss"] - 0.5
+    ckpt = checkpoint.resolve(out)
+    meta = checkpoint.verify(ckpt)
+    assert {"model.safetensors", "model_config.json", "tokenizer.json", "train_state.json"} <= set(meta["files"])
+    state = json.load(open(f"{ckpt}/train_state.json"))
+    assert state["step"] == 40 and state["config"]["zero_stage"] == 2
+    assert json.load(open(f"{ckpt}/model_config.json"))["vocab_size"] == packed[1]["vocab_size"]
+
+
+def test_evaluate_perplexity_beats_uniform(pretrained, packed, tmp_path):
+    from lmfoundry.eval.perplexity import EvaluateConfig, run_evaluate
+
+    report = run_evaluate(EvaluateConfig(checkpoint=pretrained[0], data=packed[0], output=str(tmp_path / "ev")))
+    assert report["sequences"] == packed[1]["splits"]["val"]["sequences"]
+    assert report["tokens"] == report["sequences"] * 64
+    assert report["perplexity"] < 0.5 * report["uniform_perplexity"]
+    assert json.load(open(tmp_path / "ev" / "report.json"))["perplexity"] == report["perplexity"]

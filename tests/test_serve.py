@@ -102,3 +102,40 @@ def test_openai_client_chat(server):
     assert [m.id for m in client.models.list()] == ["tiny"]
     with pytest.raises(Exception, match="401"):
         OpenAI(base_url=f"{server}/v1", api_key="nope").models.list()
+
+
+def test_streamed_completion_equals_the_unstreamed_one(server):
+    import json
+
+    body = {"prompt": "Return the", "max_tokens": 16, "temperature": 0}
+    whole = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).json()
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=auth(),
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_openai_client_streams_chat_with_usage(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    messages = [{"role": "user", "content": "Hello"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_streaming_request_that_cannot_fit_is_a_400_not_a_broken_stream(server):
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 100000, "stream": True},
+                   headers=auth(), timeout=60)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +31,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
 
 
 @torch.no_grad()
-def generate(
+def stream_tokens(
     model: Transformer,
     prompt: list[int],
     max_new_tokens: int,
@@ -39,10 +39,10 @@ def generate(
     top_p: float = 1.0,
     stop_tokens: frozenset[int] = frozenset(),
     seed: int | None = None,
-    should_stop: Callable[[list[int]], bool] | None = None,
-) -> Generation:
-    """Sample up to max_new_tokens after `prompt`. `should_stop(tokens so far)` lets the caller
-    end generation early, e.g. when the decoded text reaches a stop string."""
+) -> Iterator[int | str]:
+    """Yields each new token id as it is sampled, then the finish reason as a string: "stop"
+    (a stop token, not yielded) or "length" (max_new_tokens or the context is full). A consumer
+    that stops iterating early simply ends the generation."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     device = next(model.parameters()).device
@@ -55,15 +55,34 @@ def generate(
         gen = torch.Generator(device=device).manual_seed(seed)
     cache = KVCache(model.cfg, 1, len(prompt) + max_new_tokens, device, next(model.parameters()).dtype)
     logits, _ = model(torch.tensor([prompt], device=device), cache=cache)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
+    for produced in range(1, max_new_tokens + 1):
         token = sample_next(logits[0, -1], temperature, top_p, gen)
         if token in stop_tokens:
-            return Generation(out, "stop")
-        out.append(token)
+            yield "stop"
+            return
+        yield token
+        if produced < max_new_tokens:
+            logits, _ = model(torch.tensor([[token]], device=device), cache=cache)
+    yield "length"
+
+
+def generate(
+    model: Transformer,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    stop_tokens: frozenset[int] = frozenset(),
+    seed: int | None = None,
+    should_stop: Callable[[list[int]], bool] | None = None,
+) -> Generation:
+    """Sample up to max_new_tokens after `prompt`. `should_stop(tokens so far)` lets the caller
+    end generation early, e.g. when the decoded text reaches a stop string."""
+    out: list[int] = []
+    for item in stream_tokens(model, prompt, max_new_tokens, temperature, top_p, stop_tokens, seed):
+        if isinstance(item, str):
+            return Generation(out, item)
+        out.append(item)
         if should_stop is not None and should_stop(out):
             return Generation(out, "stop")
-        if len(out) == max_new_tokens:
-            break
-        logits, _ = model(torch.tensor([[token]], device=device), cache=cache)
-    return Generation(out, "length")
+    raise AssertionError("stream_tokens always ends with a finish reason")

@@ -9,12 +9,13 @@ body, and run generation in a worker thread so the event loop keeps accepting re
 
 
 import asyncio
+import json
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -49,10 +50,19 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
     return error(400, f"invalid request: {messages}", param=param)
 
 
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    return error(500, f"internal error: {type(exc).__name__}", "api_error")
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "api_error")
     return error(exc.status_code, str(exc.detail), kind)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
 
 
 def _usage(outs) -> Usage:
@@ -97,8 +107,6 @@ class LLMServer:
                                             "owned_by": "lmfoundry", "max_model_len": self.engine.context}]}
 
     async def _generate(self, prompt: str, req) -> list | JSONResponse:
-        if req.stream:
-            return error(400, "stream=true is not supported by this server yet; send stream=false", param="stream")
         try:
             stop = req.stop_strings()
             outs = []
@@ -110,10 +118,48 @@ class LLMServer:
         except ValueError as e:
             return error(400, str(e))
 
+    def _stream(self, prompt: str, req, chat: bool) -> StreamingResponse | JSONResponse:
+        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+        try:
+            stop = req.stop_strings()
+            streams = [self.engine.stream(prompt, req.max_tokens, req.temperature, req.top_p, stop,
+                                          None if req.seed is None else req.seed + i) for i in range(req.n)]
+        except ValueError as e:  # raised before any chunk is sent, so it can still be a 400
+            return error(400, str(e))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def events():
+            prompt_tokens, completion_tokens = 0, 0
+            for index, deltas in enumerate(streams):
+                if chat:
+                    yield _sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                     "finish_reason": None}]})
+                for d in deltas:
+                    if d.text or d.finish_reason:
+                        body = {"content": d.text} if chat else None
+                        choice = ({"index": index, "delta": body if d.text else {}, "finish_reason": d.finish_reason}
+                                  if chat else {"index": index, "text": d.text, "finish_reason": d.finish_reason})
+                        yield _sse({**head, "choices": [choice]})
+                    prompt_tokens, last_completion = d.prompt_tokens, d.completion_tokens
+                completion_tokens += last_completion
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                             "completion_tokens": completion_tokens,
+                                                             "total_tokens": prompt_tokens + completion_tokens}})
+            yield "data: [DONE]\n\n"
+
+        # a sync iterator: Starlette runs each step in its thread pool, off the event loop
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest, request: Request):
         if denied := self._unauthorized(request) or self._check_model(req.model):
             return denied
+        if req.stream:
+            return self._stream(req.prompt, req, chat=False)
         outs = await self._generate(req.prompt, req)
         if isinstance(outs, JSONResponse):
             return outs
@@ -128,6 +174,8 @@ class LLMServer:
         if denied := self._unauthorized(request) or self._check_model(req.model):
             return denied
         prompt = render_chat([m.model_dump() for m in req.messages])
+        if req.stream:
+            return self._stream(prompt, req, chat=True)
         outs = await self._generate(prompt, req)
         if isinstance(outs, JSONResponse):
             return outs

@@ -3,6 +3,7 @@ request, a ChatML chat template over the tokenizer's special tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -10,8 +11,16 @@ from tokenizers import Tokenizer
 
 from lmfoundry.data.tokenizer import EOS, IM_END, IM_START
 from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
-from lmfoundry.model.generate import generate
+from lmfoundry.model.generate import stream_tokens
 from lmfoundry.platform import checkpoint
+
+
+@dataclass
+class Delta:
+    text: str
+    finish_reason: str | None  # set on the last delta only
+    prompt_tokens: int
+    completion_tokens: int
 
 
 @dataclass
@@ -43,24 +52,49 @@ class InferenceEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def complete(self, prompt: str, max_tokens: int | None, temperature: float, top_p: float,
-                 stop: list[str], seed: int | None) -> Completion:
-        ids = self.encode(prompt)
+    def _budget(self, ids: list[int], max_tokens: int | None) -> int:
         room = self.context - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.context}")
         if max_tokens is not None and max_tokens > room:
             raise ValueError(f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens "
                              f"and the context is {self.context}, so at most {room}")
-        budget = max_tokens if max_tokens is not None else room
+        return max_tokens if max_tokens is not None else room
 
-        def reached_stop(tokens: list[int]) -> bool:
-            return bool(stop) and any(s in self.tokenizer.decode(tokens) for s in stop)
+    def stream(self, prompt: str, max_tokens: int | None, temperature: float, top_p: float,
+               stop: list[str], seed: int | None) -> Iterator[Delta]:
+        """Text as it is generated: Deltas of new text, the last one with the finish reason.
+        Text that could be the start of a stop string is held back until it is clear it is not,
+        and a partial UTF-8 character until it is complete."""
+        ids = self.encode(prompt)
+        budget = self._budget(ids, max_tokens)  # raises before the first chunk is sent
+        return self._stream(ids, budget, temperature, top_p, stop, seed)
 
-        gen = generate(self.model, ids, budget, temperature, top_p, self.stop_ids, seed,
-                       should_stop=reached_stop if stop else None)
-        text = self.tokenizer.decode(gen.tokens)
-        for s in stop:  # the stop string itself is not part of the reply
-            if s in text:
-                text = text[: text.index(s)]
-        return Completion(text, len(ids), len(gen.tokens), gen.finish_reason)
+    def _stream(self, ids, budget, temperature, top_p, stop, seed) -> Iterator[Delta]:
+        tokens: list[int] = []
+        sent = 0  # characters of the decoded text already sent
+        hold = max((len(s) for s in stop), default=1) - 1
+        for item in stream_tokens(self.model, ids, budget, temperature, top_p, self.stop_ids, seed):
+            if isinstance(item, str):
+                text = self.tokenizer.decode(tokens)
+                yield Delta(text[sent:], item, len(ids), len(tokens))
+                return
+            tokens.append(item)
+            text = self.tokenizer.decode(tokens)
+            hit = min((text.index(s) for s in stop if s in text), default=-1)
+            if hit >= 0:
+                yield Delta(text[sent:hit], "stop", len(ids), len(tokens))
+                return
+            ready = len(text) - hold
+            while ready > sent and text[ready - 1] == "\ufffd":
+                ready -= 1
+            if ready > sent:
+                yield Delta(text[sent:ready], None, len(ids), len(tokens))
+                sent = ready
+
+    def complete(self, prompt: str, max_tokens: int | None, temperature: float, top_p: float,
+                 stop: list[str], seed: int | None) -> Completion:
+        parts = list(self.stream(prompt, max_tokens, temperature, top_p, stop, seed))
+        last = parts[-1]
+        return Completion("".join(p.text for p in parts), last.prompt_tokens, last.completion_tokens,
+                          last.finish_reason)

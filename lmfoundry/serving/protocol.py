@@ -7,6 +7,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
 class _Request(BaseModel):
     # Unknown fields are errors: a client asking for something unsupported hears so.
     model_config = ConfigDict(extra="forbid")
@@ -19,6 +25,7 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
 
     def stop_strings(self) -> list[str]:

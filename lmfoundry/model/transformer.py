@@ -1,7 +1,8 @@
 """A decoder-only transformer, read top-down: config, helpers, attention, MLP, block, model.
 
 RMSNorm, rotary position embeddings, grouped-query attention through
-`scaled_dot_product_attention` (flash attention on GPUs), SwiGLU MLP, tied embeddings.
+`scaled_dot_product_attention` (flash attention on GPUs), SwiGLU MLP or a fine-grained MoE
+(moe.py), tied or untied embeddings, optional activation checkpointing per block.
 Shapes: B batch, T time, C d_model, H query heads, K key/value heads, D head dim.
 """
 
@@ -14,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
+from lmfoundry.model.moe import MoE, MoEConfig
 from lmfoundry.platform.config import StageConfig
 
 
@@ -29,6 +31,8 @@ class ModelConfig(StageConfig):
     norm_eps: float = Field(1e-5, gt=0)
     tie_embeddings: bool = True
     init_std: float = Field(0.02, gt=0)
+    activation_checkpointing: bool = False
+    moe: MoEConfig | None = None  # None: every block has a dense SwiGLU MLP
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":
@@ -140,7 +144,8 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        moe = cfg.moe is not None and layer >= cfg.moe.first_dense_layers
+        self.mlp = MoE(cfg.d_model, cfg.ffn_hidden, cfg.moe, cfg.init_std) if moe else SwiGLU(cfg)
 
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)
@@ -168,7 +173,7 @@ class Transformer(nn.Module):
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections that write into the residual stream.
         for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "w_down.weight")):
+            if name.endswith(("wo.weight", "w_down.weight", "mlp.w_down", "shared_down.weight")):
                 nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -192,11 +197,20 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x, cos, sin, cache)
+            if self.cfg.activation_checkpointing and self.training and cache is None:
+                # recompute the block in backward instead of keeping its activations
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache)
         if cache is not None:
             cache.length += T
         logits = self.lm_head(self.norm(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            if self.training:
+                loss = loss + sum((m.aux_loss for m in self.moe_layers()), loss.new_zeros(()))
         return logits, loss
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.mlp for b in self.blocks if isinstance(b.mlp, MoE)]

@@ -1,0 +1,195 @@
+"""A fine-grained mixture-of-experts layer (the DeepSeekMoE design), single-device.
+
+Many small routed experts plus always-on shared experts; top-k routing with softmax or sigmoid
+scores; load balancing by an auxiliary loss or by the auxiliary-loss-free per-expert bias
+(which steers selection only and is updated from the observed load); dropless by default, an
+optional capacity factor. Shapes: N tokens, C d_model, E routed experts, K top-k, H expert hidden.
+
+Dispatch sorts the N*K (token, expert) assignments by expert so that each expert's tokens are
+contiguous, runs all experts as one grouped matrix product (or, where that is unavailable, a
+product per contiguous slice), and adds the results back weighted by the router. No Python loop
+ever runs over tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+
+from lmfoundry.platform.config import StageConfig
+
+Dispatch = Literal["auto", "grouped_mm", "sliced"]
+
+
+class MoEConfig(StageConfig):
+    num_experts: int = Field(16, ge=1, description="routed experts")
+    num_shared_experts: int = Field(1, ge=0, description="experts every token passes through")
+    top_k: int = Field(2, ge=1)
+    expert_hidden: int = Field(0, ge=0, description="0: the dense SwiGLU width divided by top_k (fine-grained)")
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    # aux_free is DeepSeek-V3's method and is meant for sigmoid scores: with softmax, the scores of
+    # the losing experts are too close together for a fixed-size bias step to settle
+    balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    aux_loss_coef: float = Field(0.01, ge=0)
+    bias_update_rate: float = Field(1e-3, ge=0, description="aux_free: bias step per update")
+    capacity_factor: float | None = Field(None, gt=0, description="None: dropless")
+    first_dense_layers: int = Field(0, ge=0, description="leading layers that keep a dense MLP")
+    dispatch: Dispatch = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoEConfig":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        return self
+
+
+@dataclass
+class RouterStats:
+    tokens_per_expert: torch.Tensor  # (E,) assignments per expert in this forward
+    dropped: int  # assignments over capacity (0 when dropless)
+
+    @property
+    def imbalance(self) -> float:
+        """Max over mean load: 1.0 is perfectly even."""
+        load = self.tokens_per_expert.float()
+        return float(load.max() / load.mean().clamp(min=1e-9))
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.zeros(4, 16, device=device, dtype=dtype)
+        w = torch.zeros(2, 16, 16, device=device, dtype=dtype)
+        torch._grouped_mm(x, w, offs=torch.tensor([2, 4], device=device, dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # torch._grouped_mm needs row strides that are multiples of 16 bytes
+    return all(d * x.element_size() % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], how: str) -> torch.Tensor:
+    """x: (M, A) rows sorted by expert; w: (E, A, B); offsets: (E,) int32 cumulative row ends."""
+    if how == "grouped_mm" and _aligned(x, w):
+        return torch._grouped_mm(x.contiguous(), w, offs=offsets)
+    # one dense product per expert over its contiguous slice of rows (a loop over experts,
+    # never over tokens)
+    return torch.cat([xe @ w[e] for e, xe in enumerate(torch.split(x, counts))], dim=0)
+
+
+class MoE(nn.Module):
+    def __init__(self, d_model: int, dense_hidden: int, cfg: MoEConfig, init_std: float = 0.02):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.num_experts
+        H = cfg.expert_hidden or max(8, 8 * round(dense_hidden / cfg.top_k / 8))
+        self.expert_hidden = H
+        self.router = nn.Linear(d_model, E, bias=False)
+        self.w_gate_up = nn.Parameter(torch.randn(E, d_model, 2 * H) * init_std)  # (E, C, 2H)
+        self.w_down = nn.Parameter(torch.randn(E, H, d_model) * init_std)  # (E, H, C)
+        S = cfg.num_shared_experts
+        self.shared_gate_up = nn.Linear(d_model, 2 * H * S, bias=False) if S else None
+        self.shared_down = nn.Linear(H * S, d_model, bias=False) if S else None
+        # aux-free balancing: added to the scores for selection only, never to the weights
+        self.register_buffer("expert_bias", torch.zeros(E))
+        self.aux_loss = torch.zeros(())
+        self.stats: RouterStats | None = None
+        self._dispatch: str | None = None if cfg.dispatch == "auto" else cfg.dispatch
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (N, C) -> expert ids (N, K), routing weights (N, K), scores (N, E)."""
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if self.cfg.score_func == "softmax" else logits.sigmoid()
+        select = scores + self.expert_bias if self.cfg.balance == "aux_free" else scores
+        ids = select.topk(self.cfg.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.cfg.score_func == "sigmoid":  # sigmoid scores do not sum to 1: normalise over the chosen
+            weights = weights / weights.sum(-1, keepdim=True).clamp(min=1e-9)
+        return ids, weights, scores
+
+    def _balance_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        # Switch/DeepSeek: E * sum_e f_e * P_e, f_e the share of assignments to e, P_e its mean score
+        E = self.cfg.num_experts
+        f = torch.bincount(ids.flatten(), minlength=E).float() / ids.numel()
+        P = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        return self.cfg.aux_loss_coef * E * (f * P).sum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, C)
+        N, K, E = x.shape[0], self.cfg.top_k, self.cfg.num_experts
+        ids, weights, scores = self.route(x)
+        self.aux_loss = (self._balance_loss(ids, scores) if self.training and self.cfg.balance == "aux_loss"
+                         else x.new_zeros(()))
+
+        flat_ids = ids.flatten()  # (N*K,) assignment a = token a//K to expert flat_ids[a]
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=E)
+        dropped = 0
+        if self.cfg.capacity_factor is not None:
+            capacity = math.ceil(self.cfg.capacity_factor * N * K / E)
+            # rank of each sorted assignment within its expert; those past capacity are dropped
+            starts = torch.cumsum(counts, 0) - counts
+            rank = torch.arange(N * K, device=x.device) - starts.repeat_interleave(counts)
+            keep = rank < capacity
+            dropped = int((~keep).sum())
+            order = order[keep]
+            counts = counts.clamp(max=capacity)
+        self.stats = RouterStats(counts.detach().cpu(), dropped)
+
+        token = order // K  # (M,) which token each sorted row belongs to
+        xs = x[token]  # (M, C)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        how = self._dispatch or self._pick_dispatch(x)
+        count_list = counts.tolist()
+        gate, up = expert_matmul(xs, self.w_gate_up, offsets, count_list, how).chunk(2, dim=-1)
+        ys = expert_matmul(F.silu(gate) * up, self.w_down, offsets, count_list, how)  # (M, C)
+        ys = ys * weights.flatten()[order].unsqueeze(-1).to(ys.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, ys)
+        if self.shared_gate_up is not None:
+            g, u = self.shared_gate_up(x).chunk(2, dim=-1)
+            out = out + self.shared_down(F.silu(g) * u)
+        return out.reshape(shape)
+
+    def _pick_dispatch(self, x: torch.Tensor) -> str:
+        self._dispatch = "grouped_mm" if grouped_mm_supported(x.device, x.dtype) else "sliced"
+        return self._dispatch
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Aux-free balancing: raise the bias of under-loaded experts, lower over-loaded ones.
+        Call after each optimizer step with the load summed over all data-parallel ranks, so
+        every rank applies the same update."""
+        if self.cfg.balance != "aux_free":
+            return
+        load = tokens_per_expert.to(self.expert_bias.device).float()
+        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+
+
+def reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Slow and obviously correct: every token, one at a time, through its own top-k experts.
+    For tests only."""
+    flat = x.reshape(-1, x.shape[-1])
+    ids, weights, _ = moe.route(flat)
+    rows = []
+    for n in range(flat.shape[0]):
+        y = torch.zeros_like(flat[n])
+        for k in range(moe.cfg.top_k):
+            e = int(ids[n, k])
+            gate, up = (flat[n] @ moe.w_gate_up[e]).chunk(2)
+            y = y + weights[n, k].to(y.dtype) * ((F.silu(gate) * up) @ moe.w_down[e])
+        if moe.shared_gate_up is not None:
+            g, u = moe.shared_gate_up(flat[n]).chunk(2)
+            y = y + moe.shared_down(F.silu(g) * u)
+        rows.append(y)
+    return torch.stack(rows).reshape(x.shape)

@@ -1,0 +1,112 @@
+import math
+
+import pytest
+import torch
+
+from lmfoundry.model.moe import MoE, MoEConfig, reference_moe
+from lmfoundry.model.transformer import ModelConfig, Transformer
+
+
+def grads(out, moe, x, gy):
+    return torch.autograd.grad(out, [x, moe.w_gate_up, moe.w_down, moe.router.weight,
+                                     moe.shared_gate_up.weight, moe.shared_down.weight], gy)
+
+
+@pytest.mark.parametrize("dispatch", ["grouped_mm", "sliced"])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("hidden", [16, 20])  # 20: rows not 16-byte aligned, grouped_mm falls back
+def test_dispatch_matches_the_token_by_token_reference_forward_and_backward(dispatch, score_func, hidden):
+    torch.manual_seed(0)
+    moe = MoE(32, 64, MoEConfig(num_experts=8, top_k=3, num_shared_experts=1, score_func=score_func,
+                                dispatch=dispatch, expert_hidden=hidden))
+    x = torch.randn(3, 11, 32, requires_grad=True)
+    y, ref = moe(x), reference_moe(moe, x)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4)
+    gy = torch.randn_like(y)
+    for a, b in zip(grads(y, moe, x, gy), grads(ref, moe, x, gy)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def skewed_input(n: int) -> torch.Tensor:
+    x = torch.randn(n, 16)
+    x[:, 0] = 1.0  # a constant feature the router can key on
+    return x
+
+
+def skew_router(moe: MoE) -> None:
+    with torch.no_grad():
+        moe.router.weight[0, 0] += 5.0  # expert 0 wins (nearly) every token
+
+
+def test_every_token_reaches_top_k_experts_when_dropless():
+    moe = MoE(16, 32, MoEConfig(num_experts=6, top_k=2))
+    moe(torch.randn(50, 16))
+    assert int(moe.stats.tokens_per_expert.sum()) == 100 and moe.stats.dropped == 0
+
+
+def test_capacity_factor_drops_overflow_and_ample_capacity_equals_dropless():
+    torch.manual_seed(1)
+    x = torch.randn(64, 16)
+    tight = MoE(16, 32, MoEConfig(num_experts=4, top_k=2, capacity_factor=0.5))
+    tight(x)
+    capacity = math.ceil(0.5 * 64 * 2 / 4)
+    assert int(tight.stats.tokens_per_expert.max()) <= capacity
+    assert tight.stats.dropped == 128 - int(tight.stats.tokens_per_expert.sum()) > 0
+    ample = MoE(16, 32, MoEConfig(num_experts=4, top_k=2, capacity_factor=2.0))
+    ample.load_state_dict(tight.state_dict())
+    torch.testing.assert_close(ample(x), reference_moe(ample, x), atol=1e-5, rtol=1e-4)
+
+
+def test_aux_loss_is_lowest_for_even_routing_and_only_in_training():
+    torch.manual_seed(0)
+    moe = MoE(16, 32, MoEConfig(num_experts=4, top_k=1, aux_loss_coef=1.0))
+    x = skewed_input(256)
+    moe.train()
+    moe(x)
+    even = moe.aux_loss.item()
+    assert abs(even - 1.0) < 0.3  # E * sum f*P is 1 for perfectly even routing
+    skew_router(moe)
+    moe(x)
+    assert moe.aux_loss.item() > 3.0 and moe.aux_loss.item() > 2 * even
+    moe.eval()
+    moe(x)
+    assert moe.aux_loss.item() == 0.0
+
+
+def test_aux_free_bias_evens_a_skewed_router():
+    torch.manual_seed(0)
+    # DeepSeek-V3 pairs the bias method with sigmoid scores
+    moe = MoE(16, 32, MoEConfig(num_experts=8, top_k=2, balance="aux_free", score_func="sigmoid",
+                                bias_update_rate=0.01))
+    skew_router(moe)
+    x = skewed_input(512)
+    moe(x)
+    start = moe.stats.imbalance
+    for _ in range(100):  # within 100 updates
+        moe(x)
+        moe.update_bias(moe.stats.tokens_per_expert)
+    assert start > 3.0 and moe.stats.imbalance < 1.2
+    # the bias steers selection only: routing weights still come from the unbiased scores
+    ids, weights, scores = moe.route(x)
+    chosen = scores.gather(1, ids)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
+    assert moe.expert_bias.abs().max() > 0.1
+
+
+def test_moe_transformer_trains_and_reports_stats():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, max_seq_len=32, n_layer=2, d_model=32, n_head=4, n_kv_head=2,
+                      moe=MoEConfig(num_experts=4, top_k=2, first_dense_layers=1), activation_checkpointing=True)
+    model = Transformer(cfg)
+    assert [type(b.mlp).__name__ for b in model.blocks] == ["SwiGLU", "MoE"]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = torch.randint(0, 64, (4, 33))
+    losses = []
+    for _ in range(40):
+        _, loss = model(x[:, :-1], x[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert model.moe_layers()[0].stats.tokens_per_expert.sum() == 4 * 32 * 2

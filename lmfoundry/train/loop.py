@@ -42,6 +42,18 @@ def _mean_across_ranks(value: float) -> float:
     return t.item() / torch.distributed.get_world_size()
 
 
+def _balance_experts(moe_layers, expert_load: list[torch.Tensor]) -> float:
+    """After an optimizer step: sum each MoE layer's expert load over all ranks, apply the same
+    aux-free bias update everywhere, reset the counts. Returns the worst layer's max/mean load."""
+    worst = 0.0
+    for layer, load in zip(moe_layers, expert_load):
+        torch.distributed.all_reduce(load)
+        layer.update_bias(load)
+        worst = max(worst, float(load.max() / load.mean().clamp(min=1e-9)))
+        load.zero_()
+    return worst
+
+
 def _save_checkpoint(engine, cfg: PretrainConfig, tokenizer_json: str, state: dict) -> str:
     """Rank 0 writes a sealed checkpoint into a fresh local directory and returns its path."""
     directory = Path(tempfile.mkdtemp(prefix="lmfoundry-ckpt-"))
@@ -80,6 +92,10 @@ def train_loop(loop_config: dict) -> None:
                     "(derived from global_batch_tokens=%d)", model.num_params() / 1e6, world, cfg.zero_stage,
                     cfg.micro_batch_size, accum, tokens_per_step)
 
+    moe_layers = engine.module.moe_layers()
+    expert_load = [torch.zeros(m.cfg.num_experts) for m in moe_layers]  # summed over one optimizer step
+    imbalance = 0.0
+
     shard = ray.train.get_dataset_shard("train")
     step, epoch, micro = 0, 0, 0
     loss_sum, loss_count = 0.0, 0
@@ -91,6 +107,8 @@ def train_loop(loop_config: dict) -> None:
                                                dtypes=torch.long, device=device):
             tokens = batch["tokens"]
             _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+            for load, layer in zip(expert_load, moe_layers):
+                load += layer.stats.tokens_per_expert
             engine.backward(loss)
             engine.step()
             micro += 1
@@ -99,6 +117,8 @@ def train_loop(loop_config: dict) -> None:
             if micro % accum:
                 continue
             step += 1
+            if moe_layers:
+                imbalance = _balance_experts(moe_layers, expert_load)
             last = step == cfg.max_steps
             if step % cfg.log_every == 0 or step == 1 or last:
                 mean_loss = _mean_across_ranks(loss_sum / loss_count)
@@ -109,6 +129,8 @@ def train_loop(loop_config: dict) -> None:
                     "grad_norm": float(engine.get_global_grad_norm() or 0.0),
                     "tokens_per_s": (step - step_last) * tokens_per_step / max(now - t_last, 1e-9),
                 }
+                if moe_layers:
+                    metrics["expert_imbalance"] = imbalance
                 t_last, step_last = now, step
                 history.append([step, mean_loss])
                 if rank == 0:

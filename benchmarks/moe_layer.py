@@ -1,0 +1,161 @@
+"""MoE layer forward+backward throughput on CPU, side by side in one run:
+
+  lmfoundry MoE (grouped_mm)  sorted dispatch, one grouped matrix product per projection
+  lmfoundry MoE (sliced)      sorted dispatch, one dense product per expert slice
+  DeepSpeed MoE               deepspeed.moe.layer.MoE, dropless (drop_tokens=False), same experts
+  loop over experts + masks   the Mixtral-style reference: gather each expert's tokens by mask
+  dense matmul (limit)        one dense product of the same total FLOPs: what the machine can do
+
+    python benchmarks/moe_layer.py            # 64 experts, top-6, d_model 512, expert hidden 128, 4096 tokens
+    python benchmarks/moe_layer.py --quick    # fewer repeats
+
+FLOPs counted for the routed experts only (the router is < 1%): per (token, expert) assignment
+a SwiGLU expert does 2*C*2H + 2*H*C = 6*C*H multiply-adds*2 forward; backward is twice forward:
+total 18*C*H per assignment. Prints a table; writes benchmarks/results/moe_layer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lmfoundry.model.moe import MoE, MoEConfig
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class SwiGLUExpert(nn.Module):
+    def __init__(self, c: int, h: int):
+        super().__init__()
+        self.gate_up = nn.Linear(c, 2 * h, bias=False)
+        self.down = nn.Linear(h, c, bias=False)
+
+    def forward(self, x):
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(g) * u)
+
+
+class LoopOverExperts(nn.Module):
+    """Mixtral's reference shape: for each expert, find its tokens by mask and run them."""
+
+    def __init__(self, c: int, h: int, e: int, k: int):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(c, e, bias=False)
+        self.experts = nn.ModuleList(SwiGLUExpert(c, h) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(ids == e)
+            if token.numel():
+                out.index_add_(0, token, expert(x[token]) * w[token, slot, None])
+        return out
+
+
+def timed(fn, repeats: int) -> list[float]:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def fwd_bwd(layer, x):
+    def run():
+        layer.zero_grad(set_to_none=True)
+        out = layer(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().pow(2).mean().backward()
+    return run
+
+
+def deepspeed_moe(c, h, e, k):
+    import deepspeed
+    from deepspeed.moe.layer import MoE as DSMoE
+
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        deepspeed.init_distributed(dist_backend="gloo")
+    layer = DSMoE(hidden_size=c, expert=SwiGLUExpert(c, h), num_experts=e, ep_size=1, k=k, drop_tokens=False,
+                  use_rts=False)
+    layer.set_deepspeed_parallelism()
+    return layer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--expert-hidden", type=int, default=128)
+    args = p.parse_args()
+    repeats = 3 if args.quick else 7
+    N, E, K, C, H = args.tokens, args.experts, args.top_k, args.d_model, args.expert_hidden
+    torch.manual_seed(0)
+    x = torch.randn(N, C, requires_grad=True)
+    flops = 18 * C * H * N * K
+
+    layers = {}
+    for how in ("grouped_mm", "sliced"):
+        layers[f"lmfoundry MoE ({how})"] = MoE(C, 0, MoEConfig(num_experts=E, top_k=K, num_shared_experts=0,
+                                                              expert_hidden=H, dispatch=how, balance="none"))
+    layers["DeepSpeed MoE (dropless)"] = deepspeed_moe(C, H, E, K)
+    layers["loop over experts + masks"] = LoopOverExperts(C, H, E, K)
+
+    # the same FLOPs as one dense product per projection: the machine's practical limit
+    a = torch.randn(N * K, C, requires_grad=True)
+    w1 = torch.randn(C, 2 * H, requires_grad=True)
+    w2 = torch.randn(H, C, requires_grad=True)
+
+    def dense():
+        g, u = (a @ w1).chunk(2, dim=-1)
+        ((F.silu(g) * u) @ w2).pow(2).mean().backward()
+
+    runs = {name: fwd_bwd(layer, x) for name, layer in layers.items()}
+    runs["dense matmul (limit)"] = dense
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):  # interleaved, so drift in the machine's speed hits every side alike
+        for name, fn in runs.items():
+            samples[name] += timed(fn, 1)
+    rows = []
+    dense_s = statistics.median(samples["dense matmul (limit)"])
+    ds_s = statistics.median(samples["DeepSpeed MoE (dropless)"])
+    for name, ts in samples.items():
+        med = statistics.median(ts)
+        rows.append({"name": name, "median_s": med, "tokens_per_s": N / med, "gflop_per_s": flops / med / 1e9,
+                     "vs_deepspeed": ds_s / med, "vs_dense_limit": dense_s / med})
+    print(f"MoE fwd+bwd, fp32 CPU ({torch.get_num_threads()} threads): {N} tokens, {E} experts, top-{K}, "
+          f"d_model {C}, expert hidden {H}; {flops / 1e9:.1f} GFLOP per pass; median of {repeats}")
+    print(f"{'layer':30s} {'median s':>9s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'x DS':>6s} {'of dense':>8s}")
+    for r in rows:
+        print(f"{r['name']:30s} {r['median_s']:9.3f} {r['tokens_per_s']:9.0f} {r['gflop_per_s']:8.1f} "
+              f"{r['vs_deepspeed']:6.2f} {r['vs_dense_limit']:8.0%}")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "moe_layer.json"
+    out.write_text(json.dumps({"benchmark": "moe_layer", "tokens": N, "experts": E, "top_k": K, "d_model": C,
+                               "expert_hidden": H, "gflop_per_pass": flops / 1e9, "repeats": repeats,
+                               "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "rows": rows},
+                              indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -76,3 +76,31 @@ def test_evaluate_perplexity_beats_uniform(pretrained, packed, tmp_path):
     assert report["tokens"] == report["sequences"] * 64
     assert report["perplexity"] < 0.5 * report["uniform_perplexity"]
     assert json.load(open(tmp_path / "ev" / "report.json"))["perplexity"] == report["perplexity"]
+
+
+def test_pretrain_moe_model_on_two_deepspeed_workers(packed, tmp_path):
+    import torch
+
+    from lmfoundry.model.checkpoint import load_model_files
+    from lmfoundry.model.moe import MoEConfig
+    from lmfoundry.model.transformer import ModelConfig
+    from lmfoundry.platform import checkpoint
+    from lmfoundry.train.config import PretrainConfig
+    from lmfoundry.train.pretrain import run_pretrain
+
+    moe = MoEConfig(num_experts=4, top_k=2, score_func="sigmoid", balance="aux_free", bias_update_rate=0.01)
+    cfg = PretrainConfig(
+        data=packed[0], output=str(tmp_path / "moe"),
+        model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, moe=moe),
+        num_workers=2, zero_stage=2, micro_batch_size=4, global_batch_tokens=2 * 4 * 64, max_steps=15,
+        warmup_steps=2, lr=5e-3, checkpoint_every=15, log_every=5,
+    )
+    manifest = run_pretrain(cfg)
+    assert manifest["final_loss"] < manifest["first_loss"]
+    model = load_model_files(checkpoint.resolve(str(tmp_path / "moe")))
+    layers = model.moe_layers()
+    assert len(layers) == 2
+    # the aux-free bias moved during training and was saved with the weights
+    assert all(float(layer.expert_bias.abs().sum()) > 0 for layer in layers)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 16))
+    assert model(tokens)[0].shape == (1, 16, model.cfg.vocab_size)

@@ -2,6 +2,7 @@
 
     lmfoundry curate|pack|pretrain|evaluate|serve CONFIG [--input URI] [--output URI] [--set k=v ...]
     lmfoundry quickstart [--workdir DIR] [--keep-serving]
+    lmfoundry export CHECKPOINT OUTPUT [--format hf]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from lmfoundry.platform import storage
 from lmfoundry.platform.config import ConfigError, StageConfig, load_config
 from lmfoundry.platform.log import get_logger
 
-STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart")
+STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart", "export")
 logger = get_logger(__name__)
 
 

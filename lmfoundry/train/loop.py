@@ -134,8 +134,9 @@ def train_loop(loop_config: dict) -> None:
                 t_last, step_last = now, step
                 history.append([step, mean_loss])
                 if rank == 0:
-                    logger.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f", step, cfg.max_steps,
-                                mean_loss, metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"])
+                    logger.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f%s", step, cfg.max_steps,
+                                mean_loss, metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
+                                f" expert imbalance {imbalance:.2f}" if moe_layers else "")
                 if step % cfg.checkpoint_every == 0 or last:
                     ckpt_dir = None
                     if rank == 0:

@@ -43,8 +43,30 @@ def test_hf_export_logits_match_ours(tmp_path, tie):
     assert hf_tok("def add(a, b):")["input_ids"] == tok.encode("def add(a, b):").ids
 
 
-def test_moe_export_is_refused_with_a_clear_error(tmp_path):
-    make_checkpoint(tmp_path / "ckpt", moe=MoEConfig(num_experts=4, top_k=2))
+def test_moe_export_as_mixtral_logits_match_ours(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     from lmfoundry.jobs.export import main
 
+    moe = MoEConfig(num_experts=4, top_k=2, num_shared_experts=0, normalize_topk=True, expert_hidden=32)
+    model, _ = make_checkpoint(tmp_path / "ckpt", moe=moe)
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    x = torch.randint(0, model.cfg.vocab_size, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x)[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("moe, reason", [
+    (MoEConfig(num_experts=4, top_k=2), "normalize_topk"),
+    (MoEConfig(num_experts=4, top_k=2, normalize_topk=True, num_shared_experts=1), "num_shared_experts"),
+    (MoEConfig(num_experts=4, top_k=2, normalize_topk=True, num_shared_experts=0, first_dense_layers=1),
+     "first_dense_layers"),
+])
+def test_moe_configs_mixtral_cannot_express_are_refused_with_the_reason(tmp_path, capsys, moe, reason):
+    from lmfoundry.jobs.export import main
+
+    make_checkpoint(tmp_path / "ckpt", moe=moe)
     assert main([str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
+    assert reason in capsys.readouterr().err

@@ -33,6 +33,8 @@ class MoEConfig(StageConfig):
     top_k: int = Field(2, ge=1)
     expert_hidden: int = Field(0, ge=0, description="0: the dense SwiGLU width divided by top_k (fine-grained)")
     score_func: Literal["softmax", "sigmoid"] = "softmax"
+    # renormalise the top-k softmax weights to sum to 1 (Mixtral); sigmoid weights always are
+    normalize_topk: bool = False
     # aux_free is DeepSeek-V3's method and is meant for sigmoid scores: with softmax, the scores of
     # the losing experts are too close together for a fixed-size bias step to settle
     balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
@@ -113,7 +115,7 @@ class MoE(nn.Module):
         select = scores + self.expert_bias if self.cfg.balance == "aux_free" else scores
         ids = select.topk(self.cfg.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
-        if self.cfg.score_func == "sigmoid":  # sigmoid scores do not sum to 1: normalise over the chosen
+        if self.cfg.score_func == "sigmoid" or self.cfg.normalize_topk:  # make the chosen weights sum to 1
             weights = weights / weights.sum(-1, keepdim=True).clamp(min=1e-9)
         return ids, weights, scores
 

@@ -23,9 +23,9 @@ import torch
 from lmfoundry.model.flops import train_flops_per_token
 from lmfoundry.model.moe import MoEConfig
 from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.platform.hardware import device_peak_tflops
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0, "L40S": 362.0}
 SIZES = {
     "cpu": dict(n_layer=4, d_model=256, n_head=8, n_kv_head=4, vocab_size=4096, max_seq_len=256),
     "gpu": dict(n_layer=12, d_model=1024, n_head=16, n_kv_head=8, vocab_size=32768, max_seq_len=2048),
@@ -35,10 +35,7 @@ SIZES = {
 def peak_tflops(device: str, given: float | None) -> float | None:
     if given:
         return given
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-        return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
-    return None
+    return device_peak_tflops(torch.cuda.get_device_name()) if device == "cuda" else None
 
 
 def main() -> None:

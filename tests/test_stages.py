@@ -65,6 +65,10 @@ def test_pretrain_with_deepspeed_lowers_the_loss_and_writes_a_self_describing_ch
     assert {"model.safetensors", "model_config.json", "tokenizer.json", "train_state.json"} <= set(meta["files"])
     state = json.load(open(f"{ckpt}/train_state.json"))
     assert state["step"] == 40 and state["config"]["zero_stage"] == 2
+    rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 5, 10, 15, 20, 25, 30, 35, 40]
+    assert all(r["tokens_per_s"] > 0 and r["tflops_per_worker"] > 0 and "mfu" not in r for r in rows)
+    assert open(f"{out}/loss.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert json.load(open(f"{ckpt}/model_config.json"))["vocab_size"] == packed[1]["vocab_size"]
 
 

@@ -106,6 +106,10 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E))
         self.aux_loss = torch.zeros(())
         self.stats: RouterStats | None = None
+        # expert parallelism (set by shard_experts): this rank holds experts
+        # [ep_rank * E/ep_size, (ep_rank + 1) * E/ep_size) and exchanges tokens with the others
+        self.ep_group = None
+        self.ep_size, self.ep_rank = 1, 0
         self._dispatch: str | None = None if cfg.dispatch == "auto" else cfg.dispatch
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,17 +155,56 @@ class MoE(nn.Module):
 
         token = order // K  # (M,) which token each sorted row belongs to
         xs = x[token]  # (M, C)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        how = self._dispatch or self._pick_dispatch(x)
-        count_list = counts.tolist()
-        gate, up = expert_matmul(xs, self.w_gate_up, offsets, count_list, how).chunk(2, dim=-1)
-        ys = expert_matmul(F.silu(gate) * up, self.w_down, offsets, count_list, how)  # (M, C)
+        if self.ep_group is None:
+            ys = self._experts(xs, counts)
+        else:
+            ys = self._experts_parallel(xs, counts)
         ys = ys * weights.flatten()[order].unsqueeze(-1).to(ys.dtype)
         out = torch.zeros_like(x).index_add_(0, token, ys)
         if self.shared_gate_up is not None:
             g, u = self.shared_gate_up(x).chunk(2, dim=-1)
             out = out + self.shared_down(F.silu(g) * u)
         return out.reshape(shape)
+
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """xs: (M, C) rows sorted by (local) expert, counts: (E_local,) rows per expert."""
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        how = self._dispatch or self._pick_dispatch(xs)
+        count_list = counts.tolist()
+        gate, up = expert_matmul(xs, self.w_gate_up, offsets, count_list, how).chunk(2, dim=-1)
+        return expert_matmul(F.silu(gate) * up, self.w_down, offsets, count_list, how)  # (M, C)
+
+    def _experts_parallel(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Send each row to the rank that holds its expert, run the local experts, send back.
+        xs is sorted by global expert id, so rows bound for each rank are already contiguous."""
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_to_all_single
+
+        P, El = self.ep_size, self.cfg.num_experts // self.ep_size
+        send_per_expert = counts.view(P, El)  # [r, j]: rows this rank sends to rank r's expert j
+        recv_per_expert = torch.empty_like(send_per_expert)
+        dist.all_to_all_single(recv_per_expert, send_per_expert, group=self.ep_group)  # [s, j]: from rank s
+        send_splits = send_per_expert.sum(1).tolist()
+        recv_splits = recv_per_expert.sum(1).tolist()
+        recv = all_to_all_single(xs.new_empty(sum(recv_splits), xs.shape[1]), xs.contiguous(),
+                                 recv_splits, send_splits, group=self.ep_group)  # grouped by source rank
+        # regroup the received rows by local expert (stable, so rows keep their source order)
+        local_expert = torch.arange(El, device=xs.device).repeat(P).repeat_interleave(recv_per_expert.flatten())
+        perm = local_expert.argsort(stable=True)
+        ys_local = self._experts(recv[perm], recv_per_expert.sum(0))
+        back = ys_local[perm.argsort()]  # undo the regrouping
+        return all_to_all_single(xs.new_empty(xs.shape), back, send_splits, recv_splits, group=self.ep_group)
+
+    def shard_experts(self, group, ep_size: int, ep_rank: int) -> None:
+        """Keep only this rank's slice of the routed experts; tokens will travel to their expert."""
+        E = self.cfg.num_experts
+        if E % ep_size:
+            raise ValueError(f"num_experts={E} must be divisible by the expert-parallel size {ep_size}")
+        El = E // ep_size
+        keep = slice(ep_rank * El, (ep_rank + 1) * El)
+        self.w_gate_up = nn.Parameter(self.w_gate_up.data[keep].clone())
+        self.w_down = nn.Parameter(self.w_down.data[keep].clone())
+        self.ep_group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
 
     def _pick_dispatch(self, x: torch.Tensor) -> str:
         self._dispatch = "grouped_mm" if grouped_mm_supported(x.device, x.dtype) else "sliced"

@@ -34,6 +34,8 @@ class PretrainConfig(StageConfig):
     checkpoint_every: int = Field(100, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(10, ge=1)
+    peak_tflops_per_worker: float | None = Field(
+        None, gt=0, description="device peak for MFU; None: the bf16 peak of a known GPU, no MFU on CPU")
     seed: int = 0
     overwrite: bool = False
 

@@ -8,6 +8,7 @@ report is a collective step in Ray Train.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -18,8 +19,10 @@ from pathlib import Path
 import torch
 
 from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
+from lmfoundry.model.flops import train_flops_per_token
 from lmfoundry.model.transformer import Transformer
 from lmfoundry.platform import checkpoint, storage
+from lmfoundry.platform.hardware import device_peak_tflops
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train.config import PretrainConfig, deepspeed_config
 
@@ -52,6 +55,13 @@ def _balance_experts(moe_layers, expert_load: list[torch.Tensor]) -> float:
         worst = max(worst, float(load.max() / load.mean().clamp(min=1e-9)))
         load.zero_()
     return worst
+
+
+def write_metrics(run_dir: str, history: list[dict]) -> None:
+    """metrics.jsonl in the run directory, one JSON object per logged step (rewritten whole:
+    object stores cannot append)."""
+    text = "".join(json.dumps(h) + "\n" for h in history)
+    storage.write_bytes_atomic(storage.join(run_dir, "metrics.jsonl"), text.encode())
 
 
 def _save_checkpoint(engine, cfg: PretrainConfig, tokenizer_json: str, state: dict) -> str:
@@ -92,6 +102,12 @@ def train_loop(loop_config: dict) -> None:
                     "(derived from global_batch_tokens=%d)", model.num_params() / 1e6, world, cfg.zero_stage,
                     cfg.micro_batch_size, accum, tokens_per_step)
 
+    flops_per_token = train_flops_per_token(model, seq_len)
+    peak = cfg.peak_tflops_per_worker or device_peak_tflops(
+        torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    history: list[dict] = []  # every logged step's metrics, written to metrics.jsonl by rank 0
+    run_dir = loop_config["run_dir"]
+
     moe_layers = engine.module.moe_layers()
     expert_load = [torch.zeros(m.cfg.num_experts) for m in moe_layers]  # summed over one optimizer step
     imbalance = 0.0
@@ -99,7 +115,6 @@ def train_loop(loop_config: dict) -> None:
     shard = ray.train.get_dataset_shard("train")
     step, epoch, micro = 0, 0, 0
     loss_sum, loss_count = 0.0, 0
-    history: list[list[float]] = []
     t_last, step_last = time.time(), 0
     device = engine.device
     while step < cfg.max_steps:
@@ -124,15 +139,19 @@ def train_loop(loop_config: dict) -> None:
                 mean_loss = _mean_across_ranks(loss_sum / loss_count)
                 loss_sum, loss_count = 0.0, 0
                 now = time.time()
+                tokens_per_s = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
+                tflops = tokens_per_s * flops_per_token / world / 1e12  # achieved, per worker
                 metrics = {
                     "step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                    "tokens_per_s": (step - step_last) * tokens_per_step / max(now - t_last, 1e-9),
+                    "grad_norm": float(engine.get_global_grad_norm() or 0.0), "tokens_per_s": tokens_per_s,
+                    "step_time_s": (now - t_last) / max(step - step_last, 1), "tflops_per_worker": tflops,
                 }
+                if peak:
+                    metrics["mfu"] = tflops / peak
                 if moe_layers:
                     metrics["expert_imbalance"] = imbalance
                 t_last, step_last = now, step
-                history.append([step, mean_loss])
+                history.append(metrics)
                 if rank == 0:
                     logger.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f%s", step, cfg.max_steps,
                                 mean_loss, metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
@@ -141,9 +160,10 @@ def train_loop(loop_config: dict) -> None:
                     ckpt_dir = None
                     if rank == 0:
                         state = {"step": step, "epoch": epoch, "tokens_seen": step * tokens_per_step,
-                                 "loss": mean_loss, "loss_history": history, "seed": cfg.seed,
-                                 "config": cfg.model_dump(mode="json")}
+                                 "loss": mean_loss, "loss_history": [[h["step"], h["loss"]] for h in history],
+                                 "seed": cfg.seed, "config": cfg.model_dump(mode="json")}
                         ckpt_dir = _save_checkpoint(engine, cfg, tokenizer_json, state)
+                        write_metrics(run_dir, history)
                     ray.train.report(metrics, checkpoint=Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None)
                     if ckpt_dir:
                         shutil.rmtree(ckpt_dir, ignore_errors=True)  # Ray Train has persisted it

@@ -30,6 +30,30 @@ def resolve_model_shape(cfg: PretrainConfig, pack_manifest: dict) -> PretrainCon
     return cfg.model_copy(update={"model": model})
 
 
+def plot_loss(run_dir: str) -> None:
+    """loss.png in the run directory, from metrics.jsonl."""
+    import io
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in storage.read_bytes(storage.join(run_dir, "metrics.jsonl")).decode().splitlines()]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{run_dir.rsplit('/', 1)[-1]}: loss {rows[0]['loss']:.2f} -> {rows[-1]['loss']:.2f}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    storage.write_bytes_atomic(storage.join(run_dir, "loss.png"), buf.getvalue())
+
+
 def run_pretrain(cfg: PretrainConfig) -> dict:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -55,7 +79,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     storage_path, name = (str(out_path.parent), out_path.name) if out_path else out.rsplit("/", 1)
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "seq_len": seq_len, "tokenizer_json": tokenizer_json},
+        train_loop_config={"cfg": cfg.model_dump(mode="json"), "seq_len": seq_len, "tokenizer_json": tokenizer_json,
+                           "run_dir": out},
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
@@ -74,6 +99,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     final = result.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
     state = storage.read_json(storage.join(out, final, "train_state.json"))
     history = state["loss_history"]
+    plot_loss(out)
     manifest = storage.commit(out, "pretrain", {
         "data": data, "final_checkpoint": final, "steps": state["step"], "tokens_seen": state["tokens_seen"],
         "first_loss": history[0][1], "final_loss": history[-1][1], "model": cfg.model.model_dump(),

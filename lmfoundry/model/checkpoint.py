@@ -16,19 +16,20 @@ TOKENIZER = "tokenizer.json"
 _TIED = "lm_head.weight"
 
 
-def model_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """Owned, contiguous CPU copies (DeepSpeed's parameters are views into flat buffers);
-    a tied output head is stored once, as the embedding."""
-    state = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+def model_state(model: Transformer, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Owned, contiguous CPU copies (DeepSpeed's parameters are views into flat buffers) of
+    `state` (default: the model's own); a tied output head is stored once, as the embedding."""
+    state = model.state_dict() if state is None else state
+    state = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
     if model.cfg.tie_embeddings:
         state.pop(_TIED, None)
     return state
 
 
-def save_model_files(model: Transformer, directory: str | Path) -> None:
+def save_model_files(model: Transformer, directory: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(model_state(model), str(directory / WEIGHTS), metadata={"format": "pt"})
+    save_file(model_state(model, state), str(directory / WEIGHTS), metadata={"format": "pt"})
     (directory / MODEL_CONFIG).write_text(model.cfg.model_dump_json(indent=2))
 
 

@@ -20,7 +20,9 @@ class PretrainConfig(StageConfig):
     num_workers: int = Field(2, ge=1)
     cpus_per_worker: float = Field(1.0, gt=0)
     use_gpu: bool = False
-    zero_stage: int = Field(2, ge=0, le=3)
+    zero_stage: int = Field(2, ge=0, le=2, description="0-2; stage 3 partitions weights, which the "
+                            "checkpoint writer does not gather yet")
+    expert_parallel_size: int = Field(1, ge=1, description="workers that split each MoE layer's experts")
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     micro_batch_size: int = Field(8, ge=1, description="sequences per worker per forward pass")
     global_batch_tokens: int = Field(4096, ge=1, description="tokens per optimizer step, all workers")
@@ -41,6 +43,13 @@ class PretrainConfig(StageConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "PretrainConfig":
+        ep = self.expert_parallel_size
+        if ep > 1:
+            if self.model.moe is None:
+                raise ValueError(f"expert_parallel_size={ep} needs an MoE model (set model.moe)")
+            if self.num_workers % ep or self.model.moe.num_experts % ep:
+                raise ValueError(f"expert_parallel_size={ep} must divide num_workers={self.num_workers} "
+                                 f"and model.moe.num_experts={self.model.moe.num_experts}")
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be below max_steps={self.max_steps}")
         return self

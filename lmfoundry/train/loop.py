@@ -25,18 +25,21 @@ from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.hardware import device_peak_tflops
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train.config import PretrainConfig, deepspeed_config
+from lmfoundry.train.expert_parallel import full_state, shard_model
 
 logger = get_logger(__name__)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only; norms and embeddings are not decayed (as in GPT-3)."""
+    """Weight decay on matrices only; norms and embeddings are not decayed (as in GPT-3).
+    Named, because DeepSpeed splits named groups further into expert and non-expert groups."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
 def _mean_across_ranks(value: float) -> float:
@@ -64,10 +67,10 @@ def write_metrics(run_dir: str, history: list[dict]) -> None:
     storage.write_bytes_atomic(storage.join(run_dir, "metrics.jsonl"), text.encode())
 
 
-def _save_checkpoint(engine, cfg: PretrainConfig, tokenizer_json: str, state: dict) -> str:
+def _save_checkpoint(engine, weights: dict, tokenizer_json: str, state: dict) -> str:
     """Rank 0 writes a sealed checkpoint into a fresh local directory and returns its path."""
     directory = Path(tempfile.mkdtemp(prefix="lmfoundry-ckpt-"))
-    save_model_files(engine.module, directory)
+    save_model_files(engine.module, directory, weights)
     (directory / TOKENIZER).write_text(tokenizer_json)
     storage.write_json_atomic(str(directory / "train_state.json"), state)
     checkpoint.seal(directory, {"kind": "lmfoundry.pretrain", "step": state["step"]})
@@ -91,6 +94,8 @@ def train_loop(loop_config: dict) -> None:
 
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model)
+    if cfg.expert_parallel_size > 1:
+        shard_model(model, cfg.expert_parallel_size)
     ds_config = deepspeed_config(cfg, world, seq_len)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, cfg.weight_decay), config=ds_config
@@ -158,11 +163,12 @@ def train_loop(loop_config: dict) -> None:
                                 f" expert imbalance {imbalance:.2f}" if moe_layers else "")
                 if step % cfg.checkpoint_every == 0 or last:
                     ckpt_dir = None
+                    weights = full_state(engine.module)  # collective: gathers sharded experts
                     if rank == 0:
                         state = {"step": step, "epoch": epoch, "tokens_seen": step * tokens_per_step,
                                  "loss": mean_loss, "loss_history": [[h["step"], h["loss"]] for h in history],
                                  "seed": cfg.seed, "config": cfg.model_dump(mode="json")}
-                        ckpt_dir = _save_checkpoint(engine, cfg, tokenizer_json, state)
+                        ckpt_dir = _save_checkpoint(engine, weights, tokenizer_json, state)
                         write_metrics(run_dir, history)
                     ray.train.report(metrics, checkpoint=Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None)
                     if ckpt_dir:

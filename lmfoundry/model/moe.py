@@ -85,8 +85,9 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, count
     if how == "grouped_mm" and _aligned(x, w):
         return torch._grouped_mm(x.contiguous(), w, offs=offsets)
     # one dense product per expert over its contiguous slice of rows (a loop over experts,
-    # never over tokens)
-    return torch.cat([xe @ w[e] for e, xe in enumerate(torch.split(x, counts))], dim=0)
+    # never over tokens); unbind, not w[e], so backward stacks E gradients instead of
+    # accumulating E full-size zero tensors
+    return torch.cat([xe @ we for xe, we in zip(torch.split(x, counts), w.unbind(0))], dim=0)
 
 
 class MoE(nn.Module):
@@ -154,27 +155,30 @@ class MoE(nn.Module):
         self.stats = RouterStats(counts.detach().cpu(), dropped)
 
         token = order // K  # (M,) which token each sorted row belongs to
-        xs = x[token]  # (M, C)
+        xs = x.index_select(0, token)  # (M, C)
+        row_weights = weights.flatten()[order].unsqueeze(-1).to(x.dtype)  # (M, 1)
         if self.ep_group is None:
-            ys = self._experts(xs, counts)
+            ys = self._experts(xs, counts, row_weights)
         else:
-            ys = self._experts_parallel(xs, counts)
-        ys = ys * weights.flatten()[order].unsqueeze(-1).to(ys.dtype)
+            ys = self._experts_parallel(xs, counts, row_weights)
         out = torch.zeros_like(x).index_add_(0, token, ys)
         if self.shared_gate_up is not None:
             g, u = self.shared_gate_up(x).chunk(2, dim=-1)
             out = out + self.shared_down(F.silu(g) * u)
         return out.reshape(shape)
 
-    def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """xs: (M, C) rows sorted by (local) expert, counts: (E_local,) rows per expert."""
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+        """xs: (M, C) rows sorted by (local) expert, counts: (E_local,) rows per expert,
+        row_weights: (M, 1) routing weights. Returns the weighted expert outputs (M, C)."""
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         how = self._dispatch or self._pick_dispatch(xs)
         count_list = counts.tolist()
         gate, up = expert_matmul(xs, self.w_gate_up, offsets, count_list, how).chunk(2, dim=-1)
-        return expert_matmul(F.silu(gate) * up, self.w_down, offsets, count_list, how)  # (M, C)
+        # the routing weight scales the (M, H) hidden rather than the (M, C) output: the down
+        # projection is linear, so the result is the same for a quarter of the work when H = C/4
+        return expert_matmul(F.silu(gate) * up * row_weights, self.w_down, offsets, count_list, how)
 
-    def _experts_parallel(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _experts_parallel(self, xs: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
         """Send each row to the rank that holds its expert, run the local experts, send back.
         xs is sorted by global expert id, so rows bound for each rank are already contiguous."""
         import torch.distributed as dist
@@ -186,12 +190,15 @@ class MoE(nn.Module):
         dist.all_to_all_single(recv_per_expert, send_per_expert, group=self.ep_group)  # [s, j]: from rank s
         send_splits = send_per_expert.sum(1).tolist()
         recv_splits = recv_per_expert.sum(1).tolist()
-        recv = all_to_all_single(xs.new_empty(sum(recv_splits), xs.shape[1]), xs.contiguous(),
+        # the routing weight travels with its row, as one extra column
+        rows = torch.cat([xs, row_weights], dim=1)
+        recv = all_to_all_single(rows.new_empty(sum(recv_splits), rows.shape[1]), rows,
                                  recv_splits, send_splits, group=self.ep_group)  # grouped by source rank
         # regroup the received rows by local expert (stable, so rows keep their source order)
         local_expert = torch.arange(El, device=xs.device).repeat(P).repeat_interleave(recv_per_expert.flatten())
         perm = local_expert.argsort(stable=True)
-        ys_local = self._experts(recv[perm], recv_per_expert.sum(0))
+        recv = recv[perm]
+        ys_local = self._experts(recv[:, :-1], recv_per_expert.sum(0), recv[:, -1:])
         back = ys_local[perm.argsort()]  # undo the regrouping
         return all_to_all_single(xs.new_empty(xs.shape), back, send_splits, recv_splits, group=self.ep_group)
 

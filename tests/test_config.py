@@ -75,9 +75,33 @@ def test_every_recipe_in_configs_validates():
 
     root = Path(__file__).resolve().parents[1] / "configs"
     models = {"curate.yaml": CurateConfig, "pack.yaml": PackConfig, "pretrain_tiny_cpu.yaml": PretrainConfig,
-              "pretrain_gpu.yaml": PretrainConfig, "evaluate.yaml": EvaluateConfig, "serve.yaml": ServeConfig}
+              "pretrain_gpu.yaml": PretrainConfig, "pretrain_moe_cpu.yaml": PretrainConfig,
+              "pretrain_7b_gpu.yaml": PretrainConfig, "pretrain_moe_16b_gpu.yaml": PretrainConfig,
+              "evaluate.yaml": EvaluateConfig, "serve.yaml": ServeConfig}
     for name, cls in models.items():
         assert isinstance(load_config(cls, root / name), cls)
     q = load_quickstart_config(str(root / "quickstart.yaml"), "/tmp/qs-work", [])
     assert q.pretrain.data == "/tmp/qs-work/packed" and q.pretrain.zero_stage == 2
     assert sorted(p.name for p in root.glob("*.yaml")) == sorted([*models, "quickstart.yaml"])
+
+
+@pytest.mark.parametrize("recipe, vocab, seq, low, high, active_high", [
+    ("pretrain_7b_gpu.yaml", 32000, 4096, 6.5e9, 7.0e9, None),
+    ("pretrain_moe_16b_gpu.yaml", 102400, 4096, 15.5e9, 17.0e9, 3.2e9),
+])
+def test_large_recipes_have_the_sizes_their_names_promise(recipe, vocab, seq, low, high, active_high):
+    """Built on the meta device: shapes and counts without allocating the weights."""
+    from pathlib import Path
+
+    import torch
+
+    from lmfoundry.model.flops import matmul_params
+    from lmfoundry.model.transformer import Transformer
+
+    cfg = load_config(PretrainConfig, Path(__file__).resolve().parents[1] / "configs" / recipe)
+    model_cfg = cfg.model.model_copy(update={"vocab_size": vocab, "max_seq_len": seq})
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    assert low < model.num_params() < high, model.num_params()
+    if active_high:  # parameters a token passes through, embedding included
+        assert matmul_params(model) + vocab * model_cfg.d_model < active_high

@@ -75,3 +75,55 @@ def test_untied_checkpoint_roundtrip(tmp_path):
     save_model_files(m, tmp_path)
     x = torch.randint(0, 97, (1, 12))
     torch.testing.assert_close(load_model_files(tmp_path)(x)[0], m(x)[0])
+
+
+def naive_attention(attn, x: torch.Tensor) -> torch.Tensor:
+    """The textbook computation, written independently: rotary embedding as complex rotation of
+    (first half, second half) pairs, every query head with its own copy of its group's key/value
+    head, an explicit causal mask and softmax."""
+    cfg = attn.cfg
+    B, T, _ = x.shape
+    H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    q = (x @ attn.wq.weight.T).view(B, T, H, D)
+    kv = (x @ attn.wkv.weight.T).view(B, T, 2, K, D)
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    freqs = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2).float() / D)
+    rot = torch.polar(torch.ones(T, D // 2), torch.outer(torch.arange(T).float(), freqs))  # (T, D/2)
+
+    def rope(t):
+        c = torch.complex(t[..., : D // 2], t[..., D // 2 :]) * rot[None, :, None, :]
+        return torch.cat([c.real, c.imag], dim=-1)
+
+    q, k = rope(q), rope(k)
+    out = torch.empty(B, T, H, D)
+    for h in range(H):
+        g = h // (H // K)  # the key/value head this query head shares
+        scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) / D**0.5  # (B, T, T)
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        out[:, :, h] = scores.softmax(-1) @ v[:, :, g]
+    return out.reshape(B, T, H * D) @ attn.wo.weight.T
+
+
+def test_rope_and_gqa_attention_match_a_naive_implementation():
+    torch.manual_seed(0)
+    for n_kv_head in (1, 2, 4):  # multi-query, grouped, multi-head
+        m = Transformer(ModelConfig(vocab_size=50, max_seq_len=24, n_layer=1, d_model=32, n_head=4,
+                                    n_kv_head=n_kv_head, rope_theta=500.0)).eval()
+        attn = m.blocks[0].attn
+        x = torch.randn(2, 24, 32)
+        got = attn(x, m.rope_cos[:24], m.rope_sin[:24])
+        torch.testing.assert_close(got, naive_attention(attn, x), atol=1e-5, rtol=1e-4)
+
+
+def test_rope_makes_attention_depend_on_relative_position_only():
+    torch.manual_seed(0)
+    from lmfoundry.model.transformer import apply_rope, rope_tables
+
+    cos, sin = rope_tables(16, 64, 10000.0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
+    def score(i, j):
+        return (apply_rope(q, cos[i : i + 1], sin[i : i + 1]) * apply_rope(k, cos[j : j + 1], sin[j : j + 1])).sum()
+
+    torch.testing.assert_close(score(5, 2), score(40, 37))
+    assert not torch.allclose(score(5, 2), score(5, 3))

@@ -110,3 +110,14 @@ def test_moe_transformer_trains_and_reports_stats():
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
     assert model.moe_layers()[0].stats.tokens_per_expert.sum() == 4 * 32 * 2
+
+
+@pytest.mark.parametrize("dispatch", ["grouped_mm", "sliced"])
+def test_experts_with_no_rows_still_give_shaped_outputs_and_zero_gradients(dispatch):
+    from lmfoundry.model.moe import expert_matmul
+
+    w = torch.randn(2, 16, 32, requires_grad=True)
+    out = expert_matmul(torch.zeros(0, 16), w, torch.tensor([0, 0], dtype=torch.int32), [0, 0], dispatch)
+    assert out.shape == (0, 32)
+    out.sum().backward()
+    assert w.grad is not None and float(w.grad.abs().sum()) == 0.0

@@ -108,6 +108,8 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(packed, tmp_path):
         assert runs[ep]["final_loss"] < runs[ep]["first_loss"]
     metrics = {ep: [json.loads(line) for line in open(tmp_path / f"ep{ep}" / "metrics.jsonl")] for ep in runs}
     for a, b in zip(metrics[1], metrics[2], strict=True):
+        assert a["tokens_per_expert"] == b["tokens_per_expert"]  # the same routing decisions
+        assert sum(a["tokens_per_expert"][0]) == 2 * 4 * 64 * 2  # every token's top-2, both workers
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (a, b)
     # the expert-parallel checkpoint holds every expert, gathered from both workers

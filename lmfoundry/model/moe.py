@@ -76,8 +76,9 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # torch._grouped_mm needs row strides that are multiples of 16 bytes
-    return all(d * x.element_size() % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
+    # torch._grouped_mm needs row strides that are multiples of 16 bytes, and rejects an empty
+    # input (which an expert-parallel rank receives when no token picked its experts)
+    return x.shape[0] > 0 and all(d * x.element_size() % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], how: str) -> torch.Tensor:

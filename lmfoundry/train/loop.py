@@ -48,16 +48,21 @@ def _mean_across_ranks(value: float) -> float:
     return t.item() / torch.distributed.get_world_size()
 
 
-def _balance_experts(moe_layers, expert_load: list[torch.Tensor]) -> float:
+def _balance_experts(moe_layers, expert_load: list[torch.Tensor]) -> list[list[int]]:
     """After an optimizer step: sum each MoE layer's expert load over all ranks, apply the same
-    aux-free bias update everywhere, reset the counts. Returns the worst layer's max/mean load."""
-    worst = 0.0
+    aux-free bias update everywhere, reset the counts. Returns the tokens per expert per layer."""
+    loads = []
     for layer, load in zip(moe_layers, expert_load):
         torch.distributed.all_reduce(load)
         layer.update_bias(load)
-        worst = max(worst, float(load.max() / load.mean().clamp(min=1e-9)))
+        loads.append([int(n) for n in load.tolist()])
         load.zero_()
-    return worst
+    return loads
+
+
+def imbalance(loads: list[list[int]]) -> float:
+    """The worst layer's max over mean tokens per expert: 1.0 is perfectly even."""
+    return max(max(layer) / max(sum(layer) / len(layer), 1e-9) for layer in loads)
 
 
 def write_metrics(run_dir: str, history: list[dict]) -> None:
@@ -115,7 +120,7 @@ def train_loop(loop_config: dict) -> None:
 
     moe_layers = engine.module.moe_layers()
     expert_load = [torch.zeros(m.cfg.num_experts) for m in moe_layers]  # summed over one optimizer step
-    imbalance = 0.0
+    step_loads: list[list[int]] = []  # the last optimizer step's tokens per expert, per MoE layer
 
     shard = ray.train.get_dataset_shard("train")
     step, epoch, micro = 0, 0, 0
@@ -138,7 +143,7 @@ def train_loop(loop_config: dict) -> None:
                 continue
             step += 1
             if moe_layers:
-                imbalance = _balance_experts(moe_layers, expert_load)
+                step_loads = _balance_experts(moe_layers, expert_load)
             last = step == cfg.max_steps
             if step % cfg.log_every == 0 or step == 1 or last:
                 mean_loss = _mean_across_ranks(loss_sum / loss_count)
@@ -154,13 +159,14 @@ def train_loop(loop_config: dict) -> None:
                 if peak:
                     metrics["mfu"] = tflops / peak
                 if moe_layers:
-                    metrics["expert_imbalance"] = imbalance
+                    metrics["expert_imbalance"] = imbalance(step_loads)
+                    metrics["tokens_per_expert"] = step_loads
                 t_last, step_last = now, step
                 history.append(metrics)
                 if rank == 0:
                     logger.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f%s", step, cfg.max_steps,
                                 mean_loss, metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
-                                f" expert imbalance {imbalance:.2f}" if moe_layers else "")
+                                f" expert imbalance {metrics['expert_imbalance']:.2f}" if moe_layers else "")
                 if step % cfg.checkpoint_every == 0 or last:
                     ckpt_dir = None
                     weights = full_state(engine.module)  # collective: gathers sharded experts

@@ -30,5 +30,3 @@ def init_ray(address: str | None = None) -> None:
         cpus = local_logical_cpus()
         logger.info("starting an embedded local Ray with %d logical CPUs", cpus)
         ray.init(num_cpus=cpus)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = True

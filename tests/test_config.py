@@ -77,6 +77,7 @@ def test_every_recipe_in_configs_validates():
     models = {"curate.yaml": CurateConfig, "pack.yaml": PackConfig, "pretrain_tiny_cpu.yaml": PretrainConfig,
               "pretrain_gpu.yaml": PretrainConfig, "pretrain_moe_cpu.yaml": PretrainConfig,
               "pretrain_7b_gpu.yaml": PretrainConfig, "pretrain_moe_16b_gpu.yaml": PretrainConfig,
+              "pretrain_70b_gpu.yaml": PretrainConfig,
               "evaluate.yaml": EvaluateConfig, "serve.yaml": ServeConfig}
     for name, cls in models.items():
         assert isinstance(load_config(cls, root / name), cls)
@@ -88,6 +89,7 @@ def test_every_recipe_in_configs_validates():
 @pytest.mark.parametrize("recipe, vocab, seq, low, high, active_high", [
     ("pretrain_7b_gpu.yaml", 32000, 4096, 6.5e9, 7.0e9, None),
     ("pretrain_moe_16b_gpu.yaml", 102400, 4096, 15.5e9, 17.0e9, 3.2e9),
+    ("pretrain_70b_gpu.yaml", 32000, 4096, 68e9, 70e9, None),
 ])
 def test_large_recipes_have_the_sizes_their_names_promise(recipe, vocab, seq, low, high, active_high):
     """Built on the meta device: shapes and counts without allocating the weights."""

@@ -27,6 +27,7 @@ class ModelConfig(StageConfig):
     n_head: int = Field(4, ge=1)
     n_kv_head: int = Field(2, ge=1, description="key/value heads; fewer than n_head is GQA")
     ffn_multiple_of: int = Field(32, ge=1)
+    ffn_hidden_size: int = Field(0, ge=0, description="0: derived from d_model (8/3 x, rounded)")
     rope_theta: float = Field(10000.0, gt=0)
     norm_eps: float = Field(1e-5, gt=0)
     tie_embeddings: bool = True
@@ -50,6 +51,8 @@ class ModelConfig(StageConfig):
 
     @property
     def ffn_hidden(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
         # SwiGLU with 2/3 of the classic 4x width keeps the parameter count of a GELU MLP.
         hidden = int(2 * 4 * self.d_model / 3)
         return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)

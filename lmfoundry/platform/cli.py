@@ -3,6 +3,7 @@
     lmfoundry curate|pack|pretrain|evaluate|serve CONFIG [--input URI] [--output URI] [--set k=v ...]
     lmfoundry quickstart [--workdir DIR] [--keep-serving]
     lmfoundry export CHECKPOINT OUTPUT [--format hf]
+    lmfoundry plan PRETRAIN_CONFIG [--gpu H200] [--nodes N] [--token-budget T]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from lmfoundry.platform import storage
 from lmfoundry.platform.config import ConfigError, StageConfig, load_config
 from lmfoundry.platform.log import get_logger
 
-STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart", "export")
+STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart", "export", "plan")
 logger = get_logger(__name__)
 
 

@@ -1,0 +1,142 @@
+"""Plan a pretraining run: memory, parallel layouts, step time, cost and checkpoint interval.
+
+    lmfoundry plan configs/pretrain_7b_gpu.yaml --gpu H200 --nodes 1 --token-budget 1e11
+    lmfoundry plan configs/pretrain_moe_16b_gpu.yaml --gpu H200 --nodes 1 --json plan.json
+
+The model is counted from the recipe's model config (built on PyTorch's meta device, so a 70B
+model costs no memory); vocab_size and seq_len come from the flags when the recipe leaves them
+to the data. Prints the ranked layouts; --write-config writes the best layout that lmfoundry
+pretrain runs (data and expert parallelism; no tensor or pipeline parallelism yet) as a recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import yaml
+
+from lmfoundry.model.flops import train_flops_per_token
+from lmfoundry.model.transformer import Transformer
+from lmfoundry.platform.config import ConfigError, load_config
+from lmfoundry.platform.planner import Cluster, ModelShape, Recipe, gpu, search
+from lmfoundry.train.config import PretrainConfig
+
+
+def model_shape(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelShape:
+    model_cfg = cfg.model.model_copy(update={"vocab_size": cfg.model.vocab_size or vocab_size,
+                                             "max_seq_len": cfg.model.max_seq_len or seq_len})
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    experts = sum(layer.w_gate_up.numel() + layer.w_down.numel() for layer in model.moe_layers())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    moe = model_cfg.moe
+    return ModelShape(total_params=model.num_params(), expert_params=experts, largest_layer_params=largest,
+                      train_flops_per_token=train_flops_per_token(model, model_cfg.max_seq_len),
+                      n_layer=model_cfg.n_layer, d_model=model_cfg.d_model, n_head=model_cfg.n_head,
+                      top_k=moe.top_k if moe else 0, num_experts=moe.num_experts if moe else 0)
+
+
+def recipe_for(cfg: PretrainConfig, plan, path: str) -> dict:
+    """The recipe with the chosen data/expert-parallel layout filled in."""
+    out = yaml.safe_load(open(path))
+    out.update(num_workers=plan.layout.dp, expert_parallel_size=plan.layout.ep, use_gpu=True, precision="bf16")
+    return out
+
+
+def plot_layouts(plans, cluster: Cluster, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for fits, color in ((True, "tab:blue"), (False, "tab:red")):
+        chosen = [pl for pl in plans if pl.fits == fits]
+        ax.scatter([pl.memory_gb["total"] for pl in chosen], [pl.tokens_per_s for pl in chosen], s=14, c=color,
+                   label="fits" if fits else "does not fit")
+    ax.axvline(cluster.gpu.memory_gb, color="gray", linestyle="--", label=f"{cluster.gpu.name} memory")
+    best = plans[0].layout
+    ax.annotate(f"tp{best.tp} pp{best.pp} dp{best.dp} ep{best.ep} v{best.virtual_stages}",
+                (plans[0].memory_gb["total"], plans[0].tokens_per_s))
+    ax.set_xlabel("per-GPU memory, GB")
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="lmfoundry plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="a pretrain recipe")
+    p.add_argument("--gpu", default="H100")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--price", type=float, default=2.5, help="price per GPU-hour")
+    p.add_argument("--failures-per-gpu-day", type=float, default=1e-3)
+    p.add_argument("--storage-gbs", type=float, default=10.0, help="checkpoint write bandwidth, GB/s")
+    p.add_argument("--token-budget", type=float, default=1e12)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batch-size", type=int, help="default: the recipe's")
+    p.add_argument("--top", type=int, default=10, help="layouts to print")
+    p.add_argument("--json", help="write every plan as JSON here")
+    p.add_argument("--write-config", help="write the best data/expert-parallel layout as a pretrain recipe")
+    p.add_argument("--plot", help="write a PNG of per-GPU memory against throughput for every layout")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(PretrainConfig, args.config)
+        cluster = Cluster(gpu(args.gpu), args.gpus_per_node, args.nodes, args.price, args.failures_per_gpu_day,
+                          args.storage_gbs)
+        shape = model_shape(cfg, args.vocab_size, args.seq_len)
+        seq = cfg.model.max_seq_len or args.seq_len
+        recipe = Recipe(seq_len=seq, global_batch_tokens=cfg.global_batch_tokens, token_budget=args.token_budget,
+                        zero_stage=cfg.zero_stage, activation_checkpointing=cfg.model.activation_checkpointing,
+                        micro_batch_size=args.micro_batch_size or cfg.micro_batch_size)
+    except (ConfigError, ValueError) as e:
+        print(f"error: plan: {e}", file=sys.stderr)
+        return 2
+    plans = search(shape, recipe, cluster)
+    if not plans:
+        print(f"error: plan: no layout divides {cluster.gpus} GPUs, {shape.n_layer} layers and a global batch "
+              f"of {recipe.global_batch_tokens} tokens", file=sys.stderr)
+        return 2
+    print(f"{args.config}: {shape.total_params / 1e9:.2f}B parameters ({shape.expert_params / 1e9:.2f}B in routed "
+          f"experts), {shape.train_flops_per_token / 1e9:.1f} GFLOP per token; {cluster.gpus} x {cluster.gpu.name}; "
+          f"ZeRO-{recipe.zero_stage}, {recipe.global_batch_tokens} tokens a step, budget {recipe.token_budget:.3g} tokens")
+    print(f"{'tp':>3} {'pp':>3} {'dp':>4} {'ep':>3} {'v':>2} {'m':>4} {'mem GB':>7} {'fits':>4} {'bubble':>7} "
+          f"{'step s':>7} {'tokens/s':>10} {'MFU':>6} {'days':>7} {'cost $':>11} {'ckpt every':>10}")
+    for pl in plans[: args.top]:
+        lo = pl.layout
+        print(f"{lo.tp:>3} {lo.pp:>3} {lo.dp:>4} {lo.ep:>3} {lo.virtual_stages:>2} {pl.micro_batches:>4} "
+              f"{pl.memory_gb['total']:7.1f} {'yes' if pl.fits else 'no':>4} {pl.bubble:7.1%} {pl.step_s:7.2f} "
+              f"{pl.tokens_per_s:10.0f} {pl.mfu:6.1%} {pl.days:7.1f} {pl.cost:11,.0f} "
+              f"{pl.checkpoint_interval_s / 60:8.0f} m")
+    best = plans[0]
+    print(f"failures: {best.failures_per_day:.2f} a day at this scale; checkpoint write {best.checkpoint_write_s:.0f} s; "
+          f"Young-Daly interval {best.checkpoint_interval_s / 60:.0f} min; expected time lost {best.failure_overhead:.1%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": shape.__dict__, "cluster": {"gpu": cluster.gpu.name, "gpus": cluster.gpus},
+                       "plans": [pl.as_dict() for pl in plans]}, f, indent=2)
+    if args.plot:
+        plot_layouts(plans, cluster, args.plot)
+    if args.write_config:
+        runnable = [pl for pl in plans if pl.fits and pl.layout.tp == 1 and pl.layout.pp == 1]
+        if not runnable:
+            print("error: plan: no fitting layout without tensor or pipeline parallelism, which lmfoundry "
+                  "pretrain does not run yet", file=sys.stderr)
+            return 2
+        with open(args.write_config, "w") as f:
+            yaml.safe_dump(recipe_for(cfg, runnable[0], args.config), f, sort_keys=False)
+        print(f"wrote {args.write_config}: dp={runnable[0].layout.dp}, ep={runnable[0].layout.ep}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

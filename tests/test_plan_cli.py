@@ -1,0 +1,51 @@
+"""`lmfoundry plan` end to end, and the README's worked examples regenerated and compared."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmfoundry.jobs.plan import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_examples() -> list[tuple[str, str]]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```\n\$ lmfoundry plan (.+?)\n(.+?)```", text, flags=re.S)
+
+
+def test_readme_has_the_three_worked_examples():
+    commands = [c for c, _ in readme_examples()]
+    assert [c.split()[0] for c in commands] == ["configs/pretrain_7b_gpu.yaml", "configs/pretrain_moe_16b_gpu.yaml",
+                                                "configs/pretrain_70b_gpu.yaml"]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_readme_examples_are_what_the_command_prints(index, capsys, monkeypatch):
+    command, shown = readme_examples()[index]
+    monkeypatch.chdir(ROOT)
+    assert main(shlex.split(command)) == 0
+    assert capsys.readouterr().out == shown
+
+
+def test_plan_writes_json_plot_and_a_runnable_recipe(tmp_path, monkeypatch):
+    from lmfoundry.platform.config import load_config
+    from lmfoundry.train.config import PretrainConfig
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "best.yaml"
+    assert main(["configs/pretrain_moe_16b_gpu.yaml", "--gpu", "H200", "--json", str(tmp_path / "p.json"),
+                 "--plot", str(tmp_path / "p.png"), "--write-config", str(out)]) == 0
+    cfg = load_config(PretrainConfig, out)
+    assert cfg.num_workers == 8 and cfg.use_gpu and cfg.model.moe.num_experts == 64
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert yaml.safe_load((tmp_path / "p.json").read_text())["plans"]
+
+
+def test_unknown_gpu_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["configs/pretrain_7b_gpu.yaml", "--gpu", "V100"]) == 2
+    assert "unknown GPU type 'V100'; known: A100, B200, H100, H200" in capsys.readouterr().err

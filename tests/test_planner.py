@@ -1,0 +1,105 @@
+"""The planner's formulas checked against DeepSpeed's own estimators, a simulated pipeline
+schedule, and the instantiated model."""
+
+import pytest
+
+from lmfoundry.platform.planner import (
+    Cluster, Layout, ModelShape, Recipe, bubble_fraction, gpu, model_state_bytes, plan, search,
+)
+
+
+def shape(total: int, largest: int = 0) -> ModelShape:
+    return ModelShape(total_params=total, expert_params=0, largest_layer_params=largest or total // 50,
+                      train_flops_per_token=6 * total, n_layer=32, d_model=4096, n_head=32)
+
+
+@pytest.mark.parametrize("total", [10**8, 7 * 10**9, 70 * 10**9])
+@pytest.mark.parametrize("gpus_per_node, nodes", [(1, 1), (8, 1), (8, 8)])
+def test_model_state_memory_agrees_with_deepspeed_estimators(total, gpus_per_node, nodes):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    n = gpus_per_node * nodes
+    s = shape(total)
+    layout = Layout(tp=1, pp=1, dp=n)
+    for stage, offload in ((2, False), (2, True), (3, False)):
+        ours = sum(model_state_bytes(s, layout, Recipe(seq_len=1, global_batch_tokens=1, token_budget=1,
+                                                       zero_stage=stage, offload_optimizer=offload)).values())
+        if stage == 2:
+            _, theirs = estimate_zero2_model_states_mem_needs(total, gpus_per_node, nodes, cpu_offload=offload)
+        else:
+            _, theirs, _ = estimate_zero3_model_states_mem_needs(total, s.largest_layer_params, gpus_per_node,
+                                                                 nodes, cpu_offload=False)
+        assert ours == pytest.approx(theirs, rel=0.05), (stage, offload)
+
+
+def simulate_pipeline(p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a simulated 1F1B schedule (interleaved when v > 1, Megatron's order):
+    every device runs its fixed order of forward (1 unit per chunk) and backward (2 units) ops,
+    each starting when the device is free and its input has arrived."""
+    f, b = 1.0 / v, 2.0 / v
+    stages = p * v  # virtual stage j runs on device j % p
+
+    def chunk_order(device: int) -> list[tuple[str, int, int]]:
+        fwd = [(("F", (k // p) % v * p + device, (k // (p * v)) * p + k % p)) for k in range(m * v)]
+        bwd = [(("B", (v - 1 - (k // p) % v) * p + device, (k // (p * v)) * p + k % p)) for k in range(m * v)]
+        warmup = min(m * v, (p - device - 1) * 2 + (v - 1) * p) if v > 1 else min(m, p - device - 1)
+        order, fi, bi = fwd[:warmup], warmup, 0
+        while fi < len(fwd):
+            order += [fwd[fi], bwd[bi]]
+            fi, bi = fi + 1, bi + 1
+        return order + bwd[bi:]
+
+    orders = [chunk_order(d) for d in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    pos, free = [0] * p, [0.0] * p
+    while any(pos[d] < len(orders[d]) for d in range(p)):
+        progressed = False
+        for d in range(p):
+            if pos[d] == len(orders[d]):
+                continue
+            kind, j, i = orders[d][pos[d]]
+            deps = [("F", j - 1, i)] if kind == "F" and j > 0 else []
+            if kind == "B":
+                deps = [("F", j, i)] + ([("B", j + 1, i)] if j < stages - 1 else [])
+            if all(x in done for x in deps):
+                start = max([free[d]] + [done[x] for x in deps])
+                free[d] = done[(kind, j, i)] = start + (f if kind == "F" else b)
+                pos[d] += 1
+                progressed = True
+        assert progressed, "schedule deadlocked"
+    total = max(free)
+    return 1 - m * (1.0 + 2.0) / total
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16), (8, 8), (8, 32)])
+def test_1f1b_bubble_matches_a_simulated_schedule(p, m):
+    assert bubble_fraction(p, m) == pytest.approx(simulate_pipeline(p, m), abs=1e-9)
+    assert bubble_fraction(p, m) != pytest.approx((p - 1) / (p + m))  # the formula in circulation is wrong
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 16, 2)])
+def test_interleaved_bubble_matches_a_simulated_schedule(p, m, v):
+    assert bubble_fraction(p, m, v) == pytest.approx(simulate_pipeline(p, m, v), abs=1e-9)
+
+
+def test_bad_layouts_and_gpus_are_clear_errors():
+    cluster = Cluster(gpu("H200"), 8, 1)
+    recipe = Recipe(seq_len=4096, global_batch_tokens=4096 * 64, token_budget=1e9)
+    with pytest.raises(ValueError, match="does not use the cluster's 8 GPUs"):
+        plan(shape(10**9), recipe, cluster, Layout(tp=2, pp=2, dp=3))
+    with pytest.raises(ValueError, match="unknown GPU type 'H900'; known: A100, B200, H100, H200"):
+        gpu("H900")
+
+
+def test_search_ranks_fitting_layouts_first_and_fastest_first():
+    cluster = Cluster(gpu("H200"), 8, 1)
+    recipe = Recipe(seq_len=4096, global_batch_tokens=4096 * 256, token_budget=1e11, zero_stage=1)
+    plans = search(shape(7 * 10**9), recipe, cluster)
+    fitting = [p for p in plans if p.fits]
+    assert fitting and all(p.fits for p in plans[: len(fitting)])
+    speeds = [p.tokens_per_s for p in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    best = fitting[0]
+    assert 0.05 < best.mfu <= recipe.achievable_fraction and best.memory_gb["total"] <= 141
+    assert best.checkpoint_interval_s > 0 and best.cost > 0

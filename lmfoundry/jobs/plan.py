@@ -22,7 +22,7 @@ from lmfoundry.model.flops import train_flops_per_token
 from lmfoundry.model.transformer import Transformer
 from lmfoundry.platform.config import ConfigError, load_config
 from lmfoundry.platform.planner import Cluster, ModelShape, Recipe, gpu, search
-from lmfoundry.train.config import PretrainConfig
+from lmfoundry.train.config import PretrainConfig, deepspeed_config
 
 
 def model_shape(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelShape:
@@ -132,9 +132,17 @@ def main(argv=None) -> int:
             print("error: plan: no fitting layout without tensor or pipeline parallelism, which lmfoundry "
                   "pretrain does not run yet", file=sys.stderr)
             return 2
+        chosen = recipe_for(cfg, runnable[0], args.config)
         with open(args.write_config, "w") as f:
-            yaml.safe_dump(recipe_for(cfg, runnable[0], args.config), f, sort_keys=False)
-        print(f"wrote {args.write_config}: dp={runnable[0].layout.dp}, ep={runnable[0].layout.ep}")
+            yaml.safe_dump(chosen, f, sort_keys=False)
+        # what the trainer will derive from that recipe: Ray's ScalingConfig and DeepSpeed's JSON
+        derived = PretrainConfig.model_validate(chosen)
+        ds_path = args.write_config.rsplit(".", 1)[0] + ".deepspeed.json"
+        with open(ds_path, "w") as f:
+            json.dump({"scaling_config": {"num_workers": derived.num_workers, "use_gpu": derived.use_gpu,
+                                          "resources_per_worker": {"CPU": derived.cpus_per_worker, "GPU": 1}},
+                       "deepspeed": deepspeed_config(derived, derived.num_workers, seq)}, f, indent=2)
+        print(f"wrote {args.write_config} (dp={runnable[0].layout.dp}, ep={runnable[0].layout.ep}) and {ds_path}")
     return 0
 
 

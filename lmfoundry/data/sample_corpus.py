@@ -87,7 +87,7 @@ def build_sample_corpus(out_dir: str | Path, num_clean_docs: int = 1500, seed: i
     if not clean:
         raise RuntimeError("found no standard-library docstrings to build the sample corpus from")
     docs: list[dict] = []
-    for i, text in enumerate(clean):
+    for text in clean:
         noise = "clean"
         if rng.random() < 0.15:  # web page chrome around real content
             text = "\n".join([rng.choice(_BOILERPLATE), text, rng.choice(_BOILERPLATE)])

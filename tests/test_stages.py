@@ -79,6 +79,15 @@ def test_evaluate_perplexity_beats_uniform(pretrained, packed, tmp_path):
     assert report["sequences"] == packed[1]["splits"]["val"]["sequences"]
     assert report["tokens"] == report["sequences"] * 64
     assert report["perplexity"] < 0.5 * report["uniform_perplexity"]
+    # bits per byte: the same total log-likelihood over the UTF-8 bytes the tokens decode to
+    from tokenizers import Tokenizer
+    import pyarrow.parquet as pq
+
+    tok = Tokenizer.from_file(f"{packed[0]}/tokenizer.json")
+    seqs = pq.read_table(f"{packed[0]}/val").column("tokens").to_pylist()
+    text_bytes = sum(len(tok.decode(s[1:], skip_special_tokens=True).encode()) for s in seqs)
+    assert report["bytes"] == text_bytes
+    assert report["bits_per_byte"] == pytest.approx(report["loss"] * report["tokens"] / (np.log(2) * text_bytes))
     assert json.load(open(tmp_path / "ev" / "report.json"))["perplexity"] == report["perplexity"]
 
 

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
-from lmfoundry.data.tokenizer import eos_id, train_bpe
+from lmfoundry.data.tokenizer import train_bpe
+from lmfoundry.model.tokenizer import eos_id
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger

@@ -10,10 +10,7 @@ from collections.abc import Iterable, Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-EOS = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = [EOS, IM_START, IM_END]
+from lmfoundry.model.tokenizer import SPECIAL_TOKENS
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
@@ -39,10 +36,3 @@ def _nonempty(texts: Iterable[str]) -> Iterator[str]:
     for t in texts:
         if t:
             yield t
-
-
-def eos_id(tok: Tokenizer) -> int:
-    token_id = tok.token_to_id(EOS)
-    if token_id is None:
-        raise ValueError(f"tokenizer has no {EOS} token; it was not trained by lmfoundry")
-    return token_id

@@ -1,4 +1,4 @@
-"""Held-out perplexity of a checkpoint over packed token shards, computed with Ray Data.
+"""Held-out perplexity and bits per byte of a checkpoint over packed token shards, with Ray Data.
 
 Each actor loads the checkpoint once and returns, per batch, the summed negative log-likelihood
 and the number of predicted tokens; the driver adds them up, so the result is the exact
@@ -15,7 +15,8 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from lmfoundry.model.checkpoint import load_model_files
+from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
+from lmfoundry.model.tokenizer import token_byte_lengths
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
@@ -35,8 +36,11 @@ class EvaluateConfig(StageConfig):
 
 class SequenceNLL:
     def __init__(self, checkpoint_dir: str):
+        from tokenizers import Tokenizer
+
         torch.set_num_threads(1)
         self.model = load_model_files(checkpoint_dir)
+        self.byte_lengths = token_byte_lengths(Tokenizer.from_file(f"{checkpoint_dir}/{TOKENIZER}"))
 
     @torch.no_grad()
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -45,8 +49,10 @@ class SequenceNLL:
         nll = torch.nn.functional.cross_entropy(
             logits.float().transpose(1, 2), tokens[:, 1:], reduction="none"
         ).sum(dim=1)
+        targets = tokens[:, 1:].numpy()
         return pa.table({"nll": pa.array(nll.double().numpy()),
-                         "tokens": pa.array(np.full(len(nll), tokens.shape[1] - 1, dtype=np.int64))})
+                         "tokens": pa.array(np.full(len(nll), targets.shape[1], dtype=np.int64)),
+                         "bytes": pa.array(self.byte_lengths[targets].sum(axis=1))})
 
 
 def perplexity(ckpt_dir: str, data: str, split: str, batch_size: int = 16, max_sequences: int | None = None) -> dict:
@@ -60,14 +66,16 @@ def perplexity(ckpt_dir: str, data: str, split: str, batch_size: int = 16, max_s
         ds = ds.limit(max_sequences)
     scored = ds.map_batches(SequenceNLL, fn_constructor_args=(ckpt_dir,), batch_size=batch_size,
                             batch_format="pyarrow", concurrency=(1, 2))
-    total_nll, total_tokens, n_seqs = 0.0, 0, 0
+    total_nll, total_tokens, total_bytes, n_seqs = 0.0, 0, 0, 0
     for b in scored.iter_batches(batch_format="pyarrow"):
         total_nll += float(np.sum(b.column("nll").to_numpy()))
         total_tokens += int(np.sum(b.column("tokens").to_numpy()))
+        total_bytes += int(np.sum(b.column("bytes").to_numpy()))
         n_seqs += b.num_rows
     mean_nll = total_nll / max(total_tokens, 1)
-    return {"split": split, "sequences": n_seqs, "tokens": total_tokens, "loss": mean_nll,
-            "perplexity": math.exp(mean_nll)}
+    # bits per byte of the text the tokens stand for: comparable across tokenizers, unlike perplexity
+    return {"split": split, "sequences": n_seqs, "tokens": total_tokens, "bytes": total_bytes, "loss": mean_nll,
+            "perplexity": math.exp(mean_nll), "bits_per_byte": total_nll / math.log(2) / max(total_bytes, 1)}
 
 
 def run_evaluate(cfg: EvaluateConfig) -> dict:
@@ -86,6 +94,6 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
               "uniform_perplexity": vocab, "seconds": round(time.time() - started, 2)}
     storage.write_json_atomic(storage.join(out, "report.json"), report)
     storage.commit(out, "evaluate", {"checkpoint": ckpt_uri, "report": "report.json"})
-    logger.info("evaluate: %s perplexity %.2f over %d tokens (uniform would be %d)",
-                cfg.split, report["perplexity"], report["tokens"], vocab)
+    logger.info("evaluate: %s perplexity %.2f, %.3f bits per byte, over %d tokens (uniform would be %d)",
+                cfg.split, report["perplexity"], report["bits_per_byte"], report["tokens"], vocab)
     return report

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lmfoundry.data.tokenizer import EOS
+from lmfoundry.model.tokenizer import EOS
 from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
 from lmfoundry.model.moe import MoE
 from lmfoundry.model.transformer import Transformer

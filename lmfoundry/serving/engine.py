@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
-from lmfoundry.data.tokenizer import EOS, IM_END, IM_START
+from lmfoundry.model.tokenizer import EOS, IM_END, IM_START
 from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
 from lmfoundry.model.generate import stream_tokens
 from lmfoundry.platform import checkpoint

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -74,15 +74,11 @@ def generate(
     top_p: float = 1.0,
     stop_tokens: frozenset[int] = frozenset(),
     seed: int | None = None,
-    should_stop: Callable[[list[int]], bool] | None = None,
 ) -> Generation:
-    """Sample up to max_new_tokens after `prompt`. `should_stop(tokens so far)` lets the caller
-    end generation early, e.g. when the decoded text reaches a stop string."""
+    """All of stream_tokens' output at once."""
     out: list[int] = []
     for item in stream_tokens(model, prompt, max_new_tokens, temperature, top_p, stop_tokens, seed):
         if isinstance(item, str):
             return Generation(out, item)
         out.append(item)
-        if should_stop is not None and should_stop(out):
-            return Generation(out, "stop")
     raise AssertionError("stream_tokens always ends with a finish reason")

@@ -15,34 +15,27 @@ import argparse
 import json
 import sys
 
-import torch
 import yaml
 
-from lmfoundry.model.flops import train_flops_per_token
-from lmfoundry.model.transformer import Transformer
+from lmfoundry.model.flops import model_shape
+from lmfoundry.model.transformer import ModelConfig
 from lmfoundry.platform.config import ConfigError, load_config
-from lmfoundry.platform.planner import Cluster, ModelShape, Recipe, gpu, search
+from lmfoundry.platform.planner import Cluster, Recipe, gpu, search
 from lmfoundry.train.config import PretrainConfig, deepspeed_config
 
 
-def model_shape(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelShape:
-    model_cfg = cfg.model.model_copy(update={"vocab_size": cfg.model.vocab_size or vocab_size,
-                                             "max_seq_len": cfg.model.max_seq_len or seq_len})
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    experts = sum(layer.w_gate_up.numel() + layer.w_down.numel() for layer in model.moe_layers())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    moe = model_cfg.moe
-    return ModelShape(total_params=model.num_params(), expert_params=experts, largest_layer_params=largest,
-                      train_flops_per_token=train_flops_per_token(model, model_cfg.max_seq_len),
-                      n_layer=model_cfg.n_layer, d_model=model_cfg.d_model, n_head=model_cfg.n_head,
-                      top_k=moe.top_k if moe else 0, num_experts=moe.num_experts if moe else 0)
+def recipe_model(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelConfig:
+    """The recipe's model with vocab_size and max_seq_len filled where it leaves them to the data."""
+    return cfg.model.model_copy(update={"vocab_size": cfg.model.vocab_size or vocab_size,
+                                        "max_seq_len": cfg.model.max_seq_len or seq_len})
 
 
 def recipe_for(cfg: PretrainConfig, plan, path: str) -> dict:
     """The recipe with the chosen data/expert-parallel layout filled in."""
-    out = yaml.safe_load(open(path))
-    out.update(num_workers=plan.layout.dp, expert_parallel_size=plan.layout.ep, use_gpu=True, precision="bf16")
+    with open(path) as f:
+        out = yaml.safe_load(f)
+    out.update(num_workers=plan.layout.dp, expert_parallel_size=plan.layout.ep, micro_batch_size=plan.micro_batch_size,
+               use_gpu=True, precision="bf16")
     return out
 
 
@@ -83,7 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--token-budget", type=float, default=1e12)
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--micro-batch-size", type=int, help="default: the recipe's")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch; default: search 1, 2, 4, 8")
     p.add_argument("--top", type=int, default=10, help="layouts to print")
     p.add_argument("--json", help="write every plan as JSON here")
     p.add_argument("--write-config", help="write the best data/expert-parallel layout as a pretrain recipe")
@@ -93,15 +86,19 @@ def main(argv=None) -> int:
         cfg = load_config(PretrainConfig, args.config)
         cluster = Cluster(gpu(args.gpu), args.gpus_per_node, args.nodes, args.price, args.failures_per_gpu_day,
                           args.storage_gbs)
-        shape = model_shape(cfg, args.vocab_size, args.seq_len)
-        seq = cfg.model.max_seq_len or args.seq_len
+        model_cfg = recipe_model(cfg, args.vocab_size, args.seq_len)
+        shape = model_shape(model_cfg)
+        seq = model_cfg.max_seq_len
+        # GPUs train in bf16 unless the recipe insists on fp32
         recipe = Recipe(seq_len=seq, global_batch_tokens=cfg.global_batch_tokens, token_budget=args.token_budget,
                         zero_stage=cfg.zero_stage, activation_checkpointing=cfg.model.activation_checkpointing,
-                        micro_batch_size=args.micro_batch_size or cfg.micro_batch_size)
+                        precision="fp32" if cfg.precision == "fp32" else "bf16",
+                        reduce_bucket_size=cfg.reduce_bucket_size)
     except (ConfigError, ValueError) as e:
         print(f"error: plan: {e}", file=sys.stderr)
         return 2
-    plans = search(shape, recipe, cluster)
+    sizes = (args.micro_batch_size,) if args.micro_batch_size else (1, 2, 4, 8)
+    plans = search(shape, recipe, cluster, micro_batch_sizes=sizes)
     if not plans:
         print(f"error: plan: no layout divides {cluster.gpus} GPUs, {shape.n_layer} layers and a global batch "
               f"of {recipe.global_batch_tokens} tokens", file=sys.stderr)
@@ -109,11 +106,15 @@ def main(argv=None) -> int:
     print(f"{args.config}: {shape.total_params / 1e9:.2f}B parameters ({shape.expert_params / 1e9:.2f}B in routed "
           f"experts), {shape.train_flops_per_token / 1e9:.1f} GFLOP per token; {cluster.gpus} x {cluster.gpu.name}; "
           f"ZeRO-{recipe.zero_stage}, {recipe.global_batch_tokens} tokens a step, budget {recipe.token_budget:.3g} tokens")
-    print(f"{'tp':>3} {'pp':>3} {'dp':>4} {'ep':>3} {'v':>2} {'m':>4} {'mem GB':>7} {'fits':>4} {'bubble':>7} "
+    print(f"{'tp':>3} {'pp':>3} {'dp':>4} {'ep':>3} {'v':>2} {'mbs':>3} {'m':>4} {'mem GB':>7} {'fits':>4} {'bubble':>7} "
           f"{'step s':>7} {'tokens/s':>10} {'MFU':>6} {'days':>7} {'cost $':>11} {'ckpt every':>10}")
-    for pl in plans[: args.top]:
+    best_per_layout: dict = {}  # plans are ranked: the first of a layout has its best micro-batch size
+    for pl in plans:
+        best_per_layout.setdefault(pl.layout, pl)
+    for pl in list(best_per_layout.values())[: args.top]:
         lo = pl.layout
-        print(f"{lo.tp:>3} {lo.pp:>3} {lo.dp:>4} {lo.ep:>3} {lo.virtual_stages:>2} {pl.micro_batches:>4} "
+        print(f"{lo.tp:>3} {lo.pp:>3} {lo.dp:>4} {lo.ep:>3} {lo.virtual_stages:>2} {pl.micro_batch_size:>3} "
+              f"{pl.micro_batches:>4} "
               f"{pl.memory_gb['total']:7.1f} {'yes' if pl.fits else 'no':>4} {pl.bubble:7.1%} {pl.step_s:7.2f} "
               f"{pl.tokens_per_s:10.0f} {pl.mfu:6.1%} {pl.days:7.1f} {pl.cost:11,.0f} "
               f"{pl.checkpoint_interval_s / 60:8.0f} m")
@@ -141,8 +142,9 @@ def main(argv=None) -> int:
         with open(ds_path, "w") as f:
             json.dump({"scaling_config": {"num_workers": derived.num_workers, "use_gpu": derived.use_gpu,
                                           "resources_per_worker": {"CPU": derived.cpus_per_worker, "GPU": 1}},
-                       "deepspeed": deepspeed_config(derived, derived.num_workers, seq)}, f, indent=2)
-        print(f"wrote {args.write_config} (dp={runnable[0].layout.dp}, ep={runnable[0].layout.ep}) and {ds_path}")
+                       "deepspeed": deepspeed_config(derived, derived.num_workers, seq, shape.total_params)}, f, indent=2)
+        print(f"wrote {args.write_config} (dp={runnable[0].layout.dp}, ep={runnable[0].layout.ep}, micro batch "
+              f"{runnable[0].micro_batch_size}) and {ds_path}")
     return 0
 
 

@@ -9,8 +9,11 @@ shared experts and top_k routed experts per token.
 
 from __future__ import annotations
 
+import torch
+
 from lmfoundry.model.moe import MoE
-from lmfoundry.model.transformer import Transformer
+from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.platform.planner import ModelShape
 
 
 def matmul_params(model: Transformer) -> int:
@@ -39,3 +42,21 @@ def attention_flops_per_token(model: Transformer, seq_len: int) -> int:
 
 def train_flops_per_token(model: Transformer, seq_len: int) -> int:
     return 6 * matmul_params(model) + attention_flops_per_token(model, seq_len)
+
+
+def model_shape(model_cfg: ModelConfig) -> ModelShape:
+    """The planner's numbers, counted from the model built on the meta device."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    moe_layers = model.moe_layers()
+    experts = sum(layer.w_gate_up.numel() + layer.w_down.numel() for layer in moe_layers)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    moe = model_cfg.moe
+    expert_hidden = moe_layers[0].expert_hidden if moe_layers else 0
+    return ModelShape(total_params=model.num_params(), expert_params=experts, largest_layer_params=largest,
+                      train_flops_per_token=train_flops_per_token(model, model_cfg.max_seq_len),
+                      n_layer=model_cfg.n_layer, d_model=model_cfg.d_model, n_head=model_cfg.n_head,
+                      top_k=moe.top_k if moe else 0, num_experts=moe.num_experts if moe else 0,
+                      vocab_size=model_cfg.vocab_size, ffn_hidden=model_cfg.ffn_hidden, moe_layers=len(moe_layers),
+                      expert_hidden=expert_hidden,
+                      shared_hidden=moe.num_shared_experts * expert_hidden if moe else 0)

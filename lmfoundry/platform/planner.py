@@ -4,14 +4,25 @@ bubble, communication, step time, MFU, cost and failure-driven checkpoint interv
 
 Pure arithmetic on numbers: the model enters as a `ModelShape` (counted from the real model by
 the caller), so the planner depends on nothing above `platform/`. Formulas, with sources:
-- model states (mixed-precision Adam, DeepSpeed's accounting): 2 bytes bf16 weights + 18 bytes
-  (bf16 and fp32 gradients, fp32 master weights, two fp32 Adam moments) per parameter; ZeRO-1
-  partitions the 16 optimizer-side bytes, ZeRO-2 all 18, ZeRO-3 the weights too (plus a gathered
-  layer); offload moves the partitioned optimizer side to CPU memory.
-- activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", with flash
-  attention so no s x s score matrix is kept): s*b*h*(10 + 24/t) bytes per layer under tensor
-  parallelism t; full recomputation keeps only the 2*s*b*h-byte layer input. 1F1B keeps up to
-  p micro-batches in flight on the first stage; interleaving adds (p-1)/(p*v) of that.
+- model states (Adam, DeepSpeed's accounting, STATE_BYTES): bf16 mixed precision keeps 2 bytes
+  of bf16 weights + 18 bytes (bf16 and fp32 gradients, fp32 master weights, two fp32 Adam
+  moments) per parameter; fp32 keeps 4 + 16 (gradients, DeepSpeed's fp32 partition copy, two
+  moments), 4 + 12 without ZeRO. ZeRO-1 partitions the optimizer side but the gradients, ZeRO-2
+  all of it, ZeRO-3 the weights too (plus a gathered layer); offload moves the partitioned
+  optimizer side to CPU memory. ZeRO-1/2 add the gradient-reduction bucket DeepSpeed allocates
+  (two with overlapped communication).
+- activations: what autograd keeps for this project's block (model/transformer.py), counted
+  per token in elements: the block input, the two RMSNorm outputs, q, k and v (key/value heads
+  repeated for attention under GQA), the attention output and its reshaped copy, the residual
+  sum and the second norm's two outputs = 11 h, plus 4 f for the SwiGLU MLP (gate/up, SiLU,
+  product); an MoE layer keeps 2 h + 5 f_e per routed row and 4 f_s for shared experts. Under
+  tensor parallelism t the norm side (6 h) stays whole and the rest splits by t (Korthikanti et
+  al. 2022, "Reducing Activation Recomputation", the same split for Megatron's GPT). The output
+  layer keeps 3 h + V (its norm and the log-probabilities); backward briefly holds two V-wide
+  gradients more, or with activation checkpointing (which keeps only each block's input) one
+  block's recomputed activations. 1F1B keeps up to p micro-batches in flight on the first
+  stage; interleaving adds (p-1)/(p*v) of that. tests/test_planner_memory.py checks the sum
+  against the measured peak of real DeepSpeed runs.
 - pipeline bubble, as a fraction of the step: (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) with v
   virtual stages per GPU (tests check both against a simulated schedule).
 - communication, ring algorithms: all-reduce moves 2(n-1)/n of the buffer per GPU, reduce-
@@ -24,10 +35,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 BYTES_BF16 = 2
-BYTES_OPTIMIZER_SIDE = 18  # per parameter: 2 bf16 grad + 4 fp32 grad + 4 fp32 master + 8 Adam m, v
+WORKSPACE_FRACTION = 0.10  # of GPU memory, see plan()
+# bytes per parameter, DeepSpeed's accounting: (weights, whole gradients, gradient partitions,
+# fp32 master copy and Adam's two moments). bf16 keeps bf16 gradients whole below ZeRO-2 and
+# reduces them into fp32 partitions; fp32 keeps one set of fp32 gradients.
+STATE_BYTES = {"bf16": (2, 2, 4, 12), "fp32": (4, 4, 0, 12)}
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,15 @@ class ModelShape:
     n_head: int
     top_k: int = 0
     num_experts: int = 0
+    vocab_size: int = 32000
+    ffn_hidden: int = 0  # the dense SwiGLU width; 0: 8/3 d_model
+    moe_layers: int = 0  # layers with a routed MLP
+    expert_hidden: int = 0
+    shared_hidden: int = 0  # all shared experts' width together
+
+    @property
+    def dense_ffn(self) -> int:
+        return self.ffn_hidden or 8 * self.d_model // 3
 
 
 @dataclass(frozen=True)
@@ -93,6 +117,9 @@ class Recipe:
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
     micro_batch_size: int = 1
+    precision: str = "bf16"  # or "fp32"
+    reduce_bucket_size: int = 50_000_000  # elements, as in the pretrain config
+    overlap_comm: bool = True
     achievable_fraction: float = 0.6  # of the peak a well-tuned kernel mix reaches for matmuls
 
 
@@ -109,6 +136,7 @@ class Layout:
 class Plan:
     layout: Layout
     micro_batches: int  # per pipeline per step, per data-parallel replica
+    micro_batch_size: int = 1
     memory_gb: dict = field(default_factory=dict)
     fits: bool = False
     headroom_gb: float = 0.0
@@ -139,42 +167,81 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
 
 
 def model_state_bytes(shape: ModelShape, layout: Layout, recipe: Recipe) -> dict:
-    """Per-GPU bytes of weights, gradients and optimizer state."""
+    """Per-GPU bytes of weights, gradients, optimizer state (master copy and moments) and
+    DeepSpeed's gradient-reduction buckets."""
+    if recipe.precision not in STATE_BYTES:
+        raise ValueError(f"precision {recipe.precision!r}; allowed: {', '.join(STATE_BYTES)}")
+    w_bytes, g_whole, g_part, opt_bytes = STATE_BYTES[recipe.precision]
+    if recipe.zero_stage == 0 and recipe.precision == "fp32":
+        opt_bytes = 8  # torch's optimizer steps the fp32 weights themselves: no master copy
     dense = shape.total_params - shape.expert_params
     local_dense = dense / (layout.tp * layout.pp)
     local_expert = shape.expert_params / (layout.ep * layout.pp * layout.tp)
     dp_dense, dp_expert = layout.dp, max(layout.dp // layout.ep, 1)  # ZeRO partitions over these
 
-    def states(psi: float, n: int) -> tuple[float, float]:
-        # DeepSpeed's accounting (its estimate_zero*_model_states_mem_needs): 2 + 18 bytes per
-        # parameter below stage 3, 18 partitioned bytes in all at stage 3
-        if recipe.zero_stage == 0:
-            weights, rest = BYTES_BF16 * psi, BYTES_OPTIMIZER_SIDE * psi
-        elif recipe.zero_stage == 1:
-            weights, rest = BYTES_BF16 * psi, 2 * psi + 16 * psi / n  # bf16 grads whole, fp32 side split
-        elif recipe.zero_stage == 2:
-            weights, rest = BYTES_BF16 * psi, BYTES_OPTIMIZER_SIDE * psi / n
-        else:
-            weights, rest = BYTES_BF16 * psi / n, (BYTES_OPTIMIZER_SIDE - BYTES_BF16) * psi / n
-        if recipe.offload_optimizer:  # the fp32 side lives in CPU memory; bf16 grads stay whole below stage 2
-            rest = 2 * psi if recipe.zero_stage < 2 else 0.0
-        return weights, rest
+    def states(psi: float, n: int) -> tuple[float, float, float]:
+        stage = recipe.zero_stage
+        weights = w_bytes * psi / (n if stage == 3 else 1)
+        if stage == 0:
+            grads = (g_whole + g_part) * psi
+        elif stage == 1:
+            grads = g_whole * psi + g_part * psi / n
+        elif stage == 2:
+            grads = (g_whole + g_part) * psi / n
+        else:  # reduced straight into the fp32 partitions
+            grads = (g_part or g_whole) * psi / n
+        optimizer = opt_bytes * psi / (n if stage else 1)
+        if recipe.offload_optimizer:  # partitions and moments live in CPU memory
+            grads, optimizer = (g_whole * psi if stage < 2 else 0.0), 0.0
+        return weights, grads, optimizer
 
-    w1, r1 = states(local_dense, dp_dense)
-    w2, r2 = states(local_expert, dp_expert)
-    gathered = 4 * shape.largest_layer_params if recipe.zero_stage == 3 else 0.0
-    return {"weights": w1 + w2 + gathered, "grads_and_optimizer": r1 + r2}
+    parts = [a + b for a, b in zip(states(local_dense, dp_dense), states(local_expert, dp_expert))]
+    gathered = 2 * w_bytes * shape.largest_layer_params if recipe.zero_stage == 3 else 0.0
+    buckets = 0.0
+    if recipe.zero_stage in (1, 2):  # ZeRO-1 stages the fp32 accumulator, ZeRO-2 the training dtype
+        bucket = min(recipe.reduce_bucket_size, local_dense + local_expert)
+        buckets = bucket * (4 if recipe.zero_stage == 1 else w_bytes) * (2 if recipe.overlap_comm else 1)
+    return {"weights": parts[0] + gathered, "gradients": parts[1], "optimizer": parts[2], "buckets": buckets}
 
 
-def activation_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_batches: int) -> float:
-    s, b, h = recipe.seq_len, recipe.micro_batch_size, shape.d_model
-    t, p, v = layout.tp, layout.pp, layout.virtual_stages
-    per_layer = 2 * s * b * h if recipe.activation_checkpointing else s * b * h * (10 + 24 / t)
-    if shape.num_experts:  # top-k copies of the MoE hidden input and output per token
-        per_layer += 0 if recipe.activation_checkpointing else 4 * s * b * h * shape.top_k / t
-    layers_per_gpu = shape.n_layer / p
+def activation_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_batches: int) -> dict:
+    """Per-GPU activation bytes: what the forward pass keeps for backward (for the micro-batches
+    the schedule holds in flight) and what backward briefly adds on top (see the module doc)."""
+    e = BYTES_BF16 if recipe.precision == "bf16" else 4
+    tokens = recipe.seq_len * recipe.micro_batch_size
+    h, t, p, v = shape.d_model, layout.tp, layout.pp, layout.virtual_stages
+    attention_side = 6 * h + 5 * h / t  # per token, elements
+    dense_layer = attention_side + 4 * shape.dense_ffn / t
+    moe_layer = attention_side + (shape.top_k * (2 * h + 5 * shape.expert_hidden) + 4 * shape.shared_hidden
+                                  + shape.num_experts) / t
+    layers = (shape.n_layer - shape.moe_layers) * dense_layer + shape.moe_layers * moe_layer
+    biggest_layer = moe_layer if shape.moe_layers else dense_layer
+    output = 3 * h + shape.vocab_size / t
+    if recipe.activation_checkpointing:  # each block keeps its input; backward recomputes one block
+        kept, backward = shape.n_layer * h, max(2 * shape.vocab_size / t, biggest_layer)
+    else:
+        kept, backward = layers, 2 * shape.vocab_size / t
     in_flight = min(micro_batches, p) * (1 + (p - 1) / (p * v) if v > 1 else 1)
-    return per_layer * layers_per_gpu * in_flight
+    return {"activations": (kept / p * in_flight + output) * tokens * e, "backward_transient": backward * tokens * e}
+
+
+def training_memory_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_batches: int = 1) -> dict:
+    """Per-GPU bytes by part, and the peak: the larger of what is resident when backward starts
+    (activations at their largest; gradients only where DeepSpeed keeps them between steps:
+    ZeRO-1's accumulator and bucket, or any stage accumulating over micro-batches) and when the
+    optimizer steps (every state, the activations gone). Measured against real runs in
+    tests/test_planner_memory.py."""
+    states = model_state_bytes(shape, layout, recipe)
+    acts = activation_bytes(shape, layout, recipe, micro_batches)
+    kept_grads = 0.0
+    if recipe.zero_stage == 1:
+        kept_grads = states["gradients"] + states["buckets"]
+    elif micro_batches > 1:
+        kept_grads = states["gradients"]
+    backward_start = states["weights"] + states["optimizer"] + kept_grads + sum(acts.values())
+    optimizer_step = sum(states.values())
+    return {**states, **acts, "at_backward_start": backward_start, "at_optimizer_step": optimizer_step,
+            "total": max(backward_start, optimizer_step)}
 
 
 def _ring(kind: str, n: int) -> float:
@@ -204,15 +271,14 @@ def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) ->
         raise ValueError(f"global_batch_tokens={recipe.global_batch_tokens} is not a whole number of "
                          f"micro-batches ({tokens_per_micro} tokens) per data-parallel replica (dp={layout.dp})")
     m = int(per_replica // tokens_per_micro)
-    result = Plan(layout=layout, micro_batches=m)
+    result = Plan(layout=layout, micro_batches=m, micro_batch_size=recipe.micro_batch_size)
 
-    states = model_state_bytes(shape, layout, recipe)
-    acts = activation_bytes(shape, layout, recipe, m)
-    buffers = 0.1 * cluster.gpu.memory_gb * 2**30  # allocator fragmentation, comm buffers, workspace
-    mem = {**states, "activations": acts, "buffers": buffers}
+    mem = training_memory_bytes(shape, layout, recipe, m)
+    # an allowance, not derived: CUDA context, NCCL buffers, kernel workspaces, allocator fragmentation
+    mem["workspace"] = WORKSPACE_FRACTION * cluster.gpu.memory_gb * 2**30
+    mem["total"] += mem["workspace"]  # the two moments' figures leave it out
     result.memory_gb = {k: v / 2**30 for k, v in mem.items()}
-    total_gb = sum(result.memory_gb.values())
-    result.memory_gb["total"] = total_gb
+    total_gb = result.memory_gb["total"]
     result.headroom_gb = cluster.gpu.memory_gb - total_gb
     result.fits = result.headroom_gb >= 0
 
@@ -276,8 +342,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search(shape: ModelShape, recipe: Recipe, cluster: Cluster, max_virtual_stages: int = 4) -> list[Plan]:
-    """Every layout that divides the cluster and the model, fitting ones first, fastest first."""
+def search(shape: ModelShape, recipe: Recipe, cluster: Cluster, max_virtual_stages: int = 4,
+           micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> list[Plan]:
+    """Every layout and micro-batch size that divides the cluster, the model and the batch:
+    fitting ones first, fastest first, and of equally fast ones the largest micro-batch (this
+    model of step time does not see that bigger matmuls run closer to the peak; kernels do)."""
     plans = []
     tps = [t for t in _divisors(cluster.gpus_per_node) if shape.n_head % t == 0]
     for tp, pp in itertools.product(tps, _divisors(cluster.gpus)):
@@ -286,10 +355,10 @@ def search(shape: ModelShape, recipe: Recipe, cluster: Cluster, max_virtual_stag
         dp = cluster.gpus // (tp * pp)
         eps = [e for e in _divisors(dp) if shape.num_experts % e == 0] if shape.num_experts else [1]
         vs = [v for v in range(1, max_virtual_stages + 1) if shape.n_layer % (pp * v) == 0] if pp > 1 else [1]
-        for ep, v in itertools.product(eps, vs):
+        for ep, v, mbs in itertools.product(eps, vs, micro_batch_sizes):
             try:
-                plans.append(plan(shape, recipe, cluster, Layout(tp, pp, dp, ep, v)))
+                plans.append(plan(shape, replace(recipe, micro_batch_size=mbs), cluster, Layout(tp, pp, dp, ep, v)))
             except ValueError:
                 continue  # e.g. the global batch does not split into whole micro-batches
-    plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s))
+    plans.sort(key=lambda p: (not p.fits, -float(f"{p.tokens_per_s:.9g}"), -p.micro_batch_size))
     return plans

@@ -22,6 +22,8 @@ class PretrainConfig(StageConfig):
     use_gpu: bool = False
     zero_stage: int = Field(2, ge=0, le=2, description="0-2; stage 3 partitions weights, which the "
                             "checkpoint writer does not gather yet")
+    reduce_bucket_size: int = Field(50_000_000, ge=1, description="elements per ZeRO gradient-reduction "
+                                    "bucket; DeepSpeed allocates one (two with overlapped communication) a micro-step")
     expert_parallel_size: int = Field(1, ge=1, description="workers that split each MoE layer's experts")
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     micro_batch_size: int = Field(8, ge=1, description="sequences per worker per forward pass")
@@ -74,14 +76,21 @@ def gradient_accumulation(cfg: PretrainConfig, world_size: int, seq_len: int) ->
     return cfg.global_batch_tokens // per_micro_step
 
 
-def deepspeed_config(cfg: PretrainConfig, world_size: int, seq_len: int) -> dict:
+def reduce_bucket_elements(cfg: PretrainConfig, num_params: int | None) -> int:
+    """The configured bucket, but never more than the model: a bigger one holds nothing more."""
+    return min(cfg.reduce_bucket_size, num_params) if num_params else cfg.reduce_bucket_size
+
+
+def deepspeed_config(cfg: PretrainConfig, world_size: int, seq_len: int, num_params: int | None = None) -> dict:
     accum = gradient_accumulation(cfg, world_size, seq_len)
+    bucket = reduce_bucket_elements(cfg, num_params)
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": accum,
         "train_batch_size": cfg.micro_batch_size * accum * world_size,
         "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": cfg.use_gpu},
+        "zero_optimization": {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": cfg.use_gpu,
+                              "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "bf16": {"enabled": resolved_precision(cfg) == "bf16"},
         # torch's AdamW: DeepSpeed's fused and CPU Adam kernels need a compiler toolchain at run time.
         "optimizer": {"type": "AdamW", "params": {

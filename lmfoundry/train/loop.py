@@ -101,7 +101,7 @@ def train_loop(loop_config: dict) -> None:
     model = Transformer(cfg.model)
     if cfg.expert_parallel_size > 1:
         shard_model(model, cfg.expert_parallel_size)
-    ds_config = deepspeed_config(cfg, world, seq_len)
+    ds_config = deepspeed_config(cfg, world, seq_len, model.num_params())
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, cfg.weight_decay), config=ds_config
     )
@@ -131,7 +131,7 @@ def train_loop(loop_config: dict) -> None:
         for batch in shard.iter_torch_batches(batch_size=cfg.micro_batch_size, drop_last=True,
                                                dtypes=torch.long, device=device):
             tokens = batch["tokens"]
-            _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+            loss = engine(tokens[:, :-1], tokens[:, 1:])[1]  # the logits are not kept alive
             for load, layer in zip(expert_load, moe_layers):
                 load += layer.stats.tokens_per_expert
             engine.backward(loss)

@@ -1,0 +1,155 @@
+"""Measure the peak memory of real DeepSpeed training steps, to hold the planner to account.
+
+Spawns `world_size` processes over gloo, builds the pretraining model and DeepSpeed engine
+exactly as the training loop does, runs a few optimizer steps on random tokens and returns the
+largest rank's peak. The peak is the rise of the process's
+resident set (VmHWM, reset before each config) over where it stood before the model was built,
+with glibc told to map and unmap every block of 64 KiB or more so that freed tensors leave the
+resident set at once. (PyTorch's profiler memory events are no substitute: they see only the
+threads the profiler runs on, and DeepSpeed allocates and frees on others.)
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lmfoundry.model.moe import MoEConfig
+from lmfoundry.model.transformer import ModelConfig
+from lmfoundry.train.config import PretrainConfig, gradient_accumulation
+
+SEQ_LEN, WORLD = 256, 2  # of the reference cases
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux >= 4.0: VmHWM := VmRSS
+
+
+def _train_steps(cfg: PretrainConfig, seq_len: int, world: int, steps: int) -> None:
+    import deepspeed
+
+    from lmfoundry.model.transformer import Transformer
+    from lmfoundry.train.config import deepspeed_config
+    from lmfoundry.train.expert_parallel import shard_model
+    from lmfoundry.train.loop import param_groups
+
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model)
+    if cfg.expert_parallel_size > 1:
+        shard_model(model, cfg.expert_parallel_size)
+    ds_config = deepspeed_config(cfg, world, seq_len, model.num_params())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.weight_decay),
+                                      config=ds_config)
+    generator = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
+    for _ in range(steps * ds_config["gradient_accumulation_steps"]):
+        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch_size, seq_len + 1), generator=generator)
+        loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
+        engine.backward(loss)
+        engine.step()
+    engine.destroy()
+
+
+def _worker(rank: int, world: int, port: int, configs: list[dict], seq_len: int, steps: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # the first engine in a process imports DeepSpeed's modules and loads its ops: a
+        # throwaway step keeps that out of the first figure
+        _train_steps(PretrainConfig.model_validate(configs[0]), seq_len, world, 1)
+        peaks = []
+        for raw in configs:
+            cfg = PretrainConfig.model_validate(raw)
+            gc.collect()
+            dist.barrier()
+            _reset_peak_rss()
+            baseline = _rss_bytes("VmRSS")
+            _train_steps(cfg, seq_len, world, steps)
+            peaks.append(_rss_bytes("VmHWM") - baseline)
+            dist.barrier()
+        results[rank] = peaks
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_peak_bytes(configs: list[PretrainConfig], seq_len: int, world_size: int = 2, steps: int = 2) -> list[int]:
+    """For each config (model vocab_size and max_seq_len set), the largest per-rank rise of the
+    resident set over `steps` optimizer steps on `world_size` CPU processes, in bytes."""
+    for cfg in configs:
+        if not cfg.model.vocab_size or cfg.model.max_seq_len < seq_len:
+            raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) must be set and model.max_seq_len "
+                             f"({cfg.model.max_seq_len}) at least seq_len={seq_len}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").Manager().dict()
+    # glibc then maps every block of 64 KiB or more on its own and unmaps it when freed, so the
+    # resident set follows the live tensors instead of keeping freed memory in the heap
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        mp.spawn(_worker, args=(world_size, port, [c.model_dump() for c in configs], seq_len, steps, results),
+                 nprocs=world_size, join=True)
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    return [max(results[rank][i] for rank in range(world_size)) for i in range(len(configs))]
+
+
+def reference_cases() -> dict[str, PretrainConfig]:
+    """Dense and MoE models under ZeRO 0-2, with and without checkpointing and accumulation."""
+    dense = ModelConfig(vocab_size=4096, max_seq_len=SEQ_LEN, n_layer=4, d_model=256, n_head=4, n_kv_head=2)
+    wide = dense.model_copy(update={"d_model": 512, "n_head": 8, "n_kv_head": 4, "vocab_size": 8192})
+    moe = dense.model_copy(update={"moe": MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_hidden=128)})
+
+    def cfg(model: ModelConfig, zero: int, micro: int = 8, accumulate: int = 1, ep: int = 1) -> PretrainConfig:
+        return PretrainConfig(data="-", output="-", model=model, zero_stage=zero, micro_batch_size=micro,
+                              global_batch_tokens=micro * WORLD * SEQ_LEN * accumulate, expert_parallel_size=ep,
+                              max_steps=10, warmup_steps=1)
+
+    return {
+        "dense ZeRO-0": cfg(dense, 0),
+        "dense ZeRO-1": cfg(dense, 1),
+        "dense ZeRO-2": cfg(dense, 2),
+        "dense ZeRO-2, 2 micro-steps": cfg(dense, 2, accumulate=2),
+        "dense ZeRO-2, checkpointing": cfg(dense.model_copy(update={"activation_checkpointing": True}), 2),
+        "dense 512-wide ZeRO-2, micro 4": cfg(wide, 2, micro=4),
+        "MoE 8 experts top-2 ZeRO-2": cfg(moe, 2),
+        "MoE, expert parallel 2, ZeRO-2": cfg(moe, 2, ep=2),
+    }
+
+
+def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> dict:
+    """The planner's per-rank memory for this config trained the way measure_peak_bytes does."""
+    from lmfoundry.model.flops import model_shape
+    from lmfoundry.platform.planner import Layout, Recipe, training_memory_bytes
+    from lmfoundry.train.config import resolved_precision
+
+    recipe = Recipe(seq_len=seq_len, global_batch_tokens=cfg.global_batch_tokens, token_budget=1,
+                    zero_stage=cfg.zero_stage, activation_checkpointing=cfg.model.activation_checkpointing,
+                    micro_batch_size=cfg.micro_batch_size, precision=resolved_precision(cfg),
+                    reduce_bucket_size=cfg.reduce_bucket_size, overlap_comm=cfg.use_gpu)
+    layout = Layout(tp=1, pp=1, dp=world_size, ep=cfg.expert_parallel_size)
+    micro_batches = gradient_accumulation(cfg, world_size, seq_len)
+    return training_memory_bytes(model_shape(cfg.model), layout, recipe, micro_batches)

@@ -55,17 +55,23 @@ def packed(curated, tmp_path_factory):
     return out, manifest
 
 
-@pytest.fixture(scope="session")
-def pretrained(packed, tmp_path_factory):
+def tiny_pretrain_config(data: str, output: str, **overrides):
+    """The session's reference run: 2 workers, ZeRO-2, 40 steps, every step logged."""
     from lmfoundry.model.transformer import ModelConfig
     from lmfoundry.train.config import PretrainConfig
+
+    settings = dict(
+        data=data, output=output, model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2),
+        num_workers=2, zero_stage=2, micro_batch_size=4, global_batch_tokens=2 * 4 * 64 * 2,
+        max_steps=40, warmup_steps=5, lr=5e-3, checkpoint_every=10, log_every=1,
+    )
+    return PretrainConfig(**{**settings, **overrides})
+
+
+@pytest.fixture(scope="session")
+def pretrained(packed, tmp_path_factory):
     from lmfoundry.train.pretrain import run_pretrain
 
     out = str(tmp_path_factory.mktemp("runs") / "tiny")
-    cfg = PretrainConfig(
-        data=packed[0], output=out, model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2),
-        num_workers=2, zero_stage=2, micro_batch_size=4, global_batch_tokens=2 * 4 * 64 * 2,
-        max_steps=40, warmup_steps=5, lr=5e-3, checkpoint_every=20, log_every=5,
-    )
-    manifest = run_pretrain(cfg)
+    manifest = run_pretrain(tiny_pretrain_config(packed[0], out))
     return out, manifest

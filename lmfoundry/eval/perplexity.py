@@ -85,8 +85,8 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
         logger.info("evaluate: %s is already committed; skipping (set overwrite=true to redo)", out)
         return storage.read_json(storage.join(out, "report.json"))
     started = time.time()
-    local = checkpoint.local_copy(ckpt_uri)
-    manifest = checkpoint.verify(local)
+    local = checkpoint.local_copy(ckpt_uri, model_only=True)
+    manifest = checkpoint.verify(local, model_only=True)
     result = perplexity(local, cfg.data, cfg.split, cfg.batch_size, cfg.max_sequences)
     vocab = storage.read_json(storage.join(local, "model_config.json"))["vocab_size"]
     report = {"checkpoint": ckpt_uri, "step": manifest.get("step"), **result,

@@ -18,8 +18,8 @@ def main(argv=None) -> int:
     p.add_argument("--format", choices=["hf"], default="hf", help="hf: Llama architecture, safetensors")
     args = p.parse_args(argv)
     try:
-        local = checkpoint.local_copy(args.checkpoint)
-        checkpoint.verify(local)
+        local = checkpoint.local_copy(args.checkpoint, model_only=True)
+        checkpoint.verify(local, model_only=True)
         out = export_hf(local, args.output)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: export: {e}", file=sys.stderr)

@@ -100,9 +100,36 @@ def remove_dir(uri: str) -> None:
         fs.delete_dir(path)
 
 
+def list_dirs(uri: str) -> list[str]:
+    """Names of the directories directly under `uri`, sorted; none when it does not exist."""
+    fs, path = filesystem(uri)
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return []
+    found = fs.get_file_info(pafs.FileSelector(path, recursive=False))
+    return sorted(f.base_name for f in found if f.type == pafs.FileType.Directory)
+
+
+def upload_file(local_path: str | os.PathLike, uri: str) -> None:
+    """Copy a local file to `uri` (a local path or an object-store key)."""
+    fs, path = filesystem(uri)
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with open(local_path, "rb") as src, fs.open_output_stream(path) as dst:
+        for chunk in iter(lambda: src.read(8 << 20), b""):
+            dst.write(chunk)
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_uri(uri: str) -> str:
+    h = hashlib.sha256()
+    fs, path = filesystem(uri)
+    with fs.open_input_stream(path) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()

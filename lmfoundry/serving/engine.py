@@ -41,8 +41,8 @@ class InferenceEngine:
     def __init__(self, checkpoint_uri: str, device: str = "auto"):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        local = checkpoint.local_copy(checkpoint_uri)
-        self.manifest = checkpoint.verify(local)
+        local = checkpoint.local_copy(checkpoint_uri, model_only=True)
+        self.manifest = checkpoint.verify(local, model_only=True)
         self.model = load_model_files(local, device)
         self.tokenizer = Tokenizer.from_file(f"{local}/{TOKENIZER}")
         self.stop_ids = frozenset(self.tokenizer.token_to_id(t) for t in (EOS, IM_END)

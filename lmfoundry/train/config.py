@@ -13,6 +13,17 @@ from lmfoundry.platform.log import get_logger
 logger = get_logger(__name__)
 
 
+class FaultDrill(StageConfig):
+    """A real failure injected on purpose, to prove recovery: the worker of `rank` kills its own
+    process with SIGKILL after optimizer step `at_step` (or, with `during_save`, while that
+    step's checkpoint is being written). Once per run unless `every_attempt`."""
+
+    at_step: int = Field(..., ge=1)
+    rank: int = Field(0, ge=0)
+    during_save: bool = False
+    every_attempt: bool = False
+
+
 class PretrainConfig(StageConfig):
     data: str = Field(..., description="a pack output directory (train/, val/, tokenizer.json)")
     output: str = Field(..., description="the run directory: checkpoints and the run manifest")
@@ -36,7 +47,15 @@ class PretrainConfig(StageConfig):
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(1.0, ge=0)
     checkpoint_every: int = Field(100, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(2, ge=2, description="the newest K checkpoints are kept (at least 2, so "
+                                  "that a corrupt newest one has a predecessor)")
+    keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple "
+                            "of this (0: none)")
+    max_failures: int = Field(3, ge=0, description="worker-group restarts before the run fails")
+    shuffle_buffer: int = Field(1024, ge=0, description="sequences in the seeded local shuffle (0: file order)")
+    stage_dir: str | None = Field(None, description="local directory where checkpoints are staged before "
+                                  "the upload; default: shared memory (/dev/shm) where there is some")
+    drills: list[FaultDrill] = Field(default_factory=list, description="failures to inject")
     log_every: int = Field(10, ge=1)
     peak_tflops_per_worker: float | None = Field(
         None, gt=0, description="device peak for MFU; None: the bf16 peak of a known GPU, no MFU on CPU")
@@ -52,6 +71,12 @@ class PretrainConfig(StageConfig):
             if self.num_workers % ep or self.model.moe.num_experts % ep:
                 raise ValueError(f"expert_parallel_size={ep} must divide num_workers={self.num_workers} "
                                  f"and model.moe.num_experts={self.model.moe.num_experts}")
+        for drill in self.drills:
+            if drill.rank >= self.num_workers:
+                raise ValueError(f"drills: rank {drill.rank} does not exist with num_workers={self.num_workers}")
+            if drill.during_save and drill.at_step % self.checkpoint_every:
+                raise ValueError(f"drills: at_step={drill.at_step} with during_save needs a checkpoint at that "
+                                 f"step (checkpoint_every={self.checkpoint_every})")
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be below max_steps={self.max_steps}")
         return self

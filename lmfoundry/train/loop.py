@@ -1,21 +1,30 @@
 """The per-worker training loop that Ray Train runs on every worker.
 
 Each worker builds the same model (same seed), wraps it in a DeepSpeed engine over the process
-group Ray Train set up, and streams its shard of the packed sequences from Ray Data. Rank 0
-logs, writes checkpoints and hands them to `ray.train.report`; every rank reports, since a
-report is a collective step in Ray Train.
+group Ray Train set up, and reads the packed sequences from Ray Data in an order fixed by the
+seed: every worker sees the same stream of global micro-batches and trains on its own slice of
+each, so the data position is one number (global micro-batches consumed in the epoch) that the
+checkpoint keeps. Checkpoints are staged locally and persisted in the background
+(platform/checkpoint.py); a restarted worker group resumes from the newest valid one with the
+weights, optimizer and scheduler state, RNG states and data position it had, so the run
+continues as if nothing had happened.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
+import os
+import random
+import signal
 import tempfile
 import time
+import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
@@ -24,8 +33,9 @@ from lmfoundry.model.transformer import Transformer
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.hardware import device_peak_tflops
 from lmfoundry.platform.log import get_logger
-from lmfoundry.train.config import PretrainConfig, deepspeed_config
+from lmfoundry.train.config import FaultDrill, PretrainConfig, deepspeed_config
 from lmfoundry.train.expert_parallel import full_state, shard_model
+from lmfoundry.train.snapshot import SnapshotCheckpointEngine, snapshot
 
 logger = get_logger(__name__)
 
@@ -72,30 +82,134 @@ def write_metrics(run_dir: str, history: list[dict]) -> None:
     storage.write_bytes_atomic(storage.join(run_dir, "metrics.jsonl"), text.encode())
 
 
-def _save_checkpoint(engine, weights: dict, tokenizer_json: str, state: dict) -> str:
-    """Rank 0 writes a sealed checkpoint into a fresh local directory and returns its path."""
-    directory = Path(tempfile.mkdtemp(prefix="lmfoundry-ckpt-"))
-    save_model_files(engine.module, directory, weights)
-    (directory / TOKENIZER).write_text(tokenizer_json)
-    storage.write_json_atomic(str(directory / "train_state.json"), state)
-    checkpoint.seal(directory, {"kind": "lmfoundry.pretrain", "step": state["step"]})
-    return str(directory)
+class Drills:
+    """Fault drills (see FaultDrill): this worker kills its own process where one is due.
+    Each firing leaves a marker in RUN/_drills, so a drill fires once across restarts."""
+
+    def __init__(self, drills: list[FaultDrill], rank: int, run_dir: str):
+        self.mine = [(i, d) for i, d in enumerate(drills) if d.rank == rank]
+        self.rank, self.markers = rank, storage.join(run_dir, "_drills")
+
+    def _fire_if_due(self, step: int, during_save: bool) -> None:
+        for i, drill in self.mine:
+            if drill.at_step != step or drill.during_save != during_save:
+                continue
+            fired = [f for f in storage.list_files(self.markers) if f.rsplit("/", 1)[-1].startswith(f"drill-{i}-")]
+            if fired and not drill.every_attempt:
+                continue
+            storage.write_bytes_atomic(storage.join(self.markers, f"drill-{i}-{uuid.uuid4().hex[:8]}"), b"")
+            logger.warning("fault drill %d: killing rank %d (pid %d) %s step %d", i, self.rank, os.getpid(),
+                           "while saving" if during_save else "after", step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_step(self, step: int) -> None:
+        self._fire_if_due(step, during_save=False)
+
+    def during_save(self, step: int) -> None:
+        self._fire_if_due(step, during_save=True)
 
 
-def train_loop(loop_config: dict) -> None:
+def _stage_root(cfg: PretrainConfig) -> Path:
+    if cfg.stage_dir:
+        return Path(cfg.stage_dir)
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _expert_parallel(engine) -> bool:
+    return any(layer.ep_group is not None for layer in engine.module.moe_layers())
+
+
+def stage_checkpoint(engine, rank: int, step: int, state: dict, tokenizer_json: str,
+                     root: Path) -> tuple[Path, Callable[[], None]]:
+    """Collective: every rank snapshots its share of the full training state in memory
+    (DeepSpeed's files: module, this rank's optimizer partition, scheduler; its RNG states) and
+    rank 0 the servable model files, tokenizer and training state. Returns the local directory
+    the files go to and the function that writes them there (for the background thread)."""
+    root.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f"lmfoundry-{checkpoint.step_name(step)}-rank{rank}-", dir=root))
+    engine.save_checkpoint(str(staged / "deepspeed"), tag="state", save_latest=False)
+    write_deepspeed = engine.checkpoint_engine.take_writer()
+    rng = _rng_state()
+    # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
+    own_experts = snapshot(engine.module.state_dict()) if _expert_parallel(engine) else None
+    weights = full_state(engine.module)  # collective: gathers sharded experts
+    weights = snapshot(weights) if rank == 0 else None
+    module = engine.module
+
+    def write() -> None:
+        write_deepspeed()
+        torch.save(rng, staged / "deepspeed" / f"rng-rank-{rank}.pt")
+        if own_experts is not None:
+            torch.save(own_experts, staged / "deepspeed" / f"module-rank-{rank}.pt")
+        if rank == 0:
+            save_model_files(module, staged, weights)
+            (staged / TOKENIZER).write_text(tokenizer_json)
+            storage.write_json_atomic(str(staged / "train_state.json"), state)
+
+    return staged, write
+
+
+def resume(engine, run_dir: str, rank: int, world: int) -> dict | None:
+    """Load the newest valid checkpoint of the run into the engine; its training state, or None
+    for a fresh run. Rank 0 chooses (and clears saves cut short), so every rank loads the same."""
+    import torch.distributed as dist
+
+    chosen = [None]
+    if rank == 0:
+        for uri in checkpoint.remove_uncommitted(run_dir):
+            logger.warning("removed checkpoint %s: its save was cut short (no manifest)", uri)
+        chosen = [checkpoint.latest_valid(run_dir)]
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        return None
+    local = Path(checkpoint.local_copy(chosen[0]))
+    state = json.loads((local / "train_state.json").read_text())
+    if state["world_size"] != world:
+        raise ValueError(f"checkpoint {chosen[0]} was written by {state['world_size']} workers and this run has "
+                         f"{world}: resuming at another world size needs a universal checkpoint, not supported yet")
+    # DeepSpeed's MoE loader wants per-expert files that it writes only for its own MoE layers;
+    # lmfoundry's experts come back from each rank's module file instead
+    has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
+    try:
+        engine.load_checkpoint(str(local / "deepspeed"), tag="state", load_module_strict=True)
+    finally:
+        engine.has_moe_layers = has_moe_layers
+    if _expert_parallel(engine):
+        engine.module.load_state_dict(torch.load(local / "deepspeed" / f"module-rank-{rank}.pt"))
+    _set_rng_state(torch.load(local / "deepspeed" / f"rng-rank-{rank}.pt", weights_only=False))
+    if rank == 0:
+        logger.info("resumed from %s: step %d, epoch %d, %d micro-batches into the epoch", chosen[0], state["step"],
+                    state["epoch"], state["batches_in_epoch"])
+    return state
+
+
+def micro_batches(shard, cfg: PretrainConfig, rank: int, world: int, epoch: int, skip: int):
+    """(index, tokens): this rank's slice of each global micro-batch of the epoch, in the order
+    the seed fixes, passing over the first `skip` (already trained on)."""
+    mbs = cfg.micro_batch_size
+    shuffle = {"local_shuffle_buffer_size": cfg.shuffle_buffer, "local_shuffle_seed": cfg.seed + epoch} \
+        if cfg.shuffle_buffer else {}
+    batches = shard.iter_torch_batches(batch_size=mbs * world, drop_last=True, dtypes=torch.long, **shuffle)
+    for index, batch in enumerate(batches):
+        if index >= skip:
+            yield index, batch["tokens"][rank * mbs:(rank + 1) * mbs]
+
+
+def build_engine(cfg: PretrainConfig, world: int, seq_len: int):
+    """The model (same seed on every rank, experts sharded for expert parallelism) in a
+    DeepSpeed engine that checkpoints asynchronously. Returns engine, scheduler, DeepSpeed config."""
     import deepspeed
-    import ray.train
-    from ray.train import Checkpoint
-
-    cfg = PretrainConfig.model_validate(loop_config["cfg"])
-    seq_len = loop_config["seq_len"]
-    tokenizer_json = loop_config["tokenizer_json"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    if rank != 0:
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # DeepSpeed's ZeRO-2 calls a torch collective that torch has renamed; once per step it warns.
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
 
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model)
@@ -105,6 +219,27 @@ def train_loop(loop_config: dict) -> None:
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, cfg.weight_decay), config=ds_config
     )
+    engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
+    return engine, scheduler, ds_config
+
+
+def train_loop(loop_config: dict) -> None:
+    import ray.train
+    import torch.distributed as dist
+
+    cfg = PretrainConfig.model_validate(loop_config["cfg"])
+    seq_len = loop_config["seq_len"]
+    tokenizer_json = loop_config["tokenizer_json"]
+    run_dir = loop_config["run_dir"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if rank != 0:
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed's ZeRO-2 calls a torch collective that torch has renamed; once per step it warns.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+
+    engine, scheduler, ds_config = build_engine(cfg, world, seq_len)
+    model = engine.module
     accum = ds_config["gradient_accumulation_steps"]
     tokens_per_step = cfg.global_batch_tokens
     if rank == 0:
@@ -115,23 +250,38 @@ def train_loop(loop_config: dict) -> None:
     flops_per_token = train_flops_per_token(model, seq_len)
     peak = cfg.peak_tflops_per_worker or device_peak_tflops(
         torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-    history: list[dict] = []  # every logged step's metrics, written to metrics.jsonl by rank 0
-    run_dir = loop_config["run_dir"]
+    drills = Drills(cfg.drills, rank, run_dir)
+    checkpointer = checkpoint.AsyncCheckpointer(run_dir, rank, world, cfg.keep_checkpoints, cfg.keep_every,
+                                                before_commit=drills.during_save)
+    stage_root = _stage_root(cfg)
+
+    state = resume(engine, run_dir, rank, world) or {}
+    step, epoch, position = state.get("step", 0), state.get("epoch", 0), state.get("batches_in_epoch", 0)
+    history: list[dict] = state.get("history", [])  # every logged step's metrics, for metrics.jsonl
+    skipped = state.get("skipped_batches", 0)
 
     moe_layers = engine.module.moe_layers()
     expert_load = [torch.zeros(m.cfg.num_experts) for m in moe_layers]  # summed over one optimizer step
     step_loads: list[list[int]] = []  # the last optimizer step's tokens per expert, per MoE layer
 
     shard = ray.train.get_dataset_shard("train")
-    step, epoch, micro = 0, 0, 0
+    micro = 0
     loss_sum, loss_count = 0.0, 0
-    t_last, step_last = time.time(), 0
+    t_last, step_last = time.time(), step
     device = engine.device
     while step < cfg.max_steps:
-        for batch in shard.iter_torch_batches(batch_size=cfg.micro_batch_size, drop_last=True,
-                                               dtypes=torch.long, device=device):
-            tokens = batch["tokens"]
+        finished_epoch = True
+        for index, tokens in micro_batches(shard, cfg, rank, world, epoch, position):
+            tokens = tokens.to(device)
             loss = engine(tokens[:, :-1], tokens[:, 1:])[1]  # the logits are not kept alive
+            position = index + 1
+            finite = torch.tensor([float(torch.isfinite(loss.detach()).item())])
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if not finite.item():  # on any rank: every rank passes over this micro-batch
+                skipped += 1
+                logger.warning("step %d: non-finite loss on some rank; micro-batch %d of epoch %d skipped",
+                               step + 1, index, epoch)
+                continue
             for load, layer in zip(expert_load, moe_layers):
                 load += layer.stats.tokens_per_expert
             engine.backward(loss)
@@ -145,7 +295,8 @@ def train_loop(loop_config: dict) -> None:
             if moe_layers:
                 step_loads = _balance_experts(moe_layers, expert_load)
             last = step == cfg.max_steps
-            if step % cfg.log_every == 0 or step == 1 or last:
+            save = step % cfg.checkpoint_every == 0 or last
+            if step % cfg.log_every == 0 or step == 1 or last or save:
                 mean_loss = _mean_across_ranks(loss_sum / loss_count)
                 loss_sum, loss_count = 0.0, 0
                 now = time.time()
@@ -155,32 +306,38 @@ def train_loop(loop_config: dict) -> None:
                     "step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                     "grad_norm": float(engine.get_global_grad_norm() or 0.0), "tokens_per_s": tokens_per_s,
                     "step_time_s": (now - t_last) / max(step - step_last, 1), "tflops_per_worker": tflops,
+                    "skipped_batches": skipped, "time": now,
                 }
                 if peak:
                     metrics["mfu"] = tflops / peak
                 if moe_layers:
                     metrics["expert_imbalance"] = imbalance(step_loads)
                     metrics["tokens_per_expert"] = step_loads
-                t_last, step_last = now, step
                 history.append(metrics)
                 if rank == 0:
                     logger.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f%s", step, cfg.max_steps,
                                 mean_loss, metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
                                 f" expert imbalance {metrics['expert_imbalance']:.2f}" if moe_layers else "")
-                if step % cfg.checkpoint_every == 0 or last:
-                    ckpt_dir = None
-                    weights = full_state(engine.module)  # collective: gathers sharded experts
+                if save:
+                    blocked = time.perf_counter()
+                    train_state = {
+                        "step": step, "epoch": epoch, "batches_in_epoch": position, "world_size": world,
+                        "tokens_seen": step * tokens_per_step, "loss": mean_loss, "skipped_batches": skipped,
+                        "history": history, "loss_history": [[h["step"], h["loss"]] for h in history],
+                        "seed": cfg.seed, "config": cfg.model_dump(mode="json"),
+                    }
+                    staged, write = stage_checkpoint(engine, rank, step, train_state, tokenizer_json, stage_root)
+                    checkpointer.save(step, staged, {"kind": "lmfoundry.pretrain", "step": step}, write)
+                    metrics["checkpoint_blocking_s"] = time.perf_counter() - blocked
                     if rank == 0:
-                        state = {"step": step, "epoch": epoch, "tokens_seen": step * tokens_per_step,
-                                 "loss": mean_loss, "loss_history": [[h["step"], h["loss"]] for h in history],
-                                 "seed": cfg.seed, "config": cfg.model_dump(mode="json")}
-                        ckpt_dir = _save_checkpoint(engine, weights, tokenizer_json, state)
                         write_metrics(run_dir, history)
-                    ray.train.report(metrics, checkpoint=Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None)
-                    if ckpt_dir:
-                        shutil.rmtree(ckpt_dir, ignore_errors=True)  # Ray Train has persisted it
-                else:
-                    ray.train.report(metrics)
+                ray.train.report(metrics)
+                t_last, step_last = time.time(), step
+            drills.after_step(step)
             if last:
+                finished_epoch = False
                 break
-        epoch += 1
+        if finished_epoch:
+            epoch, position = epoch + 1, 0
+    checkpointer.wait()
+    dist.barrier()  # rank 0's last commit waits for every rank's part: all are written now

@@ -42,20 +42,9 @@ def _reset_peak_rss() -> None:
 
 
 def _train_steps(cfg: PretrainConfig, seq_len: int, world: int, steps: int) -> None:
-    import deepspeed
+    from lmfoundry.train.loop import build_engine
 
-    from lmfoundry.model.transformer import Transformer
-    from lmfoundry.train.config import deepspeed_config
-    from lmfoundry.train.expert_parallel import shard_model
-    from lmfoundry.train.loop import param_groups
-
-    torch.manual_seed(cfg.seed)
-    model = Transformer(cfg.model)
-    if cfg.expert_parallel_size > 1:
-        shard_model(model, cfg.expert_parallel_size)
-    ds_config = deepspeed_config(cfg, world, seq_len, model.num_params())
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.weight_decay),
-                                      config=ds_config)
+    engine, _, ds_config = build_engine(cfg, world, seq_len)
     generator = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
     for _ in range(steps * ds_config["gradient_accumulation_steps"]):
         tokens = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch_size, seq_len + 1), generator=generator)

@@ -1,12 +1,14 @@
 """The pretraining driver: reads the pack manifest, derives the model shape, runs TorchTrainer
-and commits the run directory with a manifest naming the final checkpoint."""
+(restarting the worker group up to max_failures times; the loop resumes from the newest valid
+checkpoint) and commits the run directory with a manifest naming the final checkpoint. A run
+directory that holds checkpoints but no manifest (a run that died) is resumed, not cleared."""
 
 from __future__ import annotations
 
 import time
 from pathlib import PurePosixPath
 
-from lmfoundry.platform import storage
+from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train.config import PretrainConfig, deepspeed_config, gradient_accumulation
 from lmfoundry.train.loop import train_loop
@@ -54,9 +56,18 @@ def plot_loss(run_dir: str) -> None:
     storage.write_bytes_atomic(storage.join(run_dir, "loss.png"), buf.getvalue())
 
 
+def ordered_ingest():
+    """Ray Data's ingest options for training, with blocks delivered in dataset order."""
+    from ray.train import DataConfig
+
+    options = DataConfig.default_ingest_options()
+    options.preserve_order = True
+    return options
+
+
 def run_pretrain(cfg: PretrainConfig) -> dict:
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     data = storage.normalize(cfg.data)
@@ -67,9 +78,13 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     seq_len = pack["seq_len"]
     gradient_accumulation(cfg, cfg.num_workers, seq_len)  # fail now, not inside the workers
     out = storage.normalize(cfg.output)
-    if not storage.prepare_output(out, cfg.overwrite):
+    if storage.is_committed(out) and not cfg.overwrite:
         logger.info("pretrain: %s is already committed; skipping (set overwrite=true to redo)", out)
         return storage.read_manifest(out)
+    if cfg.overwrite:
+        storage.remove_dir(out)
+    elif checkpoint.committed_checkpoints(out):
+        logger.info("pretrain: %s holds checkpoints of an unfinished run; resuming it", out)
     logger.info("pretrain: DeepSpeed config %s", deepspeed_config(cfg, cfg.num_workers, seq_len))
 
     started = time.time()
@@ -85,18 +100,23 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         datasets={"train": train_ds},
-        run_config=RunConfig(
-            name=name, storage_path=storage_path,
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-            failure_config=FailureConfig(max_failures=0),
-        ),
+        # every worker reads the whole stream, in file order, and keeps its slice of each global
+        # micro-batch (loop.micro_batches): a split handed out as workers ask is not reproducible
+        dataset_config=DataConfig(datasets_to_split=[], execution_options=ordered_ingest()),
+        run_config=RunConfig(name=name, storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=cfg.max_failures)),
     )
-    result = trainer.fit()
-    if result.error:
-        raise RuntimeError(f"pretraining failed: {result.error}") from result.error
-    if result.checkpoint is None:
+    try:
+        result = trainer.fit()
+        error = result.error
+    except Exception as e:  # Ray Train raises once the worker group has failed max_failures + 1 times
+        error = e
+    if error:
+        raise RuntimeError(f"pretraining failed after {cfg.max_failures} restarts at most: {error}") from error
+    final_uri = checkpoint.latest_valid(out)
+    if final_uri is None:
         raise RuntimeError("pretraining finished without a checkpoint")
-    final = result.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+    final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
     state = storage.read_json(storage.join(out, final, "train_state.json"))
     history = state["loss_history"]
     plot_loss(out)

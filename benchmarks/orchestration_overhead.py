@@ -1,0 +1,144 @@
+"""Orchestration overhead: the Ray Train + DeepSpeed training loop against plain PyTorch DDP on
+the same cores, world size, model and global batch, and against one process using all cores.
+
+  PyTorch DDP, 2 processes   torch.nn.parallel.DistributedDataParallel over gloo, AdamW, one
+                             thread each, batches already in memory: the floor of overhead
+  one process, 2 threads     no communication at all, the whole batch in one forward pass
+  lmfoundry pretrain         Ray Train TorchTrainer, 2 workers, DeepSpeed ZeRO-2, Ray Data
+                             streaming the packed shards, metrics, checkpoints
+
+Model: 4 layers, d_model 256, 8 heads (2 key/value heads); 16 sequences x 256 tokens per step.
+tokens/s is the median over logged steps after warm-up (steps 6 onwards).
+
+    python benchmarks/orchestration_overhead.py --steps 40
+
+Prints a table; writes benchmarks/results/orchestration_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SEQ, GLOBAL_SEQS, WARMUP = 256, 16, 5
+
+
+def model_config(vocab: int):
+    from lmfoundry.model.transformer import ModelConfig
+
+    return ModelConfig(vocab_size=vocab, max_seq_len=SEQ, n_layer=4, d_model=256, n_head=8, n_kv_head=2)
+
+
+def _ddp_worker(rank: int, world: int, port: int, vocab: int, steps: int, results) -> None:
+    from lmfoundry.model.transformer import Transformer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(Transformer(model_config(vocab)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = torch.randint(0, vocab, (steps, GLOBAL_SEQS // world, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+    times = []
+    for tokens in batches:
+        start = time.perf_counter()
+        loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        times.append(time.perf_counter() - start)
+    results[rank] = times
+    dist.destroy_process_group()
+
+
+def ddp(vocab: int, steps: int) -> float:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_ddp_worker, args=(2, port, vocab, steps, results), nprocs=2, join=True)
+    step_s = [max(a, b) for a, b in zip(results[0], results[1])][WARMUP:]
+    return GLOBAL_SEQS * SEQ / statistics.median(step_s)
+
+
+def one_process(vocab: int, steps: int) -> float:
+    from lmfoundry.model.transformer import Transformer
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = Transformer(model_config(vocab))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
+    for _ in range(steps):
+        tokens = torch.randint(0, vocab, (GLOBAL_SEQS, SEQ + 1))
+        start = time.perf_counter()
+        loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return GLOBAL_SEQS * SEQ / statistics.median(times[WARMUP:])
+
+
+def lmfoundry_pretrain(packed: str, out: str, steps: int) -> float:
+    from lmfoundry.train.config import PretrainConfig
+    from lmfoundry.train.pretrain import run_pretrain
+
+    cfg = PretrainConfig(data=packed, output=out, model=model_config(0).model_copy(update={"vocab_size": 0}),
+                         num_workers=2, cpus_per_worker=1, zero_stage=2, micro_batch_size=GLOBAL_SEQS // 2,
+                         global_batch_tokens=GLOBAL_SEQS * SEQ, max_steps=steps, warmup_steps=2,
+                         checkpoint_every=steps, log_every=1)
+    run_pretrain(cfg)
+    rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    return statistics.median(r["tokens_per_s"] for r in rows if r["step"] > WARMUP and "checkpoint_blocking_s" not in r)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40)
+    args = p.parse_args()
+
+    from lmfoundry.data.curate import CurateConfig, run_curate
+    from lmfoundry.data.pack import PackConfig, run_pack
+    from lmfoundry.data.sample_corpus import build_sample_corpus
+    from lmfoundry.platform.ray_env import init_ray
+
+    init_ray()
+    figures = {}
+    with tempfile.TemporaryDirectory(prefix="lmf-overhead-") as work:
+        build_sample_corpus(f"{work}/raw", seed=1, shards=2)
+        run_curate(CurateConfig(input=f"{work}/raw", output=f"{work}/curated"))
+        packed = run_pack(PackConfig(input=f"{work}/curated", output=f"{work}/packed", vocab_size=4096, seq_len=SEQ))
+        vocab = packed["vocab_size"]
+        figures["lmfoundry pretrain (Ray Train + DeepSpeed ZeRO-2)"] = lmfoundry_pretrain(
+            f"{work}/packed", f"{work}/run", args.steps)
+    figures["PyTorch DDP, 2 processes"] = ddp(vocab, args.steps)
+    figures["one process, 2 threads"] = one_process(vocab, args.steps)
+    base = figures["PyTorch DDP, 2 processes"]
+    print(f"{'loop':<50} {'tokens/s':>9} {'vs DDP':>7}")
+    for name, tps in figures.items():
+        print(f"{name:<50} {tps:9.0f} {tps / base:7.3f}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "orchestration_overhead.json").write_text(json.dumps({
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "steps": args.steps,
+        "seq_len": SEQ, "sequences_per_step": GLOBAL_SEQS, "tokens_per_s": figures,
+        "ratio_to_ddp": {k: v / base for k, v in figures.items()}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

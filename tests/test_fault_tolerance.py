@@ -1,0 +1,122 @@
+"""Checkpoints that survive crashes, and training that survives killed workers.
+
+Unit tests of the checkpoint store (atomic commit, retention, corruption), then fault drills on
+2 real DeepSpeed workers under Ray Train: workers killed with SIGKILL mid-run and mid-save
+resume to losses bitwise equal to the uninterrupted session run, and a crash loop ends FAILED.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from conftest import tiny_pretrain_config
+
+from lmfoundry.platform import checkpoint
+
+
+def stage(tmp_path: Path, rank: int, step: int, payload: bytes) -> Path:
+    staged = tmp_path / f"stage-{rank}-{step}"
+    (staged / "deepspeed").mkdir(parents=True)
+    (staged / "deepspeed" / f"part-{rank}.bin").write_bytes(payload)
+    return staged
+
+
+def save(run: Path, tmp_path: Path, step: int, world: int = 2, keep_last: int = 2, keep_every: int = 0) -> None:
+    writers = [checkpoint.AsyncCheckpointer(str(run), r, world, keep_last, keep_every) for r in range(world)]
+    for r, w in enumerate(writers):
+        w.save(step, stage(tmp_path, r, step, f"rank {r} step {step}".encode()), {"step": step})
+    for w in writers:
+        w.wait()
+
+
+def test_a_checkpoint_commits_only_when_every_rank_has_written(tmp_path):
+    run = tmp_path / "run"
+    rank1 = checkpoint.AsyncCheckpointer(str(run), 1, 2, keep_last=2)
+    rank1.save(5, stage(tmp_path, 1, 5, b"one"), {"step": 5})
+    rank1.wait()
+    assert checkpoint.committed_checkpoints(str(run)) == []  # rank 0 has not written: no manifest
+    rank0 = checkpoint.AsyncCheckpointer(str(run), 0, 2, keep_last=2)
+    rank0.save(5, stage(tmp_path, 0, 5, b"zero"), {"step": 5})
+    rank0.wait()
+    [(step, uri)] = checkpoint.committed_checkpoints(str(run))
+    manifest = checkpoint.verify(uri)
+    assert step == 5 and set(manifest["files"]) == {"deepspeed/part-0.bin", "deepspeed/part-1.bin"}
+    assert not any((tmp_path / f"stage-{r}-5").exists() for r in (0, 1))  # staging cleared
+
+
+def test_a_save_cut_short_is_never_taken_for_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    save(run, tmp_path, 10)
+
+    def crash(step):
+        raise KeyboardInterrupt("killed mid-save")
+
+    writer = checkpoint.AsyncCheckpointer(str(run), 0, 1, keep_last=2, before_commit=crash)
+    writer.save(20, stage(tmp_path, 0, 20, b"half"), {"step": 20})
+    with pytest.raises(RuntimeError, match="persisting a checkpoint failed: killed mid-save"):
+        writer.wait()
+    assert (run / "checkpoints" / "step-00000020").is_dir()
+    assert checkpoint.latest_valid(str(run)).endswith("step-00000010")
+    assert [Path(u).name for u in checkpoint.remove_uncommitted(str(run))] == ["step-00000020"]
+
+
+def test_retention_keeps_the_last_k_every_mth_and_always_the_newest(tmp_path):
+    assert checkpoint.to_delete([100, 200, 300, 400, 500], keep_last=2) == [100, 200, 300]
+    assert checkpoint.to_delete([100, 200, 300, 400, 500], keep_last=2, keep_every=200) == [100, 300]
+    assert checkpoint.to_delete([7], keep_last=2) == []
+    run = tmp_path / "run"
+    for step in (10, 20, 30, 40, 50):
+        save(run, tmp_path, step, keep_last=2, keep_every=20)
+    assert [s for s, _ in checkpoint.committed_checkpoints(str(run))] == [20, 40, 50]
+
+
+def test_a_corrupt_checkpoint_is_skipped_loudly(tmp_path, caplog):
+    run = tmp_path / "run"
+    save(run, tmp_path, 10)
+    save(run, tmp_path, 20)
+    part = run / "checkpoints" / "step-00000020" / "deepspeed" / "part-1.bin"
+    part.write_bytes(b"bit rot" + part.read_bytes()[7:])
+    with caplog.at_level(logging.ERROR, logger="lmfoundry.platform.checkpoint"):
+        assert checkpoint.latest_valid(str(run)).endswith("step-00000010")
+    assert "step 20 is corrupt" in caplog.text and "part-1.bin does not match its checksum" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_killed_workers_resume_to_bitwise_equal_losses(ray_local, packed, pretrained, tmp_path):
+    """The session's reference run again, with rank 1 killed after step 15 and rank 0 killed
+    while step 30's checkpoint is being written: two restarts, resumed from steps 10 and 20."""
+    from lmfoundry.train.config import FaultDrill
+    from lmfoundry.train.pretrain import run_pretrain
+
+    out = tmp_path / "drilled"
+    drills = [FaultDrill(at_step=15, rank=1), FaultDrill(at_step=30, rank=0, during_save=True)]
+    manifest = run_pretrain(tiny_pretrain_config(packed[0], str(out), drills=drills, max_failures=2))
+    assert len(list((out / "_drills").iterdir())) == 2  # both drills fired
+    reference = [json.loads(line) for line in open(Path(pretrained[0]) / "metrics.jsonl")]
+    drilled = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in drilled] == list(range(1, 41))  # every step once: none skipped or repeated
+    assert [r["loss"] for r in drilled] == [r["loss"] for r in reference]  # bitwise
+    assert [r["grad_norm"] for r in drilled] == [r["grad_norm"] for r in reference]
+    assert manifest["final_loss"] == pretrained[1]["final_loss"]
+    state = json.loads((out / manifest["final_checkpoint"] / "train_state.json").read_text())
+    assert state["step"] == 40 and state["tokens_seen"] == 40 * 2 * 4 * 64 * 2
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_crash_loop_ends_failed_after_max_failures(ray_local, packed, tmp_path):
+    from lmfoundry.train.config import FaultDrill
+    from lmfoundry.train.pretrain import run_pretrain
+
+    out = tmp_path / "crashloop"
+    cfg = tiny_pretrain_config(packed[0], str(out), max_steps=6, warmup_steps=1, checkpoint_every=3,
+                               max_failures=1, drills=[FaultDrill(at_step=4, rank=1, every_attempt=True)])
+    with pytest.raises(RuntimeError, match="pretraining failed after 1 restarts at most"):
+        run_pretrain(cfg)
+    assert len(list((out / "_drills").iterdir())) == 2  # the first attempt and its one restart
+    assert not (out / "_MANIFEST.json").exists()
+    assert [s for s, _ in checkpoint.committed_checkpoints(str(out))] == [3]  # the work that survived

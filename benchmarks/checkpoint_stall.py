@@ -47,6 +47,7 @@ def main() -> None:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     seq = 128
     model = ModelConfig(vocab_size=args.vocab, max_seq_len=seq, n_layer=args.layers, d_model=args.d_model,

@@ -120,3 +120,23 @@ def test_a_crash_loop_ends_failed_after_max_failures(ray_local, packed, tmp_path
     assert len(list((out / "_drills").iterdir())) == 2  # the first attempt and its one restart
     assert not (out / "_MANIFEST.json").exists()
     assert [s for s, _ in checkpoint.committed_checkpoints(str(out))] == [3]  # the work that survived
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_loss_spike_rolls_back_and_skips_the_batches(ray_local, packed, tmp_path):
+    """Step 12 runs with its learning rate multiplied by 10^4: step 13's loss explodes, the run
+    goes back to the checkpoint of step 10 and trains on past the batches of steps 11-13."""
+    from lmfoundry.train.config import FaultDrill
+    from lmfoundry.train.pretrain import run_pretrain
+
+    out = tmp_path / "spike"
+    cfg = tiny_pretrain_config(packed[0], str(out), max_steps=20, checkpoint_every=5, spike_factor=3.0,
+                               spike_window=6, drills=[FaultDrill(at_step=12, kind="lr_spike", lr_factor=1e4)])
+    manifest = run_pretrain(cfg)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 21))  # the spiked steps were rolled back
+    assert [r["rollbacks"] for r in rows] == [0] * 10 + [1] * 10
+    losses = [r["loss"] for r in rows]
+    assert max(losses[10:]) < 1.5 * losses[9]  # no trace of the spike after the rollback
+    assert manifest["final_loss"] < manifest["first_loss"] - 0.5

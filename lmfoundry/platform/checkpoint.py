@@ -120,10 +120,12 @@ def committed_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def latest_valid(run_dir: str) -> str | None:
-    """The newest committed checkpoint whose files match their checksums; corrupt ones are
-    reported loudly and passed over."""
+def latest_valid(run_dir: str, before_step: int | None = None) -> str | None:
+    """The newest committed checkpoint (older than `before_step`, when given) whose files match
+    their checksums; corrupt ones are reported loudly and passed over."""
     for step, uri in reversed(committed_checkpoints(run_dir)):
+        if before_step is not None and step >= before_step:
+            continue
         try:
             verify(uri)
             return uri

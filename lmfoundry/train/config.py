@@ -16,10 +16,14 @@ logger = get_logger(__name__)
 class FaultDrill(StageConfig):
     """A real failure injected on purpose, to prove recovery: the worker of `rank` kills its own
     process with SIGKILL after optimizer step `at_step` (or, with `during_save`, while that
-    step's checkpoint is being written). Once per run unless `every_attempt`."""
+    step's checkpoint is being written), or (`lr_spike`) every worker takes step `at_step` with
+    its learning rate multiplied, which blows the loss up. Once per run unless `every_attempt`."""
 
     at_step: int = Field(..., ge=1)
     rank: int = Field(0, ge=0)
+    kind: Literal["kill", "lr_spike"] = Field("kill", description="kill: SIGKILL the worker; lr_spike: "
+                                               "multiply the learning rate of step at_step by lr_factor")
+    lr_factor: float = Field(1e4, gt=0)
     during_save: bool = False
     every_attempt: bool = False
 
@@ -55,6 +59,10 @@ class PretrainConfig(StageConfig):
     shuffle_buffer: int = Field(1024, ge=0, description="sequences in the seeded local shuffle (0: file order)")
     stage_dir: str | None = Field(None, description="local directory where checkpoints are staged before "
                                   "the upload; default: shared memory (/dev/shm) where there is some")
+    spike_factor: float | None = Field(None, gt=1, description="a step loss above this multiple of the "
+                                       "running median rolls back to the last checkpoint before it and skips the "
+                                       "batches since (None: off)")
+    spike_window: int = Field(20, ge=2, description="steps in the running median of the loss")
     drills: list[FaultDrill] = Field(default_factory=list, description="failures to inject")
     log_every: int = Field(10, ge=1)
     peak_tflops_per_worker: float | None = Field(

@@ -12,11 +12,14 @@ continues as if nothing had happened.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import math
 import os
 import random
 import signal
+import statistics
 import tempfile
 import time
 import uuid
@@ -35,7 +38,7 @@ from lmfoundry.platform.hardware import device_peak_tflops
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train.config import FaultDrill, PretrainConfig, deepspeed_config
 from lmfoundry.train.expert_parallel import full_state, shard_model
-from lmfoundry.train.snapshot import SnapshotCheckpointEngine, snapshot
+from lmfoundry.train.snapshot import SnapshotCheckpointEngine
 
 logger = get_logger(__name__)
 
@@ -83,30 +86,54 @@ def write_metrics(run_dir: str, history: list[dict]) -> None:
 
 
 class Drills:
-    """Fault drills (see FaultDrill): this worker kills its own process where one is due.
-    Each firing leaves a marker in RUN/_drills, so a drill fires once across restarts."""
+    """Fault drills (see FaultDrill), fired where one is due. Each firing leaves a marker in
+    RUN/_drills, so a drill fires once across restarts and rollbacks."""
 
     def __init__(self, drills: list[FaultDrill], rank: int, run_dir: str):
-        self.mine = [(i, d) for i, d in enumerate(drills) if d.rank == rank]
+        self.drills = list(enumerate(drills))
         self.rank, self.markers = rank, storage.join(run_dir, "_drills")
 
-    def _fire_if_due(self, step: int, during_save: bool) -> None:
-        for i, drill in self.mine:
-            if drill.at_step != step or drill.during_save != during_save:
+    def _pending(self, step: int, kind: str, during_save: bool = False, any_rank: bool = False):
+        """(index, drill) of the drills due here that have not fired yet (or fire every attempt)."""
+        due = []
+        for i, drill in self.drills:
+            if (drill.at_step, drill.kind, drill.during_save) != (step, kind, during_save):
+                continue
+            if drill.rank != self.rank and not any_rank:
                 continue
             fired = [f for f in storage.list_files(self.markers) if f.rsplit("/", 1)[-1].startswith(f"drill-{i}-")]
-            if fired and not drill.every_attempt:
-                continue
-            storage.write_bytes_atomic(storage.join(self.markers, f"drill-{i}-{uuid.uuid4().hex[:8]}"), b"")
-            logger.warning("fault drill %d: killing rank %d (pid %d) %s step %d", i, self.rank, os.getpid(),
+            if not fired or drill.every_attempt:
+                due.append((i, drill))
+        return due
+
+    def _mark(self, i: int) -> None:
+        storage.write_bytes_atomic(storage.join(self.markers, f"drill-{i}-{uuid.uuid4().hex[:8]}"), b"")
+
+    def _kill(self, step: int, during_save: bool) -> None:
+        for i, _ in self._pending(step, "kill", during_save):
+            self._mark(i)
+            logger.warning("fault drill: killing rank %d (pid %d) %s step %d", self.rank, os.getpid(),
                            "while saving" if during_save else "after", step)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_step(self, step: int) -> None:
-        self._fire_if_due(step, during_save=False)
+        self._kill(step, during_save=False)
 
     def during_save(self, step: int) -> None:
-        self._fire_if_due(step, during_save=True)
+        self._kill(step, during_save=True)
+
+    def before_optimizer_step(self, step: int, optimizer) -> None:
+        """Collective: every replica of the weights must take the same spike."""
+        import torch.distributed as dist
+
+        due = self._pending(step, "lr_spike", any_rank=True)
+        dist.barrier()  # every rank has decided before the marker appears
+        for i, drill in due:
+            if drill.rank == self.rank:
+                self._mark(i)
+                logger.warning("fault drill: step %d with its learning rate multiplied by %g", step, drill.lr_factor)
+            for group in optimizer.param_groups:
+                group["lr"] *= drill.lr_factor
 
 
 def _stage_root(cfg: PretrainConfig) -> Path:
@@ -138,13 +165,14 @@ def stage_checkpoint(engine, rank: int, step: int, state: dict, tokenizer_json: 
     the files go to and the function that writes them there (for the background thread)."""
     root.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f"lmfoundry-{checkpoint.step_name(step)}-rank{rank}-", dir=root))
+    pool = engine.checkpoint_engine.pool
     engine.save_checkpoint(str(staged / "deepspeed"), tag="state", save_latest=False)
-    write_deepspeed = engine.checkpoint_engine.take_writer()
     rng = _rng_state()
     # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
-    own_experts = snapshot(engine.module.state_dict()) if _expert_parallel(engine) else None
+    own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
     weights = full_state(engine.module)  # collective: gathers sharded experts
-    weights = snapshot(weights) if rank == 0 else None
+    weights = pool.snapshot(weights, ("servable",)) if rank == 0 else None
+    write_deepspeed = engine.checkpoint_engine.take_writer()  # marks the pool busy until written
     module = engine.module
 
     def write() -> None:
@@ -160,16 +188,17 @@ def stage_checkpoint(engine, rank: int, step: int, state: dict, tokenizer_json: 
     return staged, write
 
 
-def resume(engine, run_dir: str, rank: int, world: int) -> dict | None:
-    """Load the newest valid checkpoint of the run into the engine; its training state, or None
-    for a fresh run. Rank 0 chooses (and clears saves cut short), so every rank loads the same."""
+def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None = None) -> dict | None:
+    """Load the newest valid checkpoint of the run (older than `before_step`, when given) into
+    the engine; its training state, or None when there is none. Rank 0 chooses (and clears
+    saves cut short), so every rank loads the same."""
     import torch.distributed as dist
 
     chosen = [None]
     if rank == 0:
         for uri in checkpoint.remove_uncommitted(run_dir):
             logger.warning("removed checkpoint %s: its save was cut short (no manifest)", uri)
-        chosen = [checkpoint.latest_valid(run_dir)]
+        chosen = [checkpoint.latest_valid(run_dir, before_step)]
     dist.broadcast_object_list(chosen, src=0)
     if chosen[0] is None:
         return None
@@ -258,7 +287,9 @@ def train_loop(loop_config: dict) -> None:
     state = resume(engine, run_dir, rank, world) or {}
     step, epoch, position = state.get("step", 0), state.get("epoch", 0), state.get("batches_in_epoch", 0)
     history: list[dict] = state.get("history", [])  # every logged step's metrics, for metrics.jsonl
-    skipped = state.get("skipped_batches", 0)
+    skipped, rollbacks = state.get("skipped_batches", 0), state.get("rollbacks", 0)
+    recent: collections.deque[float] = collections.deque(maxlen=cfg.spike_window)  # step losses
+    step_sum, step_count, nonfinite_run = 0.0, 0, 0
 
     moe_layers = engine.module.moe_layers()
     expert_load = [torch.zeros(m.cfg.num_experts) for m in moe_layers]  # summed over one optimizer step
@@ -277,21 +308,60 @@ def train_loop(loop_config: dict) -> None:
             position = index + 1
             finite = torch.tensor([float(torch.isfinite(loss.detach()).item())])
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            diverged, damaged_since = None, step  # why we must roll back, and from which update on
             if not finite.item():  # on any rank: every rank passes over this micro-batch
-                skipped += 1
+                skipped, nonfinite_run = skipped + 1, nonfinite_run + 1
                 logger.warning("step %d: non-finite loss on some rank; micro-batch %d of epoch %d skipped",
                                step + 1, index, epoch)
-                continue
-            for load, layer in zip(expert_load, moe_layers):
-                load += layer.stats.tokens_per_expert
-            engine.backward(loss)
-            engine.step()
-            micro += 1
-            loss_sum += loss.item()
-            loss_count += 1
-            if micro % accum:
-                continue
-            step += 1
+                if nonfinite_run < 2 * accum:
+                    continue
+                diverged = f"{nonfinite_run} micro-batches in a row had a non-finite loss"
+            else:
+                nonfinite_run = 0
+                for load, layer in zip(expert_load, moe_layers):
+                    load += layer.stats.tokens_per_expert
+                engine.backward(loss)
+                if (micro + 1) % accum == 0:
+                    drills.before_optimizer_step(step + 1, engine.optimizer)
+                engine.step()
+                micro += 1
+                loss_sum, step_sum = loss_sum + loss.item(), step_sum + loss.item()
+                loss_count, step_count = loss_count + 1, step_count + 1
+                if micro % accum:
+                    continue
+                step += 1
+                if cfg.spike_factor:
+                    step_loss = _mean_across_ranks(step_sum / step_count)
+                    median = statistics.median(recent) if len(recent) >= recent.maxlen // 2 else math.inf
+                    if step_loss > cfg.spike_factor * median:
+                        diverged = f"loss {step_loss:.3f} is above {cfg.spike_factor:g} x the running median {median:.3f}"
+                        damaged_since = step - 1  # this step's loss already saw the update before it
+                    else:
+                        recent.append(step_loss)
+                step_sum, step_count = 0.0, 0
+            if diverged:
+                if not cfg.spike_factor:
+                    raise RuntimeError(f"training diverged at step {step}: {diverged} (set spike_factor to roll back)")
+                # go back to a checkpoint written before the damage and keep the data position, so
+                # the batches trained on since that checkpoint are skipped
+                logger.error("step %d: %s; rolling back", step, diverged)
+                checkpointer.wait()
+                dist.barrier()
+                here = (epoch, position)
+                state = resume(engine, run_dir, rank, world, before_step=damaged_since)
+                if state is None:
+                    raise RuntimeError(f"training diverged at step {step} ({diverged}) and no checkpoint before "
+                                       f"step {damaged_since} is there to roll back to")
+                logger.error("rolled back from step %d to step %d; the batches in between are skipped", step,
+                             state["step"])
+                step, history = state["step"], state["history"]
+                epoch, position = here
+                rollbacks += 1
+                micro, loss_sum, loss_count, step_sum, step_count, nonfinite_run = 0, 0.0, 0, 0.0, 0, 0
+                recent.clear()
+                t_last, step_last = time.time(), step
+                finished_epoch = False
+                break
             if moe_layers:
                 step_loads = _balance_experts(moe_layers, expert_load)
             last = step == cfg.max_steps
@@ -306,7 +376,7 @@ def train_loop(loop_config: dict) -> None:
                     "step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                     "grad_norm": float(engine.get_global_grad_norm() or 0.0), "tokens_per_s": tokens_per_s,
                     "step_time_s": (now - t_last) / max(step - step_last, 1), "tflops_per_worker": tflops,
-                    "skipped_batches": skipped, "time": now,
+                    "skipped_batches": skipped, "rollbacks": rollbacks, "time": now,
                 }
                 if peak:
                     metrics["mfu"] = tflops / peak
@@ -320,9 +390,11 @@ def train_loop(loop_config: dict) -> None:
                                 f" expert imbalance {metrics['expert_imbalance']:.2f}" if moe_layers else "")
                 if save:
                     blocked = time.perf_counter()
+                    checkpointer.wait()  # the snapshot buffers are free once the last save is written
                     train_state = {
                         "step": step, "epoch": epoch, "batches_in_epoch": position, "world_size": world,
                         "tokens_seen": step * tokens_per_step, "loss": mean_loss, "skipped_batches": skipped,
+                        "rollbacks": rollbacks,
                         "history": history, "loss_history": [[h["step"], h["loss"]] for h in history],
                         "seed": cfg.seed, "config": cfg.model_dump(mode="json"),
                     }

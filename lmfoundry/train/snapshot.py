@@ -7,34 +7,52 @@ keeps a private copy of the state in memory (tensors cloned, so the optimizer st
 cannot change it) with the path it belongs to, and `write_pending` serialises those copies
 later, from the checkpointer's background thread (platform/checkpoint.py). The files are
 DeepSpeed's own, so `engine.load_checkpoint` reads them back unchanged.
+
+The copies go into buffers kept from the previous save (`SnapshotPool`): copying into memory
+that is already mapped costs a quarter of allocating it afresh, which is most of what the loop
+waits for. A pool's buffers are reused only once the previous save's writer has finished.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 
-def snapshot(obj):
-    """A copy of a (nested) state dict whose tensors share no memory with the originals."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, snapshot(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(snapshot(v) for v in obj)
-    return obj
+class SnapshotPool:
+    """CPU buffers for snapshots, kept by where each tensor sits in its state dict."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.busy = False  # a writer still reads the buffers
+
+    def snapshot(self, obj, key: tuple = ()):
+        """A copy of a (nested) state dict whose tensors share no memory with the originals."""
+        if self.busy:
+            raise RuntimeError("snapshot taken while the previous checkpoint is still being written")
+        if isinstance(obj, torch.Tensor):
+            buf = self.buffers.get(key)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = self.buffers[key] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu")
+            return buf.copy_(obj.detach())
+        if isinstance(obj, dict):
+            return type(obj)((k, self.snapshot(v, (*key, k))) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(self.snapshot(v, (*key, i)) for i, v in enumerate(obj))
+        return obj
 
 
 class SnapshotCheckpointEngine(TorchCheckpointEngine):
     def __init__(self, config_params=None):
         super().__init__(config_params)
+        self.pool = SnapshotPool()
         self.pending: list[tuple[str, object]] = []
 
     def save(self, state_dict, path: str) -> None:
-        self.pending.append((path, snapshot(state_dict)))
+        self.pending.append((path, self.pool.snapshot(state_dict, (Path(path).name,))))
 
     def preserves_storage_sharing(self) -> bool:
         return False  # DeepSpeed need not clone first: save() copies anyway
@@ -42,9 +60,13 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
     def take_writer(self) -> Callable[[], None]:
         """The pending snapshots, as one function that writes them (and forgets them)."""
         pending, self.pending = self.pending, []
+        self.pool.busy = True
 
         def write() -> None:
-            for path, state in pending:
-                torch.save(state, path, _use_new_zipfile_serialization=self.zipfile_serialization)
+            try:
+                for path, state in pending:
+                    torch.save(state, path, _use_new_zipfile_serialization=self.zipfile_serialization)
+            finally:
+                self.pool.busy = False
 
         return write

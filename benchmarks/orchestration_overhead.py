@@ -43,16 +43,9 @@ def model_config(vocab: int):
     return ModelConfig(vocab_size=vocab, max_seq_len=SEQ, n_layer=4, d_model=256, n_head=8, n_kv_head=2)
 
 
-def _ddp_worker(rank: int, world: int, port: int, vocab: int, steps: int, results) -> None:
-    from lmfoundry.model.transformer import Transformer
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(Transformer(model_config(vocab)))
+def timed_steps(model, batches) -> list[float]:
+    """Seconds per optimizer step (forward, backward, clipping, AdamW) over the batches."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = torch.randint(0, vocab, (steps, GLOBAL_SEQS // world, SEQ + 1), generator=torch.Generator().manual_seed(rank))
     times = []
     for tokens in batches:
         start = time.perf_counter()
@@ -63,7 +56,19 @@ def _ddp_worker(rank: int, world: int, port: int, vocab: int, steps: int, result
         opt.zero_grad(set_to_none=True)
         loss.item()
         times.append(time.perf_counter() - start)
-    results[rank] = times
+    return times
+
+
+def _ddp_worker(rank: int, world: int, port: int, vocab: int, steps: int, results) -> None:
+    from lmfoundry.model.transformer import Transformer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(Transformer(model_config(vocab)))
+    batches = torch.randint(0, vocab, (steps, GLOBAL_SEQS // world, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+    results[rank] = timed_steps(model, batches)
     dist.destroy_process_group()
 
 
@@ -82,18 +87,8 @@ def one_process(vocab: int, steps: int) -> float:
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = Transformer(model_config(vocab))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times = []
-    for _ in range(steps):
-        tokens = torch.randint(0, vocab, (GLOBAL_SEQS, SEQ + 1))
-        start = time.perf_counter()
-        loss = model(tokens[:, :-1], tokens[:, 1:])[1]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
+    batches = torch.randint(0, vocab, (steps, GLOBAL_SEQS, SEQ + 1))
+    times = timed_steps(Transformer(model_config(vocab)), batches)
     return GLOBAL_SEQS * SEQ / statistics.median(times[WARMUP:])
 
 

@@ -84,6 +84,15 @@ def test_a_corrupt_checkpoint_is_skipped_loudly(tmp_path, caplog):
     assert "step 20 is corrupt" in caplog.text and "part-1.bin does not match its checksum" in caplog.text
 
 
+def test_stragglers_are_named_by_rank_and_host():
+    from lmfoundry.train.loop import stragglers
+
+    busy = [(2.0, "node-a"), (2.2, "node-a"), (4.1, "node-b"), (2.9, "node-c")]
+    assert [(rank, host) for rank, host, _ in stragglers(busy, 1.4)] == [(2, "node-b"), (3, "node-c")]
+    assert stragglers(busy, 2.1) == []
+    assert stragglers([(0.0, "a"), (1.0, "b")], 1.5) == []  # nothing measured yet
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_killed_workers_resume_to_bitwise_equal_losses(ray_local, packed, pretrained, tmp_path):

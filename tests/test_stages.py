@@ -70,6 +70,7 @@ def test_pretrain_with_deepspeed_lowers_the_loss_and_writes_a_self_describing_ch
     # rolling retention: the newest two of the checkpoints at 10, 20, 30, 40
     assert [step for step, _ in checkpoint.committed_checkpoints(out)] == [30, 40]
     assert all(r["tokens_per_s"] > 0 and r["tflops_per_worker"] > 0 and "mfu" not in r for r in rows)
+    assert all(len(r["worker_busy_s"]) == 2 and min(r["worker_busy_s"]) > 0 for r in rows)
     assert open(f"{out}/loss.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert json.load(open(f"{ckpt}/model_config.json"))["vocab_size"] == packed[1]["vocab_size"]
 

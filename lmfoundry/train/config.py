@@ -63,6 +63,8 @@ class PretrainConfig(StageConfig):
                                        "running median rolls back to the last checkpoint before it and skips the "
                                        "batches since (None: off)")
     spike_window: int = Field(20, ge=2, description="steps in the running median of the loss")
+    straggler_factor: float = Field(1.5, gt=1, description="a worker busier than this multiple of the "
+                                    "fastest one over a logging interval is reported as a straggler")
     drills: list[FaultDrill] = Field(default_factory=list, description="failures to inject")
     log_every: int = Field(10, ge=1)
     peak_tflops_per_worker: float | None = Field(

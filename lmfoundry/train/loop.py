@@ -19,6 +19,7 @@ import math
 import os
 import random
 import signal
+import socket
 import statistics
 import tempfile
 import time
@@ -76,6 +77,27 @@ def _balance_experts(moe_layers, expert_load: list[torch.Tensor]) -> list[list[i
 def imbalance(loads: list[list[int]]) -> float:
     """The worst layer's max over mean tokens per expert: 1.0 is perfectly even."""
     return max(max(layer) / max(sum(layer) / len(layer), 1e-9) for layer in loads)
+
+
+def stragglers(busy: list[tuple[float, str]], factor: float) -> list[tuple[int, str, float]]:
+    """(rank, host, ratio) of the workers whose busy time (waiting for data plus the forward
+    pass, which involves no collective) exceeds `factor` times the fastest worker's."""
+    fastest = min(seconds for seconds, _ in busy)
+    if fastest <= 0:
+        return []
+    return [(rank, host, seconds / fastest) for rank, (seconds, host) in enumerate(busy) if seconds > factor * fastest]
+
+
+def _timed(iterable):
+    """The items of an iterable, each with the seconds spent waiting for it."""
+    iterator = iter(iterable)
+    while True:
+        start = time.perf_counter()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        yield item, time.perf_counter() - start
 
 
 def write_metrics(run_dir: str, history: list[dict]) -> None:
@@ -290,6 +312,7 @@ def train_loop(loop_config: dict) -> None:
     skipped, rollbacks = state.get("skipped_batches", 0), state.get("rollbacks", 0)
     recent: collections.deque[float] = collections.deque(maxlen=cfg.spike_window)  # step losses
     step_sum, step_count, nonfinite_run = 0.0, 0, 0
+    busy_s, host = 0.0, socket.gethostname()  # this worker's data waits and forward passes, per log interval
 
     moe_layers = engine.module.moe_layers()
     expert_load = [torch.zeros(m.cfg.num_experts) for m in moe_layers]  # summed over one optimizer step
@@ -302,11 +325,13 @@ def train_loop(loop_config: dict) -> None:
     device = engine.device
     while step < cfg.max_steps:
         finished_epoch = True
-        for index, tokens in micro_batches(shard, cfg, rank, world, epoch, position):
+        for (index, tokens), waited in _timed(micro_batches(shard, cfg, rank, world, epoch, position)):
+            started = time.perf_counter()
             tokens = tokens.to(device)
             loss = engine(tokens[:, :-1], tokens[:, 1:])[1]  # the logits are not kept alive
             position = index + 1
             finite = torch.tensor([float(torch.isfinite(loss.detach()).item())])
+            busy_s += waited + time.perf_counter() - started
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
             diverged, damaged_since = None, step  # why we must roll back, and from which update on
             if not finite.item():  # on any rank: every rank passes over this micro-batch
@@ -378,6 +403,14 @@ def train_loop(loop_config: dict) -> None:
                     "step_time_s": (now - t_last) / max(step - step_last, 1), "tflops_per_worker": tflops,
                     "skipped_batches": skipped, "rollbacks": rollbacks, "time": now,
                 }
+                busy = [None] * world
+                dist.all_gather_object(busy, (busy_s, host))
+                busy_s = 0.0
+                metrics["worker_busy_s"] = [seconds for seconds, _ in busy]
+                for slow_rank, slow_host, ratio in stragglers(busy, cfg.straggler_factor):
+                    if rank == 0:
+                        logger.warning("step %d: rank %d on %s is a straggler: %.2f x the fastest worker's data "
+                                       "and forward time", step, slow_rank, slow_host, ratio)
                 if peak:
                     metrics["mfu"] = tflops / peak
                 if moe_layers:

@@ -44,10 +44,11 @@ def test_curate_job_submitted_to_a_local_cluster_succeeds(sample_corpus, tmp_pat
                   "--working-dir", str(REPO), "--",
                   "python", "-m", "lmfoundry.jobs.curate", "configs/curate.yaml",
                   "--input", sample_corpus[0], "--output", str(out)]
-        deadline = time.time() + 120
-        while True:  # the job API answers once the dashboard is up
+        deadline = time.time() + 240
+        starting = ("Failed to connect", "No available agent")  # dashboard, then job agent, not up yet
+        while True:
             r = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-            if r.returncode == 0 or time.time() > deadline or "Failed to connect" not in r.stdout + r.stderr:
+            if r.returncode == 0 or time.time() > deadline or not any(s in r.stdout + r.stderr for s in starting):
                 break
             time.sleep(3)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -29,3 +29,16 @@ def test_bf16_on_gpu_by_default():
 def test_warmup_must_be_shorter_than_training():
     with pytest.raises(ValueError, match="warmup_steps"):
         cfg(max_steps=10, warmup_steps=10)
+
+
+def test_too_little_data_for_one_micro_batch_is_refused_before_training(tmp_path):
+    import json
+
+    from lmfoundry.train.pretrain import run_pretrain
+
+    (tmp_path / "_MANIFEST.json").write_text(json.dumps({
+        "stage": "pack", "seq_len": 128, "vocab_size": 512, "tokenizer": "tokenizer.json",
+        "splits": {"train": {"sequences": 10}}}))
+    with pytest.raises(ValueError, match="holds 10 training sequences, fewer than one global micro-batch"):
+        run_pretrain(PretrainConfig(data=str(tmp_path), output=str(tmp_path / "run"), global_batch_tokens=2 * 8 * 128))
+    assert not (tmp_path / "run").exists()

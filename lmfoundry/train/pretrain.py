@@ -77,6 +77,11 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     cfg = resolve_model_shape(cfg, pack)
     seq_len = pack["seq_len"]
     gradient_accumulation(cfg, cfg.num_workers, seq_len)  # fail now, not inside the workers
+    sequences, per_micro_step = pack["splits"]["train"]["sequences"], cfg.num_workers * cfg.micro_batch_size
+    if sequences < per_micro_step:  # an epoch would hold no micro-batch, and training no step
+        raise ValueError(f"pretrain data {cfg.data!r} holds {sequences} training sequences, fewer than one global "
+                         f"micro-batch (num_workers x micro_batch_size = {per_micro_step}); pack more text or "
+                         "lower micro_batch_size")
     out = storage.normalize(cfg.output)
     if storage.is_committed(out) and not cfg.overwrite:
         logger.info("pretrain: %s is already committed; skipping (set overwrite=true to redo)", out)

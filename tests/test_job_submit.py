@@ -23,7 +23,7 @@ def ray_cli() -> str:
 
 
 def test_curate_job_submitted_to_a_local_cluster_succeeds(sample_corpus, tmp_path):
-    gcs, dash = free_port(), free_port()
+    gcs, dash, agent = free_port(), free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths have a length limit
     # The entrypoint's `python` is looked up on the PATH the cluster was started with, as on a
     # cluster node whose PATH holds the environment lmfoundry is installed in.
@@ -33,7 +33,10 @@ def test_curate_job_submitted_to_a_local_cluster_succeeds(sample_corpus, tmp_pat
     # --block keeps `ray start` in the foreground; terminating it stops exactly this cluster.
     head = subprocess.Popen(
         [ray_cli(), "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
-         "--dashboard-host=127.0.0.1", "--num-cpus=4", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+         "--dashboard-host=127.0.0.1", "--num-cpus=4", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+         # the job agent's HTTP port is fixed by default (52365): another Ray on this machine
+         # (the session's local one) would hold it and the job API would have no agent
+         f"--dashboard-agent-listen-port={agent}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:

@@ -148,6 +148,8 @@ class Drills:
         """Collective: every replica of the weights must take the same spike."""
         import torch.distributed as dist
 
+        if not any(d.kind == "lr_spike" and d.at_step == step for _, d in self.drills):
+            return  # the same on every rank: no collective on the hot path without a drill
         due = self._pending(step, "lr_spike", any_rank=True)
         dist.barrier()  # every rank has decided before the marker appears
         for i, drill in due:

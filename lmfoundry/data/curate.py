@@ -1,208 +1,442 @@
-"""The curation pipeline on Ray Data: read, normalise, filter, exact dedup, write.
+"""The curation pipeline on Ray Data, resumable shard by shard.
 
-Output layout under `output`:
-  kept/        Parquet of the documents that passed (all input fields carried through)
-  rejected/    Parquet of the others, each with its `reason`
-  report.json  counts by reason, characters in and out, timings
-  _MANIFEST.json  written last: the stage is complete
+Phases, each committed piece by piece so that a killed run, rerun with the same config, redoes
+only what was not finished and ends with the same output as a clean run:
+
+1. documents  per input shard (a file, or a group of .txt files), in a Ray Data actor pool that
+              holds the models (language, harm, quality): every per-document stage
+              (`documents.DocumentProcessor`) -> `_work/docs/shard-NNNNN.parquet` + marker
+2. dedup      exact (same normalised text) and fuzzy (MinHash LSH, verified Jaccard, connected
+              components) over all shards with Ray Data groupbys -> `_work/dedup/*.parquet` + marker
+3. write      per shard: the dedup decisions applied -> `kept/shard-NNNNN.parquet`,
+              `rejected/shard-NNNNN.parquet` (every row with `reason` and `stage`) + marker
+4. report     `report.json`, `report.html`, the quality checklist; `_MANIFEST.json` last
+
+Files are written under a temporary name and renamed; the marker of a shard is written after its
+files. Output names depend only on the input's sorted file list, so reruns write the same names.
 """
 
 from __future__ import annotations
 
-import hashlib
+import io
+import json
 import time
 from typing import Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from pydantic import Field
 
-from lmfoundry.data.filters import HeuristicFilter, HeuristicFilterConfig
-from lmfoundry.data.normalize import normalize_text
+from lmfoundry.data.dedup import DedupConfig
+from lmfoundry.data.density import DensityConfig
+from lmfoundry.data.documents import INTERNAL_COLUMNS, KEPT, SHARD_BITS, DocumentProcessor
+from lmfoundry.data.filters import HeuristicFilterConfig
+from lmfoundry.data.harm import HarmConfig
+from lmfoundry.data.langid import LanguageConfig
+from lmfoundry.data.pii import PIIConfig
+from lmfoundry.data.quality import QualityConfig
+from lmfoundry.data.report import ChecklistConfig, build_report, shard_stats
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
 
 logger = get_logger(__name__)
 
-INPUT_SUFFIXES = {"jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"), "parquet": (".parquet",)}
-KEPT = ""  # the `reason` of a kept document
+INPUT_SUFFIXES = {"jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"), "parquet": (".parquet",), "text": (".txt",)}
+WORK = "_work"
 
 
 class CurateConfig(StageConfig):
-    input: str = Field(..., description="file or folder of jsonl(.gz) or parquet, local or s3://")
+    input: str = Field(..., description="file or folder of jsonl(.gz), parquet or .txt files, local or s3://")
     output: str
-    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    format: Literal["auto", "jsonl", "parquet", "text"] = "auto"
     text_field: str = "text"
     id_field: str = "id"
     limit: int | None = Field(None, ge=1, description="read at most this many documents (trials)")
+    text_files_per_shard: int = Field(1000, ge=1, description=".txt input: files (documents) per shard")
+    batch_rows: int = Field(1000, ge=1, description="documents per processing batch")
     drop_boilerplate_lines: bool = True
+    language: LanguageConfig = LanguageConfig()
     filters: HeuristicFilterConfig = HeuristicFilterConfig()
-    exact_dedup: bool = True
+    pii: PIIConfig = PIIConfig()
+    harm: HarmConfig = HarmConfig()
+    quality: QualityConfig = QualityConfig()
+    density: DensityConfig = DensityConfig()
+    dedup: DedupConfig = DedupConfig()
+    checklist: ChecklistConfig = ChecklistConfig()
     write_rejected: bool = True
+    workers: int | None = Field(None, ge=1, description="document workers (actors); default: the cluster's CPUs")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs each document worker takes (quality/harm models)")
     overwrite: bool = False
 
 
-def input_files(cfg: CurateConfig) -> tuple[str, list[str]]:
-    """The format and the files to read; a clear error when there are none."""
+# -- input --------------------------------------------------------------------------------------
+
+def input_shards(cfg: CurateConfig) -> tuple[str, list[list[str]]]:
+    """The input format and its shards (lists of files), in a deterministic order."""
     if not storage.exists(cfg.input):
         raise FileNotFoundError(f"input {cfg.input!r} does not exist")
-    formats = [cfg.format] if cfg.format != "auto" else ["jsonl", "parquet"]
+    formats = [cfg.format] if cfg.format != "auto" else ["jsonl", "parquet", "text"]
     for fmt in formats:
         files = storage.list_files(cfg.input, INPUT_SUFFIXES[fmt])
         if files:
-            return fmt, files
+            if fmt == "text":
+                k = cfg.text_files_per_shard
+                return fmt, [files[i:i + k] for i in range(0, len(files), k)]
+            return fmt, [[f] for f in files]
     allowed = ", ".join(s for f in formats for s in INPUT_SUFFIXES[f])
     raise FileNotFoundError(f"input {cfg.input!r} holds no files ending in {allowed}")
 
 
-def text_hash(text: str) -> str:
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+def read_shard(fmt: str, files: list[str], cfg: CurateConfig) -> pa.Table:
+    if fmt == "text":
+        base = storage.normalize(cfg.input).rstrip("/")
+        texts = [storage.read_bytes(f).decode("utf-8", errors="replace") for f in files]
+        names = [f[len(base) + 1:] if f.startswith(base + "/") else f.rsplit("/", 1)[-1] for f in files]
+        return pa.table({cfg.id_field: names, cfg.text_field: texts})
+    (uri,) = files
+    data = storage.read_bytes(uri)
+    if fmt == "parquet":
+        return pq.read_table(io.BytesIO(data))
+    import pyarrow.json as pj
+
+    try:
+        return pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=64 << 20))
+    except pa.ArrowInvalid:  # rows whose fields change type: parse in Python, keep them as strings
+        rows = []
+        for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{uri}:{n}: not a JSON line ({e.msg})") from None
+                rows.append({k: v if isinstance(v, str) or v is None else json.dumps(v) for k, v in row.items()})
+        return pa.Table.from_pylist(rows)
 
 
-def derive_id(path: str, text: object) -> str:
-    """A stable id for a document whose input has none: its file name and a hash of its content."""
-    return f"{path.rsplit('/', 1)[-1]}:{text_hash(path + chr(0) + str(text))[:16]}"
+# -- phase 1: documents -------------------------------------------------------------------------
+
+def _write_parquet_atomic(uri: str, table: pa.Table) -> None:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    storage.write_bytes_atomic(uri, buf.getvalue())
 
 
-class DocumentProcessor:
-    """Normalises and filters one batch; adds `reason`, `text_hash` and `chars` columns.
-    A plain class so it runs (and is tested) without Ray; Ray Data calls it per batch."""
-
-    def __init__(self, cfg: CurateConfig):
-        self.cfg = cfg
-        self.filter = HeuristicFilter(cfg.filters)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        cfg = self.cfg
-        if cfg.text_field not in batch.column_names:
-            raise ValueError(
-                f"input has no text field {cfg.text_field!r}; its fields are {batch.column_names} "
-                "(set text_field in the curate config)"
-            )
-        texts, reasons, hashes, chars, removed = [], [], [], [], []
-        raw_texts = batch.column(cfg.text_field).to_pylist()
-        for raw in raw_texts:
-            if not isinstance(raw, str):
-                texts.append("" if raw is None else str(raw))
-                reasons.append("text_not_a_string")
-                removed.append(0)
-            else:
-                text, n_removed = normalize_text(raw, cfg.drop_boilerplate_lines)
-                texts.append(text)
-                reasons.append(self.filter(text) or KEPT)
-                removed.append(n_removed)
-            hashes.append(text_hash(texts[-1]))
-            chars.append(len(raw) if isinstance(raw, str) else 0)
-        if cfg.id_field in batch.column_names:
-            ids = [str(i) for i in batch.column(cfg.id_field).to_pylist()]
-        else:  # a stable id from where the document came from and what it says
-            paths = batch.column("path").to_pylist() if "path" in batch.column_names else [""] * len(texts)
-            ids = [derive_id(p, r) for p, r in zip(paths, raw_texts)]
-        batch = batch.drop_columns([c for c in (cfg.text_field, cfg.id_field) if c in batch.column_names])
-        return batch.append_column(cfg.id_field, pa.array(ids, pa.string())).append_column(
-            cfg.text_field, pa.array(texts, pa.string())
-        ).append_column("reason", pa.array(reasons, pa.string())).append_column(
-            "text_hash", pa.array(hashes, pa.string())
-        ).append_column("chars_in", pa.array(chars, pa.int64())).append_column(
-            "boilerplate_lines_removed", pa.array(removed, pa.int32())
-        )
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}"
 
 
-def mark_exact_duplicates(group, id_field: str = "id"):
-    """One group of documents sharing a text hash: the smallest id among the kept ones stays,
-    the others are rejected as duplicates of it. Deterministic whatever the input order."""
-    kept = group[group["reason"] == KEPT]
-    if len(kept) > 1:
-        first = kept[id_field].min()
-        dup = (group["reason"] == KEPT) & (group[id_field] != first)
-        group.loc[dup, "reason"] = "exact_duplicate"
-        group["duplicate_of"] = ""
-        group.loc[dup, "duplicate_of"] = first
-    elif "duplicate_of" not in group:
-        group["duplicate_of"] = ""
-    return group
+class ShardWorker:
+    """A Ray Data actor: curates whole shards (models loaded once per actor)."""
+
+    def __init__(self, cfg: CurateConfig, out: str, fmt: str, shards: list[list[str]], limits: dict[int, int]):
+        self.cfg, self.out, self.fmt, self.shards, self.limits = cfg, out, fmt, shards, limits
+        self.processor = DocumentProcessor(cfg)
+
+    def __call__(self, batch: dict) -> dict:
+        rows = []
+        for i in batch["shard"].tolist():
+            table = read_shard(self.fmt, self.shards[i], self.cfg)
+            if i in self.limits:
+                table = table.slice(0, self.limits[i])
+            parts = [self.processor(table.slice(s, self.cfg.batch_rows), i, s, self.shards[i][0])
+                     for s in range(0, table.num_rows, self.cfg.batch_rows)]
+            base = storage.join(self.out, WORK, "docs", shard_name(i))
+            if parts:
+                _write_parquet_atomic(base + ".parquet", pa.concat_tables(parts, promote_options="permissive"))
+            kept = sum(pc.sum(pc.equal(p.column("reason"), KEPT)).as_py() or 0 for p in parts)
+            storage.write_json_atomic(base + ".json", {"shard": i, "files": self.shards[i], "documents": table.num_rows,
+                                                       "kept": kept})
+            rows.append(table.num_rows)
+        return {"shard": batch["shard"], "documents": np.array(rows)}
 
 
-def dedup_partitions(files: list[str], bytes_per_partition: int = 128 << 20) -> int:
-    """Shuffle partitions for dedup, from the input size: Ray's default of 200 partitions would
-    turn a small corpus into hundreds of tiny tasks."""
-    total = 0
-    for uri in files:
-        fs, path = storage.filesystem(uri)
-        total += fs.get_file_info(path).size or 0
-    return max(1, min(200, -(-total // bytes_per_partition)))
+def _row_limits(fmt: str, shards: list[list[str]], cfg: CurateConfig) -> dict[int, int]:
+    """With `limit`, how many rows each shard contributes (shards past the limit: 0)."""
+    if not cfg.limit:
+        return {}
+    limits, left = {}, cfg.limit
+    for i, files in enumerate(shards):
+        n = read_shard(fmt, files, cfg).num_rows if left else 0
+        limits[i] = min(n, left)
+        left -= limits[i]
+    return limits
 
 
-def _select(table: pa.Table, kept: bool) -> pa.Table:
-    mask = pc.equal(table.column("reason"), KEPT)
-    return table.filter(mask if kept else pc.invert(mask))
+def _pending(out: str, phase: str, n: int) -> list[int]:
+    return [i for i in range(n) if not storage.exists(storage.join(out, WORK, phase, shard_name(i) + ".json"))]
+
+
+def _workers(cfg: CurateConfig, pending: int) -> int:
+    import ray
+
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    return max(1, min(pending, cfg.workers or cpus))
+
+
+def run_documents(cfg: CurateConfig, out: str, fmt: str, shards: list[list[str]]) -> None:
+    import ray
+
+    pending = _pending(out, "docs", len(shards))
+    if len(pending) < len(shards):
+        logger.info("curate: documents: %d of %d shards already done; resuming", len(shards) - len(pending), len(shards))
+    if not pending:
+        return
+    limits = _row_limits(fmt, shards, cfg)
+    ds = ray.data.from_items([{"shard": i} for i in pending], override_num_blocks=len(pending))
+    ds = ds.map_batches(ShardWorker, fn_constructor_args=(cfg, out, fmt, shards, limits), batch_size=1,
+                        compute=ray.data.ActorPoolStrategy(size=_workers(cfg, len(pending))), num_cpus=1,
+                        num_gpus=cfg.gpus_per_worker or None)
+    done = ds.take_all()
+    logger.info("curate: documents: %d shards, %d documents", len(done), sum(int(r["documents"]) for r in done))
+
+
+# -- phase 2: dedup -----------------------------------------------------------------------------
+
+def _doc_files(out: str, n: int) -> list[str]:
+    return [f for i in range(n) if storage.exists(f := storage.join(out, WORK, "docs", shard_name(i) + ".parquet"))]
+
+
+def _partitions(num_docs: int, per_million: int) -> int:
+    return max(1, min(512, -(-num_docs * per_million // 1_000_000)))
+
+
+def bucket_rows(batch: pa.Table, partitions: int, exact: bool, fuzzy: bool) -> pa.Table:
+    """One row per (document, bucket): its text hash (exact) and its LSH band keys (fuzzy), with
+    the hash partition the row belongs to."""
+    keys = batch.column("doc_key")
+    parts = []
+    if exact:
+        parts.append(pa.table({"bucket": batch.column("_text_hash"), "doc_key": keys,
+                               "exact": pa.array(np.ones(batch.num_rows, bool))}))
+    if fuzzy:
+        parents = pc.list_parent_indices(batch.column("_buckets"))
+        flat = pc.list_flatten(batch.column("_buckets"))
+        parts.append(pa.table({"bucket": flat, "doc_key": pc.take(keys, parents),
+                               "exact": pa.array(np.zeros(len(flat), bool))}))
+    rows = pa.concat_tables(parts)
+    part = np.asarray(rows.column("bucket")) % np.uint64(partitions)
+    return rows.append_column("part", pa.array(part.astype(np.int64)))
+
+
+def bucket_group(group: dict) -> dict:
+    """One hash partition of buckets -> candidate edges (a < b), exact ones marked."""
+    from lmfoundry.data.dedup import star_edges
+
+    out = {"a": [], "b": [], "exact": []}
+    for flag in (True, False):
+        sel = group["exact"] == flag
+        a, b = star_edges(group["bucket"][sel], group["doc_key"][sel])
+        out["a"].append(a)
+        out["b"].append(b)
+        out["exact"].append(np.full(len(a), flag))
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def verify_pairs(batch: dict, out: str, cfg_json: str) -> dict:
+    """Candidate pairs between two shards: read the two shards' texts, keep the pairs whose
+    shingle sets have Jaccard similarity at or above the threshold."""
+    from lmfoundry.data.dedup import jaccard, shingle_hashes
+
+    cfg = CurateConfig.model_validate_json(cfg_json)
+    keep_a, keep_b = [], []
+    for shard_a, shard_b, a, b in zip(batch["shard_a"], batch["shard_b"], batch["a"], batch["b"]):
+        a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+        texts = {}
+        for shard in {int(shard_a), int(shard_b)}:
+            uri = storage.join(out, WORK, "docs", shard_name(shard) + ".parquet")
+            t = pq.read_table(io.BytesIO(storage.read_bytes(uri)), columns=["doc_key", cfg.text_field])
+            t = t.filter(pc.is_in(t.column("doc_key"), pa.array(np.unique(np.concatenate([a, b])))))
+            texts.update(zip(t.column("doc_key").to_pylist(), t.column(cfg.text_field).to_pylist()))
+        shingles = {k: shingle_hashes(v, cfg.dedup.shingle_words) for k, v in texts.items()}
+        ok = np.array([jaccard(shingles[x], shingles[y]) >= cfg.dedup.jaccard_threshold
+                       for x, y in zip(a.tolist(), b.tolist())], dtype=bool)
+        keep_a.append(a[ok])
+        keep_b.append(b[ok])
+    return {"a": np.concatenate(keep_a), "b": np.concatenate(keep_b)}
+
+
+def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
+    """Exact and fuzzy duplicates in one Ray Data groupby over hash partitions of the buckets;
+    candidate pairs verified per pair of shards; clusters by union-find over the duplicate edges.
+    Writes `_work/dedup/duplicates.parquet`: (shard, doc_key, reason, duplicate_of)."""
+    import ray
+    from ray.data.expressions import col
+
+    from lmfoundry.data.dedup import UnionFind
+
+    marker = storage.join(out, WORK, "dedup", "_DONE.json")
+    if storage.exists(marker):
+        logger.info("curate: dedup already done; resuming after it")
+        return storage.read_json(marker)
+    started = time.time()
+    files = _doc_files(out, num_shards)
+    num_kept = sum(storage.read_json(storage.join(out, WORK, "docs", shard_name(i) + ".json")).get("kept", 0)
+                   for i in range(num_shards))
+    parts = _partitions(num_kept, cfg.dedup.partitions_per_million)
+    stats = {"kept_before_dedup": num_kept, "partitions": parts, "exact_duplicates": 0, "candidate_pairs": 0,
+             "verified_pairs": 0, "near_duplicates": 0}
+    uf, exact_dups = UnionFind(), set()
+    if files and num_kept and (cfg.dedup.exact or cfg.dedup.fuzzy):
+        kept = ray.data.read_parquet(files).select_columns(["doc_key", "reason", "_text_hash", "_buckets"]) \
+            .filter(expr=col("reason") == KEPT)
+        rows = kept.map_batches(bucket_rows, fn_kwargs={"partitions": parts, "exact": cfg.dedup.exact,
+                                                        "fuzzy": cfg.dedup.fuzzy}, batch_format="pyarrow")
+        fuzzy_pairs: set[tuple[int, int]] = set()
+        grouped = rows.groupby("part", num_partitions=parts).map_groups(bucket_group, batch_format="numpy")
+        for batch in grouped.iter_batches(batch_format="numpy"):
+            for a, b, is_exact in zip(batch["a"].tolist(), batch["b"].tolist(), batch["exact"].tolist()):
+                if is_exact:
+                    uf.union(a, b)
+                    exact_dups.add(b)
+                else:  # the same pair can share buckets in several bands, in several partitions
+                    fuzzy_pairs.add((a, b))
+        candidates: dict[tuple[int, int], tuple[list, list]] = {}
+        for a, b in sorted(fuzzy_pairs):
+            if b not in exact_dups or uf.find(a) != uf.find(b):  # exact pairs need no verification
+                pair = candidates.setdefault((a >> SHARD_BITS, b >> SHARD_BITS), ([], []))
+                pair[0].append(a)
+                pair[1].append(b)
+        stats["candidate_pairs"] = sum(len(v[0]) for v in candidates.values())
+        if candidates:
+            items = [{"shard_a": sa, "shard_b": sb, "a": v[0], "b": v[1]} for (sa, sb), v in sorted(candidates.items())]
+            verified = ray.data.from_items(items, override_num_blocks=min(len(items), 4 * max(1, _workers(cfg, len(items))))) \
+                .map_batches(verify_pairs, fn_kwargs={"out": out, "cfg_json": cfg.model_dump_json()}, batch_size=1,
+                             num_cpus=1)
+            for batch in verified.iter_batches(batch_format="numpy"):
+                for a, b in zip(batch["a"].tolist(), batch["b"].tolist()):
+                    uf.union(a, b)
+                    stats["verified_pairs"] += 1
+    dups = uf.duplicates()
+    names = _ids_of(files, {rep for rep in dups.values()}, cfg) if dups else {}
+    keys = np.array(sorted(dups), dtype=np.int64)
+    reasons = ["exact_duplicate" if k in exact_dups else "near_duplicate" for k in keys.tolist()]
+    stats["exact_duplicates"] = reasons.count("exact_duplicate")
+    stats["near_duplicates"] = reasons.count("near_duplicate")
+    table = pa.table({"shard": pa.array(keys >> SHARD_BITS, pa.int64()), "doc_key": pa.array(keys, pa.int64()),
+                      "reason": pa.array(reasons, pa.string()),
+                      "duplicate_of": pa.array([names[dups[k]] for k in keys.tolist()], pa.string())})
+    _write_parquet_atomic(storage.join(out, WORK, "dedup", "duplicates.parquet"), table)
+    stats["seconds"] = round(time.time() - started, 2)
+    storage.write_json_atomic(marker, stats)
+    logger.info("curate: dedup: %s", stats)
+    return stats
+
+
+def _ids_of(files: list[str], keys: set[int], cfg: CurateConfig) -> dict[int, str]:
+    """The ids of the given documents (the cluster representatives), read where they live."""
+    wanted = np.array(sorted(keys), dtype=np.int64)
+    out: dict[int, str] = {}
+    for shard in np.unique(wanted >> SHARD_BITS).tolist():
+        uri = storage.join(storage.normalize(cfg.output), WORK, "docs", shard_name(shard) + ".parquet")
+        t = pq.read_table(io.BytesIO(storage.read_bytes(uri)), columns=["doc_key", cfg.id_field])
+        t = t.filter(pc.is_in(t.column("doc_key"), pa.array(wanted[(wanted >> SHARD_BITS) == shard])))
+        out.update(zip(t.column("doc_key").to_pylist(), t.column(cfg.id_field).to_pylist()))
+    return out
+
+
+# -- phase 3: write kept/ and rejected/ ---------------------------------------------------------
+
+def finalize_shards(batch: dict, out: str, cfg_json: str) -> dict:
+    cfg = CurateConfig.model_validate_json(cfg_json)
+    dups = pq.read_table(io.BytesIO(storage.read_bytes(storage.join(out, WORK, "dedup", "duplicates.parquet"))))
+    for i in batch["shard"].tolist():
+        src = storage.join(out, WORK, "docs", shard_name(i) + ".parquet")
+        name = shard_name(i)
+        if storage.exists(src):
+            t = pq.read_table(io.BytesIO(storage.read_bytes(src)))
+            mine = dups.filter(pc.equal(dups.column("shard"), i))
+            if mine.num_rows:
+                lookup = dict(zip(mine.column("doc_key").to_pylist(),
+                                  zip(mine.column("reason").to_pylist(), mine.column("duplicate_of").to_pylist())))
+                reason, stage, dup_of = (t.column(c).to_pylist() for c in ("reason", "stage", "duplicate_of"))
+                for j, key in enumerate(t.column("doc_key").to_pylist()):
+                    if key in lookup:
+                        reason[j], dup_of[j] = lookup[key]
+                        stage[j] = "dedup"
+                for col, values in (("reason", reason), ("stage", stage), ("duplicate_of", dup_of)):
+                    t = t.set_column(t.column_names.index(col), col, pa.array(values, pa.string()))
+            is_kept = pc.equal(t.column("reason"), KEPT)
+            kept, rejected = t.filter(is_kept), t.filter(pc.invert(is_kept))
+            public = [c for c in t.column_names if c not in INTERNAL_COLUMNS]
+            _write_parquet_atomic(storage.join(out, "kept", name + ".parquet"), kept.select(public))
+            if cfg.write_rejected:
+                _write_parquet_atomic(storage.join(out, "rejected", name + ".parquet"), rejected.select(public))
+            _write_parquet_atomic(storage.join(out, WORK, "signatures", name + ".parquet"),
+                                  kept.select(["doc_key", "_signature"]))
+            stats = shard_stats(t, cfg)
+        else:
+            stats = shard_stats(None, cfg)
+        storage.write_json_atomic(storage.join(out, WORK, "final", name + ".json"), stats)
+    return {"shard": batch["shard"]}
+
+
+def run_finalize(cfg: CurateConfig, out: str, num_shards: int) -> None:
+    import ray
+
+    pending = _pending(out, "final", num_shards)
+    if pending:
+        ray.data.from_items([{"shard": i} for i in pending], override_num_blocks=len(pending)).map_batches(
+            finalize_shards, fn_kwargs={"out": out, "cfg_json": cfg.model_dump_json()}, batch_size=1,
+            num_cpus=1, compute=ray.data.TaskPoolStrategy(size=_workers(cfg, len(pending)))).take_all()
+
+
+# -- the stage ----------------------------------------------------------------------------------
+
+def _fingerprint(cfg: CurateConfig) -> dict:
+    return json.loads(cfg.model_dump_json(exclude={"overwrite", "workers"}))
+
+
+def prepare_run(cfg: CurateConfig, out: str) -> bool:
+    """False when a committed output stands (skip); otherwise resume a killed run of the same
+    config, or start afresh (a different config's partial output is removed, with a warning)."""
+    if storage.is_committed(out) and not cfg.overwrite:
+        return False
+    settings = storage.join(out, WORK, "config.json")
+    if not cfg.overwrite and storage.exists(settings) and storage.read_json(settings) == _fingerprint(cfg):
+        logger.info("curate: resuming the unfinished run in %s", out)
+        return True
+    if storage.exists(out):
+        logger.warning("curate: removing %s (an unfinished run with another config, or overwrite=true)", out)
+    storage.prepare_output(out, overwrite=True)
+    storage.write_json_atomic(settings, _fingerprint(cfg))
+    return True
 
 
 def run_curate(cfg: CurateConfig) -> dict:
     """Curate `cfg.input` into `cfg.output`. Returns the report (also written as report.json)."""
-    import ray
-
     out = storage.normalize(cfg.output)
-    fmt, files = input_files(cfg)
-    if not storage.prepare_output(out, cfg.overwrite):
+    fmt, shards = input_shards(cfg)
+    if not prepare_run(cfg, out):
         logger.info("curate: %s is already committed; skipping (set overwrite=true to redo)", out)
         return storage.read_json(storage.join(out, "report.json"))
     started = time.time()
-    logger.info("curate: %d %s files from %s -> %s", len(files), fmt, cfg.input, out)
-    if fmt == "jsonl":
-        ds = ray.data.read_json(files, lines=True, include_paths=True)
-    else:
-        ds = ray.data.read_parquet(files, include_paths=True)
-    if cfg.limit:
-        ds = ds.limit(cfg.limit)
-    ds = ds.map_batches(DocumentProcessor, fn_constructor_args=(cfg,), batch_format="pyarrow", concurrency=(1, 4))
-    if cfg.exact_dedup:
-        ds = ds.groupby("text_hash", num_partitions=dedup_partitions(files)).map_groups(
-            mark_exact_duplicates, fn_kwargs={"id_field": cfg.id_field}, batch_format="pandas"
-        )
-    ds = ds.materialize()
-
-    ds.map_batches(_select, fn_kwargs={"kept": True}, batch_format="pyarrow").write_parquet(
-        storage.join(out, "kept")
-    )
-    if cfg.write_rejected:
-        ds.map_batches(_select, fn_kwargs={"kept": False}, batch_format="pyarrow").write_parquet(
-            storage.join(out, "rejected")
-        )
-    report = _report(ds, cfg, time.time() - started)
-    storage.write_json_atomic(storage.join(out, "report.json"), report)
-    storage.commit(out, "curate", {"input": cfg.input, "format": fmt, "files": len(files), "report": "report.json",
+    logger.info("curate: %d %s shards from %s -> %s", len(shards), fmt, cfg.input, out)
+    timings = {}
+    t = time.time()
+    run_documents(cfg, out, fmt, shards)
+    timings["documents"] = round(time.time() - t, 2)
+    t = time.time()
+    dedup_stats = run_dedup(cfg, out, len(shards))
+    timings["dedup"] = round(time.time() - t, 2)
+    t = time.time()
+    run_finalize(cfg, out, len(shards))
+    timings["write"] = round(time.time() - t, 2)
+    stats = [storage.read_json(storage.join(out, WORK, "final", shard_name(i) + ".json")) for i in range(len(shards))]
+    report = build_report(cfg, out, stats, dedup_stats, timings, time.time() - started)
+    storage.commit(out, "curate", {"input": cfg.input, "format": fmt, "shards": len(shards), "report": "report.json",
                                    "kept": "kept", "rejected": "rejected" if cfg.write_rejected else None,
                                    "text_field": cfg.text_field, "id_field": cfg.id_field})
     logger.info("curate: kept %d of %d documents (%.1f%% of characters); rejected by reason %s",
                 report["documents_kept"], report["documents_in"], 100 * report["chars_kept_fraction"],
                 report["rejected_by_reason"])
+    failed = [c["item"] for c in report["checklist"] if not c["passed"]]
+    if cfg.checklist.enforce and failed:
+        raise ChecklistFailed(f"the data-quality checklist failed: {', '.join(failed)} (see {out}/report.json)")
     return report
 
 
-def _report(ds, cfg: CurateConfig, seconds: float) -> dict:
-    by_reason: dict[str, int] = {}
-    chars_in = chars_kept = boiler = 0
-    columns = ["reason", "chars_in", "boilerplate_lines_removed", cfg.text_field]
-    for batch in ds.select_columns(columns).iter_batches(batch_format="pyarrow", batch_size=4096):
-        reasons = batch.column("reason").to_pylist()
-        for r in reasons:
-            by_reason[r] = by_reason.get(r, 0) + 1
-        chars_in += pc.sum(batch.column("chars_in")).as_py() or 0
-        boiler += pc.sum(batch.column("boilerplate_lines_removed")).as_py() or 0
-        kept_text = _select(batch, kept=True).column(cfg.text_field)
-        chars_kept += pc.sum(pc.utf8_length(kept_text)).as_py() or 0
-    total = sum(by_reason.values())
-    kept = by_reason.pop(KEPT, 0)
-    return {
-        "documents_in": total,
-        "documents_kept": kept,
-        "documents_rejected": total - kept,
-        "rejected_by_reason": dict(sorted(by_reason.items(), key=lambda kv: -kv[1])),
-        "chars_in": chars_in,
-        "chars_kept": chars_kept,
-        "chars_kept_fraction": chars_kept / max(chars_in, 1),
-        "boilerplate_lines_removed": boiler,
-        "seconds": round(seconds, 2),
-    }
+class ChecklistFailed(RuntimeError):
+    pass

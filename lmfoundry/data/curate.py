@@ -195,6 +195,20 @@ def run_documents(cfg: CurateConfig, out: str, fmt: str, shards: list[list[str]]
 
 # -- phase 2: dedup -----------------------------------------------------------------------------
 
+def _read_files(batch: dict, columns: list[str] | None) -> pa.Table:
+    return pa.concat_tables([pq.read_table(io.BytesIO(storage.read_bytes(f)), columns=columns)
+                             for f in batch["file"].tolist()])
+
+
+def read_parquet_files(files: list[str], columns: list[str] | None = None):
+    """A Ray Data dataset of our own Parquet shards, one read task per file. (ray.data.read_parquet
+    spends seconds per call sampling file metadata, which dominates on the small files of a run.)"""
+    import ray
+
+    return ray.data.from_items([{"file": f} for f in files], override_num_blocks=len(files)).map_batches(
+        _read_files, fn_kwargs={"columns": columns}, batch_size=1, batch_format="numpy")
+
+
 def _doc_files(out: str, n: int) -> list[str]:
     return [f for i in range(n) if storage.exists(f := storage.join(out, WORK, "docs", shard_name(i) + ".parquet"))]
 
@@ -263,6 +277,7 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
     candidate pairs verified per pair of shards; clusters by union-find over the duplicate edges.
     Writes `_work/dedup/duplicates.parquet`: (shard, doc_key, reason, duplicate_of)."""
     import ray
+    from ray.data.context import ShuffleStrategy
     from ray.data.expressions import col
 
     from lmfoundry.data.dedup import UnionFind
@@ -280,8 +295,10 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
              "verified_pairs": 0, "near_duplicates": 0}
     uf, exact_dups = UnionFind(), set()
     if files and num_kept and (cfg.dedup.exact or cfg.dedup.fuzzy):
-        kept = ray.data.read_parquet(files).select_columns(["doc_key", "reason", "_text_hash", "_buckets"]) \
-            .filter(expr=col("reason") == KEPT)
+        # The sort-based shuffle runs on tasks, which reuse warm workers; the hash shuffle starts
+        # a set of aggregator actors for every groupby (seconds each on a small cluster).
+        ray.data.DataContext.get_current().shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
+        kept = read_parquet_files(files, ["doc_key", "reason", "_text_hash", "_buckets"]).filter(expr=col("reason") == KEPT)
         rows = kept.map_batches(bucket_rows, fn_kwargs={"partitions": parts, "exact": cfg.dedup.exact,
                                                         "fuzzy": cfg.dedup.fuzzy}, batch_format="pyarrow")
         fuzzy_pairs: set[tuple[int, int]] = set()
@@ -425,7 +442,7 @@ def run_curate(cfg: CurateConfig) -> dict:
     run_finalize(cfg, out, len(shards))
     timings["write"] = round(time.time() - t, 2)
     stats = [storage.read_json(storage.join(out, WORK, "final", shard_name(i) + ".json")) for i in range(len(shards))]
-    report = build_report(cfg, out, stats, dedup_stats, timings, time.time() - started)
+    report = build_report(cfg, out, stats, dedup_stats, timings, started)
     storage.commit(out, "curate", {"input": cfg.input, "format": fmt, "shards": len(shards), "report": "report.json",
                                    "kept": "kept", "rejected": "rejected" if cfg.write_rejected else None,
                                    "text_field": cfg.text_field, "id_field": cfg.id_field})

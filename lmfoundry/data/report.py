@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -96,16 +97,14 @@ def residual_duplicate_rate(cfg, out: str, kept_total: int) -> dict:
     """Share of a random sample of kept documents that still have a near duplicate among all kept
     documents. Candidates come from a banding independent of the dedup's (32 bands of 3 rows of
     the same signatures: more permissive), similarity is the MinHash estimate."""
-    import ray
-
-    from lmfoundry.data.curate import WORK
+    from lmfoundry.data.curate import WORK, read_parquet_files
 
     files = storage.list_files(storage.join(out, WORK, "signatures"), (".parquet",))
     n_perm = cfg.dedup.num_perm
     if not files or kept_total < 2 or not cfg.dedup.fuzzy:
         return {"rate": None, "sample": 0, "with_duplicate": 0}
     rate = min(1.0, cfg.checklist.duplicate_sample_size / kept_total)
-    ds = ray.data.read_parquet(files)
+    ds = read_parquet_files(files)
 
     def pick(batch: pa.Table) -> pa.Table:
         keys = batch.column("doc_key").to_numpy().astype(np.uint64)
@@ -172,11 +171,13 @@ def checklist(cfg, merged: dict, residual: dict) -> list[dict]:
     return out
 
 
-def build_report(cfg, out: str, stats: list[dict], dedup: dict, timings: dict, seconds: float) -> dict:
+def build_report(cfg, out: str, stats: list[dict], dedup: dict, timings: dict, started: float) -> dict:
     merged = _merge(stats)
     docs_in, kept = merged.get("documents", 0), merged.get("kept", 0)
     rejected = sum(merged.get("by_reason", {}).values())
+    t = time.time()
     residual = residual_duplicate_rate(cfg, out, kept)
+    timings = {**timings, "residual_duplicates": round(time.time() - t, 2)}
     remaining, funnel = docs_in, []
     for stage in FUNNEL:
         remaining -= merged.get("by_stage", {}).get(stage, 0)
@@ -200,7 +201,7 @@ def build_report(cfg, out: str, stats: list[dict], dedup: dict, timings: dict, s
         "residual_duplicates": residual,
         "histograms": {"bins": BINS, "range": [0, 1], **merged.get("hist", {})},
         "checklist": checklist(cfg, merged, residual),
-        "seconds": round(seconds, 2),
+        "seconds": round(time.time() - started, 2),
         "phase_seconds": timings,
     }
     if not report["accounted"]:

@@ -15,11 +15,11 @@ def write(tmp_path, text: str):
 
 
 def test_unknown_key_names_file_key_and_allowed_keys(tmp_path):
-    p = write(tmp_path, "input: a\noutput: b\nfilters:\n  min_wrds: 3\n")
+    p = write(tmp_path, "input: a\noutput: b\nfilters:\n  gopher_quality:\n    min_wrds: 3\n")
     with pytest.raises(ConfigError) as e:
         load_config(CurateConfig, p)
     msg = str(e.value)
-    assert str(p) in msg and "filters.min_wrds" in msg and "min_words" in msg and "unknown key" in msg
+    assert str(p) in msg and "filters.gopher_quality.min_wrds" in msg and "min_words" in msg and "unknown key" in msg
 
 
 def test_wrong_type_names_key_and_value(tmp_path):
@@ -70,6 +70,7 @@ def test_every_recipe_in_configs_validates():
 
     from lmfoundry.eval.perplexity import EvaluateConfig
     from lmfoundry.data.pack import PackConfig
+    from lmfoundry.data.quality import QualityTrainConfig
     from lmfoundry.jobs.quickstart import load_quickstart_config
     from lmfoundry.serving.app import ServeConfig
 
@@ -78,7 +79,7 @@ def test_every_recipe_in_configs_validates():
               "pretrain_gpu.yaml": PretrainConfig, "pretrain_moe_cpu.yaml": PretrainConfig,
               "pretrain_7b_gpu.yaml": PretrainConfig, "pretrain_moe_16b_gpu.yaml": PretrainConfig,
               "pretrain_70b_gpu.yaml": PretrainConfig,
-              "evaluate.yaml": EvaluateConfig, "serve.yaml": ServeConfig}
+              "evaluate.yaml": EvaluateConfig, "serve.yaml": ServeConfig, "quality_model.yaml": QualityTrainConfig}
     for name, cls in models.items():
         assert isinstance(load_config(cls, root / name), cls)
     q = load_quickstart_config(str(root / "quickstart.yaml"), "/tmp/qs-work", [])

@@ -155,3 +155,24 @@ def test_quality_classifier_on_minilm_embeddings(tmp_path):
     assert metrics["validation_auc"] > 0.9
     scores = QualityModel.load(str(tmp_path / "e"))([TECH_DOC, SPAM])
     assert scores[0] > scores[1] and np.all((scores >= 0) & (scores <= 1))
+
+
+def test_quality_model_command_trains_without_ray_and_refuses_bad_input(tmp_path):
+    import subprocess
+    import sys
+
+    from lmfoundry.data.sample_corpus import stdlib_documents, web_like_documents
+
+    pos, neg = tmp_path / "pos", tmp_path / "neg"
+    pos.mkdir()
+    neg.mkdir()
+    for i, t in enumerate(stdlib_documents(100)):
+        (pos / f"{i}.txt").write_text(t)
+    (neg / "web.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in web_like_documents(100)))
+    cmd = [sys.executable, "-m", "lmfoundry.jobs.quality_model", "configs/quality_model.yaml", "--input", str(pos),
+           "--set", f"negative={neg}", "--output", str(tmp_path / "model")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["validation_accuracy"] > 0.85
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "already holds a quality model" in again.stderr

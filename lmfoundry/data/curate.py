@@ -39,6 +39,7 @@ from lmfoundry.data.pii import PIIConfig
 from lmfoundry.data.quality import QualityConfig
 from lmfoundry.data.report import ChecklistConfig, build_report, shard_stats
 from lmfoundry.platform import storage
+from lmfoundry.platform.cli import StageFailed
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
 
@@ -455,5 +456,5 @@ def run_curate(cfg: CurateConfig) -> dict:
     return report
 
 
-class ChecklistFailed(RuntimeError):
+class ChecklistFailed(StageFailed):
     pass

@@ -4,6 +4,7 @@
     lmfoundry quickstart [--workdir DIR] [--keep-serving]
     lmfoundry export CHECKPOINT OUTPUT [--format hf]
     lmfoundry plan PRETRAIN_CONFIG [--gpu H200] [--nodes N] [--token-budget T]
+    lmfoundry quality-model CONFIG [--output DIR] [--set positive=URI --set negative=URI]
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from lmfoundry.platform import storage
 from lmfoundry.platform.config import ConfigError, StageConfig, load_config
 from lmfoundry.platform.log import get_logger
 
-STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart", "export", "plan")
+STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart", "export", "plan", "quality-model")
 logger = get_logger(__name__)
 
 
@@ -28,7 +29,7 @@ def stage_parser(stage: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--input", help="overrides the config's input URI")
     p.add_argument("--output", help="overrides the config's output URI")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set filters.min_words=20 (repeatable)")
+                   help="override a config key, e.g. --set filters.gopher_quality.min_words=20 (repeatable)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
     return p
 
@@ -53,8 +54,13 @@ def load_stage_config(args: argparse.Namespace, cls: type[StageConfig], input_fi
     return cfg
 
 
+class StageFailed(RuntimeError):
+    """The stage ran to the end and judged its own result a failure (e.g. a failed checklist)."""
+
+
 def run_stage(stage: str, cls: type[StageConfig], fn: Callable[[StageConfig], dict], argv: list[str] | None,
-              input_field: str | None = "input", output_field: str | None = "output", description: str = "") -> int:
+              input_field: str | None = "input", output_field: str | None = "output", description: str = "",
+              needs_ray: bool = True) -> int:
     """Parse, validate, connect to Ray, run the stage, print its result as JSON; exit 2 on bad
     input, 1 on a failure during the run."""
     args = stage_parser(stage, description).parse_args(argv)
@@ -63,14 +69,18 @@ def run_stage(stage: str, cls: type[StageConfig], fn: Callable[[StageConfig], di
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from lmfoundry.platform.ray_env import init_ray
+    if needs_ray:
+        from lmfoundry.platform.ray_env import init_ray
 
-    init_ray(args.address)
+        init_ray(args.address)
     try:
         result = fn(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {stage}: {e}", file=sys.stderr)
         return 2
+    except StageFailed as e:
+        print(f"error: {stage}: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(result, indent=2, default=str))
     return 0
 
@@ -83,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nerror: unknown command {argv[0]!r}; choose one of {', '.join(STAGES)}", file=sys.stderr)
             return 2
         return 0 if argv else 2
-    job = importlib.import_module(f"lmfoundry.jobs.{argv[0]}")
+    job = importlib.import_module(f"lmfoundry.jobs.{argv[0].replace('-', '_')}")
     return job.main(argv[1:])
 
 

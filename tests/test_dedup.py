@@ -6,7 +6,16 @@ import itertools
 import numpy as np
 import pytest
 
-from lmfoundry.data.dedup import DedupConfig, MinHasher, UnionFind, jaccard, shingle_hashes, star_edges
+from lmfoundry.data.dedup import (
+    DedupConfig,
+    MinHasher,
+    UnionFind,
+    cluster_in_process,
+    jaccard,
+    planted_scores,
+    shingle_hashes,
+    star_edges,
+)
 from lmfoundry.data.sample_corpus import planted_duplicates
 
 
@@ -42,36 +51,15 @@ def test_union_find_keeps_the_smallest_id():
     assert uf.duplicates() == {5: 1, 9: 1, 12: 1, 4: 2}
 
 
-def dedup_locally(texts, cfg):
-    """The same steps curate runs on Ray Data, in one process."""
-    mh = MinHasher(cfg)
-    _, keys = mh(texts)
-    ids = np.repeat(np.arange(len(texts)), cfg.num_bands)
-    a, b = star_edges(keys.ravel(), ids)
-    shingles = [shingle_hashes(t, cfg.shingle_words) for t in texts]
-    uf = UnionFind()
-    for x, y in set(zip(a.tolist(), b.tolist())):
-        if jaccard(shingles[x], shingles[y]) >= cfg.jaccard_threshold:
-            uf.union(x, y)
-    return uf
-
-
 def test_planted_near_duplicates_found_with_high_recall_and_precision():
     texts, groups, truth = planted_duplicates(60, copies=3, seed=0)
-    uf = dedup_locally(texts, DedupConfig())
-    cluster = [uf.find(i) for i in range(len(texts))]
-    true_pairs = {p for p, j in truth.items() if j >= 0.8}
-    assert len(true_pairs) > 50
-    # pairs: every pair at Jaccard >= 0.8 ends in one cluster
-    pair_recall = sum(cluster[x] == cluster[y] for x, y in true_pairs) / len(true_pairs)
-    # documents: removed (in a cluster with another) exactly when they have a partner at >= 0.8
-    sizes = {c: cluster.count(c) for c in set(cluster)}
-    predicted = {i for i in range(len(texts)) if sizes[cluster[i]] > 1}
-    actual = {i for p in true_pairs for i in p}
-    recall = len(predicted & actual) / len(actual)
-    precision = len(predicted & actual) / len(predicted)
-    assert pair_recall >= 0.95 and recall >= 0.95 and precision >= 0.98, (pair_recall, recall, precision)
+    uf = cluster_in_process(texts, DedupConfig())
+    scores = planted_scores(texts, truth, uf, 0.8)
+    assert scores["true_pairs"] > 50
+    assert scores["pair_recall"] >= 0.95 and scores["document_recall"] >= 0.95, scores
+    assert scores["document_precision"] >= 0.98, scores
     # nothing across groups: unrelated documents are never merged
+    cluster = [uf.find(i) for i in range(len(texts))]
     assert all(groups[x] == groups[y] for x, y in itertools.combinations(range(len(texts)), 2) if cluster[x] == cluster[y])
 
 

@@ -150,3 +150,33 @@ class UnionFind:
     def duplicates(self) -> dict[str, str]:
         """Every non-representative member -> its cluster's representative."""
         return {x: r for x in list(self.parent) if (r := self.find(x)) != x}
+
+
+def cluster_in_process(texts: list[str], cfg: DedupConfig) -> UnionFind:
+    """The steps the curation pipeline runs on Ray Data, in one process: signatures, band buckets,
+    candidate edges, Jaccard verification, union-find. For tests, benchmarks and small corpora."""
+    _, keys = MinHasher(cfg)(texts)
+    ids = np.repeat(np.arange(len(texts)), cfg.num_bands)
+    a, b = star_edges(keys.ravel(), ids)
+    shingles = [shingle_hashes(t, cfg.shingle_words) for t in texts]
+    uf = UnionFind()
+    for x, y in set(zip(a.tolist(), b.tolist())):
+        if jaccard(shingles[x], shingles[y]) >= cfg.jaccard_threshold:
+            uf.union(x, y)
+    return uf
+
+
+def planted_scores(texts: list[str], truth: dict[tuple[int, int], float], uf: UnionFind, threshold: float) -> dict:
+    """Recall and precision of clusters against planted pairs with known Jaccard: per pair (every
+    pair at or above the threshold ends in one cluster) and per document (a document is removed -
+    sits in a cluster with another - exactly when it has a partner at or above the threshold)."""
+    cluster = [uf.find(i) for i in range(len(texts))]
+    true_pairs = {p for p, j in truth.items() if j >= threshold}
+    sizes: dict[int, int] = {}
+    for c in cluster:
+        sizes[c] = sizes.get(c, 0) + 1
+    predicted = {i for i in range(len(texts)) if sizes[cluster[i]] > 1}
+    actual = {i for p in true_pairs for i in p}
+    hit = len(predicted & actual)
+    return {"true_pairs": len(true_pairs), "pair_recall": sum(cluster[x] == cluster[y] for x, y in true_pairs) / max(len(true_pairs), 1),
+            "document_recall": hit / max(len(actual), 1), "document_precision": hit / max(len(predicted), 1)}

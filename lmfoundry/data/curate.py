@@ -294,7 +294,7 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
     parts = _partitions(num_kept, cfg.dedup.partitions_per_million)
     stats = {"kept_before_dedup": num_kept, "partitions": parts, "exact_duplicates": 0, "candidate_pairs": 0,
              "verified_pairs": 0, "near_duplicates": 0}
-    uf, exact_dups = UnionFind(), set()
+    uf, exact_dups, near_linked = UnionFind(), set(), set()
     if files and num_kept and (cfg.dedup.exact or cfg.dedup.fuzzy):
         # The sort-based shuffle runs on tasks, which reuse warm workers; the hash shuffle starts
         # a set of aggregator actors for every groupby (seconds each on a small cluster).
@@ -326,13 +326,21 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
             for batch in verified.iter_batches(batch_format="numpy"):
                 for a, b in zip(batch["a"].tolist(), batch["b"].tolist()):
                     uf.union(a, b)
+                    near_linked.update((a, b))
                     stats["verified_pairs"] += 1
+    if files and num_kept > 1 and cfg.dedup.semantic.enabled:
+        pairs = 0
+        for a, b in semantic_edges(cfg, files, num_kept):
+            uf.union(a, b)
+            pairs += 1
+        stats["semantic_pairs"] = pairs
     dups = uf.duplicates()
     names = _ids_of(files, {rep for rep in dups.values()}, cfg) if dups else {}
     keys = np.array(sorted(dups), dtype=np.int64)
-    reasons = ["exact_duplicate" if k in exact_dups else "near_duplicate" for k in keys.tolist()]
-    stats["exact_duplicates"] = reasons.count("exact_duplicate")
-    stats["near_duplicates"] = reasons.count("near_duplicate")
+    reasons = ["exact_duplicate" if k in exact_dups else "near_duplicate" if k in near_linked else "semantic_duplicate"
+               for k in keys.tolist()]
+    for kind in ("exact", "near", "semantic"):
+        stats[f"{kind}_duplicates"] = reasons.count(f"{kind}_duplicate")
     table = pa.table({"shard": pa.array(keys >> SHARD_BITS, pa.int64()), "doc_key": pa.array(keys, pa.int64()),
                       "reason": pa.array(reasons, pa.string()),
                       "duplicate_of": pa.array([names[dups[k]] for k in keys.tolist()], pa.string())})
@@ -341,6 +349,51 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
     storage.write_json_atomic(marker, stats)
     logger.info("curate: dedup: %s", stats)
     return stats
+
+
+def hash_sample(batch: pa.Table, rate: float) -> pa.Table:
+    """A deterministic pseudo-random sample: a document is in it when its key hashes below `rate`."""
+    keys = np.asarray(batch.column("doc_key")).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        u = ((keys * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return batch.filter(pa.array(u < rate))
+
+
+def _assign_cluster(batch: dict, centroids: np.ndarray) -> dict:
+    emb = np.stack(batch["_embedding"]).astype(np.float32)
+    return {"doc_key": batch["doc_key"], "_embedding": batch["_embedding"],
+            "cluster": np.argmax(emb @ centroids.T, axis=1).astype(np.int64)}
+
+
+def _cluster_pairs(group: dict, similarity: float) -> dict:
+    from lmfoundry.data.dedup import semantic_pairs
+
+    a, b = semantic_pairs(group["doc_key"], np.stack(group["_embedding"]).astype(np.float32), similarity)
+    return {"a": a, "b": b}
+
+
+def semantic_edges(cfg: CurateConfig, files: list[str], num_kept: int):
+    """SemDeDup: k-means centroids fitted on a sample of the kept embeddings, every document
+    assigned to its nearest centroid, pairs above the cosine threshold found inside each cluster
+    (one Ray Data group per cluster)."""
+    from ray.data.expressions import col
+    from sklearn.cluster import KMeans
+
+    sem = cfg.dedup.semantic
+    docs = read_parquet_files(files, ["doc_key", "reason", "_embedding"]).filter(expr=col("reason") == KEPT) \
+        .select_columns(["doc_key", "_embedding"])
+    sample = docs.map_batches(hash_sample, fn_kwargs={"rate": min(1.0, sem.kmeans_sample / num_kept)},
+                              batch_format="pyarrow").take_all()
+    emb = np.stack([np.asarray(r["_embedding"], np.float32) for r in sample])
+    k = min(sem.clusters, len(emb))
+    centroids = KMeans(n_clusters=k, n_init=1, random_state=cfg.dedup.seed).fit(emb).cluster_centers_
+    centroids /= np.linalg.norm(centroids, axis=1, keepdims=True) + 1e-12
+    assigned = docs.map_batches(_assign_cluster, fn_kwargs={"centroids": centroids.astype(np.float32)},
+                                batch_format="numpy")
+    edges = assigned.groupby("cluster", num_partitions=max(1, min(k, 64))).map_groups(
+        _cluster_pairs, fn_kwargs={"similarity": sem.similarity}, batch_format="numpy")
+    for batch in edges.iter_batches(batch_format="numpy"):
+        yield from zip(batch["a"].tolist(), batch["b"].tolist())
 
 
 def _ids_of(files: list[str], keys: set[int], cfg: CurateConfig) -> dict[int, str]:

@@ -33,6 +33,17 @@ _MASK32 = np.uint64(0xFFFFFFFF)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio, odd: mixes word hashes into a shingle hash
 
 
+class SemanticDedupConfig(StageConfig):
+    """SemDeDup (Abbas et al. 2023): all-MiniLM-L6-v2 embeddings, k-means, and within each cluster
+    the pairs above a cosine similarity are duplicates. Off by default: embedding every document
+    costs more than every other stage together on CPU."""
+
+    enabled: bool = False
+    clusters: int = Field(100, ge=1, description="k-means clusters (capped by the sample size)")
+    similarity: float = Field(0.95, gt=0, le=1, description="cosine similarity at or above: duplicates")
+    kmeans_sample: int = Field(50_000, ge=10, description="kept documents the centroids are fitted on")
+
+
 class DedupConfig(StageConfig):
     exact: bool = True
     fuzzy: bool = True
@@ -43,6 +54,7 @@ class DedupConfig(StageConfig):
     seed: int = 42
     # Bucket rows are grouped into this many hash partitions per million documents.
     partitions_per_million: int = Field(64, ge=1)
+    semantic: SemanticDedupConfig = SemanticDedupConfig()
 
     @model_validator(mode="after")
     def _enough_perms(self):
@@ -180,3 +192,21 @@ def planted_scores(texts: list[str], truth: dict[tuple[int, int], float], uf: Un
     hit = len(predicted & actual)
     return {"true_pairs": len(true_pairs), "pair_recall": sum(cluster[x] == cluster[y] for x, y in true_pairs) / max(len(true_pairs), 1),
             "document_recall": hit / max(len(actual), 1), "document_precision": hit / max(len(predicted), 1)}
+
+
+def semantic_pairs(keys: np.ndarray, embeddings: np.ndarray, similarity: float, block: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs (a < b) of one k-means cluster whose unit embeddings have cosine >= similarity;
+    the similarity matrix is built a block of rows at a time, so memory stays block x n."""
+    order = np.argsort(keys)
+    keys, emb = keys[order], embeddings[order]
+    out_a, out_b = [], []
+    for start in range(0, len(keys), block):
+        sims = emb[start:start + block] @ emb.T
+        rows, cols = np.nonzero(sims >= similarity)
+        rows += start
+        upper = cols > rows
+        out_a.append(keys[rows[upper]])
+        out_b.append(keys[cols[upper]])
+    if not out_a:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(out_a), np.concatenate(out_b)

@@ -47,6 +47,11 @@ class DocumentProcessor:
         self.harm = HarmScorer(cfg.harm) if cfg.harm.enabled else None
         self.quality = QualityModel.load(cfg.quality.model) if cfg.quality.model else None
         self.minhash = MinHasher(cfg.dedup) if cfg.dedup.fuzzy else None
+        self.embed = None
+        if cfg.dedup.semantic.enabled:
+            from lmfoundry.data.embed import Embedder
+
+            self.embed = Embedder()
 
     def __call__(self, batch: pa.Table, shard: int, first_row: int, path: str) -> pa.Table:
         cfg = self.cfg
@@ -126,6 +131,11 @@ class DocumentProcessor:
             for j, i in enumerate(kept_idx):
                 signature[i], buckets[i] = sigs[j], keys[j]
 
+        embedding: list = [None] * n
+        if self.embed is not None and kept_idx:
+            for i, e in zip(kept_idx, self.embed([texts[i] for i in kept_idx])):
+                embedding[i] = e.tolist()
+
         if cfg.id_field in batch.column_names:
             ids = [None if v is None else str(v) for v in batch.column(cfg.id_field).to_pylist()]
             ids = [v if v is not None else derive_id(path, first_row + i, raw[i]) for i, v in enumerate(ids)]
@@ -152,6 +162,7 @@ class DocumentProcessor:
             "_text_hash": pa.array(hashes, pa.uint64()),
             "_signature": pa.array([None if s is None else s.tolist() for s in signature], pa.list_(pa.uint32())),
             "_buckets": pa.array([None if b is None else b.tolist() for b in buckets], pa.list_(pa.uint64())),
+            "_embedding": pa.array(embedding, pa.list_(pa.float32())),
         }
         out = pa.table(columns)
         for name in carried.column_names:
@@ -160,4 +171,4 @@ class DocumentProcessor:
         return out
 
 
-INTERNAL_COLUMNS = ("doc_key", "_text_hash", "_signature", "_buckets")
+INTERNAL_COLUMNS = ("doc_key", "_text_hash", "_signature", "_buckets", "_embedding")

@@ -97,7 +97,7 @@ def residual_duplicate_rate(cfg, out: str, kept_total: int) -> dict:
     """Share of a random sample of kept documents that still have a near duplicate among all kept
     documents. Candidates come from a banding independent of the dedup's (32 bands of 3 rows of
     the same signatures: more permissive), similarity is the MinHash estimate."""
-    from lmfoundry.data.curate import WORK, read_parquet_files
+    from lmfoundry.data.curate import WORK, hash_sample, read_parquet_files
 
     files = storage.list_files(storage.join(out, WORK, "signatures"), (".parquet",))
     n_perm = cfg.dedup.num_perm
@@ -106,13 +106,7 @@ def residual_duplicate_rate(cfg, out: str, kept_total: int) -> dict:
     rate = min(1.0, cfg.checklist.duplicate_sample_size / kept_total)
     ds = read_parquet_files(files)
 
-    def pick(batch: pa.Table) -> pa.Table:
-        keys = batch.column("doc_key").to_numpy().astype(np.uint64)
-        with np.errstate(over="ignore"):
-            u = ((keys * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-        return batch.filter(pa.array(u < rate))
-
-    sample = ds.map_batches(pick, batch_format="pyarrow").take_all()
+    sample = ds.map_batches(hash_sample, fn_kwargs={"rate": rate}, batch_format="pyarrow").take_all()
     if not sample:
         return {"rate": None, "sample": 0, "with_duplicate": 0}
     s_keys = np.array([r["doc_key"] for r in sample], dtype=np.int64)

@@ -7,7 +7,7 @@
               Gopher repetition + FineWeb rules) and MinHash signatures (same shingles, same
               16 x 6 min-hashes). datatrove is the `bench` extra: pip install 'lmfoundry[bench]' spacy
   scaling     the whole `lmfoundry curate` pipeline on local Ray over 10k and 100k documents:
-              wall time and the peak resident memory of all Ray processes together
+              wall time and the peak memory (proportional set size) of all Ray processes together
 
     python benchmarks/curation.py [--quick] [--sections dedup,throughput,scaling] [--sizes 10000,100000]
 
@@ -168,7 +168,9 @@ def scaling_corpus(path: Path, n: int, seed: int = 0, shards: int = 8) -> None:
 
 
 class PeakRSS(threading.Thread):
-    """Samples the resident memory of this process and every Ray process, summed."""
+    """Samples the memory of this process and every Ray process, summed as proportional set size
+    (shared pages, such as Ray's object store mapped into every worker, divided among the
+    processes that map them rather than counted once per process)."""
 
     def __init__(self, interval: float = 0.5):
         super().__init__(daemon=True)
@@ -179,11 +181,14 @@ class PeakRSS(threading.Thread):
 
         while not self.stopped.is_set():
             total = 0
-            for p in psutil.process_iter(["pid", "name", "cmdline", "memory_info"]):
+            for p in psutil.process_iter(["pid", "name", "cmdline"]):
                 cmd = " ".join(p.info["cmdline"] or [])
                 if p.info["pid"] == os.getpid() or "ray" in (p.info["name"] or "") or "ray::" in cmd or "raylet" in cmd \
                         or "gcs_server" in cmd or "default_worker" in cmd:
-                    total += p.info["memory_info"].rss if p.info["memory_info"] else 0
+                    try:
+                        total += p.memory_full_info().pss
+                    except (psutil.NoSuchProcess, psutil.AccessDenied):
+                        pass
             self.peak = max(self.peak, total)
             self.stopped.wait(self.interval)
 
@@ -206,7 +211,7 @@ def bench_scaling(sizes: list[int]) -> list[dict]:
         monitor.stopped.set()
         monitor.join()
         rows.append({"documents": n, "input_mb_gzip": round(size_mb, 1), "seconds": round(seconds, 1),
-                     "docs_per_s": round(n / seconds, 1), "peak_rss_gib": round(monitor.peak / 2**30, 2),
+                     "docs_per_s": round(n / seconds, 1), "peak_pss_gib": round(monitor.peak / 2**30, 2),
                      "kept": report["documents_kept"], "phase_seconds": report["phase_seconds"],
                      "exact_duplicates": report["dedup"]["exact_duplicates"],
                      "near_duplicates": report["dedup"]["near_duplicates"]})
@@ -241,9 +246,9 @@ def main() -> None:
         sizes = [1000, 5000] if args.quick else [int(s) for s in args.sizes.split(",")]
         print("\nscaling (the whole curate pipeline on local Ray):")
         result["scaling"] = bench_scaling(sizes)
-        print(f"  {'documents':>10}{'input MB':>10}{'seconds':>10}{'docs/s':>10}{'peak RSS GiB':>14}")
+        print(f"  {'documents':>10}{'input MB':>10}{'seconds':>10}{'docs/s':>10}{'peak PSS GiB':>14}")
         for r in result["scaling"]:
-            print(f"  {r['documents']:>10}{r['input_mb_gzip']:>10}{r['seconds']:>10}{r['docs_per_s']:>10}{r['peak_rss_gib']:>14}")
+            print(f"  {r['documents']:>10}{r['input_mb_gzip']:>10}{r['seconds']:>10}{r['docs_per_s']:>10}{r['peak_pss_gib']:>14}")
     RESULTS.mkdir(exist_ok=True)
     name = "curation_quick.json" if args.quick else "curation.json"
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")

@@ -10,6 +10,24 @@ from tokenizers import Tokenizer
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 
+def tensorboard_scalars(path: str) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of a TensorBoard event file (TFRecord framing: length, its CRC, data, its CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    data = open(path, "rb").read()
+    pos = 0
+    while pos < len(data):
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        event = Event.FromString(data[pos + 12:pos + 12 + length])
+        pos += 12 + length + 4
+        for value in event.summary.value:
+            out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
 def test_curate_removes_noise_and_records_every_rejection(curated, sample_corpus):
     out, report = curated
     details = sample_corpus[1]
@@ -72,6 +90,9 @@ def test_pretrain_with_deepspeed_lowers_the_loss_and_writes_a_self_describing_ch
     assert all(r["tokens_per_s"] > 0 and r["tflops_per_worker"] > 0 and "mfu" not in r for r in rows)
     assert all(len(r["worker_busy_s"]) == 2 and min(r["worker_busy_s"]) > 0 for r in rows)
     assert open(f"{out}/loss.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    scalars = tensorboard_scalars(f"{out}/tensorboard/events.out.tfevents.lmfoundry")
+    assert [step for step, _ in scalars["train/loss"]] == list(range(1, 41))
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
     assert json.load(open(f"{ckpt}/model_config.json"))["vocab_size"] == packed[1]["vocab_size"]
 
 
@@ -105,7 +126,7 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(packed, tmp_path):
     from lmfoundry.model.moe import MoEConfig
     from lmfoundry.model.transformer import ModelConfig
     from lmfoundry.platform import checkpoint
-    from lmfoundry.train.config import FaultDrill, PretrainConfig
+    from lmfoundry.train.config import FaultDrill, PretrainConfig, wsd_schedule
     from lmfoundry.train.pretrain import run_pretrain
 
     moe = MoEConfig(num_experts=4, top_k=2, score_func="sigmoid", balance="aux_free", bias_update_rate=0.01)
@@ -115,7 +136,7 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(packed, tmp_path):
             data=packed[0], output=str(tmp_path / f"ep{ep}"), expert_parallel_size=ep,
             model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, moe=moe),
             num_workers=2, zero_stage=2, micro_batch_size=4, global_batch_tokens=2 * 4 * 64, max_steps=12,
-            warmup_steps=2, lr=5e-3, checkpoint_every=6, log_every=1,
+            warmup_steps=2, lr=5e-3, checkpoint_every=6, log_every=1, lr_schedule="wsd", decay_fraction=0.25,
             drills=[FaultDrill(at_step=8, rank=1)] if ep == 2 else [],
         )
         runs[ep] = run_pretrain(cfg)
@@ -126,6 +147,11 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(packed, tmp_path):
         assert sum(a["tokens_per_expert"][0]) == 2 * 4 * 64 * 2  # every token's top-2, both workers
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (a, b)
+    # warmup-stable-decay, resumed with the rest of the state after the kill: warmup over steps 1-2,
+    # the peak held, then a 1 - sqrt decay over the last 3 of 12 steps
+    schedule = wsd_schedule(cfg)
+    assert [r["lr"] for r in metrics[2]] == pytest.approx([5e-3 * schedule(r["step"]) for r in metrics[2]])
+    assert metrics[2][4]["lr"] == pytest.approx(5e-3) and metrics[2][-1]["lr"] < 5e-3 * 0.5
     # the expert-parallel checkpoint holds every expert, gathered from both workers
     dense_run, ep_run = (load_model_files(checkpoint.resolve(str(tmp_path / f"ep{ep}"))) for ep in (1, 2))
     for layer in ep_run.moe_layers():

@@ -47,6 +47,11 @@ class PretrainConfig(StageConfig):
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(20, ge=0)
+    lr_schedule: Literal["cosine", "wsd"] = Field("cosine", description="warmup + cosine, or warmup-stable-"
+                                                   "decay (constant after warmup, decayed over the last decay_fraction)")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of max_steps spent decaying")
+    decay_shape: Literal["linear", "sqrt"] = Field("sqrt", description="wsd: linear, or 1 - sqrt (Hägele et "
+                                                    "al. 2024 found it better)")
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(1.0, ge=0)
@@ -132,10 +137,36 @@ def deepspeed_config(cfg: PretrainConfig, world_size: int, seq_len: int, num_par
             "lr": cfg.lr, "betas": list(cfg.betas), "eps": 1e-8, "weight_decay": cfg.weight_decay,
             "torch_adam": True,
         }},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
+        # warmup-stable-decay has no DeepSpeed scheduler: build_engine hands DeepSpeed a WSDSchedule
+        **({"scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": cfg.max_steps, "warmup_num_steps": cfg.warmup_steps,
             "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.min_lr_ratio,
-        }},
+        }}} if cfg.lr_schedule == "cosine" else {}),
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+class WSDSchedule:
+    """Warmup-stable-decay (Hu et al. 2024, MiniCPM; Hägele et al. 2024): linear warmup to the
+    peak, the peak held, then a decay to min_lr_ratio over the last decay_fraction of the steps.
+    A LambdaLR multiplier; an object rather than a closure, so its settings are in the scheduler's
+    state_dict and in every checkpoint."""
+
+    def __init__(self, max_steps: int, warmup_steps: int, decay_fraction: float, min_lr_ratio: float, shape: str):
+        self.max_steps, self.warmup_steps = max_steps, warmup_steps
+        self.decay_steps = max(1, round(max_steps * decay_fraction))
+        self.min_lr_ratio, self.shape = min_lr_ratio, shape
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = (step - (self.max_steps - self.decay_steps)) / self.decay_steps
+        if progress <= 0:
+            return 1.0
+        drop = min(progress, 1.0) if self.shape == "linear" else min(progress, 1.0) ** 0.5
+        return 1.0 - (1.0 - self.min_lr_ratio) * drop
+
+
+def wsd_schedule(cfg: PretrainConfig) -> WSDSchedule:
+    return WSDSchedule(cfg.max_steps, cfg.warmup_steps, cfg.decay_fraction, cfg.min_lr_ratio, cfg.decay_shape)

@@ -37,7 +37,7 @@ from lmfoundry.model.transformer import Transformer
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.hardware import device_peak_tflops
 from lmfoundry.platform.log import get_logger
-from lmfoundry.train.config import FaultDrill, PretrainConfig, deepspeed_config
+from lmfoundry.train.config import FaultDrill, PretrainConfig, deepspeed_config, wsd_schedule
 from lmfoundry.train.expert_parallel import full_state, shard_model
 from lmfoundry.train.snapshot import SnapshotCheckpointEngine
 
@@ -100,11 +100,27 @@ def _timed(iterable):
         yield item, time.perf_counter() - start
 
 
+TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops_per_worker", "mfu",
+                       "expert_imbalance", "skipped_batches", "rollbacks", "checkpoint_blocking_s")
+
+
 def write_metrics(run_dir: str, history: list[dict]) -> None:
-    """metrics.jsonl in the run directory, one JSON object per logged step (rewritten whole:
-    object stores cannot append)."""
+    """metrics.jsonl and a TensorBoard event file in the run directory, from the run's history
+    (rewritten whole at each checkpoint: object stores cannot append, and after a rollback or a
+    restart the history is what the resumed run saw)."""
     text = "".join(json.dumps(h) + "\n" for h in history)
     storage.write_bytes_atomic(storage.join(run_dir, "metrics.jsonl"), text.encode())
+    from tensorboardX import SummaryWriter
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with SummaryWriter(tmp) as tb:
+            for h in history:
+                for name in TENSORBOARD_SCALARS:
+                    if isinstance(h.get(name), (int, float)):
+                        tb.add_scalar(f"train/{name}", h[name], h["step"], walltime=h.get("time"))
+        (event_file,) = Path(tmp).glob("events.out.tfevents.*")
+        storage.write_bytes_atomic(storage.join(run_dir, "tensorboard", "events.out.tfevents.lmfoundry"),
+                                   event_file.read_bytes())
 
 
 class Drills:
@@ -269,8 +285,13 @@ def build_engine(cfg: PretrainConfig, world: int, seq_len: int):
     if cfg.expert_parallel_size > 1:
         shard_model(model, cfg.expert_parallel_size)
     ds_config = deepspeed_config(cfg, world, seq_len, model.num_params())
+    client_scheduler = None
+    if cfg.lr_schedule == "wsd":
+        def client_scheduler(optimizer):
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, wsd_schedule(cfg))
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.weight_decay), config=ds_config
+        model=model, model_parameters=param_groups(model, cfg.weight_decay), config=ds_config,
+        lr_scheduler=client_scheduler,
     )
     engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
     return engine, scheduler, ds_config

@@ -227,13 +227,22 @@ def main() -> None:
     p.add_argument("--sizes", default="10000,100000", help="scaling: corpus sizes in documents")
     args = p.parse_args()
     sections = args.sections.split(",")
-    result: dict = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / ("curation_quick.json" if args.quick else "curation.json")
+    # sections run separately keep each other's results; each is written as soon as it is done
+    result: dict = json.loads(path.read_text()) if path.exists() else {}
+    result.update({"machine": machine(), "date": time.strftime("%Y-%m-%d")})
+
+    def save():
+        path.write_text(json.dumps(result, indent=2) + "\n")
+
     if "dedup" in sections:
         result["dedup"] = d = bench_dedup(100 if args.quick else 1500)
         print(f"\nfuzzy dedup on {d['documents']} documents with planted near duplicates ({d['true_pairs']} pairs at "
               f"Jaccard >= {d['threshold']}), {d['bands']} bands x {d['rows_per_band']} rows, {d['seconds']} s")
         print(f"  pair recall {d['pair_recall']:.4f}   document recall {d['document_recall']:.4f}   "
               f"document precision {d['document_precision']:.4f}   (text-dedup MinHash: P 0.9587 / R 0.9416)")
+        save()
     if "throughput" in sections:
         result["throughput"] = t = bench_throughput(200 if args.quick else 1000, 3 if args.quick else 5)
         print(f"\nper core, {t['documents']} documents of {t['mean_chars']} characters on average, median of {t['repeats']}")
@@ -242,6 +251,7 @@ def main() -> None:
             r = t[name]
             print(f"  {name:<12}{r['lmfoundry_docs_per_s']:>18}{r['datatrove_docs_per_s']:>18}{r['ratio']:>7}x")
         print(f"  kept by the heuristic stage: lmfoundry {t['kept']['lmfoundry']}, datatrove {t['kept']['datatrove']}")
+        save()
     if "scaling" in sections:
         sizes = [1000, 5000] if args.quick else [int(s) for s in args.sizes.split(",")]
         print("\nscaling (the whole curate pipeline on local Ray):")
@@ -249,10 +259,8 @@ def main() -> None:
         print(f"  {'documents':>10}{'input MB':>10}{'seconds':>10}{'docs/s':>10}{'peak PSS GiB':>14}")
         for r in result["scaling"]:
             print(f"  {r['documents']:>10}{r['input_mb_gzip']:>10}{r['seconds']:>10}{r['docs_per_s']:>10}{r['peak_pss_gib']:>14}")
-    RESULTS.mkdir(exist_ok=True)
-    name = "curation_quick.json" if args.quick else "curation.json"
-    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {RESULTS / name}")
+        save()
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

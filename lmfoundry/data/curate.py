@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from typing import Literal
 
@@ -171,9 +172,15 @@ def _pending(out: str, phase: str, n: int) -> list[int]:
 
 
 def _workers(cfg: CurateConfig, pending: int) -> int:
+    """Workers for `pending` shards: the configured number, else one per CPU of the cluster, but on
+    a one-node cluster no more than the machine's cores (the embedded local Ray advertises twice
+    the cores so that training workers and data tasks never wait on each other; a CPU-bound
+    worker per logical CPU would only contend)."""
     import ray
 
     cpus = int(ray.cluster_resources().get("CPU", 1))
+    if len([n for n in ray.nodes() if n.get("Alive")]) == 1:
+        cpus = min(cpus, os.cpu_count() or cpus)
     return max(1, min(pending, cfg.workers or cpus))
 
 

@@ -7,7 +7,8 @@ only what was not finished and ends with the same output as a clean run:
               holds the models (language, harm, quality): every per-document stage
               (`documents.DocumentProcessor`) -> `_work/docs/shard-NNNNN.parquet` + marker
 2. dedup      exact (same normalised text) and fuzzy (MinHash LSH, verified Jaccard, connected
-              components) over all shards with Ray Data groupbys -> `_work/dedup/*.parquet` + marker
+              components; optional semantic dedup) over all shards (`dedup_pipeline.py`) ->
+              `_work/dedup/duplicates.parquet` + marker
 3. write      per shard: the dedup decisions applied -> `kept/shard-NNNNN.parquet`,
               `rejected/shard-NNNNN.parquet` (every row with `reason` and `stage`) + marker
 4. report     `report.json`, `report.html`, the quality checklist; `_MANIFEST.json` last
@@ -32,13 +33,15 @@ from pydantic import Field
 
 from lmfoundry.data.dedup import DedupConfig
 from lmfoundry.data.density import DensityConfig
-from lmfoundry.data.documents import INTERNAL_COLUMNS, KEPT, SHARD_BITS, DocumentProcessor
+from lmfoundry.data.dedup_pipeline import run_dedup
+from lmfoundry.data.documents import INTERNAL_COLUMNS, KEPT, DocumentProcessor
 from lmfoundry.data.filters import HeuristicFilterConfig
 from lmfoundry.data.harm import HarmConfig
 from lmfoundry.data.langid import LanguageConfig
 from lmfoundry.data.pii import PIIConfig
 from lmfoundry.data.quality import QualityConfig
 from lmfoundry.data.report import ChecklistConfig, build_report, shard_stats
+from lmfoundry.data.workdir import WORK, pending, read_parquet, shard_name, work_path, write_parquet_atomic
 from lmfoundry.platform import storage
 from lmfoundry.platform.cli import StageFailed
 from lmfoundry.platform.config import StageConfig
@@ -47,7 +50,6 @@ from lmfoundry.platform.log import get_logger
 logger = get_logger(__name__)
 
 INPUT_SUFFIXES = {"jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"), "parquet": (".parquet",), "text": (".txt",)}
-WORK = "_work"
 
 
 class CurateConfig(StageConfig):
@@ -120,16 +122,6 @@ def read_shard(fmt: str, files: list[str], cfg: CurateConfig) -> pa.Table:
 
 # -- phase 1: documents -------------------------------------------------------------------------
 
-def _write_parquet_atomic(uri: str, table: pa.Table) -> None:
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    storage.write_bytes_atomic(uri, buf.getvalue())
-
-
-def shard_name(i: int) -> str:
-    return f"shard-{i:05d}"
-
-
 class ShardWorker:
     """A Ray Data actor: curates whole shards (models loaded once per actor)."""
 
@@ -145,9 +137,9 @@ class ShardWorker:
                 table = table.slice(0, self.limits[i])
             parts = [self.processor(table.slice(s, self.cfg.batch_rows), i, s, self.shards[i][0])
                      for s in range(0, table.num_rows, self.cfg.batch_rows)]
-            base = storage.join(self.out, WORK, "docs", shard_name(i))
+            base = work_path(self.out, "docs", shard_name(i))
             if parts:
-                _write_parquet_atomic(base + ".parquet", pa.concat_tables(parts, promote_options="permissive"))
+                write_parquet_atomic(base + ".parquet", pa.concat_tables(parts, promote_options="permissive"))
             kept = sum(pc.sum(pc.equal(p.column("reason"), KEPT)).as_py() or 0 for p in parts)
             storage.write_json_atomic(base + ".json", {"shard": i, "files": self.shards[i], "documents": table.num_rows,
                                                        "kept": kept})
@@ -167,10 +159,6 @@ def _row_limits(fmt: str, shards: list[list[str]], cfg: CurateConfig) -> dict[in
     return limits
 
 
-def _pending(out: str, phase: str, n: int) -> list[int]:
-    return [i for i in range(n) if not storage.exists(storage.join(out, WORK, phase, shard_name(i) + ".json"))]
-
-
 def _workers(cfg: CurateConfig, pending: int) -> int:
     """Workers for `pending` shards: the configured number, else one per CPU of the cluster, but on
     a one-node cluster no more than the machine's cores (the embedded local Ray advertises twice
@@ -187,244 +175,30 @@ def _workers(cfg: CurateConfig, pending: int) -> int:
 def run_documents(cfg: CurateConfig, out: str, fmt: str, shards: list[list[str]]) -> None:
     import ray
 
-    pending = _pending(out, "docs", len(shards))
-    if len(pending) < len(shards):
-        logger.info("curate: documents: %d of %d shards already done; resuming", len(shards) - len(pending), len(shards))
-    if not pending:
+    todo = pending(out, "docs", len(shards))
+    if len(todo) < len(shards):
+        logger.info("curate: documents: %d of %d shards already done; resuming", len(shards) - len(todo), len(shards))
+    if not todo:
         return
     limits = _row_limits(fmt, shards, cfg)
-    ds = ray.data.from_items([{"shard": i} for i in pending], override_num_blocks=len(pending))
+    ds = ray.data.from_items([{"shard": i} for i in todo], override_num_blocks=len(todo))
     ds = ds.map_batches(ShardWorker, fn_constructor_args=(cfg, out, fmt, shards, limits), batch_size=1,
-                        compute=ray.data.ActorPoolStrategy(size=_workers(cfg, len(pending))), num_cpus=1,
+                        compute=ray.data.ActorPoolStrategy(size=_workers(cfg, len(todo))), num_cpus=1,
                         num_gpus=cfg.gpus_per_worker or None)
     done = ds.take_all()
     logger.info("curate: documents: %d shards, %d documents", len(done), sum(int(r["documents"]) for r in done))
-
-
-# -- phase 2: dedup -----------------------------------------------------------------------------
-
-def _read_files(batch: dict, columns: list[str] | None) -> pa.Table:
-    return pa.concat_tables([pq.read_table(io.BytesIO(storage.read_bytes(f)), columns=columns)
-                             for f in batch["file"].tolist()])
-
-
-def read_parquet_files(files: list[str], columns: list[str] | None = None):
-    """A Ray Data dataset of our own Parquet shards, one read task per file. (ray.data.read_parquet
-    spends seconds per call sampling file metadata, which dominates on the small files of a run.)"""
-    import ray
-
-    return ray.data.from_items([{"file": f} for f in files], override_num_blocks=len(files)).map_batches(
-        _read_files, fn_kwargs={"columns": columns}, batch_size=1, batch_format="numpy")
-
-
-def _doc_files(out: str, n: int) -> list[str]:
-    return [f for i in range(n) if storage.exists(f := storage.join(out, WORK, "docs", shard_name(i) + ".parquet"))]
-
-
-def _partitions(num_docs: int, per_million: int) -> int:
-    return max(1, min(512, -(-num_docs * per_million // 1_000_000)))
-
-
-def bucket_rows(batch: pa.Table, partitions: int, exact: bool, fuzzy: bool) -> pa.Table:
-    """One row per (document, bucket): its text hash (exact) and its LSH band keys (fuzzy), with
-    the hash partition the row belongs to."""
-    keys = batch.column("doc_key")
-    parts = []
-    if exact:
-        parts.append(pa.table({"bucket": batch.column("_text_hash"), "doc_key": keys,
-                               "exact": pa.array(np.ones(batch.num_rows, bool))}))
-    if fuzzy:
-        parents = pc.list_parent_indices(batch.column("_buckets"))
-        flat = pc.list_flatten(batch.column("_buckets"))
-        parts.append(pa.table({"bucket": flat, "doc_key": pc.take(keys, parents),
-                               "exact": pa.array(np.zeros(len(flat), bool))}))
-    rows = pa.concat_tables(parts)
-    part = np.asarray(rows.column("bucket")) % np.uint64(partitions)
-    return rows.append_column("part", pa.array(part.astype(np.int64)))
-
-
-def bucket_group(group: dict) -> dict:
-    """One hash partition of buckets -> candidate edges (a < b), exact ones marked."""
-    from lmfoundry.data.dedup import star_edges
-
-    out = {"a": [], "b": [], "exact": []}
-    for flag in (True, False):
-        sel = group["exact"] == flag
-        a, b = star_edges(group["bucket"][sel], group["doc_key"][sel])
-        out["a"].append(a)
-        out["b"].append(b)
-        out["exact"].append(np.full(len(a), flag))
-    return {k: np.concatenate(v) for k, v in out.items()}
-
-
-def verify_pairs(batch: dict, out: str, cfg_json: str) -> dict:
-    """Candidate pairs between two shards: read the two shards' texts, keep the pairs whose
-    shingle sets have Jaccard similarity at or above the threshold."""
-    from lmfoundry.data.dedup import jaccard, shingle_hashes
-
-    cfg = CurateConfig.model_validate_json(cfg_json)
-    keep_a, keep_b = [], []
-    for shard_a, shard_b, a, b in zip(batch["shard_a"], batch["shard_b"], batch["a"], batch["b"]):
-        a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
-        texts = {}
-        for shard in {int(shard_a), int(shard_b)}:
-            uri = storage.join(out, WORK, "docs", shard_name(shard) + ".parquet")
-            t = pq.read_table(io.BytesIO(storage.read_bytes(uri)), columns=["doc_key", cfg.text_field])
-            t = t.filter(pc.is_in(t.column("doc_key"), pa.array(np.unique(np.concatenate([a, b])))))
-            texts.update(zip(t.column("doc_key").to_pylist(), t.column(cfg.text_field).to_pylist()))
-        shingles = {k: shingle_hashes(v, cfg.dedup.shingle_words) for k, v in texts.items()}
-        ok = np.array([jaccard(shingles[x], shingles[y]) >= cfg.dedup.jaccard_threshold
-                       for x, y in zip(a.tolist(), b.tolist())], dtype=bool)
-        keep_a.append(a[ok])
-        keep_b.append(b[ok])
-    return {"a": np.concatenate(keep_a), "b": np.concatenate(keep_b)}
-
-
-def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
-    """Exact and fuzzy duplicates in one Ray Data groupby over hash partitions of the buckets;
-    candidate pairs verified per pair of shards; clusters by union-find over the duplicate edges.
-    Writes `_work/dedup/duplicates.parquet`: (shard, doc_key, reason, duplicate_of)."""
-    import ray
-    from ray.data.context import ShuffleStrategy
-    from ray.data.expressions import col
-
-    from lmfoundry.data.dedup import UnionFind
-
-    marker = storage.join(out, WORK, "dedup", "_DONE.json")
-    if storage.exists(marker):
-        logger.info("curate: dedup already done; resuming after it")
-        return storage.read_json(marker)
-    started = time.time()
-    files = _doc_files(out, num_shards)
-    num_kept = sum(storage.read_json(storage.join(out, WORK, "docs", shard_name(i) + ".json")).get("kept", 0)
-                   for i in range(num_shards))
-    parts = _partitions(num_kept, cfg.dedup.partitions_per_million)
-    stats = {"kept_before_dedup": num_kept, "partitions": parts, "exact_duplicates": 0, "candidate_pairs": 0,
-             "verified_pairs": 0, "near_duplicates": 0}
-    uf, exact_dups, near_linked = UnionFind(), set(), set()
-    if files and num_kept and (cfg.dedup.exact or cfg.dedup.fuzzy):
-        # The sort-based shuffle runs on tasks, which reuse warm workers; the hash shuffle starts
-        # a set of aggregator actors for every groupby (seconds each on a small cluster).
-        ray.data.DataContext.get_current().shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
-        kept = read_parquet_files(files, ["doc_key", "reason", "_text_hash", "_buckets"]).filter(expr=col("reason") == KEPT)
-        rows = kept.map_batches(bucket_rows, fn_kwargs={"partitions": parts, "exact": cfg.dedup.exact,
-                                                        "fuzzy": cfg.dedup.fuzzy}, batch_format="pyarrow")
-        fuzzy_pairs: set[tuple[int, int]] = set()
-        grouped = rows.groupby("part", num_partitions=parts).map_groups(bucket_group, batch_format="numpy")
-        for batch in grouped.iter_batches(batch_format="numpy"):
-            for a, b, is_exact in zip(batch["a"].tolist(), batch["b"].tolist(), batch["exact"].tolist()):
-                if is_exact:
-                    uf.union(a, b)
-                    exact_dups.add(b)
-                else:  # the same pair can share buckets in several bands, in several partitions
-                    fuzzy_pairs.add((a, b))
-        candidates: dict[tuple[int, int], tuple[list, list]] = {}
-        for a, b in sorted(fuzzy_pairs):
-            if b not in exact_dups or uf.find(a) != uf.find(b):  # exact pairs need no verification
-                pair = candidates.setdefault((a >> SHARD_BITS, b >> SHARD_BITS), ([], []))
-                pair[0].append(a)
-                pair[1].append(b)
-        stats["candidate_pairs"] = sum(len(v[0]) for v in candidates.values())
-        if candidates:
-            items = [{"shard_a": sa, "shard_b": sb, "a": v[0], "b": v[1]} for (sa, sb), v in sorted(candidates.items())]
-            verified = ray.data.from_items(items, override_num_blocks=min(len(items), 4 * max(1, _workers(cfg, len(items))))) \
-                .map_batches(verify_pairs, fn_kwargs={"out": out, "cfg_json": cfg.model_dump_json()}, batch_size=1,
-                             num_cpus=1)
-            for batch in verified.iter_batches(batch_format="numpy"):
-                for a, b in zip(batch["a"].tolist(), batch["b"].tolist()):
-                    uf.union(a, b)
-                    near_linked.update((a, b))
-                    stats["verified_pairs"] += 1
-    if files and num_kept > 1 and cfg.dedup.semantic.enabled:
-        pairs = 0
-        for a, b in semantic_edges(cfg, files, num_kept):
-            uf.union(a, b)
-            pairs += 1
-        stats["semantic_pairs"] = pairs
-    dups = uf.duplicates()
-    names = _ids_of(files, {rep for rep in dups.values()}, cfg) if dups else {}
-    keys = np.array(sorted(dups), dtype=np.int64)
-    reasons = ["exact_duplicate" if k in exact_dups else "near_duplicate" if k in near_linked else "semantic_duplicate"
-               for k in keys.tolist()]
-    for kind in ("exact", "near", "semantic"):
-        stats[f"{kind}_duplicates"] = reasons.count(f"{kind}_duplicate")
-    table = pa.table({"shard": pa.array(keys >> SHARD_BITS, pa.int64()), "doc_key": pa.array(keys, pa.int64()),
-                      "reason": pa.array(reasons, pa.string()),
-                      "duplicate_of": pa.array([names[dups[k]] for k in keys.tolist()], pa.string())})
-    _write_parquet_atomic(storage.join(out, WORK, "dedup", "duplicates.parquet"), table)
-    stats["seconds"] = round(time.time() - started, 2)
-    storage.write_json_atomic(marker, stats)
-    logger.info("curate: dedup: %s", stats)
-    return stats
-
-
-def hash_sample(batch: pa.Table, rate: float) -> pa.Table:
-    """A deterministic pseudo-random sample: a document is in it when its key hashes below `rate`."""
-    keys = np.asarray(batch.column("doc_key")).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        u = ((keys * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-    return batch.filter(pa.array(u < rate))
-
-
-def _assign_cluster(batch: dict, centroids: np.ndarray) -> dict:
-    emb = np.stack(batch["_embedding"]).astype(np.float32)
-    return {"doc_key": batch["doc_key"], "_embedding": batch["_embedding"],
-            "cluster": np.argmax(emb @ centroids.T, axis=1).astype(np.int64)}
-
-
-def _cluster_pairs(group: dict, similarity: float) -> dict:
-    from lmfoundry.data.dedup import semantic_pairs
-
-    a, b = semantic_pairs(group["doc_key"], np.stack(group["_embedding"]).astype(np.float32), similarity)
-    return {"a": a, "b": b}
-
-
-def semantic_edges(cfg: CurateConfig, files: list[str], num_kept: int):
-    """SemDeDup: k-means centroids fitted on a sample of the kept embeddings, every document
-    assigned to its nearest centroid, pairs above the cosine threshold found inside each cluster
-    (one Ray Data group per cluster)."""
-    from ray.data.expressions import col
-    from sklearn.cluster import KMeans
-
-    sem = cfg.dedup.semantic
-    docs = read_parquet_files(files, ["doc_key", "reason", "_embedding"]).filter(expr=col("reason") == KEPT) \
-        .select_columns(["doc_key", "_embedding"])
-    sample = docs.map_batches(hash_sample, fn_kwargs={"rate": min(1.0, sem.kmeans_sample / num_kept)},
-                              batch_format="pyarrow").take_all()
-    emb = np.stack([np.asarray(r["_embedding"], np.float32) for r in sample])
-    k = min(sem.clusters, len(emb))
-    centroids = KMeans(n_clusters=k, n_init=1, random_state=cfg.dedup.seed).fit(emb).cluster_centers_
-    centroids /= np.linalg.norm(centroids, axis=1, keepdims=True) + 1e-12
-    assigned = docs.map_batches(_assign_cluster, fn_kwargs={"centroids": centroids.astype(np.float32)},
-                                batch_format="numpy")
-    edges = assigned.groupby("cluster", num_partitions=max(1, min(k, 64))).map_groups(
-        _cluster_pairs, fn_kwargs={"similarity": sem.similarity}, batch_format="numpy")
-    for batch in edges.iter_batches(batch_format="numpy"):
-        yield from zip(batch["a"].tolist(), batch["b"].tolist())
-
-
-def _ids_of(files: list[str], keys: set[int], cfg: CurateConfig) -> dict[int, str]:
-    """The ids of the given documents (the cluster representatives), read where they live."""
-    wanted = np.array(sorted(keys), dtype=np.int64)
-    out: dict[int, str] = {}
-    for shard in np.unique(wanted >> SHARD_BITS).tolist():
-        uri = storage.join(storage.normalize(cfg.output), WORK, "docs", shard_name(shard) + ".parquet")
-        t = pq.read_table(io.BytesIO(storage.read_bytes(uri)), columns=["doc_key", cfg.id_field])
-        t = t.filter(pc.is_in(t.column("doc_key"), pa.array(wanted[(wanted >> SHARD_BITS) == shard])))
-        out.update(zip(t.column("doc_key").to_pylist(), t.column(cfg.id_field).to_pylist()))
-    return out
 
 
 # -- phase 3: write kept/ and rejected/ ---------------------------------------------------------
 
 def finalize_shards(batch: dict, out: str, cfg_json: str) -> dict:
     cfg = CurateConfig.model_validate_json(cfg_json)
-    dups = pq.read_table(io.BytesIO(storage.read_bytes(storage.join(out, WORK, "dedup", "duplicates.parquet"))))
+    dups = read_parquet(work_path(out, "dedup", "duplicates.parquet"))
     for i in batch["shard"].tolist():
-        src = storage.join(out, WORK, "docs", shard_name(i) + ".parquet")
+        src = work_path(out, "docs", shard_name(i) + ".parquet")
         name = shard_name(i)
         if storage.exists(src):
-            t = pq.read_table(io.BytesIO(storage.read_bytes(src)))
+            t = read_parquet(src)
             mine = dups.filter(pc.equal(dups.column("shard"), i))
             if mine.num_rows:
                 lookup = dict(zip(mine.column("doc_key").to_pylist(),
@@ -439,26 +213,26 @@ def finalize_shards(batch: dict, out: str, cfg_json: str) -> dict:
             is_kept = pc.equal(t.column("reason"), KEPT)
             kept, rejected = t.filter(is_kept), t.filter(pc.invert(is_kept))
             public = [c for c in t.column_names if c not in INTERNAL_COLUMNS]
-            _write_parquet_atomic(storage.join(out, "kept", name + ".parquet"), kept.select(public))
+            write_parquet_atomic(storage.join(out, "kept", name + ".parquet"), kept.select(public))
             if cfg.write_rejected:
-                _write_parquet_atomic(storage.join(out, "rejected", name + ".parquet"), rejected.select(public))
-            _write_parquet_atomic(storage.join(out, WORK, "signatures", name + ".parquet"),
+                write_parquet_atomic(storage.join(out, "rejected", name + ".parquet"), rejected.select(public))
+            write_parquet_atomic(work_path(out, "signatures", name + ".parquet"),
                                   kept.select(["doc_key", "_signature"]))
             stats = shard_stats(t, cfg)
         else:
             stats = shard_stats(None, cfg)
-        storage.write_json_atomic(storage.join(out, WORK, "final", name + ".json"), stats)
+        storage.write_json_atomic(work_path(out, "final", name + ".json"), stats)
     return {"shard": batch["shard"]}
 
 
 def run_finalize(cfg: CurateConfig, out: str, num_shards: int) -> None:
     import ray
 
-    pending = _pending(out, "final", num_shards)
-    if pending:
-        ray.data.from_items([{"shard": i} for i in pending], override_num_blocks=len(pending)).map_batches(
+    todo = pending(out, "final", num_shards)
+    if todo:
+        ray.data.from_items([{"shard": i} for i in todo], override_num_blocks=len(todo)).map_batches(
             finalize_shards, fn_kwargs={"out": out, "cfg_json": cfg.model_dump_json()}, batch_size=1,
-            num_cpus=1, compute=ray.data.TaskPoolStrategy(size=_workers(cfg, len(pending)))).take_all()
+            num_cpus=1, compute=ray.data.TaskPoolStrategy(size=_workers(cfg, len(todo)))).take_all()
 
 
 # -- the stage ----------------------------------------------------------------------------------
@@ -472,7 +246,7 @@ def prepare_run(cfg: CurateConfig, out: str) -> bool:
     config, or start afresh (a different config's partial output is removed, with a warning)."""
     if storage.is_committed(out) and not cfg.overwrite:
         return False
-    settings = storage.join(out, WORK, "config.json")
+    settings = storage.join(out, WORK, "config.json")  # the run's settings, to know a resumable run
     if not cfg.overwrite and storage.exists(settings) and storage.read_json(settings) == _fingerprint(cfg):
         logger.info("curate: resuming the unfinished run in %s", out)
         return True
@@ -497,12 +271,12 @@ def run_curate(cfg: CurateConfig) -> dict:
     run_documents(cfg, out, fmt, shards)
     timings["documents"] = round(time.time() - t, 2)
     t = time.time()
-    dedup_stats = run_dedup(cfg, out, len(shards))
+    dedup_stats = run_dedup(cfg, out, len(shards), _workers(cfg, len(shards)))
     timings["dedup"] = round(time.time() - t, 2)
     t = time.time()
     run_finalize(cfg, out, len(shards))
     timings["write"] = round(time.time() - t, 2)
-    stats = [storage.read_json(storage.join(out, WORK, "final", shard_name(i) + ".json")) for i in range(len(shards))]
+    stats = [storage.read_json(work_path(out, "final", shard_name(i) + ".json")) for i in range(len(shards))]
     report = build_report(cfg, out, stats, dedup_stats, timings, started)
     storage.commit(out, "curate", {"input": cfg.input, "format": fmt, "shards": len(shards), "report": "report.json",
                                    "kept": "kept", "rejected": "rejected" if cfg.write_rejected else None,

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
+from lmfoundry.data.workdir import WORK, hash_sample, read_parquet_files
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
@@ -97,8 +98,6 @@ def residual_duplicate_rate(cfg, out: str, kept_total: int) -> dict:
     """Share of a random sample of kept documents that still have a near duplicate among all kept
     documents. Candidates come from a banding independent of the dedup's (32 bands of 3 rows of
     the same signatures: more permissive), similarity is the MinHash estimate."""
-    from lmfoundry.data.curate import WORK, hash_sample, read_parquet_files
-
     files = storage.list_files(storage.join(out, WORK, "signatures"), (".parquet",))
     n_perm = cfg.dedup.num_perm
     if not files or kept_total < 2 or not cfg.dedup.fuzzy:

@@ -22,6 +22,7 @@ import signal
 import socket
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -105,22 +106,47 @@ TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
 
 
 def write_metrics(run_dir: str, history: list[dict]) -> None:
-    """metrics.jsonl and a TensorBoard event file in the run directory, from the run's history
-    (rewritten whole at each checkpoint: object stores cannot append, and after a rollback or a
-    restart the history is what the resumed run saw)."""
+    """metrics.jsonl in the run directory, one JSON object per logged step (rewritten whole:
+    object stores cannot append, and after a rollback or a restart the history is what the
+    resumed run saw); the TensorBoard event file follows in the background."""
     text = "".join(json.dumps(h) + "\n" for h in history)
     storage.write_bytes_atomic(storage.join(run_dir, "metrics.jsonl"), text.encode())
-    from tensorboardX import SummaryWriter
+    TENSORBOARD.write(run_dir, list(history))
 
-    with tempfile.TemporaryDirectory() as tmp:
-        with SummaryWriter(tmp) as tb:
-            for h in history:
-                for name in TENSORBOARD_SCALARS:
-                    if isinstance(h.get(name), (int, float)):
-                        tb.add_scalar(f"train/{name}", h[name], h["step"], walltime=h.get("time"))
-        (event_file,) = Path(tmp).glob("events.out.tfevents.*")
-        storage.write_bytes_atomic(storage.join(run_dir, "tensorboard", "events.out.tfevents.lmfoundry"),
-                                   event_file.read_bytes())
+
+class TensorBoardWriter:
+    """Renders the whole history as one TensorBoard event file on a background thread (thousands
+    of scalars take seconds, which the training loop should not wait for); one render at a time."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+
+    def write(self, run_dir: str, history: list[dict]) -> None:
+        self.wait()
+        self.thread = threading.Thread(target=self._render, args=(run_dir, history), daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    @staticmethod
+    def _render(run_dir: str, history: list[dict]) -> None:
+        from tensorboardX import SummaryWriter
+
+        with tempfile.TemporaryDirectory() as tmp:
+            with SummaryWriter(tmp) as tb:
+                for h in history:
+                    for name in TENSORBOARD_SCALARS:
+                        if isinstance(h.get(name), (int, float)):
+                            tb.add_scalar(f"train/{name}", h[name], h["step"], walltime=h.get("time"))
+            (event_file,) = Path(tmp).glob("events.out.tfevents.*")
+            storage.write_bytes_atomic(storage.join(run_dir, "tensorboard", "events.out.tfevents.lmfoundry"),
+                                       event_file.read_bytes())
+
+
+TENSORBOARD = TensorBoardWriter()
 
 
 class Drills:
@@ -468,4 +494,5 @@ def train_loop(loop_config: dict) -> None:
         if finished_epoch:
             epoch, position = epoch + 1, 0
     checkpointer.wait()
+    TENSORBOARD.wait()
     dist.barrier()  # rank 0's last commit waits for every rank's part: all are written now

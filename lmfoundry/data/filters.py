@@ -249,18 +249,16 @@ def _has_repeated_ngram(doc: DocumentView, n: int) -> bool:
 
 def gopher_repetition_reason(doc: DocumentView, lang: str, cfg: GopherRepetitionConfig) -> str | None:
     text_chars = max(len(doc.text), 1)
-    if doc.paragraphs:
-        count, chars = repeated(doc.paragraphs)
-        if count / len(doc.paragraphs) > cfg.max_duplicate_paragraph_fraction:
-            return "gopher_duplicate_paragraphs"
-        if chars / text_chars > cfg.max_duplicate_paragraph_char_fraction:
-            return "gopher_duplicate_paragraph_chars"
-    if doc.lines:
-        count, chars = repeated(doc.lines)
-        if count / len(doc.lines) > cfg.max_duplicate_line_fraction:
-            return "gopher_duplicate_lines"
-        if chars / text_chars > cfg.max_duplicate_line_char_fraction:
-            return "gopher_duplicate_line_chars"
+    for unit, items, max_fraction, max_chars in (
+        ("paragraph", doc.paragraphs, cfg.max_duplicate_paragraph_fraction, cfg.max_duplicate_paragraph_char_fraction),
+        ("line", doc.lines, cfg.max_duplicate_line_fraction, cfg.max_duplicate_line_char_fraction),
+    ):
+        if items:
+            count, chars = repeated(items)
+            if count / len(items) > max_fraction:
+                return f"gopher_duplicate_{unit}s"
+            if chars / text_chars > max_chars:
+                return f"gopher_duplicate_{unit}_chars"
     if lang in NO_SPACE_LANGUAGES:
         return None
     for n, limit in sorted(cfg.max_top_ngram_char_fraction.items()):

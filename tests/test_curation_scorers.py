@@ -7,7 +7,7 @@ import pytest
 from texts import CHINESE, FRENCH, GERMAN, JAPANESE, KEYWORDS, PROSE, RUSSIAN, SPAM, SPANISH, TECH_DOC
 
 from lmfoundry.data.density import knowledge_density
-from lmfoundry.data.harm import HarmConfig, HarmScorer
+from lmfoundry.platform.harm import HarmConfig, HarmScorer
 from lmfoundry.data.langid import LanguageConfig, LanguageIdentifier
 from lmfoundry.data.pii import PIIRedactor, iban_valid, luhn_valid
 

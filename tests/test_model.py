@@ -28,6 +28,27 @@ def test_kv_cache_matches_full_forward():
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-4)
 
 
+def test_cache_slots_at_different_lengths_decode_in_one_pass():
+    """Continuous batching: three sequences prefilled one by one into slots 2, 0 and 3 of a
+    four-slot cache, then decoded together, give each sequence's own full-forward logits."""
+    m = tiny().eval()
+    seqs = [torch.randint(0, 97, (1, n)) for n in (5, 11, 8)]
+    slots = torch.tensor([2, 0, 3])
+    cache = KVCache(m.cfg, 4, 48, "cpu", torch.float32)
+    with torch.no_grad():
+        for seq, slot in zip(seqs, slots):
+            m(seq[:, :-1], cache=cache, slots=slot[None])
+        last = torch.cat([seq[:, -1:] for seq in seqs])  # (3, 1): each sequence's next token
+        batched = m(last, cache=cache, slots=slots)[0][:, 0]
+        for row, seq in enumerate(seqs):
+            torch.testing.assert_close(batched[row], m(seq)[0][0, -1], atol=1e-5, rtol=1e-4)
+        assert cache.lengths.tolist() == [11, 0, 5, 8]
+        cache.reset([0])  # slot 0 freed and reused by a new sequence
+        fresh = torch.randint(0, 97, (1, 6))
+        torch.testing.assert_close(m(fresh, cache=cache, slots=torch.tensor([0]))[0], m(fresh)[0],
+                                   atol=1e-5, rtol=1e-4)
+
+
 def test_model_is_causal():
     m = tiny().eval()
     x = torch.randint(0, 97, (1, 16))
@@ -111,7 +132,7 @@ def test_rope_and_gqa_attention_match_a_naive_implementation():
                                     n_kv_head=n_kv_head, rope_theta=500.0)).eval()
         attn = m.blocks[0].attn
         x = torch.randn(2, 24, 32)
-        got = attn(x, m.rope_cos[:24], m.rope_sin[:24])
+        got = attn(x, m.rope_cos[None, :24], m.rope_sin[None, :24])
         torch.testing.assert_close(got, naive_attention(attn, x), atol=1e-5, rtol=1e-4)
 
 
@@ -123,7 +144,8 @@ def test_rope_makes_attention_depend_on_relative_position_only():
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
 
     def score(i, j):
-        return (apply_rope(q, cos[i : i + 1], sin[i : i + 1]) * apply_rope(k, cos[j : j + 1], sin[j : j + 1])).sum()
+        return (apply_rope(q, cos[None, i : i + 1], sin[None, i : i + 1])
+                * apply_rope(k, cos[None, j : j + 1], sin[None, j : j + 1])).sum()
 
     torch.testing.assert_close(score(5, 2), score(40, 37))
     assert not torch.allclose(score(5, 2), score(5, 3))

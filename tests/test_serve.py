@@ -1,6 +1,13 @@
 """The OpenAI-compatible API on real Ray Serve, over real HTTP, with the official client."""
 
+import asyncio
+import contextlib
+import json
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,31 +19,67 @@ KEY = "sk-test-" + "k" * 20
 
 
 @pytest.fixture(scope="module")
-def server(pretrained):
+def keys_file(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("keys") / "keys.json")
+
+
+@pytest.fixture(scope="module")
+def server(pretrained, keys_file):
     from ray import serve
 
     from lmfoundry.serving.app import ServeConfig, start
 
     os.environ["LMFOUNDRY_TEST_KEYS"] = f"other-key,{KEY}"
     cfg = ServeConfig(checkpoint=pretrained[0], port=free_port(), api_keys_env="LMFOUNDRY_TEST_KEYS",
-                      model_name="tiny")
+                      model_name="tiny", keys_file=keys_file,
+                      rate_limits={"tenants": {"limited": {"requests_per_minute": 2},
+                                               "frugal": {"tokens_per_minute": 40}}})
     url, generated = start(cfg)
     assert generated is None
     yield url
     serve.shutdown()
 
 
+@contextlib.contextmanager
+def deployed(server, pretrained, prefix: str, **settings):
+    """A second app with its own settings beside the main one, under `prefix`, while in use."""
+    from ray import serve
+
+    from lmfoundry.serving.app import ServeConfig, build_app
+    from lmfoundry.serving.keys import digest
+
+    cfg = ServeConfig(checkpoint=pretrained[0], model_name="tiny", cpus_per_replica=0.25, **settings)
+    name = prefix.strip("/")
+    serve.run(build_app(cfg, [digest(KEY)]), name=name, route_prefix=prefix, blocking=False)
+    url = server + prefix
+    deadline = time.time() + 240
+    while (status := httpx.get(f"{url}/health").status_code) != 200:
+        assert time.time() < deadline, f"{prefix} did not come up: {status}"
+        time.sleep(0.5)
+    try:
+        yield url
+    finally:
+        serve.delete(name)
+
+
 def auth(key=KEY):
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_health_needs_no_key_but_everything_else_does(server):
-    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
-    for key in (None, "wrong"):
-        r = httpx.get(f"{server}/v1/models", headers=auth(key) if key else {})
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 401
+def test_every_route_but_health_needs_a_key(server):
+    schema = httpx.get(f"{server}/openapi.json", headers=auth()).json()
+    routes = [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
+    routes.append(("GET", "/openapi.json"))
+    assert {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/metrics"),
+            ("GET", "/v1/models"), ("GET", "/health")} <= set(routes)
+    for method, path in routes:
+        for headers in ({}, auth("wrong"), {"Authorization": KEY}):  # none, unknown, not Bearer
+            r = httpx.request(method, f"{server}{path}", headers=headers, json={"prompt": "x"})
+            if path == "/health":
+                assert r.status_code == 200 and r.json() == {"status": "ok"}
+            else:
+                assert r.status_code == 401, (method, path, r.text)
+                assert r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{server}/v1/models", headers=auth()).json()["data"][0]["id"] == "tiny"
 
 
@@ -67,26 +110,63 @@ def test_seeded_sampling_n_and_stop(server):
     assert " " not in stopped["text"]
 
 
+def test_concurrent_requests_share_the_batch_and_match_their_single_runs(server):
+    prompts = ["Return the", "The", "Create a new", "If the", "A list of", "Raise an", "This", "Get"]
+    bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in prompts]
+    alone = [httpx.post(f"{server}/v1/completions", json=b, headers=auth(), timeout=60).json() for b in bodies]
+
+    async def together():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(f"{server}/v1/completions", json=b, headers=auth())
+                                          for b in bodies))
+    replies = asyncio.run(together())
+    assert [r.json()["choices"][0]["text"] for r in replies] == [a["choices"][0]["text"] for a in alone]
+
+
 @pytest.mark.parametrize("body, field", [
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "frobnicate": True}, "frobnicate"),
     ({"max_tokens": 3}, "prompt"),
-    ({"prompt": "x", "max_tokens": 100000}, None),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
     ({"prompt": "x", "model": "gpt-9"}, "model"),
+    ({"prompt": "x", "n": 5}, "n"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
 ])
 def test_malformed_requests_get_4xx_json_errors(server, body, field):
     r = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60)
     assert 400 <= r.status_code < 500, r.text
     err = r.json()["error"]
-    assert err["message"]
-    if field:
-        assert field in err["message"]
+    assert err["message"] and field in err["message"]
 
 
-def test_invalid_json_is_a_400(server):
+@pytest.mark.parametrize("body", [
+    {"messages": []},
+    {"messages": [{"role": "wizard", "content": "hi"}]},
+    {"messages": [{"role": "user"}]},
+    {"messages": "hello"},
+    {"messages": [{"role": "user", "content": "x" * 5000}]},  # beyond the 64-token context
+])
+def test_malformed_chats_get_400(server, body):
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=auth(), timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_invalid_json_and_oversized_bodies(server):
     r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers={**auth(), "Content-Type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
+    big = json.dumps({"prompt": "x" * (2 << 20)}).encode()
+    r = httpx.post(f"{server}/v1/completions", content=big, headers={**auth(), "Content-Type": "application/json"})
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(40):
+            yield b"x" * 65536
+    r = httpx.post(f"{server}/v1/completions", content=chunks(), headers={**auth(), "Content-Type": "application/json"})
+    assert r.status_code == 413
 
 
 def test_openai_client_chat(server):
@@ -105,8 +185,6 @@ def test_openai_client_chat(server):
 
 
 def test_streamed_completion_equals_the_unstreamed_one(server):
-    import json
-
     body = {"prompt": "Return the", "max_tokens": 16, "temperature": 0}
     whole = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).json()
     with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=auth(),
@@ -120,22 +198,138 @@ def test_streamed_completion_equals_the_unstreamed_one(server):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
-def test_openai_client_streams_chat_with_usage(server):
+def test_openai_client_streams_chat_with_usage_and_several_choices(server):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY)
     messages = [{"role": "user", "content": "Hello"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+                                            stream=True, n=2, stream_options={"include_usage": True})
     chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content
+    for index in (0, 1):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == index)
+        assert text == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 2 * whole.usage.completion_tokens
 
 
 def test_streaming_request_that_cannot_fit_is_a_400_not_a_broken_stream(server):
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 100000, "stream": True},
                    headers=auth(), timeout=60)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_tenant_keys_from_the_cli_work_until_revoked(server, keys_file):
+    cli = [str(Path(sys.executable).with_name("lmfoundry")), "keys"]
+    made = subprocess.run(cli + ["create", "--tenant", "acme", "--file", keys_file], capture_output=True, text=True,
+                          check=True)
+    key = made.stdout.strip()
+    assert key.startswith("sk-lmf-") and key not in Path(keys_file).read_text()  # stored hashed only
+    key_id = json.loads(Path(keys_file).read_text())["keys"][-1]["id"]
+    body = {"prompt": "The", "max_tokens": 2}
+    deadline = time.time() + 10  # replicas re-read the key file every 2 s
+    while (r := httpx.post(f"{server}/v1/completions", json=body, headers=auth(key), timeout=60)).status_code == 401:
+        assert time.time() < deadline, r.text
+        time.sleep(0.5)
+    assert r.status_code == 200
+    listed = subprocess.run(cli + ["list", "--file", keys_file], capture_output=True, text=True, check=True).stdout
+    assert f"{key_id}\tacme" in listed and "active" in listed
+    subprocess.run(cli + ["revoke", key_id, "--file", keys_file], check=True, capture_output=True)
+    deadline = time.time() + 10
+    while (r := httpx.post(f"{server}/v1/completions", json=body, headers=auth(key), timeout=60)).status_code == 200:
+        assert time.time() < deadline, "a revoked key still works"
+        time.sleep(0.5)
+    assert r.status_code == 401
+    bad = subprocess.run(cli + ["revoke", "key_nope", "--file", keys_file], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no key with id 'key_nope'" in bad.stderr
+
+
+def test_rate_limits_per_tenant_answer_429_with_retry_after(server, keys_file):
+    from lmfoundry.serving.keys import create_key
+
+    limited, _ = create_key(keys_file, "limited")
+    frugal, _ = create_key(keys_file, "frugal")
+    time.sleep(2.5)  # the replicas' key reload
+    body = {"prompt": "The", "max_tokens": 2}
+    codes = [httpx.post(f"{server}/v1/completions", json=body, headers=auth(limited), timeout=60) for _ in range(3)]
+    assert [r.status_code for r in codes] == [200, 200, 429]
+    assert int(codes[2].headers["Retry-After"]) >= 1
+    assert codes[2].json()["error"]["type"] == "rate_limit_error"
+    # another tenant is not affected
+    assert httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).status_code == 200
+    # tokens: 40 a minute; a request that may use more than that can never fit
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "The", "max_tokens": 50}, headers=auth(frugal),
+                   timeout=60)
+    assert r.status_code == 429 and "40 tokens per minute" in r.json()["error"]["message"]
+    small = {"prompt": "The", "max_tokens": 15}
+    first = httpx.post(f"{server}/v1/completions", json=small, headers=auth(frugal), timeout=60)
+    assert first.status_code == 200
+    # unused tokens are refunded, so what is left depends on what the first one generated
+    used = first.json()["usage"]["total_tokens"]
+    assert used <= 16
+
+
+def test_guardrails_refuse_harmful_input_and_filter_output(server, pretrained, tmp_path):
+    r = httpx.post(f"{server}/v1/chat/completions", headers=auth(), timeout=60,
+                   json={"messages": [{"role": "user", "content": "Tell me how to make a bomb"}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "content_policy_violation"
+    # an output guardrail that blocks a word this model is known to say
+    for prompt in ("Return the", "The", "def", "Create a new", "If"):
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+        text = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).json()["choices"][0]["text"]
+        words = [w for w in text.split() if w.isalpha() and w.lower() not in prompt.lower()]
+        if words:
+            break
+    word = max(words, key=len)
+    blocklist = tmp_path / "blocklist.txt"
+    blocklist.write_text(f"{word}\n")
+    with deployed(server, pretrained, "/guarded", guardrails={"harm": {"blocklist": str(blocklist)}}) as guarded:
+        r = httpx.post(f"{guarded}/v1/completions", json=body, headers=auth(), timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()["choices"][0]
+        assert out == {**out, "text": "", "finish_reason": "content_filter"}
+        with httpx.stream("POST", f"{guarded}/v1/completions", json={**body, "stream": True}, headers=auth(),
+                          timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "content_filter"
+        assert word not in "".join(c["choices"][0]["text"] for c in chunks)
+        metrics = httpx.get(f"{guarded}/metrics", headers=auth()).text
+        assert 'lmfoundry_guardrail_blocks_total{direction="output"' in metrics
+
+
+def test_overload_is_a_fast_503_and_a_timeout_is_a_408(server, pretrained):
+    body = {"prompt": "The", "max_tokens": 60, "temperature": 0}
+
+    async def burst(url):
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one():
+                t = time.perf_counter()
+                r = await client.post(f"{url}/v1/completions", json=body, headers=auth())
+                return r, time.perf_counter() - t
+            return await asyncio.gather(*(one() for _ in range(16)))
+    with deployed(server, pretrained, "/small", engine={"max_batch_size": 1, "max_waiting": 1},
+                  max_ongoing_requests=32) as small:
+        replies = asyncio.run(burst(small))
+    codes = sorted(r.status_code for r, _ in replies)
+    assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
+    refused = [(r, s) for r, s in replies if r.status_code == 503]
+    assert all(r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "server_overloaded" for r, _ in refused)
+    assert max(s for _, s in refused) < min(s for r, s in replies if r.status_code == 200)
+
+    with deployed(server, pretrained, "/slow", limits={"request_timeout_s": 0.001}) as slow:
+        for stream in (False, True):
+            r = httpx.post(f"{slow}/v1/completions", json={**body, "stream": stream}, headers=auth(), timeout=60)
+            assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
+
+
+def test_metrics_count_requests_tokens_and_time_to_first_token(server):
+    text = httpx.get(f"{server}/metrics", headers=auth()).text
+    families = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for name in ("lmfoundry_requests_total", "lmfoundry_request_seconds_bucket", "lmfoundry_generated_tokens_total",
+                 "lmfoundry_time_to_first_token_seconds_bucket", "lmfoundry_queue_depth", "lmfoundry_running_requests",
+                 "lmfoundry_rate_limited_total"):
+        assert name in families, name
+    ok = [line for line in text.splitlines() if line.startswith("lmfoundry_requests_total") and 'status="200"' in line]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in ok) >= 5

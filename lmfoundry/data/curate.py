@@ -36,7 +36,7 @@ from lmfoundry.data.density import DensityConfig
 from lmfoundry.data.dedup_pipeline import run_dedup
 from lmfoundry.data.documents import INTERNAL_COLUMNS, KEPT, DocumentProcessor
 from lmfoundry.data.filters import HeuristicFilterConfig
-from lmfoundry.data.harm import HarmConfig
+from lmfoundry.platform.harm import HarmConfig
 from lmfoundry.data.langid import LanguageConfig
 from lmfoundry.data.pii import PIIConfig
 from lmfoundry.data.quality import QualityConfig

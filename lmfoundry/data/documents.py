@@ -19,7 +19,7 @@ import xxhash
 from lmfoundry.data.dedup import MinHasher
 from lmfoundry.data.density import knowledge_density
 from lmfoundry.data.filters import HeuristicFilter
-from lmfoundry.data.harm import HarmScorer
+from lmfoundry.platform.harm import HarmScorer
 from lmfoundry.data.langid import UNKNOWN, LanguageIdentifier
 from lmfoundry.data.normalize import normalize_text
 from lmfoundry.data.pii import PIIRedactor

@@ -90,6 +90,7 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False) -> dict:
     from ray import serve
 
     from lmfoundry.serving.app import start
+    from lmfoundry.serving.keys import create_key, env_keys
 
     w = cfg.workdir
     print(f"lmfoundry quickstart: work directory {w}", flush=True)
@@ -126,8 +127,11 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False) -> dict:
                            "uniform_perplexity": ev["uniform_perplexity"]}
 
     def serve_and_ask() -> dict:
-        url, key = start(cfg.serve)
-        key = key or _first_env_key(cfg.serve.api_keys_env)
+        key = (env_keys(cfg.serve.api_keys_env) or [None])[0]
+        if key is None and cfg.serve.keys_file:
+            key, _ = create_key(cfg.serve.keys_file, "quickstart")
+        url, generated = start(cfg.serve)
+        key = key or generated
         reply = ask(url, key, cfg.serve.model_name, cfg.prompt)
         print(f"POST {url}/v1/chat/completions  user: {cfg.prompt!r}")
         print(f"assistant: {reply['choices'][0]['message']['content']!r}  usage: {reply['usage']}")
@@ -148,12 +152,6 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False) -> dict:
             pass
     serve.shutdown()
     return figures
-
-
-def _first_env_key(var: str) -> str:
-    import os
-
-    return os.environ[var].split(",")[0].strip()
 
 
 def main(argv=None) -> int:

@@ -76,27 +76,47 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, heads, T, D); rotate pairs (x1, x2) = the two halves of the head dimension.
+    # x: (B, heads, T, D); cos, sin: (B or 1, T, D/2), one row of angles per position.
+    # Rotate pairs (x1, x2) = the two halves of the head dimension.
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[None, None], sin[None, None]
+    cos, sin = cos[:, None], sin[:, None]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
 class KVCache:
-    """Preallocated keys and values for every layer, filled as generation advances."""
+    """Preallocated keys and values for `slots` sequences, each filled up to its own length.
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
-        shape = (cfg.n_layer, batch, cfg.n_kv_head, max_len, cfg.head_dim)
+    A forward pass names the slots its batch rows belong to, so a continuous-batching server
+    keeps one slot per running request, decodes rows of different lengths in one pass, and hands
+    a finished request's slot to the next one with `reset`."""
+
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype):
+        shape = (cfg.n_layer, slots, cfg.n_kv_head, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0  # positions filled so far
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # positions filled per slot
+        self.max_len = max_len
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t = k.shape[2]
-        self.k[layer, :, :, self.length : self.length + t] = k
-        self.v[layer, :, :, self.length : self.length + t] = v
-        end = self.length + t
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    def reset(self, slots: torch.Tensor | list[int]) -> None:
+        self.lengths[torch.as_tensor(slots, device=self.lengths.device)] = 0
+
+    @staticmethod
+    def rows(slots: torch.Tensor) -> torch.Tensor | slice:
+        """How to read the batch's slots: a slice (a view, no copy) when they are consecutive."""
+        first, n = int(slots[0]), slots.numel()
+        if int(slots[-1]) - first + 1 == n and (n == 1 or bool((slots.diff() == 1).all())):
+            return slice(first, first + n)
+        return slots
+
+    def update(self, layer: int, slots: torch.Tensor, rows: torch.Tensor | slice, positions: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, K, T, D) at `positions` (B, T) of `slots` (B,); return each row's keys
+        and values (B, K, L, D) up to the longest row's last position L - 1."""
+        # Two advanced indices around a slice put their (B, T) dims first: (B, T, K, D).
+        self.k[layer][slots[:, None], :, positions] = k.transpose(1, 2)
+        self.v[layer][slots[:, None], :, positions] = v.transpose(1, 2)
+        end = int(positions.max()) + 1
+        return self.k[layer][rows, :, :end], self.v[layer][rows, :, :end]
 
 
 class Attention(nn.Module):
@@ -107,26 +127,23 @@ class Attention(nn.Module):
         self.wkv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_head * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cached: tuple | None = None):
+        """cached: (cache, slots (B,), rows, positions (B, T), mask (B, 1, T, L)) when decoding."""
         B, T, _ = x.shape
         H, K, D = self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim
         q = self.wq(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         k, v = self.wkv(x).view(B, T, 2, K, D).permute(2, 0, 3, 1, 4)  # 2 x (B, K, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        prefix = 0
-        if cache is not None:
-            prefix = cache.length
-            k, v = cache.update(self.layer, k, v)  # (B, K, prefix+T, D)
-        if K != H:
-            k = k.repeat_interleave(H // K, dim=1)
-            v = v.repeat_interleave(H // K, dim=1)
-        if prefix == 0:
+        if cached is None:
+            if K != H:
+                k = k.repeat_interleave(H // K, dim=1)
+                v = v.repeat_interleave(H // K, dim=1)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            # New queries sit at positions prefix..prefix+T-1 and may see every key up to their own.
-            q_pos = torch.arange(prefix, prefix + T, device=x.device)[:, None]
-            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= q_pos
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            cache, slots, rows, positions, mask = cached
+            k, v = cache.update(self.layer, slots, rows, positions, k, v)  # (B, K, L, D)
+            # decoding reads the whole cache every token: share key/value heads rather than copy them
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=K != H)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
 
@@ -150,8 +167,8 @@ class Block(nn.Module):
         moe = cfg.moe is not None and layer >= cfg.moe.first_dense_layers
         self.mlp = MoE(cfg.d_model, cfg.ffn_hidden, cfg.moe, cfg.init_std) if moe else SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, cache=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cached=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cached)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -191,22 +208,37 @@ class Transformer(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx: (B, T) token ids. Returns logits (B, T, V) and, given targets, the mean loss."""
+        """idx: (B, T) token ids. Returns logits (B, T, V) and, given targets, the mean loss.
+        With a cache, row b continues the sequence in cache slot `slots[b]` (default: slot b)."""
         B, T = idx.shape
-        start = cache.length if cache is not None else 0
-        if start + T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        cached = None
+        if cache is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+            cos, sin = self.rope_cos[None, :T], self.rope_sin[None, :T]
+        else:
+            if slots is None:
+                slots = torch.arange(B, device=idx.device)
+            positions = cache.lengths[slots][:, None] + torch.arange(T, device=idx.device)  # (B, T)
+            end = int(positions.max()) + 1
+            if end > min(self.cfg.max_seq_len, cache.max_len):
+                raise ValueError(f"sequence of {end} tokens exceeds max_seq_len={self.cfg.max_seq_len} "
+                                 f"or the cache's {cache.max_len}")
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            # Each query sees the keys of its own slot up to its own position.
+            mask = torch.arange(end, device=idx.device)[None, None, None, :] <= positions[:, None, :, None]
+            cached = (cache, slots, KVCache.rows(slots), positions, mask)
         x = self.embed(idx)
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training and cache is None:
                 # recompute the block in backward instead of keeping its activations
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
-                x = block(x, cos, sin, cache)
+                x = block(x, cos, sin, cached)
         if cache is not None:
-            cache.length += T
+            cache.lengths[slots] += T
         logits = self.lm_head(self.norm(x))
         loss = None
         if targets is not None:

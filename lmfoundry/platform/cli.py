@@ -5,6 +5,7 @@
     lmfoundry export CHECKPOINT OUTPUT [--format hf]
     lmfoundry plan PRETRAIN_CONFIG [--gpu H200] [--nodes N] [--token-budget T]
     lmfoundry quality-model CONFIG [--output DIR] [--set positive=URI --set negative=URI]
+    lmfoundry keys create --tenant NAME | list | revoke KEY_ID [--file KEYS]
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from lmfoundry.platform import storage
 from lmfoundry.platform.config import ConfigError, StageConfig, load_config
 from lmfoundry.platform.log import get_logger
 
-STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart", "export", "plan", "quality-model")
+STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart", "export", "plan", "quality-model", "keys")
 logger = get_logger(__name__)
 
 

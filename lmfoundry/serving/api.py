@@ -3,24 +3,32 @@
 (No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at run
 time, and Serve's ingress wrapper cannot resolve postponed string annotations.)
 
-The deployment loads the engine once in __init__; the handlers check the API key, validate the
-body, and run generation in a worker thread so the event loop keeps accepting requests.
+The deployment loads the engine once in __init__. A request passes, in order: the API key (its
+tenant) and the body-size limit (both before FastAPI reads the body), the model name and fields, the context limit, the input
+guardrail and the tenant's rate limit; then it joins the engine's continuous batch. Every
+refusal is an OpenAI-shaped error object with a 4xx status (503 when the server is full), never
+a 5xx for the client's mistake, and is counted in the Prometheus metrics at /metrics.
 """
 
 
 import asyncio
 import json
+import math
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmfoundry.serving.auth import authorized
+from lmfoundry.platform.harm import HarmConfig, HarmScorer
+from lmfoundry.serving import gate
 from lmfoundry.serving.engine import InferenceEngine, render_chat
+from lmfoundry.serving.gate import error
+from lmfoundry.serving.keys import Authenticator
+from lmfoundry.serving.metrics import ServingMetrics
 from lmfoundry.serving.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -31,13 +39,24 @@ from lmfoundry.serving.protocol import (
     CompletionResponse,
     Usage,
 )
+from lmfoundry.serving.scheduler import Overloaded
 
-app = FastAPI(title="lmfoundry", description="OpenAI-compatible inference")
+# No public /docs: every route but /health needs a key, the OpenAPI schema's too (GET /openapi.json below).
+app = FastAPI(title="lmfoundry", description="OpenAI-compatible inference", docs_url=None, redoc_url=None,
+              openapi_url=None)
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
-                                                                "param": param, "code": None}})
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers or {}
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error(exc.status, exc.message, exc.kind, exc.param, exc.code, exc.headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -57,131 +76,255 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "api_error")
+    kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+            413: "invalid_request_error"}.get(exc.status_code, "api_error")
     return error(exc.status_code, str(exc.detail), kind)
+
+
+app.add_middleware(gate.Gate)
 
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _usage(outs) -> Usage:
-    prompt = outs[0].prompt_tokens
-    completion = sum(o.completion_tokens for o in outs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
 # Module-level helpers above this line: the decorator captures the module's names as they are now.
 @serve.deployment(name="LLMServer")
 @serve.ingress(app)
 class LLMServer:
-    def __init__(self, checkpoint: str, model_name: str, key_digests: list[str], device: str = "auto"):
-        self.engine = InferenceEngine(checkpoint, device)
+    def __init__(self, checkpoint: str, model_name: str, keys_file: str | None, env_key_digests: list[str],
+                 engine: dict, limits: dict, guardrails: dict | None, limiter=None, device: str = "auto"):
+        self.engine = InferenceEngine(checkpoint, device, **engine)
         self.model_name = model_name
-        self.key_digests = key_digests
+        self.max_n = limits["max_n"]
+        self.timeout_s = limits["request_timeout_s"]
+        gate.configure(Authenticator(keys_file, env_key_digests), limits["max_body_bytes"])
+        self.guard = HarmScorer(HarmConfig.model_validate(guardrails)) if guardrails else None
+        self.limiter = limiter
+        self.metrics = ServingMetrics(model_name)
 
     def check_health(self) -> None:
-        if self.engine.model is None:
-            raise RuntimeError("model not loaded")
+        if not self.engine.batcher.alive():
+            raise RuntimeError("the continuous-batching thread has stopped")
 
-    def _unauthorized(self, request: Request) -> JSONResponse | None:
-        if authorized(request.headers.get("authorization"), self.key_digests):
-            return None
-        return error(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "authentication_error")
+    # ---- the checks every request passes ----
 
-    def _check_model(self, name: str | None) -> JSONResponse | None:
-        if name is not None and name != self.model_name:
-            return error(404, f"model {name!r} is not served here; available: [{self.model_name!r}]",
-                         "not_found_error", "model")
-        return None
+    @staticmethod
+    def _tenant(request: Request) -> str:
+        return request.state.tenant  # set by the Gate, which refused the request if it had no valid key
+
+    def _check_fields(self, req) -> list[str]:
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"model {req.model!r} is not served here; available: [{self.model_name!r}]",
+                           "not_found_error", "model", "model_not_found")
+        if req.n > self.max_n:
+            raise ApiError(400, f"n={req.n} is above this server's limit of {self.max_n}", param="n")
+        try:
+            return req.stop_strings()
+        except ValueError as e:
+            raise ApiError(400, str(e), param="stop") from None
+
+    def _guard_input(self, route: str, text: str) -> None:
+        if self.guard is None:
+            return
+        score = self.guard([text])[0]
+        if self.guard.harmful(score):
+            self.metrics.guardrail_blocks.labels(direction="input").inc()
+            raise ApiError(400, f"the request was refused by the content policy: its harm score {score:.2f} is at "
+                           f"or above the threshold {self.guard.cfg.threshold}", param="messages" if route == "chat"
+                           else "prompt", code="content_policy_violation")
+
+    def _output_blocked(self, text: str) -> bool:
+        if self.guard is None or not text:
+            return False
+        blocked = self.guard.harmful(self.guard([text])[0])
+        if blocked:
+            self.metrics.guardrail_blocks.labels(direction="output").inc()
+        return blocked
+
+    async def _admit(self, tenant: str, tokens: int) -> None:
+        if self.limiter is None:
+            return
+        wait, why = await self.limiter.admit.remote(tenant, tokens)
+        if wait > 0:
+            self.metrics.rate_limited.labels(tenant=tenant).inc()
+            if math.isinf(wait):
+                raise ApiError(429, why, "rate_limit_error", code="request_over_limit")
+            raise ApiError(429, f"{why}; retry in {math.ceil(wait)} s", "rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(wait))})
+
+    def _refund(self, tenant: str, unused: int) -> None:
+        if self.limiter is not None and unused > 0:
+            self.limiter.refund.remote(tenant, unused)
+
+    def _start(self, ids, budget, req, stop):
+        """One engine stream per choice, all queued at once so that they share forward passes."""
+        streams = []
+        try:
+            for i in range(req.n):
+                seed = None if req.seed is None else req.seed + i
+                streams.append(self.engine.stream(ids, budget, req.temperature, req.top_p, stop, seed))
+        except Overloaded as e:
+            for s in streams:
+                s.cancel()
+            raise ApiError(503, f"the server is at capacity ({e}); retry shortly", "server_overloaded",
+                           code="overloaded", headers={"Retry-After": "1"}) from None
+        return streams
+
+    # ---- routes ----
 
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_schema(self, request: Request):
+        return app.openapi()
+
+    @app.get("/metrics")
+    async def metrics_text(self, request: Request):
+        self.metrics.observe_engine(self.engine.batcher)
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
     @app.get("/v1/models")
     async def models(self, request: Request):
-        if denied := self._unauthorized(request):
-            return denied
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "lmfoundry", "max_model_len": self.engine.context}]}
 
-    async def _generate(self, prompt: str, req) -> list | JSONResponse:
-        try:
-            stop = req.stop_strings()
-            outs = []
-            for i in range(req.n):
-                seed = None if req.seed is None else req.seed + i
-                outs.append(await asyncio.to_thread(self.engine.complete, prompt, req.max_tokens, req.temperature,
-                                                    req.top_p, stop, seed))
-            return outs
-        except ValueError as e:
-            return error(400, str(e))
+    @app.post("/v1/completions")
+    async def completions(self, req: CompletionRequest, request: Request):
+        return await self._serve("completions", request, req, req.prompt)
 
-    def _stream(self, prompt: str, req, chat: bool) -> StreamingResponse | JSONResponse:
-        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request):
+        return await self._serve("chat", request, req, render_chat([m.model_dump() for m in req.messages]))
+
+    async def _serve(self, route: str, request: Request, req, prompt: str):
+        started = time.perf_counter()
+        status = 500
         try:
-            stop = req.stop_strings()
-            streams = [self.engine.stream(prompt, req.max_tokens, req.temperature, req.top_p, stop,
-                                          None if req.seed is None else req.seed + i) for i in range(req.n)]
-        except ValueError as e:  # raised before any chunk is sent, so it can still be a 400
-            return error(400, str(e))
+            response = await self._respond(route, request, req, prompt, started)
+            status = response.status_code
+            return response
+        except ApiError as e:
+            status = e.status
+            raise
+        finally:
+            self.metrics.requests.labels(route=route, status=str(status)).inc()
+            self.metrics.latency.labels(route=route).observe(time.perf_counter() - started)
+
+    async def _respond(self, route: str, request: Request, req, prompt: str, started: float):
+        tenant = self._tenant(request)
+        stop = self._check_fields(req)
+        try:
+            ids, budget = self.engine.prepare(prompt, req.max_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else None) from None
+        self._guard_input(route, prompt)
+        charged = len(ids) + budget * req.n
+        await self._admit(tenant, charged)
+        try:
+            streams = self._start(ids, budget, req, stop)
+        except ApiError:
+            self._refund(tenant, charged)
+            raise
+        chat = route == "chat"
+        if req.stream:
+            return await self._stream_response(streams, req, chat, tenant, charged, started)
+        try:
+            outs = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), self.timeout_s)
+        except asyncio.TimeoutError:
+            for s in streams:
+                s.cancel()
+            self._refund(tenant, charged)
+            raise ApiError(408, f"the request took longer than {self.timeout_s} s (request_timeout_s)",
+                           "timeout_error", code="request_timeout") from None
+        self.metrics.time_to_first_token.observe(min(s.first_delta_at or time.perf_counter() for s in streams)
+                                                 - started)
+        for o in outs:
+            if self._output_blocked(o.text):
+                o.text, o.finish_reason = "", "content_filter"
+        completion = sum(o.completion_tokens for o in outs)
+        self.metrics.generated_tokens.inc(completion)
+        self._refund(tenant, charged - len(ids) - completion)
+        usage = Usage(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
+        created = int(time.time())
+        if chat:
+            return JSONResponse(ChatCompletionResponse(
+                id=f"chatcmpl-{uuid.uuid4().hex}", created=created, model=self.model_name, usage=usage,
+                choices=[ChatChoice(index=i, message=ChatMessage(role="assistant", content=o.text),
+                                    finish_reason=o.finish_reason) for i, o in enumerate(outs)]).model_dump())
+        return JSONResponse(CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", created=created, model=self.model_name, usage=usage,
+            choices=[CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
+                     for i, o in enumerate(outs)]).model_dump())
+
+    async def _stream_response(self, streams, req, chat: bool, tenant: str, charged: int, started: float):
+        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. The first
+        delta of every choice is awaited before the response starts, so a timeout is still a 408."""
+        try:
+            firsts = await asyncio.wait_for(asyncio.gather(*(s.next_delta() for s in streams)), self.timeout_s)
+        except asyncio.TimeoutError:
+            for s in streams:
+                s.cancel()
+            self._refund(tenant, charged)
+            raise ApiError(408, f"no token within {self.timeout_s} s (request_timeout_s)", "timeout_error",
+                           code="request_timeout") from None
+        self.metrics.time_to_first_token.observe(time.perf_counter() - started)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        prompt_tokens = firsts[0].prompt_tokens
 
-        def events():
-            prompt_tokens, completion_tokens = 0, 0
-            for index, deltas in enumerate(streams):
+        def chunk(index: int, text: str, finish: str | None) -> str:
+            if chat:
+                return _sse({**head, "choices": [{"index": index, "delta": {"content": text} if text else {},
+                                                  "finish_reason": finish}]})
+            return _sse({**head, "choices": [{"index": index, "text": text, "finish_reason": finish}]})
+
+        async def events():
+            completion = [0] * len(streams)
+            try:
+                merged: asyncio.Queue = asyncio.Queue()
+
+                async def pump(index: int, stream, first) -> None:
+                    text, delta = "", first
+                    while True:
+                        text += delta.text
+                        completion[index] = delta.completion_tokens
+                        if delta.finish_reason is None and self._output_blocked(text):
+                            stream.cancel()
+                            await merged.put((index, "", "content_filter"))
+                            return
+                        await merged.put((index, delta.text, delta.finish_reason))
+                        if delta.finish_reason is not None:
+                            return
+                        delta = await stream.next_delta()
+
                 if chat:
-                    yield _sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                     "finish_reason": None}]})
-                for d in deltas:
-                    if d.text or d.finish_reason:
-                        body = {"content": d.text} if chat else None
-                        choice = ({"index": index, "delta": body if d.text else {}, "finish_reason": d.finish_reason}
-                                  if chat else {"index": index, "text": d.text, "finish_reason": d.finish_reason})
-                        yield _sse({**head, "choices": [choice]})
-                    prompt_tokens, last_completion = d.prompt_tokens, d.completion_tokens
-                completion_tokens += last_completion
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                             "completion_tokens": completion_tokens,
-                                                             "total_tokens": prompt_tokens + completion_tokens}})
-            yield "data: [DONE]\n\n"
+                    for index in range(len(streams)):
+                        yield _sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                         "finish_reason": None}]})
+                tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+                done = 0
+                while done < len(streams):
+                    index, text, finish = await merged.get()
+                    if text or finish:
+                        yield chunk(index, text, finish)
+                    done += finish is not None
+                await asyncio.gather(*tasks)
+                total = sum(completion)
+                self.metrics.generated_tokens.inc(total)
+                self._refund(tenant, charged - prompt_tokens - total)
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                                 "completion_tokens": total,
+                                                                 "total_tokens": prompt_tokens + total}})
+                yield "data: [DONE]\n\n"
+            finally:  # also when the client goes away mid-stream: free the batch slots
+                for s in streams:
+                    s.cancel()
 
-        # a sync iterator: Starlette runs each step in its thread pool, off the event loop
         return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(self, req: CompletionRequest, request: Request):
-        if denied := self._unauthorized(request) or self._check_model(req.model):
-            return denied
-        if req.stream:
-            return self._stream(req.prompt, req, chat=False)
-        outs = await self._generate(req.prompt, req)
-        if isinstance(outs, JSONResponse):
-            return outs
-        return CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name,
-            choices=[CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason) for i, o in enumerate(outs)],
-            usage=_usage(outs),
-        )
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, req: ChatCompletionRequest, request: Request):
-        if denied := self._unauthorized(request) or self._check_model(req.model):
-            return denied
-        prompt = render_chat([m.model_dump() for m in req.messages])
-        if req.stream:
-            return self._stream(prompt, req, chat=True)
-        outs = await self._generate(prompt, req)
-        if isinstance(outs, JSONResponse):
-            return outs
-        return ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name,
-            choices=[ChatChoice(index=i, message=ChatMessage(role="assistant", content=o.text),
-                                finish_reason=o.finish_reason) for i, o in enumerate(outs)],
-            usage=_usage(outs),
-        )

@@ -1,10 +1,29 @@
-"""The serve config and the typed app builder: replicas and limits come from YAML."""
+"""The serve config and the typed app builder: replicas, batching and limits come from YAML."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
 from lmfoundry.platform.config import StageConfig
+from lmfoundry.platform.harm import HarmConfig
+from lmfoundry.serving.ratelimit import RateLimits
+
+
+class EngineConfig(StageConfig):
+    max_batch_size: int = Field(16, ge=1, description="requests decoded together (KV-cache slots)")
+    max_waiting: int = Field(64, ge=0, description="requests queued for a slot; beyond it: 503")
+    max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens admitted per scheduler step")
+
+
+class LimitsConfig(StageConfig):
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_n: int = Field(4, ge=1, le=8, description="choices per request")
+    request_timeout_s: float = Field(120.0, gt=0, description="until the full reply (streams: the first token)")
+
+
+class GuardrailsConfig(StageConfig):
+    enabled: bool = True
+    harm: HarmConfig = HarmConfig()
 
 
 class ServeConfig(StageConfig):
@@ -13,32 +32,49 @@ class ServeConfig(StageConfig):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     num_replicas: int = Field(1, ge=1)
-    max_ongoing_requests: int = Field(8, ge=1)
+    max_ongoing_requests: int = Field(32, ge=1, description="per replica; keep it at least engine.max_batch_size")
+    max_queued_requests: int = Field(64, ge=-1, description="waiting at the proxy beyond that: 503 (-1: no limit)")
     cpus_per_replica: float = Field(1.0, gt=0)
     gpus_per_replica: float = Field(0.0, ge=0)
-    api_keys_env: str = Field("LMFOUNDRY_API_KEYS", description="env var with comma-separated API keys")
+    engine: EngineConfig = EngineConfig()
+    limits: LimitsConfig = LimitsConfig()
+    guardrails: GuardrailsConfig = GuardrailsConfig()
+    rate_limits: RateLimits = RateLimits()
+    keys_file: str | None = Field(None, description="tenant keys made by `lmfoundry keys create`")
+    api_keys_env: str = Field("LMFOUNDRY_API_KEYS", description="env var with comma-separated keys (tenant 'default')")
 
 
-def build_app(cfg: ServeConfig, key_digests: list[str]):
+def build_app(cfg: ServeConfig, env_key_digests: list[str]):
     from lmfoundry.platform import checkpoint
     from lmfoundry.serving.api import LLMServer
+    from lmfoundry.serving.ratelimit import limiter_deployment
 
     ckpt = checkpoint.resolve(cfg.checkpoint)  # fail here, not inside a replica
+    limiter = limiter_deployment().bind(cfg.rate_limits.model_dump()) if cfg.rate_limits.limited() else None
+    guardrails = cfg.guardrails.harm.model_dump() if cfg.guardrails.enabled else None
     return LLMServer.options(
         num_replicas=cfg.num_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,
+        max_queued_requests=cfg.max_queued_requests,
         ray_actor_options={"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica},
-    ).bind(ckpt, cfg.model_name, key_digests)
+    ).bind(ckpt, cfg.model_name, cfg.keys_file, env_key_digests, cfg.engine.model_dump(), cfg.limits.model_dump(),
+           guardrails, limiter)
 
 
 def start(cfg: ServeConfig) -> tuple[str, str | None]:
-    """Deploy the app on the connected Ray cluster. Returns the base URL and, when no API key
-    was configured in the environment, the key generated for this server."""
+    """Deploy the app on the connected Ray cluster. Returns the base URL and, when neither a key
+    file nor keys in the environment were given, the key generated for this server."""
+    import secrets
+
     from ray import serve
 
-    from lmfoundry.serving.auth import keys_from_env
+    from lmfoundry.serving.keys import digest, env_keys
 
-    digests, generated = keys_from_env(cfg.api_keys_env)
+    keys = env_keys(cfg.api_keys_env)
+    generated = None
+    if not keys and not cfg.keys_file:
+        generated = "sk-lmf-" + secrets.token_urlsafe(24)
+        keys = [generated]
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(build_app(cfg, digests), name="lmfoundry", route_prefix="/", blocking=False)
+    serve.run(build_app(cfg, [digest(k) for k in keys]), name="lmfoundry", route_prefix="/", blocking=False)
     return f"http://{cfg.host}:{cfg.port}", generated

@@ -1,18 +1,23 @@
-"""The default inference engine: a checkpoint run with PyTorch, one KV-cached generation per
-request, a ChatML chat template over the tokenizer's special tokens."""
+"""The default inference engine: a checkpoint run with PyTorch under continuous batching
+(scheduler.py), text in and out, a ChatML chat template over the tokenizer's special tokens.
+
+Every request is a token stream from the shared batcher; this module turns it into text deltas,
+holding back text that could still become a stop string or is half a UTF-8 character.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
 from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer
 
-from lmfoundry.model.tokenizer import EOS, IM_END, IM_START
 from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
-from lmfoundry.model.generate import stream_tokens
+from lmfoundry.model.tokenizer import EOS, IM_END, IM_START
 from lmfoundry.platform import checkpoint
+from lmfoundry.serving.scheduler import ContinuousBatcher
 
 
 @dataclass
@@ -31,6 +36,10 @@ class Completion:
     finish_reason: str
 
 
+class GenerationFailed(RuntimeError):
+    pass
+
+
 def render_chat(messages: list[dict]) -> str:
     """ChatML: each message between <|im_start|>role and <|im_end|>, then the assistant's turn."""
     parts = [f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages]
@@ -38,7 +47,8 @@ def render_chat(messages: list[dict]) -> str:
 
 
 class InferenceEngine:
-    def __init__(self, checkpoint_uri: str, device: str = "auto"):
+    def __init__(self, checkpoint_uri: str, device: str = "auto", max_batch_size: int = 16,
+                 max_waiting: int = 256, max_prefill_tokens: int = 2048):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         local = checkpoint.local_copy(checkpoint_uri, model_only=True)
@@ -48,53 +58,99 @@ class InferenceEngine:
         self.stop_ids = frozenset(self.tokenizer.token_to_id(t) for t in (EOS, IM_END)
                                   if self.tokenizer.token_to_id(t) is not None)
         self.context = self.model.cfg.max_seq_len
+        self.batcher = ContinuousBatcher(self.model, self.stop_ids, max_batch_size, max_waiting, max_prefill_tokens)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def _budget(self, ids: list[int], max_tokens: int | None) -> int:
+    def prepare(self, prompt: str, max_tokens: int | None) -> tuple[list[int], int]:
+        """The prompt's token ids and the number of tokens to generate; a ValueError naming the
+        limit when they do not fit the context (raised before anything is queued or streamed)."""
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty after tokenization")
         room = self.context - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.context}")
         if max_tokens is not None and max_tokens > room:
             raise ValueError(f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens "
                              f"and the context is {self.context}, so at most {room}")
-        return max_tokens if max_tokens is not None else room
+        return ids, max_tokens if max_tokens is not None else room
 
-    def stream(self, prompt: str, max_tokens: int | None, temperature: float, top_p: float,
-               stop: list[str], seed: int | None) -> Iterator[Delta]:
-        """Text as it is generated: Deltas of new text, the last one with the finish reason.
-        Text that could be the start of a stop string is held back until it is clear it is not,
-        and a partial UTF-8 character until it is complete."""
-        ids = self.encode(prompt)
-        budget = self._budget(ids, max_tokens)  # raises before the first chunk is sent
-        return self._stream(ids, budget, temperature, top_p, stop, seed)
+    def stream(self, ids: list[int], budget: int, temperature: float, top_p: float, stop: list[str],
+               seed: int | None) -> TextStream:
+        """Queue a generation now (raises Overloaded at once when the queue is full) and return
+        its text stream. Must be called on the event loop that will read the stream."""
+        return TextStream(self, ids, budget, temperature, top_p, stop, seed)
 
-    def _stream(self, ids, budget, temperature, top_p, stop, seed) -> Iterator[Delta]:
-        tokens: list[int] = []
-        sent = 0  # characters of the decoded text already sent
-        hold = max((len(s) for s in stop), default=1) - 1
-        for item in stream_tokens(self.model, ids, budget, temperature, top_p, self.stop_ids, seed):
+
+class TextStream:
+    """Deltas of new text as tokens arrive; the last one carries the finish reason. Text that
+    could still become a stop string, or is half a UTF-8 character, is held back until it is
+    clear. `cancel()` (a client that went away) frees the batch slot at the next token."""
+
+    def __init__(self, engine: InferenceEngine, ids: list[int], budget: int, temperature: float, top_p: float,
+                 stop: list[str], seed: int | None):
+        self.tokenizer = engine.tokenizer
+        self.prompt_tokens = len(ids)
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = 0  # characters of the decoded text already given out
+        self.finished = False
+        self.first_delta_at: float | None = None
+        loop = asyncio.get_running_loop()
+        self._items: asyncio.Queue = asyncio.Queue()
+
+        def emit(item) -> None:  # on the batcher's thread
+            try:
+                loop.call_soon_threadsafe(self._items.put_nowait, item)
+            except RuntimeError:  # the event loop is gone: nobody is listening any more
+                self.request.cancel()
+
+        self.request = engine.batcher.submit(ids, budget, temperature, top_p, emit, seed)
+
+    def cancel(self) -> None:
+        self.request.cancel()
+
+    def _delta(self, text: str, finish: str | None) -> Delta:
+        if self.first_delta_at is None:
+            self.first_delta_at = time.perf_counter()
+        if finish is not None:
+            self.finished = True
+            self.cancel()  # a stop string ends the request before the model does
+        return Delta(text, finish, self.prompt_tokens, len(self.tokens))
+
+    async def next_delta(self) -> Delta:
+        if self.finished:
+            raise StopAsyncIteration
+        while True:
+            item = await self._items.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise GenerationFailed(f"generation failed: {type(item).__name__}: {item}") from item
             if isinstance(item, str):
-                text = self.tokenizer.decode(tokens)
-                yield Delta(text[sent:], item, len(ids), len(tokens))
-                return
-            tokens.append(item)
-            text = self.tokenizer.decode(tokens)
-            hit = min((text.index(s) for s in stop if s in text), default=-1)
+                return self._delta(self.tokenizer.decode(self.tokens)[self.sent:], item)
+            self.tokens.append(item)
+            text = self.tokenizer.decode(self.tokens)
+            hit = min((text.index(s) for s in self.stop if s in text), default=-1)
             if hit >= 0:
-                yield Delta(text[sent:hit], "stop", len(ids), len(tokens))
-                return
-            ready = len(text) - hold
-            while ready > sent and text[ready - 1] == "\ufffd":
+                return self._delta(text[self.sent:hit], "stop")
+            ready = len(text) - self.hold
+            while ready > self.sent and text[ready - 1] == "\ufffd":
                 ready -= 1
-            if ready > sent:
-                yield Delta(text[sent:ready], None, len(ids), len(tokens))
-                sent = ready
+            if ready > self.sent:
+                start, self.sent = self.sent, ready
+                return self._delta(text[start:ready], None)
 
-    def complete(self, prompt: str, max_tokens: int | None, temperature: float, top_p: float,
-                 stop: list[str], seed: int | None) -> Completion:
-        parts = list(self.stream(prompt, max_tokens, temperature, top_p, stop, seed))
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        return await self.next_delta()
+
+    async def collect(self) -> Completion:
+        parts = [d async for d in self]
         last = parts[-1]
         return Completion("".join(p.text for p in parts), last.prompt_tokens, last.completion_tokens,
                           last.finish_reason)

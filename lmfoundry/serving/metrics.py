@@ -1,0 +1,65 @@
+"""Prometheus metrics of one serving replica, rendered at GET /metrics.
+
+Each replica has its own registry (a scrape sees the replica that answered it; every series
+carries the replica's id so that series from different replicas never mix).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+disable_created_metrics()  # the *_created series double a scrape's size and say nothing here
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServingMetrics:
+    def __init__(self, model: str, replica: str | None = None):
+        if replica is None:
+            try:
+                from ray import serve
+
+                replica = serve.get_replica_context().replica_id.unique_id
+            except Exception:  # outside a Serve replica (unit tests): one local registry
+                replica = "local"
+        self.registry = CollectorRegistry()
+        const = {"model": model, "replica": replica}
+        self.requests = _Labelled(Counter("requests", "requests answered, by route and status code",
+                                          ["model", "replica", "route", "status"], registry=self.registry,
+                                          namespace="lmfoundry"), const)
+        self.latency = _Labelled(Histogram("request_seconds", "time from request to full response (streams: to first byte)",
+                                           ["model", "replica", "route"], registry=self.registry, namespace="lmfoundry",
+                                           buckets=_LATENCY_BUCKETS), const)
+        self.time_to_first_token = Histogram("time_to_first_token_seconds", "time from request to its first token",
+                                             ["model", "replica"], registry=self.registry, namespace="lmfoundry",
+                                             buckets=_LATENCY_BUCKETS).labels(**const)
+        self.generated_tokens = Counter("generated_tokens", "completion tokens generated", ["model", "replica"],
+                                        registry=self.registry, namespace="lmfoundry").labels(**const)
+        self.guardrail_blocks = _Labelled(Counter("guardrail_blocks", "requests and replies blocked by the harm scorer",
+                                                  ["model", "replica", "direction"], registry=self.registry,
+                                                  namespace="lmfoundry"), const)
+        self.rate_limited = _Labelled(Counter("rate_limited", "requests refused with 429, by tenant",
+                                              ["model", "replica", "tenant"], registry=self.registry,
+                                              namespace="lmfoundry"), const)
+        self.queue_depth = Gauge("queue_depth", "requests waiting for a batch slot", ["model", "replica"],
+                                 registry=self.registry, namespace="lmfoundry").labels(**const)
+        self.running = Gauge("running_requests", "requests in the running batch", ["model", "replica"],
+                             registry=self.registry, namespace="lmfoundry").labels(**const)
+
+    def observe_engine(self, batcher) -> None:
+        self.queue_depth.set(batcher.queue_depth)
+        self.running.set(batcher.running)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _Labelled:
+    """A metric whose model and replica labels are fixed: `.labels(route=...)` adds the rest."""
+
+    def __init__(self, metric, const: dict):
+        self.metric, self.const = metric, const
+
+    def labels(self, **labels):
+        return self.metric.labels(**self.const, **labels)

@@ -1,0 +1,200 @@
+"""Continuous batching: one thread runs the model for every request in flight.
+
+Each running request owns a slot of one KV cache. At every iteration the thread admits waiting
+requests into free slots (a prefill pass each, up to a prompt-token budget so that a long prompt
+does not stall the running ones for long), then runs one decode pass over all running requests
+together: one new token each. A request that finishes or is cancelled frees its slot at that
+token boundary and the next waiting request takes it, so requests join and leave the running
+batch without waiting for each other (the scheduling of Orca and vLLM, without paged memory).
+
+Token ids in, token ids out; text, stop strings and HTTP live in engine.py and api.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lmfoundry.model.generate import sample_next
+from lmfoundry.model.transformer import KVCache, Transformer
+from lmfoundry.platform.log import get_logger
+
+logger = get_logger(__name__)
+
+# What a request's callback receives, in order: token ids, then one finish reason ("stop" for a
+# stop token, which is not passed on, "length" at max_new_tokens, "cancelled"), or an exception
+# if the model failed.
+Item = int | str | BaseException
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full: the caller should answer 503 and let the client retry."""
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    emit: Callable[[Item], None]  # called on the scheduler thread; must not block
+    generator: torch.Generator | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None  # perf_counter time of the first token
+    produced: int = 0
+    last_token: int = -1
+    slot: int = -1
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Ends the request at the next token boundary (a client that went away)."""
+        self.cancelled = True
+
+
+class ContinuousBatcher:
+    def __init__(self, model: Transformer, stop_ids: frozenset[int], max_batch_size: int = 16,
+                 max_waiting: int = 256, max_prefill_tokens: int = 2048):
+        self.model = model
+        self.stop_ids = stop_ids
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self.max_prefill_tokens = max_prefill_tokens
+        self.device = next(model.parameters()).device
+        self.context = model.cfg.max_seq_len
+        self.cache = KVCache(model.cfg, max_batch_size, self.context, self.device, next(model.parameters()).dtype)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: dict[int, Request] = {}  # slot -> request
+        self._free = list(range(max_batch_size))  # a heap: the lowest free slot is taken first
+        self._wake = threading.Condition()
+        self._closed = False
+        self.stats = collections.Counter()  # decode_steps, decode_rows, prefills, prefill_tokens
+        self._thread = threading.Thread(target=self._loop, name="continuous-batcher", daemon=True)
+        self._thread.start()
+
+    # ---- the caller's side (any thread) ----
+
+    def submit(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float,
+               emit: Callable[[Item], None], seed: int | None = None) -> Request:
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        if len(prompt) + max_new_tokens > self.context:
+            raise ValueError(f"a prompt of {len(prompt)} tokens plus max_tokens={max_new_tokens} exceeds "
+                             f"the model's context of {self.context}")
+        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        req = Request(prompt, max_new_tokens, temperature, top_p, emit, gen)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
+            if len(self._waiting) >= self.max_waiting:
+                raise Overloaded(f"{len(self._waiting)} requests are already waiting (max_waiting={self.max_waiting})")
+            self._waiting.append(req)
+            self._wake.notify()
+        return req
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    # ---- the scheduler thread ----
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self._waiting and not self._running:
+                    self._wake.wait()
+                if self._closed:
+                    break
+                admitted = self._take_waiting()
+            try:
+                with torch.inference_mode():
+                    for req in admitted:
+                        self._prefill(req)
+                    if self._running:
+                        self._decode()
+            except Exception as exc:  # a model failure ends the requests in flight, not the server
+                logger.exception("generation failed; ending %d requests", len(self._running))
+                for req in list(self._running.values()):
+                    self._finish(req, exc)
+        for req in list(self._running.values()) + list(self._waiting):
+            req.emit("cancelled")
+
+    def _take_waiting(self) -> list[Request]:
+        admitted, budget = [], self.max_prefill_tokens
+        while self._waiting and self._free:
+            req = self._waiting[0]
+            if req.cancelled:
+                self._waiting.popleft()
+                req.emit("cancelled")
+                continue
+            # always admit one when nothing runs, however long its prompt
+            if admitted and len(req.prompt) > budget:
+                break
+            self._waiting.popleft()
+            req.slot = heapq.heappop(self._free)
+            self._running[req.slot] = req
+            admitted.append(req)
+            budget -= len(req.prompt)
+        return admitted
+
+    def _prefill(self, req: Request) -> None:
+        slot = torch.tensor([req.slot], device=self.device)
+        self.cache.reset(slot)
+        logits, _ = self.model(torch.tensor([req.prompt], device=self.device), cache=self.cache, slots=slot)
+        self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += len(req.prompt)
+        self._advance(req, logits[0, -1])
+
+    def _decode(self) -> None:
+        # in slot order: when the running slots are consecutive the cache is read without a copy
+        reqs = sorted(self._running.values(), key=lambda r: r.slot)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        tokens = torch.tensor([[r.last_token] for r in reqs], device=self.device)
+        logits, _ = self.model(tokens, cache=self.cache, slots=slots)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(reqs)
+        last = logits[:, -1]
+        greedy = last.argmax(-1).tolist()
+        for row, req in enumerate(reqs):
+            self._advance(req, last[row], greedy[row] if req.temperature <= 0 else None)
+
+    def _advance(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
+        """Sample the request's next token from its logits and pass it on, or finish it."""
+        if req.cancelled:
+            self._finish(req, "cancelled")
+            return
+        if token is None:
+            token = sample_next(logits, req.temperature, req.top_p, req.generator)
+        if token in self.stop_ids:
+            self._finish(req, "stop")
+            return
+        if req.first_token is None:
+            req.first_token = time.perf_counter()
+        req.produced += 1
+        req.last_token = token
+        req.emit(token)
+        if req.produced >= req.max_new_tokens:
+            self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str | BaseException) -> None:
+        del self._running[req.slot]
+        heapq.heappush(self._free, req.slot)
+        req.emit(reason)

@@ -1,0 +1,68 @@
+"""Tenant keys and rate limits without Ray."""
+
+import json
+import math
+
+import pytest
+
+from lmfoundry.serving.keys import Authenticator, create_key, digest, read_store, revoke_key
+from lmfoundry.serving.ratelimit import RateLimits, TenantBuckets
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_keys_are_stored_hashed_tied_to_tenants_and_revocable(tmp_path):
+    store = str(tmp_path / "sub" / "keys.json")
+    key_a, rec_a = create_key(store, "acme")
+    key_b, _ = create_key(store, "beta-corp")
+    text = (tmp_path / "sub" / "keys.json").read_text()
+    assert key_a not in text and key_b not in text and rec_a["sha256"] == digest(key_a)
+    auth = Authenticator(store, [digest("env-key")], reload_s=0)
+    assert auth.principal(f"Bearer {key_a}").tenant == "acme"
+    assert auth.principal(f"Bearer {key_b}").tenant == "beta-corp"
+    assert auth.principal("Bearer env-key").tenant == "default"
+    assert auth.principal(key_a) is None  # not a Bearer header
+    assert auth.principal("Bearer sk-lmf-guess") is None and auth.principal(None) is None
+    revoke_key(store, rec_a["id"])
+    assert auth.principal(f"Bearer {key_a}") is None  # re-read: revoked at once with reload_s=0
+    assert auth.principal(f"Bearer {key_b}").tenant == "beta-corp"
+    assert [r["revoked"] is not None for r in read_store(store)] == [True, False]
+
+
+def test_key_store_input_errors_name_what_is_wrong(tmp_path):
+    store = str(tmp_path / "keys.json")
+    with pytest.raises(ValueError, match="tenant 'a b'"):
+        create_key(store, "a b")
+    with pytest.raises(ValueError, match="no key with id 'key_x'"):
+        revoke_key(store, "key_x")
+    (tmp_path / "keys.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(ValueError, match="not an lmfoundry key file"):
+        read_store(store)
+
+
+def test_request_and_token_buckets_refill_over_a_minute():
+    clock = Clock()
+    limits = RateLimits.model_validate({"default": {"requests_per_minute": 3},
+                                        "tenants": {"big": {"tokens_per_minute": 600}}})
+    buckets = TenantBuckets(limits, clock)
+    assert [buckets.admit("small", 10)[0] for _ in range(3)] == [0, 0, 0]
+    wait, why = buckets.admit("small", 10)
+    assert wait == pytest.approx(20.0) and "3 requests per minute" in why  # one request back every 20 s
+    clock.now += 20
+    assert buckets.admit("small", 10)[0] == 0
+    # tokens: 600 a minute = 10 a second; the request's charge is what it may use
+    assert buckets.admit("big", 500)[0] == 0
+    wait, why = buckets.admit("big", 200)
+    assert wait == pytest.approx(10.0) and "600 tokens per minute" in why
+    buckets.refund("big", 100)  # it generated less than max_tokens
+    assert buckets.admit("big", 200)[0] == 0
+    wait, why = buckets.admit("big", 601)
+    assert math.isinf(wait) and "more than tenant 'big'" in why
+    assert buckets.admit("other-tenant", 10)[0] == 0  # tenants do not share buckets
+    assert not RateLimits().limited() and limits.limited()

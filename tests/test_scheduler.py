@@ -1,0 +1,112 @@
+"""Continuous batching without Ray: requests that run together give what each gives alone."""
+
+import queue
+import threading
+import time
+
+import pytest
+import torch
+
+from lmfoundry.model.generate import generate
+from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.serving.scheduler import ContinuousBatcher, Overloaded
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=97, max_seq_len=64, n_layer=2, d_model=32, n_head=4,
+                                   n_kv_head=2)).eval()
+
+
+def collect(batcher, prompt, n, temperature=0.0, seed=None, top_p=1.0):
+    """Submit one request; returns a function that waits for its (tokens, finish reason)."""
+    q: queue.Queue = queue.Queue()
+    req = batcher.submit(prompt, n, temperature, top_p, q.put, seed)
+
+    def wait():
+        tokens = []
+        while True:
+            item = q.get(timeout=60)
+            if isinstance(item, str):
+                return tokens, item
+            tokens.append(item)
+    return req, wait
+
+
+def test_concurrent_greedy_requests_match_one_at_a_time(model):
+    prompts = [[1 + i, 2 + i, 3 * i % 97 + 1][: 1 + i % 3] + list(range(5, 5 + i)) for i in range(10)]
+    lengths = [4 + 3 * (i % 5) for i in range(10)]
+    alone = [generate(model, p, n, temperature=0).tokens for p, n in zip(prompts, lengths)]
+    batcher = ContinuousBatcher(model, frozenset(), max_batch_size=4)
+    try:
+        waits = [collect(batcher, p, n)[1] for p, n in zip(prompts, lengths)]
+        together = [w() for w in waits]
+    finally:
+        batcher.close()
+    assert [t for t, _ in together] == alone
+    assert all(reason == "length" for _, reason in together)
+    # more than one request per forward pass, and never more than the slots
+    assert batcher.stats["decode_rows"] > 1.5 * batcher.stats["decode_steps"]
+    assert batcher.stats["prefills"] == 10
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch_it_ran_in(model):
+    alone = ContinuousBatcher(model, frozenset(), max_batch_size=1)
+    try:
+        expected = collect(alone, [3, 4, 5], 12, temperature=0.9, seed=11, top_p=0.9)[1]()
+    finally:
+        alone.close()
+    crowded = ContinuousBatcher(model, frozenset(), max_batch_size=8)
+    try:
+        others = [collect(crowded, [7, 8], 20, temperature=1.0, seed=s)[1] for s in range(5)]
+        mine = collect(crowded, [3, 4, 5], 12, temperature=0.9, seed=11, top_p=0.9)[1]
+        assert mine() == expected
+        [w() for w in others]
+    finally:
+        crowded.close()
+
+
+def test_stop_tokens_cancellation_and_slot_reuse(model):
+    first = generate(model, [1, 2, 3], 1, temperature=0).tokens[0]
+    batcher = ContinuousBatcher(model, frozenset({first}), max_batch_size=2)
+    try:
+        assert collect(batcher, [1, 2, 3], 10)[1]() == ([], "stop")
+        long_req, long_wait = collect(batcher, [9, 9], 60)
+        time.sleep(0.05)
+        long_req.cancel()
+        tokens, reason = long_wait()
+        assert reason == "cancelled" and len(tokens) < 60
+        # both slots are free again: two more requests run to the end
+        waits = [collect(batcher, [4, 5], 5)[1] for _ in range(2)]
+        assert [w()[1] for w in waits] == ["length", "length"]
+        assert batcher.running == 0
+    finally:
+        batcher.close()
+
+
+def test_a_full_queue_is_refused_at_once_and_limits_are_checked(model):
+    batcher = ContinuousBatcher(model, frozenset(), max_batch_size=1, max_waiting=2)
+    gate = threading.Event()
+    try:
+        with pytest.raises(ValueError, match="exceeds the model's context of 64"):
+            batcher.submit([1] * 60, 10, 0.0, 1.0, lambda _: None)
+        with pytest.raises(ValueError, match="at least one token"):
+            batcher.submit([], 10, 0.0, 1.0, lambda _: None)
+        # one runs, two wait, the fourth is refused
+        slow = lambda _: gate.wait(0.01)  # noqa: E731
+        reqs = [batcher.submit([1, 2], 60, 0.0, 1.0, slow)]
+        while batcher.running < 1:
+            time.sleep(0.001)
+        reqs += [batcher.submit([1, 2], 60, 0.0, 1.0, slow) for _ in range(2)]
+        t0 = time.perf_counter()
+        with pytest.raises(Overloaded, match="max_waiting=2"):
+            batcher.submit([1, 2], 5, 0.0, 1.0, lambda _: None)
+        assert time.perf_counter() - t0 < 0.5
+        for r in reqs:
+            r.cancel()
+    finally:
+        gate.set()
+        batcher.close()

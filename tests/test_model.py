@@ -149,3 +149,11 @@ def test_rope_makes_attention_depend_on_relative_position_only():
 
     torch.testing.assert_close(score(5, 2), score(40, 37))
     assert not torch.allclose(score(5, 2), score(5, 3))
+
+
+def test_nucleus_sampling_keeps_the_top_token_at_any_top_p():
+    from lmfoundry.model.generate import sample_next
+
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.0])
+    for top_p in (5e-324, 1e-45, 1e-9, 0.3):
+        assert sample_next(logits, 1.0, top_p, torch.Generator().manual_seed(0)) == 1

@@ -40,7 +40,7 @@ def test_concurrent_greedy_requests_match_one_at_a_time(model):
     prompts = [[1 + i, 2 + i, 3 * i % 97 + 1][: 1 + i % 3] + list(range(5, 5 + i)) for i in range(10)]
     lengths = [4 + 3 * (i % 5) for i in range(10)]
     alone = [generate(model, p, n, temperature=0).tokens for p, n in zip(prompts, lengths)]
-    batcher = ContinuousBatcher(model, frozenset(), max_batch_size=4)
+    batcher = ContinuousBatcher(lambda: model, frozenset(), max_batch_size=4)
     try:
         waits = [collect(batcher, p, n)[1] for p, n in zip(prompts, lengths)]
         together = [w() for w in waits]
@@ -51,15 +51,16 @@ def test_concurrent_greedy_requests_match_one_at_a_time(model):
     # more than one request per forward pass, and never more than the slots
     assert batcher.stats["decode_rows"] > 1.5 * batcher.stats["decode_steps"]
     assert batcher.stats["prefills"] == 10
+    assert batcher.stats["prefill_passes"] < 10  # prompts that arrived together were prefilled together
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch_it_ran_in(model):
-    alone = ContinuousBatcher(model, frozenset(), max_batch_size=1)
+    alone = ContinuousBatcher(lambda: model, frozenset(), max_batch_size=1)
     try:
         expected = collect(alone, [3, 4, 5], 12, temperature=0.9, seed=11, top_p=0.9)[1]()
     finally:
         alone.close()
-    crowded = ContinuousBatcher(model, frozenset(), max_batch_size=8)
+    crowded = ContinuousBatcher(lambda: model, frozenset(), max_batch_size=8)
     try:
         others = [collect(crowded, [7, 8], 20, temperature=1.0, seed=s)[1] for s in range(5)]
         mine = collect(crowded, [3, 4, 5], 12, temperature=0.9, seed=11, top_p=0.9)[1]
@@ -71,14 +72,21 @@ def test_seeded_sampling_does_not_depend_on_the_batch_it_ran_in(model):
 
 def test_stop_tokens_cancellation_and_slot_reuse(model):
     first = generate(model, [1, 2, 3], 1, temperature=0).tokens[0]
-    batcher = ContinuousBatcher(model, frozenset({first}), max_batch_size=2)
+    batcher = ContinuousBatcher(lambda: model, frozenset({first}), max_batch_size=2)
     try:
         assert collect(batcher, [1, 2, 3], 10)[1]() == ([], "stop")
-        long_req, long_wait = collect(batcher, [9, 9], 60)
-        time.sleep(0.05)
-        long_req.cancel()
-        tokens, reason = long_wait()
-        assert reason == "cancelled" and len(tokens) < 60
+        seen: list = []
+
+        def emit(item):  # a client that goes away after three tokens
+            seen.append(item)
+            if len(seen) == 3:
+                req.cancel()
+        req = batcher.submit([9, 9], 60, 0.0, 1.0, emit)
+        deadline = time.time() + 30
+        while not seen or not isinstance(seen[-1], str):
+            assert time.time() < deadline
+            time.sleep(0.01)
+        assert len(seen) == 4 and seen[-1] == "cancelled"
         # both slots are free again: two more requests run to the end
         waits = [collect(batcher, [4, 5], 5)[1] for _ in range(2)]
         assert [w()[1] for w in waits] == ["length", "length"]
@@ -87,8 +95,15 @@ def test_stop_tokens_cancellation_and_slot_reuse(model):
         batcher.close()
 
 
+def test_a_model_that_fails_to_load_fails_the_constructor():
+    def broken():
+        raise FileNotFoundError("no weights here")
+    with pytest.raises(FileNotFoundError, match="no weights here"):
+        ContinuousBatcher(broken, frozenset())
+
+
 def test_a_full_queue_is_refused_at_once_and_limits_are_checked(model):
-    batcher = ContinuousBatcher(model, frozenset(), max_batch_size=1, max_waiting=2)
+    batcher = ContinuousBatcher(lambda: model, frozenset(), max_batch_size=1, max_waiting=2)
     gate = threading.Event()
     try:
         with pytest.raises(ValueError, match="exceeds the model's context of 64"):
@@ -109,4 +124,32 @@ def test_a_full_queue_is_refused_at_once_and_limits_are_checked(model):
             r.cancel()
     finally:
         gate.set()
+        batcher.close()
+
+
+def test_a_request_that_fails_ends_alone(model):
+    class Broken:  # a grammar that breaks after two tokens
+        n = 0
+
+        def allowed(self):
+            self.n += 1
+            if self.n > 2:
+                raise RuntimeError("grammar broke")
+            return list(range(97))
+
+        def advance(self, token):
+            pass
+
+        def done(self):
+            return False
+    batcher = ContinuousBatcher(lambda: model, frozenset(), max_batch_size=4)
+    try:
+        healthy = collect(batcher, [1, 2, 3], 20)[1]
+        q: queue.Queue = queue.Queue()
+        batcher.submit([4, 5], 20, 0.0, 1.0, q.put, constraint=Broken())
+        items = [q.get(timeout=30) for _ in range(3)]
+        assert isinstance(items[-1], RuntimeError) and "grammar broke" in str(items[-1])
+        assert healthy() == (generate(model, [1, 2, 3], 20, temperature=0).tokens, "length")
+        assert batcher.alive() and batcher.running == 0
+    finally:
         batcher.close()

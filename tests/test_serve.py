@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -333,3 +334,105 @@ def test_metrics_count_requests_tokens_and_time_to_first_token(server):
         assert name in families, name
     ok = [line for line in text.splitlines() if line.startswith("lmfoundry_requests_total") and 'status="200"' in line]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in ok) >= 5
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The forecast for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "days", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"]}}}
+
+
+@pytest.fixture(scope="module")
+def tool_server(server, pretrained, tmp_path_factory):
+    """The trained weights with a 512-token context, room for the tools' descriptions. (RoPE
+    positions past the 64 it was trained on are untrained: these tests check the mechanics of
+    tool calls, not the model's judgement.)"""
+    from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS
+    from lmfoundry.platform import checkpoint
+
+    source = Path(checkpoint.resolve(pretrained[0]))
+    ckpt = tmp_path_factory.mktemp("long-context")
+    for name in (WEIGHTS, TOKENIZER):
+        shutil.copy(source / name, ckpt / name)
+    cfg = json.loads((source / MODEL_CONFIG).read_text())
+    (ckpt / MODEL_CONFIG).write_text(json.dumps({**cfg, "max_seq_len": 512}))
+    checkpoint.seal(ckpt, {"step": 0})
+    with deployed(server, (str(ckpt),), "/tools") as url:
+        yield url
+
+
+def test_forced_tool_calls_always_parse_against_the_schema(tool_server):
+    import jsonschema
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{tool_server}/v1", api_key=KEY)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for seed in range(4):  # sampled, not greedy: each call takes another path through the grammar
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, tools=[WEATHER, CLOCK], temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    # "required": any of the tools, each with its own schema
+    names = set()
+    for seed in range(4):
+        reply = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, CLOCK],
+                                               tool_choice="required", temperature=1.0, seed=seed)
+        call = reply.choices[0].message.tool_calls[0]
+        tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        names.add(call.function.name)
+    # the call goes back with its result, and the conversation goes on
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'}]
+    after = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER, CLOCK], max_tokens=8)
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_streamed_tool_call_and_tool_errors(tool_server):
+    import jsonschema
+    from openai import OpenAI
+
+    server = tool_server
+    client = OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], stream=True,
+        tool_choice="required", stream_options={"include_usage": True})
+    chunks = list(stream)
+    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens > 0
+    for body, field in [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "nope"),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        ({"tools": [WEATHER, WEATHER]}, "unique"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
+          "tool_choice": "required"}, "tools"),
+    ]:
+        r = httpx.post(f"{server}/v1/chat/completions", headers=auth(), timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], **body})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server}/v1/chat/completions", headers=auth(), timeout=60,
+                   json={"messages": [{"role": "tool", "content": "42"}]})
+    assert r.status_code == 400 and "tool_call_id" in r.json()["error"]["message"]
+
+
+def test_schema_fuzzing_finds_no_server_error(server):
+    """Schemathesis generates requests from the app's own OpenAPI schema (valid and invalid
+    bodies, odd types, boundary values) and checks that none is answered with a 5xx."""
+    st = str(Path(sys.executable).with_name("st"))
+    r = subprocess.run([st, "run", f"{server}/openapi.json", "-H", f"Authorization: Bearer {KEY}",
+                        "--checks", "not_a_server_error", "--max-examples", "30", "--generation-deterministic",
+                        "--request-timeout", "60", "--no-color"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

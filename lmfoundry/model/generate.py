@@ -25,6 +25,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
         sorted_p, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = sorted_p.cumsum(0) - sorted_p >= top_p
+        drop[0] = False  # even when top_p is below float32's smallest number
         sorted_p[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=gen))

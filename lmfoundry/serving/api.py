@@ -25,18 +25,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmfoundry.platform.harm import HarmConfig, HarmScorer
 from lmfoundry.serving import gate
-from lmfoundry.serving.engine import InferenceEngine, render_chat
+from lmfoundry.serving.engine import InferenceEngine, parse_tool_call, render_chat
 from lmfoundry.serving.gate import error
+from lmfoundry.serving.grammar import tool_call_schema
 from lmfoundry.serving.keys import Authenticator
 from lmfoundry.serving.metrics import ServingMetrics
 from lmfoundry.serving.protocol import (
+    AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    FunctionCall,
+    ToolCall,
     Usage,
 )
 from lmfoundry.serving.scheduler import Overloaded
@@ -86,6 +89,32 @@ app.add_middleware(gate.Gate)
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def chat_choice(index: int, text: str, finish_reason: str, tools: list[dict], forced: bool) -> ChatChoice:
+    """The assistant's message: a tool call when the reply is one (always, when one was forced
+    and the JSON was completed), else text."""
+    call = parse_tool_call(text, [t["name"] for t in tools], forced) if tools and finish_reason != "content_filter" else None
+    if call is None:
+        return ChatChoice(index=index, message=AssistantMessage(content=text), finish_reason=finish_reason)
+    name, arguments, before = call
+    tool_call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=json.dumps(arguments)))
+    return ChatChoice(index=index, message=AssistantMessage(content=before or None, tool_calls=[tool_call]),
+                      finish_reason="tool_calls")
+
+
+def whole_reply_events(reply: ChatCompletionResponse, req):
+    """A finished chat reply as server-sent chunks: role, content or tool calls, finish, usage."""
+    head = {"id": reply.id, "object": "chat.completion.chunk", "created": reply.created, "model": reply.model}
+    for c in reply.choices:
+        delta: dict = {"role": "assistant", "content": c.message.content}
+        if c.message.tool_calls:
+            delta["tool_calls"] = [{"index": k, **t.model_dump()} for k, t in enumerate(c.message.tool_calls)]
+        yield _sse({**head, "choices": [{"index": c.index, "delta": delta, "finish_reason": None}]})
+        yield _sse({**head, "choices": [{"index": c.index, "delta": {}, "finish_reason": c.finish_reason}]})
+    if req.stream_options and req.stream_options.include_usage:
+        yield _sse({**head, "choices": [], "usage": reply.usage.model_dump()})
+    yield "data: [DONE]\n\n"
 
 
 # Module-level helpers above this line: the decorator captures the module's names as they are now.
@@ -157,16 +186,18 @@ class LLMServer:
         if self.limiter is not None and unused > 0:
             self.limiter.refund.remote(tenant, unused)
 
-    def _start(self, ids, budget, req, stop):
+    def _start(self, ids, budget, req, stop, schema):
         """One engine stream per choice, all queued at once so that they share forward passes."""
         streams = []
         try:
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
-                streams.append(self.engine.stream(ids, budget, req.temperature, req.top_p, stop, seed))
-        except Overloaded as e:
+                streams.append(self.engine.stream(ids, budget, req.temperature, req.top_p, stop, seed, schema))
+        except (Overloaded, ValueError) as e:
             for s in streams:
                 s.cancel()
+            if isinstance(e, ValueError):  # a tool's parameters that are no usable JSON schema
+                raise ApiError(400, f"tools: {e}", param="tools") from None
             raise ApiError(503, f"the server is at capacity ({e}); retry shortly", "server_overloaded",
                            code="overloaded", headers={"Retry-After": "1"}) from None
         return streams
@@ -198,13 +229,18 @@ class LLMServer:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
-        return await self._serve("chat", request, req, render_chat([m.model_dump() for m in req.messages]))
+        forced, name = req.forced_tool()
+        tools = req.tools_offered()
+        prompt = render_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, forced)
+        schema = tool_call_schema(tools, name) if forced else None
+        return await self._serve("chat", request, req, prompt, tools, schema)
 
-    async def _serve(self, route: str, request: Request, req, prompt: str):
+    async def _serve(self, route: str, request: Request, req, prompt: str, tools: list[dict] = (),
+                     schema: dict | None = None):
         started = time.perf_counter()
         status = 500
         try:
-            response = await self._respond(route, request, req, prompt, started)
+            response = await self._respond(route, request, req, prompt, tools, schema, started)
             status = response.status_code
             return response
         except ApiError as e:
@@ -214,7 +250,8 @@ class LLMServer:
             self.metrics.requests.labels(route=route, status=str(status)).inc()
             self.metrics.latency.labels(route=route).observe(time.perf_counter() - started)
 
-    async def _respond(self, route: str, request: Request, req, prompt: str, started: float):
+    async def _respond(self, route: str, request: Request, req, prompt: str, tools: list[dict],
+                       schema: dict | None, started: float):
         tenant = self._tenant(request)
         stop = self._check_fields(req)
         try:
@@ -225,12 +262,12 @@ class LLMServer:
         charged = len(ids) + budget * req.n
         await self._admit(tenant, charged)
         try:
-            streams = self._start(ids, budget, req, stop)
+            streams = self._start(ids, budget, req, stop, schema)
         except ApiError:
             self._refund(tenant, charged)
             raise
         chat = route == "chat"
-        if req.stream:
+        if req.stream and not tools:  # a reply that may be a tool call is sent whole, once parsed
             return await self._stream_response(streams, req, chat, tenant, charged, started)
         try:
             outs = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), self.timeout_s)
@@ -251,10 +288,13 @@ class LLMServer:
         usage = Usage(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
         created = int(time.time())
         if chat:
-            return JSONResponse(ChatCompletionResponse(
+            reply = ChatCompletionResponse(
                 id=f"chatcmpl-{uuid.uuid4().hex}", created=created, model=self.model_name, usage=usage,
-                choices=[ChatChoice(index=i, message=ChatMessage(role="assistant", content=o.text),
-                                    finish_reason=o.finish_reason) for i, o in enumerate(outs)]).model_dump())
+                choices=[chat_choice(i, o.text, o.finish_reason, tools, schema is not None)
+                         for i, o in enumerate(outs)])
+            if req.stream:
+                return StreamingResponse(whole_reply_events(reply, req), media_type="text/event-stream")
+            return JSONResponse(reply.model_dump())
         return JSONResponse(CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}", created=created, model=self.model_name, usage=usage,
             choices=[CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -41,16 +41,100 @@ class CompletionRequest(_Request):
     prompt: str = Field(..., min_length=1)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> "ChatMessage":
+        if self.role in ("system", "user") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and (self.content is None or not self.tool_call_id):
+            raise ValueError("a tool message needs content and the tool_call_id it answers")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # accepted; calls are always decoded under the schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=64)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; at most one call per reply
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: function names must be unique, got {names}")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
+        return self
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(whether the reply must be a tool call, the tool it must call or None for any)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.name
+        return self.tool_choice == "required", None
+
+    def tools_offered(self) -> list[dict]:
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [t.function.model_dump(exclude_none=True) for t in self.tools]
 
 
 class Usage(BaseModel):
@@ -75,9 +159,15 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
-    message: ChatMessage
+    message: AssistantMessage
     finish_reason: str
 
 

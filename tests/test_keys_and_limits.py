@@ -66,3 +66,32 @@ def test_request_and_token_buckets_refill_over_a_minute():
     assert math.isinf(wait) and "more than tenant 'big'" in why
     assert buckets.admit("other-tenant", 10)[0] == 0  # tenants do not share buckets
     assert not RateLimits().limited() and limits.limited()
+
+
+def test_traffic_split_by_weight_sticky_per_user_with_rollback_history(tmp_path):
+    from lmfoundry.serving.traffic import SplitSource, TrafficSplit, check_weights, rollback, write_split
+
+    split = TrafficSplit({"v1": 90, "v2": 10})
+    picks = [split.pick() for _ in range(4000)]
+    assert 0.07 < picks.count("v2") / len(picks) < 0.13
+    assert len({split.pick("alice") for _ in range(20)}) == 1  # a user stays on one version
+    users = [split.pick(f"user-{i}") for i in range(2000)]
+    assert 0.07 < users.count("v2") / len(users) < 0.13
+    assert TrafficSplit({"v1": 0, "v2": 5}).pick() == "v2"
+    with pytest.raises(ValueError, match="unknown versions \\['v3'\\]"):
+        check_weights({"v3": 1}, ["v1", "v2"])
+    with pytest.raises(ValueError, match="not all 0"):
+        check_weights({"v1": 0}, ["v1", "v2"])
+
+    path = str(tmp_path / "split.json")
+    source = SplitSource(["v1", "v2"], {"v1": 1, "v2": 0}, path, reload_s=0)
+    assert source.current().weights == {"v1": 1}  # no file yet: the config's weights
+    write_split(path, {"v1": 50.0, "v2": 50.0})
+    write_split(path, {"v1": 0.0, "v2": 100.0})
+    assert source.current().weights == {"v2": 100.0}
+    rollback(path)
+    assert source.current().weights == {"v1": 50.0, "v2": 50.0}
+    with pytest.raises(ValueError, match="no earlier split"):
+        rollback(path)
+    (tmp_path / "split.json").write_text('{"weights": {"v9": 1}, "history": []}')
+    assert source.current().weights == {"v1": 50.0, "v2": 50.0}  # a bad file keeps the last good split

@@ -49,7 +49,7 @@ def deployed(server, pretrained, prefix: str, **settings):
     from lmfoundry.serving.app import ServeConfig, build_app
     from lmfoundry.serving.keys import digest
 
-    cfg = ServeConfig(checkpoint=pretrained[0], model_name="tiny", cpus_per_replica=0.25, **settings)
+    cfg = ServeConfig(**{"checkpoint": pretrained[0], "model_name": "tiny", "cpus_per_replica": 0.25, **settings})
     name = prefix.strip("/")
     serve.run(build_app(cfg, [digest(KEY)]), name=name, route_prefix=prefix, blocking=False)
     url = server + prefix
@@ -436,3 +436,56 @@ def test_schema_fuzzing_finds_no_server_error(server):
                         "--checks", "not_a_server_error", "--max-examples", "30", "--generation-deterministic",
                         "--request-timeout", "60", "--no-color"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_two_versions_behind_one_route_shift_and_roll_back_without_dropping_requests(server, pretrained, tmp_path):
+    from lmfoundry.platform import checkpoint
+
+    (_, older), (_, newer) = checkpoint.committed_checkpoints(pretrained[0])[-2:]
+    split = tmp_path / "split.json"
+    cli = [str(Path(sys.executable).with_name("lmfoundry")), "traffic"]
+    versions = [{"name": "v1", "checkpoint": older, "weight": 100}, {"name": "v2", "checkpoint": newer, "weight": 0}]
+    body = {"prompt": "The", "max_tokens": 4}
+
+    def answered_by(n=12, **extra):
+        replies = [httpx.post(f"{url}/v1/completions", json={**body, **extra}, headers=auth(), timeout=60)
+                   for _ in range(n)]
+        assert all(r.status_code == 200 and r.headers["x-lmfoundry-version"] == r.json()["system_fingerprint"]
+                   for r in replies)
+        return {r.json()["system_fingerprint"] for r in replies}
+
+    def replica_ids():
+        text = httpx.get(f"{url}/metrics", headers=auth()).text
+        return {part.split('"')[1] for part in text.split("replica=")[1:]}
+
+    with deployed(server, pretrained, "/gray", checkpoint=None, versions=versions, traffic_file=str(split)) as url:
+        assert answered_by() == {"v1"}
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth()).json()["data"]] == \
+            ["tiny", "tiny:v1", "tiny:v2"]
+        replicas = replica_ids()
+        # a stream that is in flight while the split moves finishes on the version it started on
+        with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "The", "max_tokens": 40, "stream": True},
+                          headers=auth(), timeout=60) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line)
+            subprocess.run(cli + ["set", "v1=0", "v2=100", "--file", str(split)], check=True, capture_output=True)
+            time.sleep(2.5)  # replicas re-read the split every 2 s
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert {json.loads(line[6:])["system_fingerprint"] for line in [first] + rest[:-1]} == {"v1"}
+        assert answered_by() == {"v2"}
+        assert answered_by(4, model="tiny:v1") == {"v1"}  # a pinned version ignores the split
+        subprocess.run(cli + ["set", "v1=50", "v2=50", "--file", str(split)], check=True, capture_output=True)
+        time.sleep(2.5)
+        assert answered_by(30) == {"v1", "v2"}
+        assert len(answered_by(6, user="alice")) == 1  # sticky per user
+        shown = subprocess.run(cli + ["rollback", "--file", str(split)], check=True, capture_output=True, text=True)
+        assert "v1=0%  v2=100%" in shown.stdout
+        time.sleep(2.5)
+        assert answered_by() == {"v2"}
+        bad = subprocess.run(cli + ["set", "v1=x", "--file", str(split)], capture_output=True, text=True)
+        assert bad.returncode == 2 and "VERSION=WEIGHT" in bad.stderr
+        metrics = httpx.get(f"{url}/metrics", headers=auth()).text
+        for version in ("v1", "v2"):
+            assert f'status="200",version="{version}"' in metrics
+        assert replica_ids() == replicas  # no replica was restarted

@@ -6,6 +6,7 @@
     lmfoundry plan PRETRAIN_CONFIG [--gpu H200] [--nodes N] [--token-budget T]
     lmfoundry quality-model CONFIG [--output DIR] [--set positive=URI --set negative=URI]
     lmfoundry keys create --tenant NAME | list | revoke KEY_ID [--file KEYS]
+    lmfoundry traffic show | set V1=90 V2=10 | rollback --file SPLIT
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from lmfoundry.platform import storage
 from lmfoundry.platform.config import ConfigError, StageConfig, load_config
 from lmfoundry.platform.log import get_logger
 
-STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart", "export", "plan", "quality-model", "keys")
+STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart", "export", "plan", "quality-model", "keys",
+          "traffic")
 logger = get_logger(__name__)
 
 

@@ -24,6 +24,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmfoundry.platform.harm import HarmConfig, HarmScorer
+from lmfoundry.platform.log import get_logger
 from lmfoundry.serving import gate
 from lmfoundry.serving.engine import InferenceEngine, parse_tool_call, render_chat
 from lmfoundry.serving.gate import error
@@ -43,6 +44,9 @@ from lmfoundry.serving.protocol import (
     Usage,
 )
 from lmfoundry.serving.scheduler import Overloaded
+from lmfoundry.serving.traffic import SplitSource
+
+logger = get_logger(__name__)
 
 # No public /docs: every route but /health needs a key, the OpenAPI schema's too (GET /openapi.json below).
 app = FastAPI(title="lmfoundry", description="OpenAI-compatible inference", docs_url=None, redoc_url=None,
@@ -105,7 +109,8 @@ def chat_choice(index: int, text: str, finish_reason: str, tools: list[dict], fo
 
 def whole_reply_events(reply: ChatCompletionResponse, req):
     """A finished chat reply as server-sent chunks: role, content or tool calls, finish, usage."""
-    head = {"id": reply.id, "object": "chat.completion.chunk", "created": reply.created, "model": reply.model}
+    head = {"id": reply.id, "object": "chat.completion.chunk", "created": reply.created, "model": reply.model,
+            "system_fingerprint": reply.system_fingerprint}
     for c in reply.choices:
         delta: dict = {"role": "assistant", "content": c.message.content}
         if c.message.tool_calls:
@@ -121,9 +126,12 @@ def whole_reply_events(reply: ChatCompletionResponse, req):
 @serve.deployment(name="LLMServer")
 @serve.ingress(app)
 class LLMServer:
-    def __init__(self, checkpoint: str, model_name: str, keys_file: str | None, env_key_digests: list[str],
-                 engine: dict, limits: dict, guardrails: dict | None, limiter=None, device: str = "auto"):
-        self.engine = InferenceEngine(checkpoint, device, **engine)
+    def __init__(self, versions: list[dict], model_name: str, keys_file: str | None, env_key_digests: list[str],
+                 engine: dict, limits: dict, guardrails: dict | None, traffic_file: str | None = None,
+                 limiter=None, device: str = "auto"):
+        self.engines = {v["name"]: InferenceEngine(v["checkpoint"], device, **engine) for v in versions}
+        self.split = SplitSource(list(self.engines), {v["name"]: v["weight"] for v in versions}, traffic_file,
+                                 log=logger)
         self.model_name = model_name
         self.max_n = limits["max_n"]
         self.timeout_s = limits["request_timeout_s"]
@@ -133,8 +141,9 @@ class LLMServer:
         self.metrics = ServingMetrics(model_name)
 
     def check_health(self) -> None:
-        if not self.engine.batcher.alive():
-            raise RuntimeError("the continuous-batching thread has stopped")
+        for version, engine in self.engines.items():
+            if not engine.batcher.alive():
+                raise RuntimeError(f"the continuous-batching thread of version {version!r} has stopped")
 
     # ---- the checks every request passes ----
 
@@ -142,10 +151,18 @@ class LLMServer:
     def _tenant(request: Request) -> str:
         return request.state.tenant  # set by the Gate, which refused the request if it had no valid key
 
+    def _version(self, req) -> str:
+        """The version that answers: pinned by `model: NAME:VERSION`, else by the traffic split."""
+        if req.model is None or req.model == self.model_name:
+            return self.split.current().pick(req.user)
+        name, _, version = req.model.partition(":")
+        if name == self.model_name and version in self.engines:
+            return version
+        available = [self.model_name] + [f"{self.model_name}:{v}" for v in self.engines]
+        raise ApiError(404, f"model {req.model!r} is not served here; available: {available}",
+                       "not_found_error", "model", "model_not_found")
+
     def _check_fields(self, req) -> list[str]:
-        if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"model {req.model!r} is not served here; available: [{self.model_name!r}]",
-                           "not_found_error", "model", "model_not_found")
         if req.n > self.max_n:
             raise ApiError(400, f"n={req.n} is above this server's limit of {self.max_n}", param="n")
         try:
@@ -186,13 +203,13 @@ class LLMServer:
         if self.limiter is not None and unused > 0:
             self.limiter.refund.remote(tenant, unused)
 
-    def _start(self, ids, budget, req, stop, schema):
+    def _start(self, engine, ids, budget, req, stop, schema):
         """One engine stream per choice, all queued at once so that they share forward passes."""
         streams = []
         try:
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
-                streams.append(self.engine.stream(ids, budget, req.temperature, req.top_p, stop, seed, schema))
+                streams.append(engine.stream(ids, budget, req.temperature, req.top_p, stop, seed, schema))
         except (Overloaded, ValueError) as e:
             for s in streams:
                 s.cancel()
@@ -214,14 +231,20 @@ class LLMServer:
 
     @app.get("/metrics")
     async def metrics_text(self, request: Request):
-        self.metrics.observe_engine(self.engine.batcher)
+        for version, engine in self.engines.items():
+            self.metrics.observe_engine(version, engine.batcher)
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models(self, request: Request):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "lmfoundry", "max_model_len": self.engine.context}]}
+        context = min(e.context for e in self.engines.values())
+        data = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "lmfoundry",
+                 "max_model_len": context}]
+        if len(self.engines) > 1:  # each version can be asked for by name
+            data += [{"id": f"{self.model_name}:{v}", "object": "model", "created": 0, "owned_by": "lmfoundry",
+                      "max_model_len": e.context} for v, e in self.engines.items()]
+        return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest, request: Request):
@@ -238,37 +261,40 @@ class LLMServer:
     async def _serve(self, route: str, request: Request, req, prompt: str, tools: list[dict] = (),
                      schema: dict | None = None):
         started = time.perf_counter()
-        status = 500
+        status, version = 500, "none"
         try:
-            response = await self._respond(route, request, req, prompt, tools, schema, started)
+            version = self._version(req)
+            response = await self._respond(route, request, req, prompt, tools, schema, started, version)
             status = response.status_code
+            response.headers["x-lmfoundry-version"] = version
             return response
         except ApiError as e:
             status = e.status
             raise
         finally:
-            self.metrics.requests.labels(route=route, status=str(status)).inc()
-            self.metrics.latency.labels(route=route).observe(time.perf_counter() - started)
+            self.metrics.requests.labels(route=route, status=str(status), version=version).inc()
+            self.metrics.latency.labels(route=route, version=version).observe(time.perf_counter() - started)
 
     async def _respond(self, route: str, request: Request, req, prompt: str, tools: list[dict],
-                       schema: dict | None, started: float):
+                       schema: dict | None, started: float, version: str):
         tenant = self._tenant(request)
         stop = self._check_fields(req)
+        engine = self.engines[version]
         try:
-            ids, budget = self.engine.prepare(prompt, req.max_tokens)
+            ids, budget = engine.prepare(prompt, req.max_tokens)
         except ValueError as e:
             raise ApiError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else None) from None
         self._guard_input(route, prompt)
         charged = len(ids) + budget * req.n
         await self._admit(tenant, charged)
         try:
-            streams = self._start(ids, budget, req, stop, schema)
+            streams = self._start(engine, ids, budget, req, stop, schema)
         except ApiError:
             self._refund(tenant, charged)
             raise
         chat = route == "chat"
         if req.stream and not tools:  # a reply that may be a tool call is sent whole, once parsed
-            return await self._stream_response(streams, req, chat, tenant, charged, started)
+            return await self._stream_response(streams, req, chat, tenant, charged, started, version)
         try:
             outs = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), self.timeout_s)
         except asyncio.TimeoutError:
@@ -277,19 +303,20 @@ class LLMServer:
             self._refund(tenant, charged)
             raise ApiError(408, f"the request took longer than {self.timeout_s} s (request_timeout_s)",
                            "timeout_error", code="request_timeout") from None
-        self.metrics.time_to_first_token.observe(min(s.first_delta_at or time.perf_counter() for s in streams)
-                                                 - started)
+        self.metrics.time_to_first_token.labels(version=version).observe(
+            min(s.first_delta_at or time.perf_counter() for s in streams) - started)
         for o in outs:
             if self._output_blocked(o.text):
                 o.text, o.finish_reason = "", "content_filter"
         completion = sum(o.completion_tokens for o in outs)
-        self.metrics.generated_tokens.inc(completion)
+        self.metrics.generated_tokens.labels(version=version).inc(completion)
         self._refund(tenant, charged - len(ids) - completion)
         usage = Usage(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
         created = int(time.time())
         if chat:
             reply = ChatCompletionResponse(
                 id=f"chatcmpl-{uuid.uuid4().hex}", created=created, model=self.model_name, usage=usage,
+                system_fingerprint=version,
                 choices=[chat_choice(i, o.text, o.finish_reason, tools, schema is not None)
                          for i, o in enumerate(outs)])
             if req.stream:
@@ -297,10 +324,12 @@ class LLMServer:
             return JSONResponse(reply.model_dump())
         return JSONResponse(CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}", created=created, model=self.model_name, usage=usage,
+            system_fingerprint=version,
             choices=[CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
                      for i, o in enumerate(outs)]).model_dump())
 
-    async def _stream_response(self, streams, req, chat: bool, tenant: str, charged: int, started: float):
+    async def _stream_response(self, streams, req, chat: bool, tenant: str, charged: int, started: float,
+                               version: str):
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. The first
         delta of every choice is awaited before the response starts, so a timeout is still a 408."""
         try:
@@ -311,10 +340,10 @@ class LLMServer:
             self._refund(tenant, charged)
             raise ApiError(408, f"no token within {self.timeout_s} s (request_timeout_s)", "timeout_error",
                            code="request_timeout") from None
-        self.metrics.time_to_first_token.observe(time.perf_counter() - started)
+        self.metrics.time_to_first_token.labels(version=version).observe(time.perf_counter() - started)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name}
+                "created": int(time.time()), "model": self.model_name, "system_fingerprint": version}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_tokens = firsts[0].prompt_tokens
 
@@ -356,7 +385,7 @@ class LLMServer:
                     done += finish is not None
                 await asyncio.gather(*tasks)
                 total = sum(completion)
-                self.metrics.generated_tokens.inc(total)
+                self.metrics.generated_tokens.labels(version=version).inc(total)
                 self._refund(tenant, charged - prompt_tokens - total)
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens,

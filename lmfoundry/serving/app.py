@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.harm import HarmConfig
@@ -26,8 +26,16 @@ class GuardrailsConfig(StageConfig):
     harm: HarmConfig = HarmConfig()
 
 
+class ModelVersion(StageConfig):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,32}$")
+    checkpoint: str
+    weight: float = Field(0.0, ge=0, description="share of traffic (relative to the other versions)")
+
+
 class ServeConfig(StageConfig):
-    checkpoint: str = Field(..., description="a checkpoint directory or a pretrain run directory")
+    checkpoint: str | None = Field(None, description="a checkpoint or a pretrain run directory (one version, 'main')")
+    versions: list[ModelVersion] = Field([], description="several versions behind one route (gray release)")
+    traffic_file: str | None = Field(None, description="`lmfoundry traffic` file overriding the versions' weights")
     model_name: str = "lmfoundry"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -43,13 +51,28 @@ class ServeConfig(StageConfig):
     keys_file: str | None = Field(None, description="tenant keys made by `lmfoundry keys create`")
     api_keys_env: str = Field("LMFOUNDRY_API_KEYS", description="env var with comma-separated keys (tenant 'default')")
 
+    @model_validator(mode="after")
+    def _one_source_of_weights(self) -> "ServeConfig":
+        if (self.checkpoint is None) == (not self.versions):
+            raise ValueError("give either checkpoint (one version) or versions (several), not both or neither")
+        names = [v.name for v in self.versions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"versions: names must be unique, got {names}")
+        if self.versions and sum(v.weight for v in self.versions) <= 0:
+            raise ValueError("versions: at least one weight must be above 0")
+        return self
+
+    def served_versions(self) -> list[ModelVersion]:
+        return self.versions or [ModelVersion(name="main", checkpoint=self.checkpoint, weight=1.0)]
+
 
 def build_app(cfg: ServeConfig, env_key_digests: list[str]):
     from lmfoundry.platform import checkpoint
     from lmfoundry.serving.api import LLMServer
     from lmfoundry.serving.ratelimit import limiter_deployment
 
-    ckpt = checkpoint.resolve(cfg.checkpoint)  # fail here, not inside a replica
+    versions = [{"name": v.name, "checkpoint": checkpoint.resolve(v.checkpoint), "weight": v.weight}
+                for v in cfg.served_versions()]  # a missing checkpoint fails here, not inside a replica
     limiter = limiter_deployment().bind(cfg.rate_limits.model_dump()) if cfg.rate_limits.limited() else None
     guardrails = cfg.guardrails.harm.model_dump() if cfg.guardrails.enabled else None
     return LLMServer.options(
@@ -57,8 +80,8 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
         ray_actor_options={"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica},
-    ).bind(ckpt, cfg.model_name, cfg.keys_file, env_key_digests, cfg.engine.model_dump(), cfg.limits.model_dump(),
-           guardrails, limiter)
+    ).bind(versions, cfg.model_name, cfg.keys_file, env_key_digests, cfg.engine.model_dump(), cfg.limits.model_dump(),
+           guardrails, cfg.traffic_file, limiter)
 
 
 def start(cfg: ServeConfig) -> tuple[str, str | None]:

@@ -25,31 +25,35 @@ class ServingMetrics:
                 replica = "local"
         self.registry = CollectorRegistry()
         const = {"model": model, "replica": replica}
-        self.requests = _Labelled(Counter("requests", "requests answered, by route and status code",
-                                          ["model", "replica", "route", "status"], registry=self.registry,
+        self.requests = _Labelled(Counter("requests", "requests answered, by route, status code and model version",
+                                          ["model", "replica", "route", "status", "version"], registry=self.registry,
                                           namespace="lmfoundry"), const)
         self.latency = _Labelled(Histogram("request_seconds", "time from request to full response (streams: to first byte)",
-                                           ["model", "replica", "route"], registry=self.registry, namespace="lmfoundry",
+                                           ["model", "replica", "route", "version"], registry=self.registry,
+                                           namespace="lmfoundry",
                                            buckets=_LATENCY_BUCKETS), const)
-        self.time_to_first_token = Histogram("time_to_first_token_seconds", "time from request to its first token",
-                                             ["model", "replica"], registry=self.registry, namespace="lmfoundry",
-                                             buckets=_LATENCY_BUCKETS).labels(**const)
-        self.generated_tokens = Counter("generated_tokens", "completion tokens generated", ["model", "replica"],
-                                        registry=self.registry, namespace="lmfoundry").labels(**const)
+        self.time_to_first_token = _Labelled(Histogram(
+            "time_to_first_token_seconds", "time from request to its first token", ["model", "replica", "version"],
+            registry=self.registry, namespace="lmfoundry", buckets=_LATENCY_BUCKETS), const)
+        self.generated_tokens = _Labelled(Counter("generated_tokens", "completion tokens generated",
+                                                  ["model", "replica", "version"], registry=self.registry,
+                                                  namespace="lmfoundry"), const)
         self.guardrail_blocks = _Labelled(Counter("guardrail_blocks", "requests and replies blocked by the harm scorer",
                                                   ["model", "replica", "direction"], registry=self.registry,
                                                   namespace="lmfoundry"), const)
         self.rate_limited = _Labelled(Counter("rate_limited", "requests refused with 429, by tenant",
                                               ["model", "replica", "tenant"], registry=self.registry,
                                               namespace="lmfoundry"), const)
-        self.queue_depth = Gauge("queue_depth", "requests waiting for a batch slot", ["model", "replica"],
-                                 registry=self.registry, namespace="lmfoundry").labels(**const)
-        self.running = Gauge("running_requests", "requests in the running batch", ["model", "replica"],
-                             registry=self.registry, namespace="lmfoundry").labels(**const)
+        self.queue_depth = _Labelled(Gauge("queue_depth", "requests waiting for a batch slot",
+                                           ["model", "replica", "version"], registry=self.registry,
+                                           namespace="lmfoundry"), const)
+        self.running = _Labelled(Gauge("running_requests", "requests in the running batch",
+                                       ["model", "replica", "version"], registry=self.registry,
+                                       namespace="lmfoundry"), const)
 
-    def observe_engine(self, batcher) -> None:
-        self.queue_depth.set(batcher.queue_depth)
-        self.running.set(batcher.running)
+    def observe_engine(self, version: str, batcher) -> None:
+        self.queue_depth.labels(version=version).set(batcher.queue_depth)
+        self.running.labels(version=version).set(batcher.running)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

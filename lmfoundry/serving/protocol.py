@@ -155,6 +155,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # the model version that answered
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -176,5 +177,6 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # the model version that answered
     choices: list[ChatChoice]
     usage: Usage

@@ -41,6 +41,16 @@ def test_hf_export_logits_match_ours(tmp_path, tie):
         torch.testing.assert_close(hf(x).logits, model(x)[0], atol=1e-4, rtol=1e-4)
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert hf_tok("def add(a, b):")["input_ids"] == tok.encode("def add(a, b):").ids
+    # transformers renders chats with the checkpoint's template exactly as the server does
+    from lmfoundry.model.chat_template import ChatTemplate
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Call f"}]
+    for tools in ([], [tool]):
+        ours = ChatTemplate.from_checkpoint(tmp_path / "ckpt").render(messages, tools)
+        theirs = hf_tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        assert theirs == ours
 
 
 def test_moe_export_as_mixtral_logits_match_ours(tmp_path):

@@ -95,3 +95,20 @@ def test_traffic_split_by_weight_sticky_per_user_with_rollback_history(tmp_path)
         rollback(path)
     (tmp_path / "split.json").write_text('{"weights": {"v9": 1}, "history": []}')
     assert source.current().weights == {"v1": 50.0, "v2": 50.0}  # a bad file keeps the last good split
+
+
+def test_serve_config_scaling_and_versions_are_checked(tmp_path):
+    from lmfoundry.serving.app import ServeConfig
+
+    cfg = ServeConfig(checkpoint="ckpt", autoscaling={"min_replicas": 1, "max_replicas": 3})
+    assert cfg.served_versions()[0].name == "main"
+    with pytest.raises(ValueError, match="min_replicas=4 is above max_replicas=2"):
+        ServeConfig(checkpoint="ckpt", autoscaling={"min_replicas": 4, "max_replicas": 2})
+    with pytest.raises(ValueError, match="either checkpoint .* or versions"):
+        ServeConfig(checkpoint="ckpt", versions=[{"name": "v1", "checkpoint": "a", "weight": 1}])
+    with pytest.raises(ValueError, match="either checkpoint"):
+        ServeConfig()
+    with pytest.raises(ValueError, match="names must be unique"):
+        ServeConfig(versions=[{"name": "v1", "checkpoint": "a", "weight": 1}, {"name": "v1", "checkpoint": "b"}])
+    with pytest.raises(ValueError, match="at least one weight"):
+        ServeConfig(versions=[{"name": "v1", "checkpoint": "a"}])

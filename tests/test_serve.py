@@ -319,7 +319,8 @@ def test_overload_is_a_fast_503_and_a_timeout_is_a_408(server, pretrained):
     assert all(r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "server_overloaded" for r, _ in refused)
     assert max(s for _, s in refused) < min(s for r, s in replies if r.status_code == 200)
 
-    with deployed(server, pretrained, "/slow", limits={"request_timeout_s": 0.001}) as slow:
+    with deployed(server, pretrained, "/slow", limits={"request_timeout_s": 0.001},
+                  autoscaling={"min_replicas": 1, "max_replicas": 2}) as slow:
         for stream in (False, True):
             r = httpx.post(f"{slow}/v1/completions", json={**body, "stream": stream}, headers=auth(), timeout=60)
             assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from lmfoundry.model.tokenizer import EOS
+from lmfoundry.model.chat_template import ChatTemplate
 from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
 from lmfoundry.model.moe import MoE
 from lmfoundry.model.transformer import Transformer
@@ -127,6 +128,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
         "model_max_length": model.cfg.max_seq_len, "clean_up_tokenization_spaces": False,
+        "chat_template": ChatTemplate.from_checkpoint(checkpoint_dir).source,
     }, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "bos_token_id": eos_id}))
     return out

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmfoundry.platform.harm import HarmConfig, HarmScorer
 from lmfoundry.platform.log import get_logger
 from lmfoundry.serving import gate
-from lmfoundry.serving.engine import InferenceEngine, parse_tool_call, render_chat
+from lmfoundry.serving.engine import InferenceEngine, parse_tool_call
 from lmfoundry.serving.gate import error
 from lmfoundry.serving.grammar import tool_call_schema
 from lmfoundry.serving.keys import Authenticator
@@ -203,6 +203,16 @@ class LLMServer:
         if self.limiter is not None and unused > 0:
             self.limiter.refund.remote(tenant, unused)
 
+    async def _in_time(self, waits, streams, tenant: str, charged: int, message: str) -> list:
+        """All of `waits` within the request timeout, or a 408 that frees the streams' slots."""
+        try:
+            return await asyncio.wait_for(asyncio.gather(*waits), self.timeout_s)
+        except asyncio.TimeoutError:
+            for s in streams:
+                s.cancel()
+            self._refund(tenant, charged)
+            raise ApiError(408, message, "timeout_error", code="request_timeout") from None
+
     def _start(self, engine, ids, budget, req, stop, schema):
         """One engine stream per choice, all queued at once so that they share forward passes."""
         streams = []
@@ -248,23 +258,29 @@ class LLMServer:
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest, request: Request):
-        return await self._serve("completions", request, req, req.prompt)
+        return await self._serve("completions", request, req, lambda engine: req.prompt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         forced, name = req.forced_tool()
         tools = req.tools_offered()
-        prompt = render_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, forced)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        offered = [{"type": "function", "function": t} for t in tools]  # as transformers' templates take them
+
+        def prompt(engine) -> str:
+            return engine.chat_template.render(messages, offered, forced)
         schema = tool_call_schema(tools, name) if forced else None
         return await self._serve("chat", request, req, prompt, tools, schema)
 
-    async def _serve(self, route: str, request: Request, req, prompt: str, tools: list[dict] = (),
+    async def _serve(self, route: str, request: Request, req, prompt, tools: list[dict] = (),
                      schema: dict | None = None):
+        """`prompt(engine)` renders the request for the version that answers it."""
         started = time.perf_counter()
         status, version = 500, "none"
         try:
             version = self._version(req)
-            response = await self._respond(route, request, req, prompt, tools, schema, started, version)
+            response = await self._respond(route, request, req, prompt(self.engines[version]), tools, schema,
+                                           started, version)
             status = response.status_code
             response.headers["x-lmfoundry-version"] = version
             return response
@@ -295,14 +311,8 @@ class LLMServer:
         chat = route == "chat"
         if req.stream and not tools:  # a reply that may be a tool call is sent whole, once parsed
             return await self._stream_response(streams, req, chat, tenant, charged, started, version)
-        try:
-            outs = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), self.timeout_s)
-        except asyncio.TimeoutError:
-            for s in streams:
-                s.cancel()
-            self._refund(tenant, charged)
-            raise ApiError(408, f"the request took longer than {self.timeout_s} s (request_timeout_s)",
-                           "timeout_error", code="request_timeout") from None
+        outs = await self._in_time([s.collect() for s in streams], streams, tenant, charged,
+                                   f"the request took longer than {self.timeout_s} s (request_timeout_s)")
         self.metrics.time_to_first_token.labels(version=version).observe(
             min(s.first_delta_at or time.perf_counter() for s in streams) - started)
         for o in outs:
@@ -332,14 +342,8 @@ class LLMServer:
                                version: str):
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. The first
         delta of every choice is awaited before the response starts, so a timeout is still a 408."""
-        try:
-            firsts = await asyncio.wait_for(asyncio.gather(*(s.next_delta() for s in streams)), self.timeout_s)
-        except asyncio.TimeoutError:
-            for s in streams:
-                s.cancel()
-            self._refund(tenant, charged)
-            raise ApiError(408, f"no token within {self.timeout_s} s (request_timeout_s)", "timeout_error",
-                           code="request_timeout") from None
+        firsts = await self._in_time([s.next_delta() for s in streams], streams, tenant, charged,
+                                     f"no token within {self.timeout_s} s (request_timeout_s)")
         self.metrics.time_to_first_token.labels(version=version).observe(time.perf_counter() - started)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",

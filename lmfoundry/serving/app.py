@@ -32,6 +32,18 @@ class ModelVersion(StageConfig):
     weight: float = Field(0.0, ge=0, description="share of traffic (relative to the other versions)")
 
 
+class AutoscalingConfig(StageConfig):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(8.0, gt=0, description="per replica; keep it near engine.max_batch_size")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} is above max_replicas={self.max_replicas}")
+        return self
+
+
 class ServeConfig(StageConfig):
     checkpoint: str | None = Field(None, description="a checkpoint or a pretrain run directory (one version, 'main')")
     versions: list[ModelVersion] = Field([], description="several versions behind one route (gray release)")
@@ -39,7 +51,8 @@ class ServeConfig(StageConfig):
     model_name: str = "lmfoundry"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1, description="ignored when autoscaling is set")
+    autoscaling: AutoscalingConfig | None = None
     max_ongoing_requests: int = Field(32, ge=1, description="per replica; keep it at least engine.max_batch_size")
     max_queued_requests: int = Field(64, ge=-1, description="waiting at the proxy beyond that: 503 (-1: no limit)")
     cpus_per_replica: float = Field(1.0, gt=0)
@@ -75,8 +88,10 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
                 for v in cfg.served_versions()]  # a missing checkpoint fails here, not inside a replica
     limiter = limiter_deployment().bind(cfg.rate_limits.model_dump()) if cfg.rate_limits.limited() else None
     guardrails = cfg.guardrails.harm.model_dump() if cfg.guardrails.enabled else None
+    scale = ({"autoscaling_config": cfg.autoscaling.model_dump()} if cfg.autoscaling
+             else {"num_replicas": cfg.num_replicas})
     return LLMServer.options(
-        num_replicas=cfg.num_replicas,
+        **scale,
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
         ray_actor_options={"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica},

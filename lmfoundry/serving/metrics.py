@@ -25,31 +25,23 @@ class ServingMetrics:
                 replica = "local"
         self.registry = CollectorRegistry()
         const = {"model": model, "replica": replica}
-        self.requests = _Labelled(Counter("requests", "requests answered, by route, status code and model version",
-                                          ["model", "replica", "route", "status", "version"], registry=self.registry,
-                                          namespace="lmfoundry"), const)
-        self.latency = _Labelled(Histogram("request_seconds", "time from request to full response (streams: to first byte)",
-                                           ["model", "replica", "route", "version"], registry=self.registry,
-                                           namespace="lmfoundry",
-                                           buckets=_LATENCY_BUCKETS), const)
-        self.time_to_first_token = _Labelled(Histogram(
-            "time_to_first_token_seconds", "time from request to its first token", ["model", "replica", "version"],
-            registry=self.registry, namespace="lmfoundry", buckets=_LATENCY_BUCKETS), const)
-        self.generated_tokens = _Labelled(Counter("generated_tokens", "completion tokens generated",
-                                                  ["model", "replica", "version"], registry=self.registry,
-                                                  namespace="lmfoundry"), const)
-        self.guardrail_blocks = _Labelled(Counter("guardrail_blocks", "requests and replies blocked by the harm scorer",
-                                                  ["model", "replica", "direction"], registry=self.registry,
-                                                  namespace="lmfoundry"), const)
-        self.rate_limited = _Labelled(Counter("rate_limited", "requests refused with 429, by tenant",
-                                              ["model", "replica", "tenant"], registry=self.registry,
-                                              namespace="lmfoundry"), const)
-        self.queue_depth = _Labelled(Gauge("queue_depth", "requests waiting for a batch slot",
-                                           ["model", "replica", "version"], registry=self.registry,
-                                           namespace="lmfoundry"), const)
-        self.running = _Labelled(Gauge("running_requests", "requests in the running batch",
-                                       ["model", "replica", "version"], registry=self.registry,
-                                       namespace="lmfoundry"), const)
+
+        def metric(kind, name: str, doc: str, *labels: str, **kw) -> _Labelled:
+            made = kind(name, doc, ["model", "replica", *labels], registry=self.registry, namespace="lmfoundry", **kw)
+            return _Labelled(made, const)
+
+        self.requests = metric(Counter, "requests", "requests answered, by route, status code and model version",
+                               "route", "status", "version")
+        self.latency = metric(Histogram, "request_seconds", "time from request to full response (streams: to first byte)",
+                              "route", "version", buckets=_LATENCY_BUCKETS)
+        self.time_to_first_token = metric(Histogram, "time_to_first_token_seconds", "time from request to its first token",
+                                          "version", buckets=_LATENCY_BUCKETS)
+        self.generated_tokens = metric(Counter, "generated_tokens", "completion tokens generated", "version")
+        self.guardrail_blocks = metric(Counter, "guardrail_blocks", "requests and replies blocked by the harm scorer",
+                                       "direction")
+        self.rate_limited = metric(Counter, "rate_limited", "requests refused with 429, by tenant", "tenant")
+        self.queue_depth = metric(Gauge, "queue_depth", "requests waiting for a batch slot", "version")
+        self.running = metric(Gauge, "running_requests", "requests in the running batch", "version")
 
     def observe_engine(self, version: str, batcher) -> None:
         self.queue_depth.labels(version=version).set(batcher.queue_depth)

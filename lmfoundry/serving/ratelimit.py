@@ -115,4 +115,7 @@ def limiter_deployment():
         def refund(self, tenant: str, tokens: int) -> None:
             self.buckets.refund(tenant, tokens)
 
+        def check_health(self) -> None:  # nothing can go stale here; Serve restarts a dead replica
+            return None
+
     return RateLimiter

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
 from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
 from lmfoundry.model.flops import train_flops_per_token
 from lmfoundry.model.transformer import Transformer
@@ -249,6 +250,7 @@ def stage_checkpoint(engine, rank: int, step: int, state: dict, tokenizer_json: 
         if rank == 0:
             save_model_files(module, staged, weights)
             (staged / TOKENIZER).write_text(tokenizer_json)
+            (staged / CHAT_TEMPLATE_FILE).write_text(DEFAULT_CHAT_TEMPLATE)  # serving and export read it
             storage.write_json_atomic(str(staged / "train_state.json"), state)
 
     return staged, write

@@ -54,7 +54,7 @@ def main() -> None:
                         n_head=args.d_model // 64, n_kv_head=max(1, args.d_model // 128))
     cfg = PretrainConfig(data="-", output="-", model=model, num_workers=1, zero_stage=2, micro_batch_size=2,
                          global_batch_tokens=2 * seq, max_steps=100, warmup_steps=1)
-    engine, _, _ = build_engine(cfg, world=1, seq_len=seq)
+    engine, *_ = build_engine(cfg, world=1, seq_len=seq)
     for _ in range(2):
         tokens = torch.randint(0, args.vocab, (2, seq + 1))
         engine.backward(engine(tokens[:, :-1], tokens[:, 1:])[1])

@@ -35,8 +35,7 @@ class PretrainConfig(StageConfig):
     num_workers: int = Field(2, ge=1)
     cpus_per_worker: float = Field(1.0, gt=0)
     use_gpu: bool = False
-    zero_stage: int = Field(2, ge=0, le=2, description="0-2; stage 3 partitions weights, which the "
-                            "checkpoint writer does not gather yet")
+    zero_stage: int = Field(2, ge=0, le=3, description="0-3; 3 partitions the weights too (not with MoE)")
     reduce_bucket_size: int = Field(50_000_000, ge=1, description="elements per ZeRO gradient-reduction "
                                     "bucket; DeepSpeed allocates one (two with overlapped communication) a micro-step")
     expert_parallel_size: int = Field(1, ge=1, description="workers that split each MoE layer's experts")
@@ -86,6 +85,8 @@ class PretrainConfig(StageConfig):
             if self.num_workers % ep or self.model.moe.num_experts % ep:
                 raise ValueError(f"expert_parallel_size={ep} must divide num_workers={self.num_workers} "
                                  f"and model.moe.num_experts={self.model.moe.num_experts}")
+        if self.zero_stage == 3 and self.model.moe is not None:
+            raise ValueError("zero_stage=3 with an MoE model: DeepSpeed's MoE layers support ZeRO stages 0-2")
         for drill in self.drills:
             if drill.rank >= self.num_workers:
                 raise ValueError(f"drills: rank {drill.rank} does not exist with num_workers={self.num_workers}")

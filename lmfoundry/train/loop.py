@@ -13,6 +13,7 @@ continues as if nothing had happened.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -224,6 +225,16 @@ def _expert_parallel(engine) -> bool:
     return any(layer.ep_group is not None for layer in engine.module.moe_layers())
 
 
+def _gathered(engine):
+    """A context in which every parameter is whole: under ZeRO-3 each rank holds only a
+    partition, and a servable checkpoint needs all of it."""
+    if engine.zero_optimization_stage() != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+
+
 def stage_checkpoint(engine, rank: int, step: int, state: dict, tokenizer_json: str,
                      root: Path) -> tuple[Path, Callable[[], None]]:
     """Collective: every rank snapshots its share of the full training state in memory
@@ -237,8 +248,9 @@ def stage_checkpoint(engine, rank: int, step: int, state: dict, tokenizer_json: 
     rng = _rng_state()
     # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
     own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
-    weights = full_state(engine.module)  # collective: gathers sharded experts
-    weights = pool.snapshot(weights, ("servable",)) if rank == 0 else None
+    with _gathered(engine):  # ZeRO-3: every rank lends its partition of the weights for the copy
+        weights = full_state(engine.module)  # collective: gathers sharded experts
+        weights = pool.snapshot(weights, ("servable",)) if rank == 0 else None
     write_deepspeed = engine.checkpoint_engine.take_writer()  # marks the pool busy until written
     module = engine.module
 
@@ -305,14 +317,17 @@ def micro_batches(shard, cfg: PretrainConfig, rank: int, world: int, epoch: int,
 
 def build_engine(cfg: PretrainConfig, world: int, seq_len: int):
     """The model (same seed on every rank, experts sharded for expert parallelism) in a
-    DeepSpeed engine that checkpoints asynchronously. Returns engine, scheduler, DeepSpeed config."""
+    DeepSpeed engine that checkpoints asynchronously. Returns engine, scheduler, DeepSpeed config
+    and the model's parameter count and training FLOPs per token (counted before ZeRO-3 partitions
+    the weights, after which each rank's parameters look empty)."""
     import deepspeed
 
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model)
     if cfg.expert_parallel_size > 1:
         shard_model(model, cfg.expert_parallel_size)
-    ds_config = deepspeed_config(cfg, world, seq_len, model.num_params())
+    num_params, flops_per_token = model.num_params(), train_flops_per_token(model, seq_len)
+    ds_config = deepspeed_config(cfg, world, seq_len, num_params)
     client_scheduler = None
     if cfg.lr_schedule == "wsd":
         def client_scheduler(optimizer):
@@ -322,7 +337,7 @@ def build_engine(cfg: PretrainConfig, world: int, seq_len: int):
         lr_scheduler=client_scheduler,
     )
     engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
-    return engine, scheduler, ds_config
+    return engine, scheduler, ds_config, num_params, flops_per_token
 
 
 def train_loop(loop_config: dict) -> None:
@@ -340,16 +355,15 @@ def train_loop(loop_config: dict) -> None:
     # DeepSpeed's ZeRO-2 calls a torch collective that torch has renamed; once per step it warns.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
 
-    engine, scheduler, ds_config = build_engine(cfg, world, seq_len)
+    engine, scheduler, ds_config, num_params, flops_per_token = build_engine(cfg, world, seq_len)
     model = engine.module
     accum = ds_config["gradient_accumulation_steps"]
     tokens_per_step = cfg.global_batch_tokens
     if rank == 0:
         logger.info("pretrain: %.2fM parameters, %d workers, ZeRO-%d, micro batch %d, grad accumulation %d "
-                    "(derived from global_batch_tokens=%d)", model.num_params() / 1e6, world, cfg.zero_stage,
+                    "(derived from global_batch_tokens=%d)", num_params / 1e6, world, cfg.zero_stage,
                     cfg.micro_batch_size, accum, tokens_per_step)
 
-    flops_per_token = train_flops_per_token(model, seq_len)
     peak = cfg.peak_tflops_per_worker or device_peak_tflops(
         torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     drills = Drills(cfg.drills, rank, run_dir)

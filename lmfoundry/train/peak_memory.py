@@ -44,7 +44,7 @@ def _reset_peak_rss() -> None:
 def _train_steps(cfg: PretrainConfig, seq_len: int, world: int, steps: int) -> None:
     from lmfoundry.train.loop import build_engine
 
-    engine, _, ds_config = build_engine(cfg, world, seq_len)
+    engine, _, ds_config, _, _ = build_engine(cfg, world, seq_len)
     generator = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
     for _ in range(steps * ds_config["gradient_accumulation_steps"]):
         tokens = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch_size, seq_len + 1), generator=generator)

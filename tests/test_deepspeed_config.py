@@ -57,3 +57,23 @@ def test_warmup_stable_decay_schedule():
     assert sqrt(85) == pytest.approx(1 - 0.9 * 0.25 ** 0.5)
     assert "scheduler" not in deepspeed_config(c, 1, 128)  # the engine gets the schedule itself
     assert deepspeed_config(cfg(), 1, 128)["scheduler"]["type"] == "WarmupCosineLR"
+
+
+def test_offloaded_optimizer_and_zero3_are_derived_and_checked():
+    import pytest
+
+    from lmfoundry.train.config import PretrainConfig, deepspeed_config
+
+    base = dict(data="d", output="o")
+    cpu = deepspeed_config(PretrainConfig(**base, zero_stage=3, offload_optimizer=True), 2, 64)
+    assert cpu["zero_optimization"]["stage"] == 3
+    assert cpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert cpu["optimizer"]["params"]["torch_adam"] is True  # no compiled op on CPU-only machines
+    gpu = deepspeed_config(PretrainConfig(**base, offload_optimizer=True, use_gpu=True), 2, 64)
+    assert "torch_adam" not in gpu["optimizer"]["params"]  # DeepSpeed's CPU Adam steps the host partition
+    assert gpu["zero_optimization"]["offload_optimizer"]["pin_memory"] is True
+    assert "offload_optimizer" not in deepspeed_config(PretrainConfig(**base), 2, 64)["zero_optimization"]
+    with pytest.raises(ValueError, match="offload_optimizer needs zero_stage 1, 2 or 3"):
+        PretrainConfig(**base, zero_stage=0, offload_optimizer=True)
+    with pytest.raises(ValueError, match="zero_stage=3 with an MoE model"):
+        PretrainConfig(**base, zero_stage=3, model={"moe": {"num_experts": 4, "top_k": 1}})

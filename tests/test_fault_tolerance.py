@@ -153,9 +153,10 @@ def test_a_loss_spike_rolls_back_and_skips_the_batches(ray_local, packed, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_zero3_partitions_weights_checkpoints_them_whole_and_resumes_bitwise(ray_local, packed, tmp_path):
+def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(ray_local, packed, tmp_path):
     """ZeRO-3: each rank holds half the weights; the servable checkpoint gathers them, and a
-    run killed after step 6 resumes from step 4 to the uninterrupted run's losses."""
+    run killed after step 6 resumes from step 4 to the uninterrupted run's losses. ZeRO-2 with
+    the optimizer offloaded gives the same losses."""
     from safetensors.torch import load_file
 
     from lmfoundry.model.checkpoint import WEIGHTS, load_model_files
@@ -176,3 +177,8 @@ def test_zero3_partitions_weights_checkpoints_them_whole_and_resumes_bitwise(ray
     weights = load_file(str(final / WEIGHTS))
     assert all(t.numel() > 0 for t in weights.values())
     assert drilled["final_loss"] == clean["final_loss"]
+    # ZeRO-2 with the optimizer offloaded to CPU memory trains the same model to the same losses
+    run_pretrain(tiny_pretrain_config(packed[0], str(tmp_path / "offload"), **{**settings, "zero_stage": 2},
+                                      offload_optimizer=True))
+    offload = [json.loads(line)["loss"] for line in open(tmp_path / "offload" / "metrics.jsonl")]
+    assert offload == pytest.approx([r["loss"] for r in rows["clean"]], rel=1e-4)

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         recipe = Recipe(seq_len=seq, global_batch_tokens=cfg.global_batch_tokens, token_budget=args.token_budget,
                         zero_stage=cfg.zero_stage, activation_checkpointing=cfg.model.activation_checkpointing,
                         precision="fp32" if cfg.precision == "fp32" else "bf16",
-                        reduce_bucket_size=cfg.reduce_bucket_size)
+                        reduce_bucket_size=cfg.reduce_bucket_size, offload_optimizer=cfg.offload_optimizer)
     except (ConfigError, ValueError) as e:
         print(f"error: plan: {e}", file=sys.stderr)
         return 2

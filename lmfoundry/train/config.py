@@ -36,6 +36,8 @@ class PretrainConfig(StageConfig):
     cpus_per_worker: float = Field(1.0, gt=0)
     use_gpu: bool = False
     zero_stage: int = Field(2, ge=0, le=3, description="0-3; 3 partitions the weights too (not with MoE)")
+    offload_optimizer: bool = Field(False, description="keep the optimizer's partition (moments, fp32 master "
+                                    "weights) in CPU memory and step it there; ZeRO stages 1-3")
     reduce_bucket_size: int = Field(50_000_000, ge=1, description="elements per ZeRO gradient-reduction "
                                     "bucket; DeepSpeed allocates one (two with overlapped communication) a micro-step")
     expert_parallel_size: int = Field(1, ge=1, description="workers that split each MoE layer's experts")
@@ -85,6 +87,8 @@ class PretrainConfig(StageConfig):
             if self.num_workers % ep or self.model.moe.num_experts % ep:
                 raise ValueError(f"expert_parallel_size={ep} must divide num_workers={self.num_workers} "
                                  f"and model.moe.num_experts={self.model.moe.num_experts}")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload moves the optimizer's partition)")
         if self.zero_stage == 3 and self.model.moe is not None:
             raise ValueError("zero_stage=3 with an MoE model: DeepSpeed's MoE layers support ZeRO stages 0-2")
         for drill in self.drills:
@@ -131,12 +135,15 @@ def deepspeed_config(cfg: PretrainConfig, world_size: int, seq_len: int, num_par
         "train_batch_size": cfg.micro_batch_size * accum * world_size,
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": cfg.use_gpu,
-                              "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+                              "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                              **({"offload_optimizer": {"device": "cpu", "pin_memory": cfg.use_gpu}}
+                                 if cfg.offload_optimizer else {})},
         "bf16": {"enabled": resolved_precision(cfg) == "bf16"},
-        # torch's AdamW: DeepSpeed's fused and CPU Adam kernels need a compiler toolchain at run time.
+        # torch's AdamW, except for an offloaded optimizer on GPU machines: there DeepSpeed's CPU Adam
+        # (vectorised C++, compiled on first use) steps the partition in host memory many times faster.
         "optimizer": {"type": "AdamW", "params": {
             "lr": cfg.lr, "betas": list(cfg.betas), "eps": 1e-8, "weight_decay": cfg.weight_decay,
-            "torch_adam": True,
+            **({} if cfg.offload_optimizer and cfg.use_gpu else {"torch_adam": True}),
         }},
         # warmup-stable-decay has no DeepSpeed scheduler: build_engine hands DeepSpeed a WSDSchedule
         **({"scheduler": {"type": "WarmupCosineLR", "params": {

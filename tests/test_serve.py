@@ -350,7 +350,7 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 @pytest.fixture(scope="module")
 def tool_server(server, pretrained, tmp_path_factory):
-    """The trained weights with a 512-token context, room for the tools' descriptions. (RoPE
+    """The trained weights with a 1,024-token context, room for the tools' descriptions. (RoPE
     positions past the 64 it was trained on are untrained: these tests check the mechanics of
     tool calls, not the model's judgement.)"""
     from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS
@@ -361,7 +361,7 @@ def tool_server(server, pretrained, tmp_path_factory):
     for name in (WEIGHTS, TOKENIZER):
         shutil.copy(source / name, ckpt / name)
     cfg = json.loads((source / MODEL_CONFIG).read_text())
-    (ckpt / MODEL_CONFIG).write_text(json.dumps({**cfg, "max_seq_len": 512}))
+    (ckpt / MODEL_CONFIG).write_text(json.dumps({**cfg, "max_seq_len": 1024}))
     checkpoint.seal(ckpt, {"step": 0})
     with deployed(server, (str(ckpt),), "/tools") as url:
         yield url
@@ -378,7 +378,7 @@ def test_forced_tool_calls_always_parse_against_the_schema(tool_server):
             model="tiny", messages=messages, tools=[WEATHER, CLOCK], temperature=1.0, seed=seed,
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
         choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, (choice, reply.usage)
         call = choice.message.tool_calls[0]
         assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmfoundry.platform.harm import HarmConfig, HarmScorer
 from lmfoundry.platform.log import get_logger
 from lmfoundry.serving import gate
-from lmfoundry.serving.engine import InferenceEngine, parse_tool_call
+from lmfoundry.serving.engine import GenerationFailed, InferenceEngine, parse_tool_call
 from lmfoundry.serving.gate import error
 from lmfoundry.serving.grammar import tool_call_schema
 from lmfoundry.serving.keys import Authenticator
@@ -364,17 +364,21 @@ class LLMServer:
 
                 async def pump(index: int, stream, first) -> None:
                     text, delta = "", first
-                    while True:
-                        text += delta.text
-                        completion[index] = delta.completion_tokens
-                        if delta.finish_reason is None and self._output_blocked(text):
-                            stream.cancel()
-                            await merged.put((index, "", "content_filter"))
-                            return
-                        await merged.put((index, delta.text, delta.finish_reason))
-                        if delta.finish_reason is not None:
-                            return
-                        delta = await stream.next_delta()
+                    try:
+                        while True:
+                            text += delta.text
+                            completion[index] = delta.completion_tokens
+                            if delta.finish_reason is None and self._output_blocked(text):
+                                stream.cancel()
+                                await merged.put((index, "", "content_filter"))
+                                return
+                            await merged.put((index, delta.text, delta.finish_reason))
+                            if delta.finish_reason is not None:
+                                return
+                            delta = await stream.next_delta()
+                    except GenerationFailed as e:  # headers are sent: the stream says so and ends this choice
+                        logger.error("stream choice %d failed: %s", index, e)
+                        await merged.put((index, e, None))
 
                 if chat:
                     for index in range(len(streams)):
@@ -384,6 +388,11 @@ class LLMServer:
                 done = 0
                 while done < len(streams):
                     index, text, finish = await merged.get()
+                    if isinstance(text, GenerationFailed):
+                        yield _sse({"error": {"message": f"choice {index}: {text}", "type": "api_error",
+                                              "param": None, "code": "generation_failed"}})
+                        done += 1
+                        continue
                     if text or finish:
                         yield chunk(index, text, finish)
                     done += finish is not None

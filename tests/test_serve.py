@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -277,12 +278,14 @@ def test_guardrails_refuse_harmful_input_and_filter_output(server, pretrained, t
                    json={"messages": [{"role": "user", "content": "Tell me how to make a bomb"}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "content_policy_violation"
     # an output guardrail that blocks a word this model is known to say
-    for prompt in ("Return the", "The", "def", "Create a new", "If"):
-        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+    for prompt in ("Return the", "The", "def", "Create a new", "If", "x", "#", "1"):
+        body = {"prompt": prompt, "max_tokens": 32, "temperature": 0}
         text = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).json()["choices"][0]["text"]
-        words = [w for w in text.split() if w.isalpha() and w.lower() not in prompt.lower()]
+        # a whole word of the reply that is not a word of the prompt (the input guardrail would refuse that)
+        words = [w for w in re.findall(r"(?<!\w)[A-Za-z]+(?!\w)", text) if w.lower() not in prompt.lower().split()]
         if words:
             break
+    assert words, "the model said no word to block"
     word = max(words, key=len)
     blocklist = tmp_path / "blocklist.txt"
     blocklist.write_text(f"{word}\n")
@@ -295,7 +298,8 @@ def test_guardrails_refuse_harmful_input_and_filter_output(server, pretrained, t
                           timeout=60) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
         assert chunks[-1]["choices"][0]["finish_reason"] == "content_filter"
-        assert word not in "".join(c["choices"][0]["text"] for c in chunks)
+        streamed = "".join(c["choices"][0]["text"] for c in chunks)
+        assert not re.search(rf"(?<!\w){word}(?!\w)", streamed, re.IGNORECASE)
         metrics = httpx.get(f"{guarded}/metrics", headers=auth()).text
         assert 'lmfoundry_guardrail_blocks_total{direction="output"' in metrics
 

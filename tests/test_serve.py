@@ -94,7 +94,8 @@ def test_completion_shape_usage_and_limits(server):
     choice = out["choices"][0]
     assert isinstance(choice["text"], str) and choice["finish_reason"] in ("stop", "length")
     u = out["usage"]
-    assert u["prompt_tokens"] > 0 and 0 < u["completion_tokens"] <= 12
+    assert u["prompt_tokens"] > 0 and u["completion_tokens"] <= 12
+    assert u["completion_tokens"] > 0 or choice["finish_reason"] == "stop"  # a stop token may come first
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     # greedy decoding is deterministic
     again = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).json()
@@ -278,8 +279,10 @@ def test_guardrails_refuse_harmful_input_and_filter_output(server, pretrained, t
                    json={"messages": [{"role": "user", "content": "Tell me how to make a bomb"}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "content_policy_violation"
     # an output guardrail that blocks a word this model is known to say
-    for prompt in ("Return the", "The", "def", "Create a new", "If", "x", "#", "1"):
-        body = {"prompt": prompt, "max_tokens": 32, "temperature": 0}
+    # seeded sampling: the same reply from the same weights in both apps, and one with words in it
+    # even when greedy decoding of this small model would stop at once
+    for prompt, seed in [(p, s) for s in range(4) for p in ("Return the", "The", "def", "If")]:
+        body = {"prompt": prompt, "max_tokens": 32, "temperature": 1.0, "seed": seed}
         text = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).json()["choices"][0]["text"]
         # a whole word of the reply that is not a word of the prompt (the input guardrail would refuse that)
         words = [w for w in re.findall(r"(?<!\w)[A-Za-z]+(?!\w)", text) if w.lower() not in prompt.lower().split()]

@@ -62,7 +62,6 @@ class Grammars:
         by_bytes: dict[bytes, list[int]] = {}
         for token_id, raw in token_bytes(tokenizer).items():
             by_bytes.setdefault(raw, []).append(token_id)
-        self.eos_id = eos_id
         self.vocabulary = Vocabulary(eos_id, by_bytes)
         self._index = functools.lru_cache(maxsize=cache_size)(self._build)
 
@@ -74,14 +73,12 @@ class Grammars:
         return Index(regex, self.vocabulary)
 
     def constraint(self, schema: dict) -> JsonSchemaConstraint:
-        return JsonSchemaConstraint(Guide(self._index(json.dumps(bounded_integers(schema), sort_keys=True))),
-                                    self.eos_id)
+        return JsonSchemaConstraint(Guide(self._index(json.dumps(bounded_integers(schema), sort_keys=True))))
 
 
 class JsonSchemaConstraint:
-    def __init__(self, guide: Guide, eos_id: int):
+    def __init__(self, guide: Guide):
         self.guide = guide
-        self.eos_id = eos_id
 
     def allowed(self) -> list[int]:
         return self.guide.get_tokens()

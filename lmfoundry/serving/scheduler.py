@@ -1,9 +1,9 @@
 """Continuous batching: one thread runs the model for every request in flight.
 
 Each running request owns a slot of one KV cache. At every iteration the thread admits waiting
-requests into free slots (a prefill pass each, up to a prompt-token budget so that a long prompt
-does not stall the running ones for long), then runs one decode pass over all running requests
-together: one new token each. A request that finishes or is cancelled frees its slot at that
+requests into free slots (their prompts in one right-padded prefill pass, up to a prompt-token
+budget so that long prompts do not stall the running ones for long), then runs one decode pass
+over all running requests together: one new token each. A request that finishes or is cancelled frees its slot at that
 token boundary and the next waiting request takes it, so requests join and leave the running
 batch without waiting for each other (the scheduling of Orca and vLLM, without paged memory).
 
@@ -15,9 +15,8 @@ from __future__ import annotations
 import collections
 import heapq
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,8 +44,6 @@ class Request:
     top_p: float
     emit: Callable[[Item], None]  # called on the scheduler thread; must not block
     generator: torch.Generator | None = None
-    submitted: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None  # perf_counter time of the first token
     produced: int = 0
     last_token: int = -1
     slot: int = -1
@@ -234,8 +231,6 @@ class ContinuousBatcher:
             return
         if req.constraint is not None:
             req.constraint.advance(token)
-        if req.first_token is None:
-            req.first_token = time.perf_counter()
         req.produced += 1
         req.last_token = token
         req.emit(token)

@@ -97,9 +97,10 @@ def test_pretrain_with_deepspeed_lowers_the_loss_and_writes_a_self_describing_ch
 
 
 def test_evaluate_perplexity_beats_uniform(pretrained, packed, tmp_path):
-    from lmfoundry.eval.perplexity import EvaluateConfig, run_evaluate
+    from lmfoundry.eval.suite import EvaluateConfig, run_evaluate
 
-    report = run_evaluate(EvaluateConfig(checkpoint=pretrained[0], data=packed[0], output=str(tmp_path / "ev")))
+    full = run_evaluate(EvaluateConfig(checkpoint=pretrained[0], data=packed[0], output=str(tmp_path / "ev")))
+    report = full["language_modelling"]["token_shards"]
     assert report["sequences"] == packed[1]["splits"]["val"]["sequences"]
     assert report["tokens"] == report["sequences"] * 64
     assert report["perplexity"] < 0.5 * report["uniform_perplexity"]
@@ -112,7 +113,13 @@ def test_evaluate_perplexity_beats_uniform(pretrained, packed, tmp_path):
     text_bytes = sum(len(tok.decode(s[1:], skip_special_tokens=True).encode()) for s in seqs)
     assert report["bytes"] == text_bytes
     assert report["bits_per_byte"] == pytest.approx(report["loss"] * report["tokens"] / (np.log(2) * text_bytes))
-    assert json.load(open(tmp_path / "ev" / "report.json"))["perplexity"] == report["perplexity"]
+    assert json.load(open(tmp_path / "ev" / "eval.json"))["metrics"]["lm.perplexity"] == report["perplexity"]
+    # the fast in-process path (what pretraining runs on each checkpoint) gives the same figure
+    from lmfoundry.eval.perplexity import perplexity
+    from lmfoundry.platform.checkpoint import resolve
+
+    local = perplexity(resolve(pretrained[0]), packed[0], "val", use_ray=False)
+    assert local["perplexity"] == pytest.approx(report["perplexity"], rel=1e-6)
 
 
 def test_pretrain_moe_with_expert_parallelism_matches_without(packed, tmp_path):

@@ -1,44 +1,35 @@
-"""Held-out perplexity and bits per byte of a checkpoint over packed token shards, with Ray Data.
+"""Language modelling: held-out perplexity and bits per byte over packed token shards (with Ray
+Data, or in-process for the fast suite), and bits per byte over raw held-out text.
 
-Each actor loads the checkpoint once and returns, per batch, the summed negative log-likelihood
+Over shards, each actor loads the checkpoint once and returns, per batch, the summed negative log-likelihood
 and the number of predicted tokens; the driver adds them up, so the result is the exact
 token-weighted perplexity whatever the batching.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
-import time
 
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field
 
 from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
 from lmfoundry.model.tokenizer import token_byte_lengths
-from lmfoundry.platform import checkpoint, storage
-from lmfoundry.platform.config import StageConfig
+from lmfoundry.platform import storage
 from lmfoundry.platform.log import get_logger
 
 logger = get_logger(__name__)
 
 
-class EvaluateConfig(StageConfig):
-    checkpoint: str = Field(..., description="a checkpoint directory or a pretrain run directory")
-    data: str = Field(..., description="a pack output directory")
-    output: str
-    split: str = "val"
-    batch_size: int = Field(16, ge=1)
-    max_sequences: int | None = Field(None, ge=1)
-    overwrite: bool = False
-
-
 class SequenceNLL:
-    def __init__(self, checkpoint_dir: str):
+    def __init__(self, checkpoint_dir: str, single_thread: bool = True):
         from tokenizers import Tokenizer
 
-        torch.set_num_threads(1)
+        if single_thread:  # one of several actors on a node
+            torch.set_num_threads(1)
         self.model = load_model_files(checkpoint_dir)
         self.byte_lengths = token_byte_lengths(Tokenizer.from_file(f"{checkpoint_dir}/{TOKENIZER}"))
 
@@ -55,19 +46,30 @@ class SequenceNLL:
                          "bytes": pa.array(self.byte_lengths[targets].sum(axis=1))})
 
 
-def perplexity(ckpt_dir: str, data: str, split: str, batch_size: int = 16, max_sequences: int | None = None) -> dict:
-    import ray
-
+def _shards(data: str, split: str) -> list[str]:
     files = storage.list_files(storage.join(storage.normalize(data), split), (".parquet",))
     if not files:
         raise FileNotFoundError(f"{data} has no {split}/ Parquet shards to evaluate on")
-    ds = ray.data.read_parquet(files, columns=["tokens"])
-    if max_sequences:
-        ds = ds.limit(max_sequences)
-    scored = ds.map_batches(SequenceNLL, fn_constructor_args=(ckpt_dir,), batch_size=batch_size,
-                            batch_format="pyarrow", concurrency=(1, 2))
+    return files
+
+
+def perplexity(ckpt_dir: str, data: str, split: str, batch_size: int = 16, max_sequences: int | None = None,
+               use_ray: bool = True) -> dict:
+    """Over Ray Data actors (`use_ray`), or in this process (the fast suite that pretraining
+    runs on each checkpoint, a few batches)."""
+    files = _shards(data, split)
+    if use_ray:
+        import ray
+
+        ds = ray.data.read_parquet(files, columns=["tokens"])
+        if max_sequences:
+            ds = ds.limit(max_sequences)
+        scored = ds.map_batches(SequenceNLL, fn_constructor_args=(ckpt_dir,), batch_size=batch_size,
+                                batch_format="pyarrow", concurrency=(1, 2)).iter_batches(batch_format="pyarrow")
+    else:
+        scored = _local_batches(SequenceNLL(ckpt_dir, single_thread=False), files, batch_size, max_sequences)
     total_nll, total_tokens, total_bytes, n_seqs = 0.0, 0, 0, 0
-    for b in scored.iter_batches(batch_format="pyarrow"):
+    for b in scored:
         total_nll += float(np.sum(b.column("nll").to_numpy()))
         total_tokens += int(np.sum(b.column("tokens").to_numpy()))
         total_bytes += int(np.sum(b.column("bytes").to_numpy()))
@@ -78,22 +80,45 @@ def perplexity(ckpt_dir: str, data: str, split: str, batch_size: int = 16, max_s
             "perplexity": math.exp(mean_nll), "bits_per_byte": total_nll / math.log(2) / max(total_bytes, 1)}
 
 
-def run_evaluate(cfg: EvaluateConfig) -> dict:
-    out = storage.normalize(cfg.output)
-    ckpt_uri = checkpoint.resolve(cfg.checkpoint)
-    if not storage.prepare_output(out, cfg.overwrite):
-        logger.info("evaluate: %s is already committed; skipping (set overwrite=true to redo)", out)
-        return storage.read_json(storage.join(out, "report.json"))
-    started = time.time()
-    local = checkpoint.local_copy(ckpt_uri, model_only=True)
-    manifest = checkpoint.verify(local, model_only=True)
-    result = perplexity(local, cfg.data, cfg.split, cfg.batch_size, cfg.max_sequences)
-    vocab = storage.read_json(storage.join(local, "model_config.json"))["vocab_size"]
-    report = {"checkpoint": ckpt_uri, "step": manifest.get("step"), **result,
-              # a model that learned nothing predicts uniformly: perplexity = vocabulary size
-              "uniform_perplexity": vocab, "seconds": round(time.time() - started, 2)}
-    storage.write_json_atomic(storage.join(out, "report.json"), report)
-    storage.commit(out, "evaluate", {"checkpoint": ckpt_uri, "report": "report.json"})
-    logger.info("evaluate: %s perplexity %.2f, %.3f bits per byte, over %d tokens (uniform would be %d)",
-                cfg.split, report["perplexity"], report["bits_per_byte"], report["tokens"], vocab)
-    return report
+def _local_batches(score: SequenceNLL, files: list[str], batch_size: int, max_sequences: int | None):
+    import pyarrow.parquet as pq
+
+    left = max_sequences or float("inf")
+    for f in files:
+        fs, path = storage.filesystem(f)
+        for batch in pq.ParquetFile(fs.open_input_file(path)).iter_batches(batch_size=batch_size, columns=["tokens"]):
+            batch = pa.Table.from_batches([batch]).slice(0, int(min(left, batch.num_rows)))
+            if batch.num_rows:
+                yield score(batch)
+            left -= batch.num_rows
+            if left <= 0:
+                return
+
+
+def text_bits_per_byte(model, files: list[str], text_field: str = "text", max_documents: int | None = None) -> dict:
+    """Bits per UTF-8 byte of raw held-out text (JSONL with a `text` field, or plain text; either may be gzipped):
+    each document cut into context-sized windows, every token after the first predicted. The
+    figure does not depend on the tokenizer, so models with different tokenizers compare."""
+    docs = []
+    for f in files:
+        data = storage.read_bytes(storage.normalize(f))
+        raw = (gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data).decode("utf-8")  # pyarrow may have
+        # decompressed it already
+        if f.removesuffix(".gz").endswith((".jsonl", ".json")):
+            docs.extend(json.loads(line)[text_field] for line in raw.splitlines() if line.strip())
+        else:
+            docs.append(raw)
+    docs = [d for d in docs[:max_documents] if d.strip()] if max_documents else [d for d in docs if d.strip()]
+    if not docs:
+        raise ValueError(f"no text to score in {files}")
+    window = model.max_length
+    requests, n_bytes = [], 0
+    for doc in docs:
+        ids = model.encode(doc)
+        n_bytes += len(doc.encode("utf-8"))
+        # the end-of-text token opens every document, so its first token is predicted too
+        ids = [model.eos] + ids
+        for start in range(0, len(ids) - 1, window):
+            requests.append(ids[start:start + window + 1])
+    total = model.sequence_nll(requests)
+    return {"documents": len(docs), "bytes": n_bytes, "bits_per_byte": total / math.log(2) / max(n_bytes, 1)}

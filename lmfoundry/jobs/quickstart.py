@@ -20,7 +20,7 @@ from pydantic import Field
 from lmfoundry.data.curate import CurateConfig, run_curate
 from lmfoundry.data.pack import PackConfig, run_pack
 from lmfoundry.data.sample_corpus import build_sample_corpus
-from lmfoundry.eval.perplexity import EvaluateConfig, run_evaluate
+from lmfoundry.eval.suite import EvaluateConfig, run_evaluate
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import ConfigError, StageConfig, apply_overrides, build_config, read_recipe
 from lmfoundry.platform.log import get_logger
@@ -123,8 +123,9 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False) -> dict:
     figures["pretrain"] = {"seconds": figures["pretrain"]["seconds"], "steps": run["steps"],
                            "first_loss": round(run["first_loss"], 3), "final_loss": round(run["final_loss"], 3)}
     ev = stage(5, "evaluate", lambda: run_evaluate(cfg.evaluate))
-    figures["evaluate"] = {"seconds": figures["evaluate"]["seconds"], "val_perplexity": round(ev["perplexity"], 2),
-                           "uniform_perplexity": ev["uniform_perplexity"]}
+    shards = ev["language_modelling"]["token_shards"]
+    figures["evaluate"] = {"seconds": figures["evaluate"]["seconds"], "val_perplexity": round(shards["perplexity"], 2),
+                           "uniform_perplexity": shards["uniform_perplexity"]}
 
     def serve_and_ask() -> dict:
         key = (env_keys(cfg.serve.api_keys_env) or [None])[0]

@@ -1,0 +1,203 @@
+"""The models an evaluation talks to.
+
+Every suite asks a model one of three things: how likely a continuation is after a context
+(`loglikelihood`: multiple choice, calibration), what it writes after a raw prompt (`complete`:
+generation tasks of a base model), and what it replies to a conversation (`chat`: instructions,
+refusals, needles, attacks). `CheckpointModel` answers all three from a checkpoint on this
+machine; `EndpointModel` answers the last two over any OpenAI-compatible endpoint, so the same
+suites test the model lmfoundry serves, or anyone else's.
+
+Log-likelihoods follow lm-evaluation-harness exactly (the context's trailing spaces move to the
+continuation, the pair is tokenized whole and split after the context's tokens, inputs are cut
+from the left to the context window), so that scores agree with the harness run on the Hugging
+Face export.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Protocol
+
+import torch
+
+from lmfoundry.platform.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class EvalModel(Protocol):
+    name: str
+
+    def loglikelihood(self, requests: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        """(sum of log-probabilities of the continuation's tokens, whether greedy decoding
+        would have produced exactly the continuation), per (context, continuation)."""
+
+    def complete(self, prompts: list[str], max_tokens: int, stop: list[str] = ()) -> list[str]:
+        """Greedy continuation of each raw prompt, cut at the first stop string."""
+
+    def chat(self, conversations: list[list[dict]], max_tokens: int) -> list[str]:
+        """Greedy reply to each conversation of OpenAI-style messages."""
+
+    def count_tokens(self, text: str) -> int:
+        """The length of a text in the model's tokens (the unit of context lengths)."""
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    cuts = [text.index(s) for s in stop if s and s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+class CheckpointModel:
+    """A checkpoint run with PyTorch in this process (CPU or GPU)."""
+
+    def __init__(self, checkpoint_dir: str, batch_size: int = 16, device: str | None = None):
+        from tokenizers import Tokenizer
+
+        from lmfoundry.model.chat_template import ChatTemplate
+        from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
+        from lmfoundry.model.tokenizer import IM_END, eos_id
+
+        self.name = checkpoint_dir
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model_files(checkpoint_dir, self.device)
+        self.tokenizer = Tokenizer.from_file(f"{checkpoint_dir}/{TOKENIZER}")
+        self.template = ChatTemplate.from_checkpoint(checkpoint_dir)
+        self.eos = eos_id(self.tokenizer)
+        im_end = self.tokenizer.token_to_id(IM_END)
+        self.stop_tokens = frozenset({self.eos} | ({im_end} if im_end is not None else set()))
+        self.batch_size = batch_size
+        self.max_length = self.model.cfg.max_seq_len
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        if not context:  # as the harness does: the end-of-text token stands for an empty context
+            return [self.eos], self.encode(continuation)
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole, head = self.encode(context + continuation), self.encode(context)
+        return head, whole[len(head):]
+
+    @torch.no_grad()
+    def loglikelihood(self, requests: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        encoded = [self._encode_pair(c, x) for c, x in requests]
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]) - len(encoded[i][1]))
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start:start + self.batch_size]
+            inputs, spans = [], []
+            for i in rows:
+                context, continuation = encoded[i]
+                if not continuation:
+                    raise ValueError(f"request {i}: the continuation {requests[i][1]!r} has no tokens to score")
+                sequence = (context + continuation)[-(self.max_length + 1):][:-1]
+                inputs.append(sequence)
+                spans.append((len(sequence) - len(continuation), continuation))
+            width = max(len(s) for s in inputs)
+            batch = torch.full((len(inputs), width), self.eos, dtype=torch.long)
+            for r, s in enumerate(inputs):
+                batch[r, :len(s)] = torch.tensor(s)
+            logits, _ = self.model(batch.to(self.device))
+            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+            for r, (i, (begin, continuation)) in enumerate(zip(rows, spans)):
+                scored = logprobs[r, begin:begin + len(continuation)]
+                target = torch.tensor(continuation)
+                total = float(scored.gather(1, target[:, None]).sum())
+                results[i] = (total, bool((scored.argmax(dim=-1) == target).all()))
+        return results
+
+    @torch.no_grad()
+    def sequence_nll(self, sequences: list[list[int]]) -> float:
+        """Summed negative log-likelihood of every token but the first of each sequence."""
+        total = 0.0
+        for start in range(0, len(sequences), self.batch_size):
+            rows = sequences[start:start + self.batch_size]
+            width = max(len(r) for r in rows)
+            batch = torch.full((len(rows), width), self.eos, dtype=torch.long)
+            mask = torch.zeros((len(rows), width - 1))
+            for r, ids in enumerate(rows):
+                batch[r, :len(ids)] = torch.tensor(ids)
+                mask[r, :len(ids) - 1] = 1
+            logits, _ = self.model(batch[:, :-1].to(self.device))
+            nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2).cpu(), batch[:, 1:],
+                                                    reduction="none")
+            total += float((nll * mask).sum())
+        return total
+
+    def _generate(self, prompt: list[int], max_tokens: int) -> tuple[str, bool]:
+        """Greedy text after `prompt`, which is cut from the left when prompt and reply would not
+        fit in the context (the returned flag says so)."""
+        from lmfoundry.model.generate import generate
+
+        if max_tokens > self.max_length // 2:  # a reply may take at most half the context
+            logger.warning("max_tokens=%d is cut to %d: half of %s's context of %d", max_tokens,
+                           self.max_length // 2, self.name, self.max_length)
+            max_tokens = self.max_length // 2
+        room = self.max_length - max_tokens
+        truncated = len(prompt) > room
+        out = generate(self.model, prompt[-room:], max_tokens, temperature=0.0, stop_tokens=self.stop_tokens)
+        return self.tokenizer.decode(out.tokens), truncated
+
+    def complete(self, prompts: list[str], max_tokens: int, stop: list[str] = ()) -> list[str]:
+        return [cut_at_stop(self._generate(self.encode(p) or [self.eos], max_tokens)[0], list(stop)) for p in prompts]
+
+    def chat(self, conversations: list[list[dict]], max_tokens: int) -> list[str]:
+        return [self._generate(self.encode(self.template.render(messages)), max_tokens)[0].strip()
+                for messages in conversations]
+
+
+class EndpointModel:
+    """Any OpenAI-compatible endpoint (lmfoundry's own server, vLLM, a hosted API): chat and
+    completions over HTTP, greedy, several requests in flight so a batching server batches them.
+    Context lengths are counted with a local tokenizer file when one is given, else in words."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, concurrency: int = 8,
+                 timeout_s: float = 120.0, tokenizer: str | None = None):
+        import httpx
+
+        self.name = f"{base_url} ({model})"
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.concurrency = concurrency
+        self.tokenizer = None
+        if tokenizer:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(tokenizer)
+
+    def count_tokens(self, text: str) -> int:
+        if self.tokenizer is not None:
+            return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return len(text.split())
+
+    def loglikelihood(self, requests: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        raise ValueError(f"{self.name}: log-likelihood suites (multiple choice, calibration) need a checkpoint; "
+                         "an OpenAI-compatible endpoint does not return the log-probabilities of a given text")
+
+    def _post(self, path: str, body: dict) -> dict:
+        response = self.client.post(path, json={"model": self.model, "temperature": 0.0, **body})
+        if response.status_code >= 400:
+            raise RuntimeError(f"{self.name}{path} answered {response.status_code}: {response.text[:300]}")
+        return response.json()
+
+    def _map(self, fn, items: list) -> list:
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(fn, items))
+
+    def complete(self, prompts: list[str], max_tokens: int, stop: list[str] = ()) -> list[str]:
+        def one(prompt: str) -> str:
+            body = {"prompt": prompt, "max_tokens": max_tokens, **({"stop": list(stop)[:4]} if stop else {})}
+            return cut_at_stop(self._post("/v1/completions", body)["choices"][0]["text"], list(stop))
+        return self._map(one, prompts)
+
+    def chat(self, conversations: list[list[dict]], max_tokens: int) -> list[str]:
+        def one(messages: list[dict]) -> str:
+            reply = self._post("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens})
+            return (reply["choices"][0]["message"].get("content") or "").strip()
+        return self._map(one, conversations)

@@ -1,0 +1,40 @@
+"""The statistics the suites report: Wilson intervals for rates, expected calibration error."""
+
+from __future__ import annotations
+
+import math
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """95% (by default) Wilson score interval of a binomial rate: unlike the normal
+    approximation it stays inside [0, 1] and is sensible at 0 or n successes of few trials."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    denominator = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denominator
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def rate(flags: list[bool]) -> dict:
+    """{"rate", "count", "n", "ci95"} of a list of yes/no outcomes."""
+    k, n = sum(map(bool, flags)), len(flags)
+    low, high = wilson_interval(k, n)
+    return {"rate": k / n if n else 0.0, "count": k, "n": n, "ci95": [low, high]}
+
+
+def expected_calibration_error(confidences: list[float], correct: list[bool], bins: int = 10) -> float:
+    """Sum over equal-width confidence bins of (bin share) x |accuracy - mean confidence| (Guo
+    et al., 2017). 0 is perfectly calibrated; always answering A with certainty scores 1 - acc."""
+    if len(confidences) != len(correct):
+        raise ValueError("confidences and correct differ in length")
+    n, total = len(confidences), 0.0
+    for b in range(bins):
+        low, high = b / bins, (b + 1) / bins
+        members = [i for i, c in enumerate(confidences) if (low < c <= high) or (b == 0 and c == 0)]
+        if members:
+            accuracy = sum(correct[i] for i in members) / len(members)
+            confidence = sum(confidences[i] for i in members) / len(members)
+            total += len(members) / n * abs(accuracy - confidence)
+    return total

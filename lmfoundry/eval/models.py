@@ -42,6 +42,11 @@ class EvalModel(Protocol):
         """The length of a text in the model's tokens (the unit of context lengths)."""
 
 
+class Blocked(str):
+    """A reply the endpoint's own guardrails withheld (a 400 content_policy_violation, or a reply
+    cut with finish_reason content_filter): a refusal by the system, whatever its text."""
+
+
 def cut_at_stop(text: str, stop: list[str]) -> str:
     cuts = [text.index(s) for s in stop if s and s in text]
     return text[:min(cuts)] if cuts else text
@@ -182,6 +187,8 @@ class EndpointModel:
 
     def _post(self, path: str, body: dict) -> dict:
         response = self.client.post(path, json={"model": self.model, "temperature": 0.0, **body})
+        if response.status_code == 400 and "content_policy_violation" in response.text:
+            return {"choices": [{"text": "", "message": {"content": ""}, "finish_reason": "content_policy_violation"}]}
         if response.status_code >= 400:
             raise RuntimeError(f"{self.name}{path} answered {response.status_code}: {response.text[:300]}")
         return response.json()
@@ -193,11 +200,17 @@ class EndpointModel:
     def complete(self, prompts: list[str], max_tokens: int, stop: list[str] = ()) -> list[str]:
         def one(prompt: str) -> str:
             body = {"prompt": prompt, "max_tokens": max_tokens, **({"stop": list(stop)[:4]} if stop else {})}
-            return cut_at_stop(self._post("/v1/completions", body)["choices"][0]["text"], list(stop))
+            choice = self._post("/v1/completions", body)["choices"][0]
+            return _reply(cut_at_stop(choice["text"], list(stop)), choice)
         return self._map(one, prompts)
 
     def chat(self, conversations: list[list[dict]], max_tokens: int) -> list[str]:
         def one(messages: list[dict]) -> str:
-            reply = self._post("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens})
-            return (reply["choices"][0]["message"].get("content") or "").strip()
+            choice = self._post("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens})["choices"][0]
+            return _reply((choice["message"].get("content") or "").strip(), choice)
         return self._map(one, conversations)
+
+
+def _reply(text: str, choice: dict) -> str:
+    blocked = choice.get("finish_reason") in ("content_filter", "content_policy_violation")
+    return Blocked(text) if blocked else text

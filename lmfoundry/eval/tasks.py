@@ -227,7 +227,7 @@ def load_task(path: str | Path) -> Task:
     until = gen.get("until", [fewshot_delimiter])
     return Task(
         name=name, output_type=output_type, docs=splits[eval_split],
-        fewshot_docs=splits.get(fewshot_split, []) if num_fewshot else [],
+        fewshot_docs=splits.get(fewshot_split, []),
         doc_to_text=spec["doc_to_text"], doc_to_target=spec.get("doc_to_target", ""),
         doc_to_choice=spec.get("doc_to_choice"), metrics=metrics,
         target_delimiter=spec.get("target_delimiter", " "), fewshot_delimiter=fewshot_delimiter,

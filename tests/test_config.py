@@ -68,14 +68,15 @@ def test_cli_rejects_bad_config_before_ray_starts(tmp_path, text, expect):
 def test_every_recipe_in_configs_validates():
     from pathlib import Path
 
-    from lmfoundry.eval.perplexity import EvaluateConfig
+    from lmfoundry.eval.suite import EvaluateConfig
+    from lmfoundry.jobs.pretrain import PretrainJobConfig
     from lmfoundry.data.pack import PackConfig
     from lmfoundry.data.quality import QualityTrainConfig
     from lmfoundry.jobs.quickstart import load_quickstart_config
     from lmfoundry.serving.app import ServeConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"
-    models = {"curate.yaml": CurateConfig, "pack.yaml": PackConfig, "pretrain_tiny_cpu.yaml": PretrainConfig,
+    models = {"curate.yaml": CurateConfig, "pack.yaml": PackConfig, "pretrain_tiny_cpu.yaml": PretrainJobConfig,
               "pretrain_gpu.yaml": PretrainConfig, "pretrain_moe_cpu.yaml": PretrainConfig,
               "pretrain_7b_gpu.yaml": PretrainConfig, "pretrain_moe_16b_gpu.yaml": PretrainConfig,
               "pretrain_70b_gpu.yaml": PretrainConfig,

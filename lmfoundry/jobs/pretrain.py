@@ -1,17 +1,48 @@
-"""Pretrain on packed token shards with Ray Train + DeepSpeed.
+"""Pretrain on packed token shards with Ray Train + DeepSpeed; with an `eval` section, every
+committed checkpoint is evaluated in the background (results in RUN/evals/ and metrics.jsonl).
 
     python -m lmfoundry.jobs.pretrain configs/pretrain_tiny_cpu.yaml --input work/packed --output work/pretrain
 """
 
+import json
 import sys
 
+from pydantic import Field
+
+from lmfoundry.eval.suite import EvalSuites
+from lmfoundry.eval.watch import CheckpointEvaluator
+from lmfoundry.platform import storage
 from lmfoundry.platform.cli import run_stage
 from lmfoundry.train.config import PretrainConfig
+from lmfoundry.train.loop import TENSORBOARD, write_metrics
 from lmfoundry.train.pretrain import run_pretrain
 
 
+class PretrainJobConfig(PretrainConfig):
+    eval: EvalSuites | None = Field(None, description="the fast suite run on each checkpoint as it is committed "
+                                                      "(the keys of configs/evaluate.yaml but the model's)")
+    eval_cpus: float = Field(1.0, gt=0, description="CPUs of the Ray task that evaluates a checkpoint")
+
+
+def run_pretrain_job(cfg: PretrainJobConfig) -> dict:
+    train_cfg = PretrainConfig.model_validate(cfg.model_dump(exclude={"eval", "eval_cpus"}))
+    if cfg.eval is None:
+        return run_pretrain(train_cfg)
+    run_dir = storage.normalize(cfg.output)
+    with CheckpointEvaluator(run_dir, cfg.eval, cfg.eval_cpus) as evaluator:
+        manifest = run_pretrain(train_cfg)
+        records = evaluator.finish()
+    # the last checkpoints' evaluations end after training did: merge them into metrics.jsonl now
+    rows = [json.loads(line) for line in
+            storage.read_bytes(storage.join(run_dir, "metrics.jsonl")).decode().splitlines()]
+    write_metrics(run_dir, rows)
+    TENSORBOARD.wait()
+    return {**manifest, "evaluations": [{k: r.get(k) for k in ("step", "metrics", "gate_passed", "error") if k in r}
+                                        for r in records]}
+
+
 def main(argv=None) -> int:
-    return run_stage("pretrain", PretrainConfig, run_pretrain, argv, input_field="data", description=__doc__)
+    return run_stage("pretrain", PretrainJobConfig, run_pretrain_job, argv, input_field="data", description=__doc__)
 
 
 if __name__ == "__main__":

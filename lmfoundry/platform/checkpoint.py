@@ -35,6 +35,7 @@ CHECKPOINT_MANIFEST = "manifest.json"
 CHECKPOINTS = "checkpoints"  # under a run directory
 PARTS = "_parts"  # per-rank file lists inside a checkpoint being written
 TRAINING_STATE = "deepspeed/"  # files only resuming needs; serving and evaluation skip them
+EVALS = "evals"  # under a run directory: step-NNNNNNNN.json, the evaluation of each checkpoint
 
 
 def seal(directory: str | os.PathLike, details: dict) -> dict:
@@ -107,6 +108,21 @@ def local_copy(uri: str, model_only: bool = False) -> str:
 
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def eval_path(run_dir: str, step: int) -> str:
+    return storage.join(run_dir, EVALS, f"{step_name(step)}.json")
+
+
+def attach_evals(history: list[dict], run_dir: str) -> list[dict]:
+    """The logged steps of a run, each checkpoint's step with the evaluation of that checkpoint
+    (`eval`: its tracked metrics and gate verdict, or the error that stopped it) where one is
+    recorded in RUN/evals/."""
+    found = {}
+    for uri in storage.list_files(storage.join(run_dir, EVALS), (".json",)):
+        record = storage.read_json(uri)
+        found[record["step"]] = {k: record[k] for k in ("metrics", "gate_passed", "error") if k in record}
+    return [{**h, "eval": found[h["step"]]} if h.get("step") in found else h for h in history]
 
 
 def committed_checkpoints(run_dir: str) -> list[tuple[int, str]]:

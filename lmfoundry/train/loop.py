@@ -110,7 +110,9 @@ TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
 def write_metrics(run_dir: str, history: list[dict]) -> None:
     """metrics.jsonl in the run directory, one JSON object per logged step (rewritten whole:
     object stores cannot append, and after a rollback or a restart the history is what the
-    resumed run saw); the TensorBoard event file follows in the background."""
+    resumed run saw), with the evaluations of checkpoints recorded so far; the TensorBoard event
+    file follows in the background."""
+    history = checkpoint.attach_evals(history, run_dir)
     text = "".join(json.dumps(h) + "\n" for h in history)
     storage.write_bytes_atomic(storage.join(run_dir, "metrics.jsonl"), text.encode())
     TENSORBOARD.write(run_dir, list(history))
@@ -143,6 +145,8 @@ class TensorBoardWriter:
                     for name in TENSORBOARD_SCALARS:
                         if isinstance(h.get(name), (int, float)):
                             tb.add_scalar(f"train/{name}", h[name], h["step"], walltime=h.get("time"))
+                    for name, value in h.get("eval", {}).get("metrics", {}).items():
+                        tb.add_scalar(f"eval/{name}", value, h["step"], walltime=h.get("time"))
             (event_file,) = Path(tmp).glob("events.out.tfevents.*")
             storage.write_bytes_atomic(storage.join(run_dir, "tensorboard", "events.out.tfevents.lmfoundry"),
                                        event_file.read_bytes())

@@ -497,3 +497,20 @@ def test_two_versions_behind_one_route_shift_and_roll_back_without_dropping_requ
         for version in ("v1", "v2"):
             assert f'status="200",version="{version}"' in metrics
         assert replica_ids() == replicas  # no replica was restarted
+
+
+def test_red_team_and_hhh_suites_run_against_the_endpoint(server):
+    from lmfoundry.eval import hhh, redteam
+    from lmfoundry.eval.models import EndpointModel
+
+    model = EndpointModel(server, "tiny", KEY, concurrency=4)
+    families = ["roleplay", "base64", "multi_turn", "injection"]
+    result = redteam.run_redteam(model, redteam.RedTeamConfig(families=families, attacks_per_family=3, seed=1,
+                                                              max_tokens=8))
+    assert result["attacks"] == 12 and sorted(result["by_family"]) == sorted(families)
+    # roleplay attacks carry the goal in plain words: the server's input guardrail refuses them
+    assert result["refusal_rate"]["count"] >= 3
+    scores = hhh.run_hhh(model, hhh.HHHConfig(limit=5, max_tokens=8))
+    assert scores["harmless"]["refusal_rate"]["rate"] == 1.0  # the first five harmful prompts hit the blocklist
+    assert scores["harmless"]["over_refusal_rate"]["rate"] < 1.0
+    assert "skipped" in scores["honest"]["calibration"]  # no log-likelihoods over HTTP, and the report says so

@@ -266,6 +266,7 @@ def run_redteam(model: EvalModel, cfg: RedTeamConfig, regression_out: str | Path
     return {
         "seed": seed, "attacks": len(fresh),
         "attack_success_rate": rate([j["success"] for j in fresh]),
+        "refusal_rate": rate([j["refused"] for j in fresh]),  # the rest complied harmlessly or failed to
         "by_family": _by_family(fresh),
         "replay": {"attacks": len(replay), "attack_success_rate": rate([j["success"] for j in replay]),
                    "by_family": _by_family(replay)} if replay else None,

@@ -20,7 +20,8 @@ from lmfoundry.train.pretrain import run_pretrain
 
 class PretrainJobConfig(PretrainConfig):
     eval: EvalSuites | None = Field(None, description="the fast suite run on each checkpoint as it is committed "
-                                                      "(the keys of configs/evaluate.yaml but the model's)")
+                                                      "(the keys of configs/evaluate.yaml but the model's; "
+                                                      "perplexity on this run's val/ shards unless data is set)")
     eval_cpus: float = Field(1.0, gt=0, description="CPUs of the Ray task that evaluates a checkpoint")
 
 
@@ -29,7 +30,8 @@ def run_pretrain_job(cfg: PretrainJobConfig) -> dict:
     if cfg.eval is None:
         return run_pretrain(train_cfg)
     run_dir = storage.normalize(cfg.output)
-    with CheckpointEvaluator(run_dir, cfg.eval, cfg.eval_cpus) as evaluator:
+    suites = cfg.eval if cfg.eval.data else cfg.eval.model_copy(update={"data": cfg.data})
+    with CheckpointEvaluator(run_dir, suites, cfg.eval_cpus) as evaluator:
         manifest = run_pretrain(train_cfg)
         records = evaluator.finish()
     # the last checkpoints' evaluations end after training did: merge them into metrics.jsonl now

@@ -8,7 +8,8 @@ The model is Llama-shaped, about 16M parameters (8 layers, d_model 384, an 8,192
 trained here on standard-library docstrings, 1,024-token context), with random weights: speed
 and agreement do not depend on what the weights know. The shipped tasks (two multiple-choice,
 one generation) run under both systems, each run in a fresh spawned process, pair by pair,
-`--repeats` times; the table gives median seconds, the ratio, and the largest difference
+`--repeats` times; each timing runs from the call after the imports (loading the model and the
+documents, then scoring); the table gives median seconds, the ratio, and the largest difference
 between the two systems' per-choice log-likelihoods and metrics. Then each of lmfoundry's other
 suites runs once on the same model: helpful/harmless/honest, needle in a haystack up to the
 full context, 80 red-team attacks.

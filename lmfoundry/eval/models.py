@@ -134,7 +134,8 @@ class CheckpointModel:
             total += float((nll * mask).sum())
         return total
 
-    def _generate(self, prompt: list[int], max_tokens: int) -> tuple[str, bool]:
+    def _generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
+                  seed: int | None = None) -> tuple[str, bool]:
         """Greedy text after `prompt`, which is cut from the left when prompt and reply would not
         fit in the context (the returned flag says so)."""
         from lmfoundry.model.generate import generate
@@ -145,7 +146,8 @@ class CheckpointModel:
             max_tokens = self.max_length // 2
         room = self.max_length - max_tokens
         truncated = len(prompt) > room
-        out = generate(self.model, prompt[-room:], max_tokens, temperature=0.0, stop_tokens=self.stop_tokens)
+        out = generate(self.model, prompt[-room:], max_tokens, temperature=temperature, stop_tokens=self.stop_tokens,
+                       seed=seed)
         return self.tokenizer.decode(out.tokens), truncated
 
     def complete(self, prompts: list[str], max_tokens: int, stop: list[str] = ()) -> list[str]:
@@ -154,6 +156,11 @@ class CheckpointModel:
     def chat(self, conversations: list[list[dict]], max_tokens: int) -> list[str]:
         return [self._generate(self.encode(self.template.render(messages)), max_tokens)[0].strip()
                 for messages in conversations]
+
+    def sample(self, conversations: list[list[dict]], max_tokens: int, temperature: float, seed: int) -> list[str]:
+        """Sampled replies (the same seed, the same reply)."""
+        return [self._generate(self.encode(self.template.render(m)), max_tokens, temperature, seed + i)[0].strip()
+                for i, m in enumerate(conversations)]
 
 
 class EndpointModel:
@@ -186,7 +193,7 @@ class EndpointModel:
                          "an OpenAI-compatible endpoint does not return the log-probabilities of a given text")
 
     def _post(self, path: str, body: dict) -> dict:
-        response = self.client.post(path, json={"model": self.model, "temperature": 0.0, **body})
+        response = self.client.post(path, json={"model": self.model, "temperature": 0.0, **body})  # greedy unless told
         if response.status_code == 400 and "content_policy_violation" in response.text:
             return {"choices": [{"text": "", "message": {"content": ""}, "finish_reason": "content_policy_violation"}]}
         if response.status_code >= 400:
@@ -205,10 +212,17 @@ class EndpointModel:
         return self._map(one, prompts)
 
     def chat(self, conversations: list[list[dict]], max_tokens: int) -> list[str]:
-        def one(messages: list[dict]) -> str:
-            choice = self._post("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens})["choices"][0]
+        return self.sample(conversations, max_tokens, 0.0, None)
+
+    def sample(self, conversations: list[list[dict]], max_tokens: int, temperature: float,
+               seed: int | None) -> list[str]:
+        def one(item: tuple[int, list[dict]]) -> str:
+            i, messages = item
+            body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                    **({"seed": seed + i} if seed is not None else {})}
+            choice = self._post("/v1/chat/completions", body)["choices"][0]
             return _reply((choice["message"].get("content") or "").strip(), choice)
-        return self._map(one, conversations)
+        return self._map(one, list(enumerate(conversations)))
 
 
 def _reply(text: str, choice: dict) -> str:

@@ -1,6 +1,10 @@
 """The `lmfoundry` command: one subcommand per stage, each a thin job in `lmfoundry.jobs`.
 
     lmfoundry curate|pack|pretrain|evaluate|serve CONFIG [--input URI] [--output URI] [--set k=v ...]
+    lmfoundry align CONFIG [--input CHECKPOINT] [--output RUN] [--set pairs=PAIRS.jsonl]
+    lmfoundry pairs CONFIG [--output DIR]      (teacher-judged preference pairs)
+    lmfoundry synth CONFIG [--output DIR]      (verified synthetic data)
+    lmfoundry review --db DSN list|claim|decide|comment ...
     lmfoundry quickstart [--workdir DIR] [--keep-serving]
     lmfoundry export CHECKPOINT OUTPUT [--format hf]
     lmfoundry plan PRETRAIN_CONFIG [--gpu H200] [--nodes N] [--token-budget T]
@@ -21,8 +25,8 @@ from lmfoundry.platform import storage
 from lmfoundry.platform.config import ConfigError, StageConfig, load_config
 from lmfoundry.platform.log import get_logger
 
-STAGES = ("curate", "pack", "pretrain", "evaluate", "serve", "quickstart", "export", "plan", "quality-model", "keys",
-          "traffic")
+STAGES = ("curate", "pack", "pretrain", "evaluate", "align", "serve", "quickstart", "export", "plan", "quality-model", "keys",
+          "traffic", "pairs", "synth", "review")
 logger = get_logger(__name__)
 
 

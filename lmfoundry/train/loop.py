@@ -59,7 +59,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
-def _mean_across_ranks(value: float) -> float:
+def mean_across_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     torch.distributed.all_reduce(t)
     return t.item() / torch.distributed.get_world_size()
@@ -208,9 +208,10 @@ class Drills:
                 group["lr"] *= drill.lr_factor
 
 
-def _stage_root(cfg: PretrainConfig) -> Path:
-    if cfg.stage_dir:
-        return Path(cfg.stage_dir)
+def stage_root(stage_dir: str | None) -> Path:
+    """Where checkpoints are staged before the upload: `stage_dir`, else shared memory."""
+    if stage_dir:
+        return Path(stage_dir)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
@@ -373,7 +374,7 @@ def train_loop(loop_config: dict) -> None:
     drills = Drills(cfg.drills, rank, run_dir)
     checkpointer = checkpoint.AsyncCheckpointer(run_dir, rank, world, cfg.keep_checkpoints, cfg.keep_every,
                                                 before_commit=drills.during_save)
-    stage_root = _stage_root(cfg)
+    staging = stage_root(cfg.stage_dir)
 
     state = resume(engine, run_dir, rank, world) or {}
     step, epoch, position = state.get("step", 0), state.get("epoch", 0), state.get("batches_in_epoch", 0)
@@ -425,7 +426,7 @@ def train_loop(loop_config: dict) -> None:
                     continue
                 step += 1
                 if cfg.spike_factor:
-                    step_loss = _mean_across_ranks(step_sum / step_count)
+                    step_loss = mean_across_ranks(step_sum / step_count)
                     median = statistics.median(recent) if len(recent) >= recent.maxlen // 2 else math.inf
                     if step_loss > cfg.spike_factor * median:
                         diverged = f"loss {step_loss:.3f} is above {cfg.spike_factor:g} x the running median {median:.3f}"
@@ -461,7 +462,7 @@ def train_loop(loop_config: dict) -> None:
             last = step == cfg.max_steps
             save = step % cfg.checkpoint_every == 0 or last
             if step % cfg.log_every == 0 or step == 1 or last or save:
-                mean_loss = _mean_across_ranks(loss_sum / loss_count)
+                mean_loss = mean_across_ranks(loss_sum / loss_count)
                 loss_sum, loss_count = 0.0, 0
                 now = time.time()
                 tokens_per_s = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
@@ -500,7 +501,7 @@ def train_loop(loop_config: dict) -> None:
                         "history": history, "loss_history": [[h["step"], h["loss"]] for h in history],
                         "seed": cfg.seed, "config": cfg.model_dump(mode="json"),
                     }
-                    staged, write = stage_checkpoint(engine, rank, step, train_state, tokenizer_json, stage_root)
+                    staged, write = stage_checkpoint(engine, rank, step, train_state, tokenizer_json, staging)
                     checkpointer.save(step, staged, {"kind": "lmfoundry.pretrain", "step": step}, write)
                     metrics["checkpoint_blocking_s"] = time.perf_counter() - blocked
                     if rank == 0:

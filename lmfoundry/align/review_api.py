@@ -1,0 +1,115 @@
+"""The review queue over HTTP on Ray Serve, behind the same API keys as the inference API: the
+key's tenant is the reviewer.
+
+    GET  /v1/review/items?status=pending&kind=review     GET /v1/review/items/{id}
+    POST /v1/review/items/{id}/claim                      POST /v1/review/next {"kind": "audit"}
+    POST /v1/review/items/{id}/decide {"decision": "a", "dimensions": {"honesty": "disagree"}}
+    POST /v1/review/items/{id}/comments {"body": "..."}   GET  /health (no key)
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+from lmfoundry.align.review import ReviewError, ReviewStore
+from lmfoundry.platform.config import StageConfig
+from lmfoundry.serving.keys import Authenticator
+
+app = FastAPI(title="lmfoundry review queue")
+
+
+class ReviewServeConfig(StageConfig):
+    db: str = Field(..., description="the queue: a SQLite path or a postgresql:// DSN")
+    keys_file: str | None = None
+    api_keys_env: str = "LMFOUNDRY_API_KEYS"
+    host: str = "127.0.0.1"
+    port: int = Field(8001, ge=1, le=65535)
+    route_prefix: str = "/review-queue"
+
+
+class Decision(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    decision: str
+    dimensions: dict[str, str] = {}
+
+
+class Comment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    body: str
+
+
+class Next(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: str | None = None
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0.1})
+@serve.ingress(app)
+class ReviewAPI:
+    def __init__(self, db: str, keys_file: str | None, env_digests: list[str]):
+        self.store = ReviewStore(db)
+        self.auth = Authenticator(keys_file, env_digests)
+
+    def _reviewer(self, request: Request) -> str | None:
+        who = self.auth.principal(request.headers.get("authorization"))
+        return who.tenant if who else None
+
+    def _do(self, request: Request, action):
+        reviewer = self._reviewer(request)
+        if reviewer is None:
+            return _error(401, "missing, invalid or revoked API key: send 'Authorization: Bearer <key>'")
+        try:
+            return action(reviewer)
+        except ReviewError as e:
+            return _error(e.status, str(e))
+
+    @app.get("/health")
+    def health(self):
+        return {"status": "ok"}
+
+    @app.get("/v1/review/items")
+    def items(self, request: Request, status: str | None = None, kind: str | None = None):
+        return self._do(request, lambda _: {"items": self.store.list(status, kind)})
+
+    @app.get("/v1/review/items/{item_id}")
+    def item(self, request: Request, item_id: str):
+        return self._do(request, lambda _: self.store.get(item_id))
+
+    @app.post("/v1/review/items/{item_id}/claim")
+    def claim(self, request: Request, item_id: str):
+        return self._do(request, lambda who: self.store.claim(item_id, who))
+
+    @app.post("/v1/review/next")
+    def next(self, request: Request, body: Next):
+        return self._do(request, lambda who: self.store.claim_next(who, body.kind) or _error(404, "nothing pending"))
+
+    @app.post("/v1/review/items/{item_id}/decide")
+    def decide(self, request: Request, item_id: str, body: Decision):
+        return self._do(request, lambda who: self.store.decide(item_id, who, body.decision, body.dimensions))
+
+    @app.post("/v1/review/items/{item_id}/comments")
+    def comment(self, request: Request, item_id: str, body: Comment):
+        return self._do(request, lambda who: self.store.comment(item_id, who, body.body))
+
+    def check_health(self):
+        self.store.list("pending")  # the database answers
+
+
+def start_review_api(cfg: ReviewServeConfig) -> str:
+    """Deploy the queue's API on the connected Ray cluster (beside any other Serve app); its URL."""
+    from lmfoundry.serving.keys import digest, env_keys
+
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    digests = [digest(k) for k in env_keys(cfg.api_keys_env)]
+    if not digests and not cfg.keys_file:
+        raise ValueError(f"the review API needs keys: a keys_file or keys in ${cfg.api_keys_env}")
+    serve.run(ReviewAPI.bind(cfg.db, cfg.keys_file, digests), name="review-queue", route_prefix=cfg.route_prefix,
+              blocking=False)
+    return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix}"

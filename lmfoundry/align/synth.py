@@ -1,0 +1,302 @@
+"""Verified synthetic data: a generated sample enters the dataset only after its verifier passes it.
+
+    lmfoundry synth configs/synth.yaml --output work/synth
+
+Generators (seeded) and their verifiers:
+- `arithmetic`: expressions over integers; the answer must equal the expression, compared
+  exactly by sympy;
+- `algebra`: linear equations (the answer, substituted, must satisfy the equation) and products
+  to expand (the answer must be symbolically equal to the product);
+- `code`: small functions with unit tests; the solution runs with its tests in the sandbox
+  (platform/sandbox.py: separate process, CPU / memory / time limits, no network);
+- `qa`: question-answer pairs from curated documents ("X is Y." becomes "What is X?"); the answer
+  must be a span of the source passage and the question's words must be found in it.
+
+Answers come from the generator itself, or from a `solver` model (any checkpoint or
+OpenAI-compatible endpoint), which is where verification earns its keep: a wrong answer is
+rejected with the reason, like curation's rejects, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+
+from pydantic import Field
+
+from lmfoundry.align.pairs import ModelRef, _open_model
+from lmfoundry.platform import storage
+from lmfoundry.platform.config import StageConfig
+from lmfoundry.platform.log import get_logger
+from lmfoundry.platform.sandbox import run_python
+
+logger = get_logger(__name__)
+
+KINDS = ("arithmetic", "algebra", "code", "qa")
+
+
+class SynthConfig(StageConfig):
+    output: str
+    kinds: dict[str, int] = Field({"arithmetic": 20, "algebra": 20, "code": 6},
+                                  description="samples to generate per kind: arithmetic, algebra, code, qa")
+    documents: str | None = Field(None, description="a curate output (kept/ Parquet) or a JSONL with 'text': qa")
+    solver: ModelRef | None = Field(None, description="answers from this model instead of the generator's own")
+    max_tokens: int = Field(128, ge=1)
+    sandbox_timeout_s: float = Field(10.0, gt=0)
+    seed: int = 0
+    overwrite: bool = False
+
+
+# --- verifiers ----------------------------------------------------------------------------------
+
+
+def _sympy(text: str):
+    import sympy
+
+    try:
+        return sympy.sympify(text.replace("^", "**"), evaluate=True)
+    except (sympy.SympifyError, SyntaxError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"not a mathematical expression: {text!r} ({type(e).__name__})") from None
+
+
+def _final_answer(reply: str) -> str:
+    """The answer in a model's reply: after 'answer:' or '=' if present, else the last line."""
+    text = reply.strip()
+    for marker in ("answer:", "answer is", "="):
+        at = text.lower().rfind(marker)
+        if at >= 0:
+            text = text[at + len(marker):]
+            break
+    return text.strip().splitlines()[0].strip().rstrip(".") if text.strip() else ""
+
+
+def verify_arithmetic(sample: dict) -> str | None:
+    """None when correct, else why not."""
+    import sympy
+
+    try:
+        expected, given = _sympy(sample["expression"]), _sympy(_final_answer(sample["answer"]))
+    except ValueError as e:
+        return str(e)
+    if given.free_symbols:
+        return f"{sample['answer']!r} is not a number"
+    return None if sympy.simplify(expected - given) == 0 else f"{sample['answer']!r} is not {expected}"
+
+
+def verify_algebra(sample: dict) -> str | None:
+    import sympy
+
+    x = sympy.Symbol("x")
+    try:
+        given = _sympy(re.sub(r"^\s*x\s*=\s*", "", _final_answer(sample["answer"])) or "nan")
+    except ValueError as e:
+        return str(e)
+    if sample["task"] == "solve":
+        left, right = sample["equation"].split("=")
+        residual = sympy.simplify(_sympy(left).subs(x, given) - _sympy(right))
+        return None if residual == 0 else f"x = {given} leaves {left} - ({right}) = {residual}"
+    difference = sympy.expand(_sympy(sample["product"]) - given)
+    return None if difference == 0 else f"{given} differs from {sample['product']} by {difference}"
+
+
+def verify_code(sample: dict, timeout_s: float) -> str | None:
+    program = f"{sample['answer']}\n\n{sample['tests']}\nprint('ALL TESTS PASSED')\n"
+    result = run_python(program, timeout_s=timeout_s, cpu_s=max(1, int(timeout_s)))
+    if result.ok and "ALL TESTS PASSED" in result.stdout:
+        return None
+    if result.killed:
+        return f"killed by the sandbox ({result.killed})"
+    last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"the tests failed: {last[:200]}"
+
+
+STOP = {"the", "a", "an", "is", "are", "what", "of", "in", "on", "and", "to", "was", "does", "do"}
+
+
+def verify_qa(sample: dict) -> str | None:
+    passage, answer = sample["passage"], _final_answer(sample["answer"])
+    if not answer:
+        return "empty answer"
+    if answer.lower() not in passage.lower():
+        return "the answer is not supported by the passage (not a span of it)"
+    words = [w for w in re.findall(r"\w+", sample["question"].lower()) if w not in STOP]
+    missing = [w for w in words if w not in passage.lower()]
+    if missing:
+        return f"the question asks about {missing}, which the passage does not mention"
+    if answer.lower() in sample["question"].lower():
+        return "the answer is given away by the question"
+    return None
+
+
+# --- generators ---------------------------------------------------------------------------------
+
+
+def gen_arithmetic(rng: random.Random) -> dict:
+    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 20)
+    op = rng.choice(["+", "-", "*"])
+    apply = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__}[op]
+    if rng.random() < 0.5:
+        expression, value = f"({a} {op} {b}) * {c}", apply(a, b) * c
+    else:  # precedence: the product binds first
+        expression, value = f"{a} {op} {b} * {c}", apply(a, b * c) if op != "*" else a * b * c
+    return {"kind": "arithmetic", "question": f"Compute {expression}.", "expression": expression,
+            "answer": str(value)}
+
+
+def gen_algebra(rng: random.Random) -> dict:
+    if rng.random() < 0.5:
+        a, x, b = rng.randint(2, 12), rng.randint(-10, 10), rng.randint(-20, 20)
+        equation = f"{a}*x + {b} = {a * x + b}"
+        return {"kind": "algebra", "task": "solve", "question": f"Solve for x: {equation}", "equation": equation,
+                "answer": str(x)}
+    p, q = rng.randint(-9, 9), rng.randint(-9, 9)
+    product = f"(x + {p})*(x + {q})"
+    return {"kind": "algebra", "task": "expand", "question": f"Expand {product}.", "product": product,
+            "answer": f"x**2 + {p + q}*x + {p * q}"}
+
+
+CODE_TASKS = [
+    ("add_digits", "Write add_digits(n) returning the sum of the decimal digits of a non-negative integer n.",
+     "def add_digits(n):\n    return sum(int(d) for d in str(n))",
+     "assert add_digits(0) == 0\nassert add_digits(1234) == 10\nassert add_digits(99) == 18"),
+    ("is_palindrome", "Write is_palindrome(s) that says whether s reads the same backwards, ignoring case.",
+     "def is_palindrome(s):\n    s = s.lower()\n    return s == s[::-1]",
+     "assert is_palindrome('Level')\nassert not is_palindrome('lmfoundry')\nassert is_palindrome('')"),
+    ("fizzbuzz", "Write fizzbuzz(n) returning 'Fizz', 'Buzz', 'FizzBuzz' or str(n).",
+     "def fizzbuzz(n):\n    return 'FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0 else 'Buzz' if n % 5 == 0 "
+     "else str(n)",
+     "assert fizzbuzz(15) == 'FizzBuzz'\nassert fizzbuzz(9) == 'Fizz'\nassert fizzbuzz(10) == 'Buzz'\n"
+     "assert fizzbuzz(7) == '7'"),
+    ("count_vowels", "Write count_vowels(s) returning how many of a, e, i, o, u (any case) s holds.",
+     "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s.lower())",
+     "assert count_vowels('Ray Serve') == 3\nassert count_vowels('xyz') == 0"),
+    ("running_max", "Write running_max(xs) returning the list of maxima of each prefix of xs.",
+     "def running_max(xs):\n    out, best = [], None\n    for x in xs:\n        best = x if best is None or x > best "
+     "else best\n        out.append(best)\n    return out",
+     "assert running_max([3, 1, 4, 1, 5]) == [3, 3, 4, 4, 5]\nassert running_max([]) == []"),
+    ("dedupe", "Write dedupe(xs) returning xs without repeats, first occurrences kept in order.",
+     "def dedupe(xs):\n    return list(dict.fromkeys(xs))",
+     "assert dedupe([1, 2, 1, 3, 2]) == [1, 2, 3]\nassert dedupe('aba') == ['a', 'b']"),
+]
+
+
+def gen_code(rng: random.Random, index: int) -> dict:
+    name, prompt, solution, tests = CODE_TASKS[index % len(CODE_TASKS)]
+    return {"kind": "code", "question": prompt, "function": name, "answer": solution, "tests": tests}
+
+
+SENTENCE = re.compile(r"(?:^|(?<=[.!?]\s))([A-Z][\w\- ]{2,40}?) (is|are) ([^.!?]{3,80})\.")
+
+
+VAGUE = {"this", "that", "it", "there", "these", "those", "then", "here", "which", "what", "one", "such", "if",
+         "when", "while", "because", "although", "so", "but", "and", "or"}
+
+
+def qa_candidates(texts: list[str]) -> list[dict]:
+    found = []
+    for text in texts:
+        text = " ".join(text.split())
+        for match in SENTENCE.finditer(text):
+            subject, verb, predicate = match.groups()
+            if len(subject.split()) > 5 or subject.split()[0].lower() in VAGUE:  # "This is ..." asks nothing
+                continue
+            found.append({"kind": "qa", "question": f"What {verb} {subject[0].lower() + subject[1:]}?",
+                          "answer": predicate.strip(), "passage": match.group(0).strip() if len(text) > 600
+                          else text.strip()})
+    return found
+
+
+def read_documents(uri: str, limit: int = 2000) -> list[str]:
+    uri = storage.normalize(uri)
+    if uri.endswith(".jsonl"):
+        return [json.loads(line)["text"] for line in storage.read_bytes(uri).decode().splitlines() if line.strip()][:limit]
+    import pyarrow.parquet as pq
+
+    files = storage.list_files(storage.join(uri, "kept"), (".parquet",))
+    if not files:
+        raise FileNotFoundError(f"{uri} has no kept/ Parquet shards (a curate output) and is not a .jsonl")
+    texts: list[str] = []
+    for f in files:
+        fs, path = storage.filesystem(f)
+        texts.extend(pq.read_table(fs.open_input_file(path), columns=["text"]).column("text").to_pylist())
+        if len(texts) >= limit:
+            break
+    return texts[:limit]
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+
+def solve(samples: list[dict], ref: ModelRef, max_tokens: int) -> None:
+    """Replace each sample's answer by the solver model's reply (the generator's is kept as
+    `reference_answer`)."""
+    model = _open_model(ref)
+    instructions = {"arithmetic": "Reply with the number only.", "algebra": "Reply with the answer only.",
+                    "code": "Reply with the Python function only, no explanation.",
+                    "qa": "Answer with the words of the passage."}
+    conversations = []
+    for s in samples:
+        context = f"Passage: {s['passage']}\n\n" if s["kind"] == "qa" else ""
+        conversations.append([{"role": "user", "content": f"{context}{s['question']} {instructions[s['kind']]}"}])
+    for s, reply in zip(samples, model.chat(conversations, max_tokens)):
+        s["reference_answer"], s["answer"] = s["answer"], reply
+        s["solver"] = model.name
+
+
+def verify(sample: dict, cfg: SynthConfig) -> str | None:
+    if sample["kind"] == "arithmetic":
+        return verify_arithmetic(sample)
+    if sample["kind"] == "algebra":
+        return verify_algebra(sample)
+    if sample["kind"] == "code":
+        return verify_code(sample, cfg.sandbox_timeout_s)
+    return verify_qa(sample)
+
+
+def run_synth(cfg: SynthConfig) -> dict:
+    unknown = sorted(set(cfg.kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"synth.kinds {unknown}; allowed: {list(KINDS)}")
+    if cfg.kinds.get("qa") and not cfg.documents:
+        raise ValueError("synth kind qa needs documents (a curate output or a JSONL with 'text')")
+    out = storage.normalize(cfg.output)
+    if not storage.prepare_output(out, cfg.overwrite):
+        logger.info("synth: %s is already committed; skipping (set overwrite=true to redo)", out)
+        return storage.read_json(storage.join(out, "card.json"))
+    started = time.time()
+    rng = random.Random(cfg.seed)
+    samples = []
+    for kind, count in cfg.kinds.items():
+        if kind == "arithmetic":
+            samples += [gen_arithmetic(rng) for _ in range(count)]
+        elif kind == "algebra":
+            samples += [gen_algebra(rng) for _ in range(count)]
+        elif kind == "code":
+            samples += [gen_code(rng, i) for i in range(count)]
+        else:
+            found = qa_candidates(read_documents(cfg.documents))
+            rng.shuffle(found)
+            samples += found[:count]
+    for i, s in enumerate(samples):
+        s["id"] = f"{s['kind']}-{i:05d}"
+    if cfg.solver is not None:
+        solve(samples, cfg.solver, cfg.max_tokens)
+    kept, rejected = [], []
+    for s in samples:
+        reason = verify(s, cfg)
+        (rejected if reason else kept).append({**s, "reason": reason} if reason else s)
+    counts = {k: {"generated": sum(s["kind"] == k for s in samples), "kept": sum(s["kind"] == k for s in kept)}
+              for k in cfg.kinds}
+    for name, rows in (("kept.jsonl", kept), ("rejected.jsonl", rejected)):
+        storage.write_bytes_atomic(storage.join(out, name),
+                                   "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+    card = {"samples": len(samples), "kept": len(kept), "rejected": len(rejected), "by_kind": counts,
+            "solver": samples[0].get("solver") if samples and cfg.solver else "generator",
+            "seconds": round(time.time() - started, 2)}
+    storage.write_json_atomic(storage.join(out, "card.json"), card)
+    storage.commit(out, "synth", {"card": "card.json"})
+    logger.info("synth: %d generated, %d verified and kept, %d rejected (%s)", len(samples), len(kept),
+                len(rejected), counts)
+    return card

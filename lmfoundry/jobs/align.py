@@ -1,0 +1,53 @@
+"""Fine-tune a checkpoint with DPO on preference pairs (Ray Train + DeepSpeed), with the evaluation
+gate run on the starting checkpoint and on the result: exit 1 when the tuned model regressed.
+
+    lmfoundry align configs/align_dpo.yaml --input work/pretrain --output work/dpo --set pairs=work/pairs/pairs.jsonl
+"""
+
+import sys
+
+from pydantic import Field
+
+from lmfoundry.eval.models import CheckpointModel
+from lmfoundry.eval.suite import EvalSuites, apply_gate, evaluate
+from lmfoundry.platform import checkpoint, storage
+from lmfoundry.platform.cli import StageFailed, run_stage
+from lmfoundry.train.dpo import DPOConfig, run_dpo
+
+
+class AlignJobConfig(DPOConfig):
+    eval: EvalSuites | None = Field(None, description="suites run before and after; the result is gated "
+                                                      "against the starting checkpoint's report")
+
+
+def _evaluate(uri: str, suites: EvalSuites) -> dict:
+    local = checkpoint.local_copy(uri, model_only=True)
+    return evaluate(CheckpointModel(local, suites.batch_size), suites, local)
+
+
+def run_align(cfg: AlignJobConfig) -> dict:
+    dpo = DPOConfig.model_validate(cfg.model_dump(exclude={"eval"}))
+    if cfg.eval is None:
+        return run_dpo(dpo)
+    out = storage.normalize(cfg.output)
+    before = _evaluate(checkpoint.resolve(cfg.checkpoint), cfg.eval)
+    manifest = run_dpo(dpo)
+    after = _evaluate(checkpoint.resolve(out), cfg.eval)
+    storage.write_json_atomic(storage.join(out, "eval_before.json"), before)
+    storage.write_json_atomic(storage.join(out, "eval_after.json"), after)
+    gate_cfg = cfg.eval.gate.model_copy(update={"baseline": storage.join(out, "eval_before.json")})
+    gate = apply_gate(after, gate_cfg)
+    storage.write_json_atomic(storage.join(out, "gate.json"), gate)
+    result = {**manifest, "gate": gate}
+    if not gate["passed"]:
+        worse = ", ".join(f"{r['metric']} {r['baseline']:.4g} -> {r['value']:.4g}" for r in gate["regressions"])
+        raise StageFailed(f"the tuned model regressed against its starting checkpoint: {worse} (reports in {out})")
+    return result
+
+
+def main(argv=None) -> int:
+    return run_stage("align", AlignJobConfig, run_align, argv, input_field="checkpoint", description=__doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -75,3 +75,35 @@ def pretrained(packed, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("runs") / "tiny")
     manifest = run_pretrain(tiny_pretrain_config(packed[0], out))
     return out, manifest
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn():
+    """A throwaway PostgreSQL server (initdb + pg_ctl from the machine's PostgreSQL), or a skip
+    that says what is missing."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    initdb, pg_ctl = shutil.which("initdb"), shutil.which("pg_ctl")
+    if not initdb or not pg_ctl:
+        pytest.skip("PostgreSQL is not installed here (no initdb / pg_ctl on PATH)")
+    pytest.importorskip("psycopg", reason="psycopg is not installed (pip install 'lmfoundry[postgres]')")
+    run_as = []
+    root = tempfile.mkdtemp(prefix="lmfoundry-pg-")
+    if os.geteuid() == 0:  # PostgreSQL refuses to run as root: run it as the postgres user
+        import pwd
+
+        try:
+            user = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no postgres user to run PostgreSQL as")
+        os.chown(root, user.pw_uid, user.pw_gid)
+        run_as = ["runuser", "-u", "postgres", "--"]
+    data, port = os.path.join(root, "data"), free_port()
+    subprocess.run([*run_as, initdb, "-D", data, "-U", "lmfoundry", "--auth=trust"], check=True, capture_output=True)
+    subprocess.run([*run_as, pg_ctl, "-D", data, "-l", os.path.join(root, "log"), "-w", "-o",
+                    f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
+    yield f"postgresql://lmfoundry@127.0.0.1:{port}/postgres"
+    subprocess.run([*run_as, pg_ctl, "-D", data, "-m", "immediate", "stop"], capture_output=True)
+    shutil.rmtree(root, ignore_errors=True)

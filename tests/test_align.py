@@ -105,8 +105,20 @@ def test_evaluation_prompts_are_held_out_exactly_and_near_duplicates_too():
 # --- the review queue ---------------------------------------------------------------------------
 
 
-def test_review_store_claims_once_validates_decisions_and_keeps_comments(tmp_path):
-    store = review.ReviewStore(str(tmp_path / "q.sqlite"))
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_dsn(request, tmp_path):
+    if request.param == "sqlite":
+        return str(tmp_path / "q.sqlite")
+    dsn = request.getfixturevalue("postgres_dsn")
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:  # a clean queue per test
+        conn.execute("DROP TABLE IF EXISTS review_items, review_comments")
+    return dsn
+
+
+def test_review_store_claims_once_validates_decisions_and_keeps_comments(store_dsn):
+    store = review.ReviewStore(store_dsn)
     assert store.add("review-1", "review", "low confidence", {"id": "1", "chosen": "x", "rejected": "y"})
     assert not store.add("review-1", "review", "low confidence", {})  # a rerun adds nothing twice
     store.add("audit-2", "audit", "random audit", {"id": "2", "judge": "j"})

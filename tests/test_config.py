@@ -70,6 +70,9 @@ def test_every_recipe_in_configs_validates():
 
     from lmfoundry.eval.suite import EvaluateConfig
     from lmfoundry.jobs.pretrain import PretrainJobConfig
+    from lmfoundry.jobs.align import AlignJobConfig
+    from lmfoundry.align.pairs import PairsConfig
+    from lmfoundry.align.synth import SynthConfig
     from lmfoundry.data.pack import PackConfig
     from lmfoundry.data.quality import QualityTrainConfig
     from lmfoundry.jobs.quickstart import load_quickstart_config
@@ -80,7 +83,8 @@ def test_every_recipe_in_configs_validates():
               "pretrain_gpu.yaml": PretrainConfig, "pretrain_moe_cpu.yaml": PretrainConfig,
               "pretrain_7b_gpu.yaml": PretrainConfig, "pretrain_moe_16b_gpu.yaml": PretrainConfig,
               "pretrain_70b_gpu.yaml": PretrainConfig,
-              "evaluate.yaml": EvaluateConfig, "serve.yaml": ServeConfig, "quality_model.yaml": QualityTrainConfig}
+              "evaluate.yaml": EvaluateConfig, "serve.yaml": ServeConfig, "quality_model.yaml": QualityTrainConfig,
+              "pairs.yaml": PairsConfig, "synth.yaml": SynthConfig, "align_dpo.yaml": AlignJobConfig}
     for name, cls in models.items():
         assert isinstance(load_config(cls, root / name), cls)
     q = load_quickstart_config(str(root / "quickstart.yaml"), "/tmp/qs-work", [])

@@ -514,3 +514,44 @@ def test_red_team_and_hhh_suites_run_against_the_endpoint(server):
     assert scores["harmless"]["refusal_rate"]["rate"] == 1.0  # the first five harmful prompts hit the blocklist
     assert scores["harmless"]["over_refusal_rate"]["rate"] < 1.0
     assert "skipped" in scores["honest"]["calibration"]  # no log-likelihoods over HTTP, and the report says so
+
+
+def test_review_queue_over_http_behind_the_api_keys(server, tmp_path):
+    from ray import serve
+
+    from lmfoundry.align.review import ReviewStore
+    from lmfoundry.align.review_api import ReviewAPI
+    from lmfoundry.serving.keys import digest
+
+    db = str(tmp_path / "review.sqlite")
+    store = ReviewStore(db)
+    store.add("review-1", "review", "judges disagree", {"id": "1", "chosen": "x", "rejected": "y"})
+    store.add("audit-2", "audit", "random audit", {"id": "2", "judge": "j"})
+    store.close()
+    serve.run(ReviewAPI.bind(db, None, [digest(KEY), digest("sk-other-reviewer-key-000")]), name="review",
+              route_prefix="/review-queue", blocking=False)
+    url = f"{server}/review-queue"
+    try:
+        deadline = time.time() + 120
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.5)
+        assert httpx.get(f"{url}/v1/review/items").status_code == 401
+        items = httpx.get(f"{url}/v1/review/items", params={"status": "pending"}, headers=auth()).json()["items"]
+        assert [i["id"] for i in items] == ["review-1", "audit-2"]
+        claimed = httpx.post(f"{url}/v1/review/items/review-1/claim", headers=auth()).json()
+        assert claimed["status"] == "claimed" and claimed["claimed_by"] == "default"  # the key's tenant reviews
+        again = httpx.post(f"{url}/v1/review/items/review-1/claim", headers=auth("sk-other-reviewer-key-000"))
+        assert again.status_code == 409
+        bad = httpx.post(f"{url}/v1/review/items/review-1/decide", json={"decision": "maybe"}, headers=auth())
+        assert bad.status_code == 400 and "allowed" in bad.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/review/items/review-1/comments", json={"body": "b is kinder"}, headers=auth())
+        assert r.json()["comments"][0]["body"] == "b is kinder"
+        done = httpx.post(f"{url}/v1/review/items/review-1/decide", json={"decision": "b"}, headers=auth()).json()
+        assert done["decision"] == "b" and done["decided_by"] == "default"
+        nxt = httpx.post(f"{url}/v1/review/next", json={"kind": "audit"}, headers=auth()).json()
+        assert nxt["id"] == "audit-2"
+        assert httpx.get(f"{url}/v1/review/items/missing", headers=auth()).status_code == 404
+        assert ReviewStore(db).get("review-1")["decision"] == "b"  # the CLI and the API share the store
+    finally:
+        serve.delete("review")

@@ -190,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("item")
     co.add_argument("text")
     co.add_argument("--author", required=True)
+    sv = sub.add_parser("serve", help="the HTTP API on Ray Serve, until Ctrl-C")
+    sv.add_argument("--keys-file", help="tenant keys (lmfoundry keys create); $LMFOUNDRY_API_KEYS work too")
+    sv.add_argument("--port", type=int, default=8001)
     args = p.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     store = ReviewStore(args.db)
     try:
         if args.command == "list":
@@ -212,6 +217,24 @@ def main(argv: list[str] | None = None) -> int:
         store.close()
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _serve(args) -> int:
+    from lmfoundry.align.review_api import ReviewServeConfig, start_review_api
+    from lmfoundry.platform.ray_env import init_ray
+
+    init_ray()
+    try:
+        url = start_review_api(ReviewServeConfig(db=args.db, keys_file=args.keys_file, port=args.port))
+    except ValueError as e:
+        print(f"error: review serve: {e}", file=sys.stderr)
+        return 2
+    print(f"review queue at {url} (Ctrl-C stops)")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
 
 
 if __name__ == "__main__":

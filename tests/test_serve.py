@@ -499,11 +499,14 @@ def test_two_versions_behind_one_route_shift_and_roll_back_without_dropping_requ
         assert replica_ids() == replicas  # no replica was restarted
 
 
-def test_red_team_and_hhh_suites_run_against_the_endpoint(server):
+def test_red_team_and_hhh_suites_run_against_the_endpoint(server, tool_server):
     from lmfoundry.eval import hhh, redteam
     from lmfoundry.eval.models import EndpointModel
 
-    model = EndpointModel(server, "tiny", KEY, concurrency=4)
+    short = EndpointModel(server, "tiny", KEY)  # a 64-token context: long prompts are 400s, counted, not fatal
+    assert short.chat([[{"role": "user", "content": "word " * 100}]], 8) == [""]
+    assert sum(short.errors.values()) == 1 and "context" in next(iter(short.errors))
+    model = EndpointModel(tool_server, "tiny", KEY, concurrency=4)  # the same weights, 1,024 tokens of context
     families = ["roleplay", "base64", "multi_turn", "injection"]
     result = redteam.run_redteam(model, redteam.RedTeamConfig(families=families, attacks_per_family=3, seed=1,
                                                               max_tokens=8))
@@ -514,6 +517,7 @@ def test_red_team_and_hhh_suites_run_against_the_endpoint(server):
     assert scores["harmless"]["refusal_rate"]["rate"] == 1.0  # the first five harmful prompts hit the blocklist
     assert scores["harmless"]["over_refusal_rate"]["rate"] < 1.0
     assert "skipped" in scores["honest"]["calibration"]  # no log-likelihoods over HTTP, and the report says so
+    assert not model.errors
 
 
 def test_review_queue_over_http_behind_the_api_keys(server, tmp_path):

@@ -220,10 +220,11 @@ class SampleCandidates:
         self.model = _open_model(self.cfg.student)
 
     def __call__(self, row: dict) -> dict:
-        messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        prompt = json.loads(row["prompt"])  # JSON text in the dataset: a prompt is text or a list of messages
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         base = int(hashlib.sha256(f"{self.cfg.seed}:{row['id']}".encode()).hexdigest()[:8], 16)
-        texts = [self.model.sample([messages], self.cfg.max_tokens, self.cfg.temperature, base + k)[0]
-                 for k in range(self.cfg.candidates)]
+        # one call for all candidates (seeds base .. base + N - 1): an endpoint gets them concurrently and batches them
+        texts = self.model.sample([messages] * self.cfg.candidates, self.cfg.max_tokens, self.cfg.temperature, base)
         return {**row, "replies": json.dumps(texts), "student": self.model.name}
 
 
@@ -251,6 +252,7 @@ class JudgeCandidates:
         self.judge = _open_judge(self.cfg.judge)
 
     def __call__(self, row: dict) -> dict:
+        row = {**row, "prompt": json.loads(row["prompt"])}
         return {"record": json.dumps(judge_record(self.judge, row, self.cfg.judgments, self.cfg.seed))}
 
 
@@ -303,7 +305,6 @@ def run_pairs(cfg: PairsConfig) -> dict:
     records = []
     if kept:
         ds = ray.data.from_items([{"id": r["id"], "prompt": json.dumps(r["prompt"])} for r in kept])
-        ds = ds.map(lambda r: {"id": r["id"], "prompt": json.loads(r["prompt"])})
         ds = ds.map(SampleCandidates, fn_constructor_args=(cfg_json,), concurrency=cfg.concurrency)
         ds = ds.map(JudgeCandidates, fn_constructor_args=(cfg_json,), concurrency=cfg.concurrency)
         records = sorted((json.loads(r["record"]) for r in ds.iter_rows()), key=lambda r: r["id"])

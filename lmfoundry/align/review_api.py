@@ -5,9 +5,11 @@ key's tenant is the reviewer.
     POST /v1/review/items/{id}/claim                      POST /v1/review/next {"kind": "audit"}
     POST /v1/review/items/{id}/decide {"decision": "a", "dimensions": {"honesty": "disagree"}}
     POST /v1/review/items/{id}/comments {"body": "..."}   GET  /health (no key)
+
+(No `from __future__ import annotations`: FastAPI reads the handlers' annotations at run time,
+and Serve ships this class by value, without the module's globals to resolve strings in.)
 """
 
-from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse

@@ -16,6 +16,7 @@ Face export.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Protocol
 
 import torch
@@ -177,6 +178,8 @@ class EndpointModel:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
         self.concurrency = concurrency
+        self.errors: dict[str, int] = {}  # requests the endpoint refused as malformed, by answer
+        self._lock = threading.Lock()
         self.tokenizer = None
         if tokenizer:
             from tokenizers import Tokenizer
@@ -196,6 +199,13 @@ class EndpointModel:
         response = self.client.post(path, json={"model": self.model, "temperature": 0.0, **body})  # greedy unless told
         if response.status_code == 400 and "content_policy_violation" in response.text:
             return {"choices": [{"text": "", "message": {"content": ""}, "finish_reason": "content_policy_violation"}]}
+        if 400 <= response.status_code < 500 and response.status_code not in (401, 403, 404):
+            # this request cannot be served (e.g. longer than the context): an empty reply, counted;
+            # a suite goes on with the rest
+            with self._lock:
+                self.errors[f"{response.status_code}: {response.text[:120]}"] = \
+                    self.errors.get(f"{response.status_code}: {response.text[:120]}", 0) + 1
+            return {"choices": [{"text": "", "message": {"content": ""}, "finish_reason": "error"}]}
         if response.status_code >= 400:
             raise RuntimeError(f"{self.name}{path} answered {response.status_code}: {response.text[:300]}")
         return response.json()

@@ -142,6 +142,9 @@ def evaluate(model: EvalModel, suites: EvalSuites, checkpoint_dir: str | None = 
     if suites.redteam is not None:
         regression = str(Path(out_dir) / "redteam_regression.jsonl") if out_dir else None
         report["red_team"] = timed("redteam", lambda: redteam.run_redteam(model, suites.redteam, regression))
+    if getattr(model, "errors", None):
+        report["endpoint_errors"] = dict(model.errors)  # requests it could not serve: empty replies in the suites
+        logger.warning("evaluate: the endpoint refused %d requests: %s", sum(model.errors.values()), model.errors)
     report["metrics"] = flatten(report)
     return report
 

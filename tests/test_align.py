@@ -162,7 +162,9 @@ def test_finalize_folds_decisions_back_with_provenance(tmp_path):
     accepted = [{"id": f"p{i}", "prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}", "judge": "j1"}
                 for i in range(3)]
     (out / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in accepted))
-    (out / "card.json").write_text(json.dumps({"accepted": 3}))
+    (out / "card.json").write_text(json.dumps({
+        "prompts": 7, "accepted": 3, "queued_for_review": 4, "queued_for_audit": 2, "rejected_by_reason": {},
+        "student": "s", "judge": "j1", "candidates": 4, "judgments": 2, "min_margin": 1.0, "audit_rate": 0.03}))
     store = review.ReviewStore(str(out / "review.sqlite"))
     for i, decision in (("r1", "a"), ("r2", "b"), ("r3", "reject")):
         store.add(f"review-{i}", "review", "low confidence",
@@ -186,6 +188,7 @@ def test_finalize_folds_decisions_back_with_provenance(tmp_path):
     assert f["review_decisions"] == {"a": 1, "b": 1, "reject": 1, "pending": 1}
     assert f["audit_disagreement_by_dimension"] == {"helpfulness": 0.0, "harmlessness": None, "honesty": 0.5}
     assert f["audit_disagreement_by_judge"] == {"j1": 0.5}
+    assert "audit disagreement by dimension" in (out / "CARD.md").read_text()
     chat = json.loads((out / "final" / "pairs_chat.jsonl").read_text().splitlines()[0])
     assert chat["prompt"][0]["role"] == "user" and chat["chosen"][0]["role"] == "assistant"
 

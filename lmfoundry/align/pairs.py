@@ -339,10 +339,32 @@ def run_pairs(cfg: PairsConfig) -> dict:
         "review_db": cfg.review_db or storage.join(out, "review.sqlite"), "seconds": round(time.time() - started, 2),
     }
     storage.write_json_atomic(storage.join(out, "card.json"), card)
+    storage.write_bytes_atomic(storage.join(out, "CARD.md"), card_markdown(card).encode())
     storage.commit(out, "pairs", {"card": "card.json", "pairs": "pairs.jsonl"})
     logger.info("pairs: %d prompts -> %d pairs accepted, %d to review, %d to audit, rejected %s", len(prompts),
                 len(accepted), queued, audits, reasons)
     return card
+
+
+def card_markdown(card: dict) -> str:
+    """The dataset card for people: what went in, what came out, how sure the judges were."""
+    lines = ["# Preference pairs", "",
+             f"- prompts: {card['prompts']}; accepted pairs: {card['accepted']}; sent to review: "
+             f"{card['queued_for_review']}; sampled for audit: {card['queued_for_audit']}",
+             f"- student: {card['student']}; judge: {card['judge']}; {card['candidates']} candidates a prompt, "
+             f"{card['judgments']} judgments a reply, min margin {card['min_margin']}, audit rate {card['audit_rate']}",
+             "- rejected: " + (", ".join(f"{n} {r}" for r, n in card["rejected_by_reason"].items()) or "none")]
+    if card.get("confidence"):
+        c = card["confidence"]
+        lines.append(f"- confidence of accepted pairs: min {c['min']:.3f}, median {c['median']:.3f}, max {c['max']:.3f}")
+    if card.get("final"):
+        f = card["final"]
+        lines += ["", "## After review", "",
+                  f"- final pairs: {f['pairs']} ({f['from_judge']} as judged, {f['from_review']} from human review)",
+                  f"- review decisions: {f['review_decisions']}; audits decided: {f['audits_decided']}",
+                  f"- audit disagreement by dimension: {f['audit_disagreement_by_dimension']}",
+                  f"- audit disagreement by judge: {f['audit_disagreement_by_judge']}"]
+    return "\n".join(lines) + "\n"
 
 
 def finalize(output: str, review_db: str | None = None) -> dict:
@@ -391,6 +413,7 @@ def finalize(output: str, review_db: str | None = None) -> dict:
         "audit_disagreement_by_dimension": {d: (sum(v) / len(v) if v else None) for d, v in by_dimension.items()},
         "audit_disagreement_by_judge": {j: sum(v) / len(v) for j, v in by_judge.items()},
     }
+    storage.write_bytes_atomic(storage.join(out, "CARD.md"), card_markdown(card).encode())
     _write_jsonl(storage.join(out, "final", "pairs.jsonl"), final)
     _write_jsonl(storage.join(out, "final", "pairs_chat.jsonl"), [chat_form(p) for p in final])
     storage.write_json_atomic(storage.join(out, "card.json"), card)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import sys
 import time
-from pathlib import Path
+
+from lmfoundry.platform.db import Database
 
 DIMENSIONS = ("helpfulness", "harmlessness", "honesty")
 DECISIONS = {"review": ("a", "b", "reject"), "audit": ("agree", "disagree")}
@@ -51,34 +51,19 @@ class ReviewConflict(ReviewError):
 
 
 class ReviewStore:
-    """`dsn`: a path or `sqlite:///path` for SQLite, `postgresql://...` for PostgreSQL (needs the
-    `psycopg` package: pip install 'lmfoundry[postgres]')."""
+    """`dsn`: a path or `sqlite:///path` for SQLite, `postgresql://...` for PostgreSQL."""
 
     def __init__(self, dsn: str):
         self.dsn = dsn
-        if dsn.startswith(("postgresql://", "postgres://")):
-            try:
-                import psycopg
-            except ImportError as e:
-                raise ImportError("a PostgreSQL review queue needs psycopg: pip install 'lmfoundry[postgres]'") from e
-            self.conn = psycopg.connect(dsn, autocommit=True)
-            self.marker = "%s"
-        else:
-            path = dsn.removeprefix("sqlite:///")
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            # autocommit; a busy database waits instead of failing when two reviewers write at once
-            self.conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-            self.marker = "?"
+        self.db = Database(dsn)
         for statement in SCHEMA:
-            self._run(statement)
+            self.db.run(statement)
 
     def _run(self, sql: str, params: tuple = ()):
-        cur = self.conn.cursor()
-        cur.execute(sql.replace("?", self.marker), params)
-        return cur
+        return self.db.run(sql, params)
 
     def close(self) -> None:
-        self.conn.close()
+        self.db.close()
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -86,16 +71,16 @@ class ReviewStore:
         """Queue an item; False when it is already there (a rerun adds nothing twice)."""
         if kind not in DECISIONS:
             raise ReviewError(f"kind {kind!r}; allowed: {sorted(DECISIONS)}")
-        if self._run("SELECT 1 FROM review_items WHERE id = ?", (item_id,)).fetchone():
+        if self._run("SELECT 1 FROM review_items WHERE id = ?", (item_id,))[0]:
             return False
         self._run("INSERT INTO review_items (id, kind, reason, payload, created_at) VALUES (?, ?, ?, ?, ?)",
                   (item_id, kind, reason, json.dumps(payload), time.time()))
         return True
 
     def claim(self, item_id: str, reviewer: str) -> dict:
-        cur = self._run("UPDATE review_items SET status = 'claimed', claimed_by = ?, claimed_at = ? "
-                        "WHERE id = ? AND status = 'pending'", (reviewer, time.time(), item_id))
-        if cur.rowcount != 1:
+        _, updated = self._run("UPDATE review_items SET status = 'claimed', claimed_by = ?, claimed_at = ? "
+                               "WHERE id = ? AND status = 'pending'", (reviewer, time.time(), item_id))
+        if updated != 1:
             item = self.get(item_id)
             raise ReviewConflict(f"item {item_id} is {item['status']}"
                               + (f" by {item['claimed_by']}" if item["claimed_by"] else "") + ", not pending")
@@ -146,11 +131,12 @@ class ReviewStore:
         item["dimensions"] = json.loads(item["dimensions"]) if item["dimensions"] else {}
         item["comments"] = [{"author": a, "body": b, "at": t} for a, b, t in self._run(
             "SELECT author, body, created_at FROM review_comments WHERE item_id = ? ORDER BY created_at",
-            (item["id"],)).fetchall()]
+            (item["id"],))[0]]
         return item
 
     def get(self, item_id: str) -> dict:
-        row = self._run(f"SELECT {', '.join(self.COLUMNS)} FROM review_items WHERE id = ?", (item_id,)).fetchone()
+        rows, _ = self._run(f"SELECT {', '.join(self.COLUMNS)} FROM review_items WHERE id = ?", (item_id,))
+        row = rows[0] if rows else None
         if row is None:
             raise ReviewNotFound(f"no review item {item_id!r}")
         return self._item(row)
@@ -164,7 +150,7 @@ class ReviewStore:
             where.append("kind = ?")
             params.append(kind)
         sql = f"SELECT {', '.join(self.COLUMNS)} FROM review_items" + (f" WHERE {' AND '.join(where)}" if where else "")
-        return [self._item(r) for r in self._run(sql + " ORDER BY created_at, id", tuple(params)).fetchall()]
+        return [self._item(r) for r in self._run(sql + " ORDER BY created_at, id", tuple(params))[0]]
 
 
 # --- the CLI -------------------------------------------------------------------------------

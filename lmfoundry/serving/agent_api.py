@@ -1,0 +1,172 @@
+"""The agent service on Ray Serve: an API deployment (same API keys and tenants as the inference
+API) and a deployment of workers that execute runs from the shared store.
+
+    POST /v1/agents/runs {"workflow": NAME, "input": TEXT}  -> {"id"} at once (429 when the tenant is full)
+    GET  /v1/agents/runs/{id}                               -> {"id", "state", "steps", "output", ...}
+    GET  /v1/agents/runs/{id}/events                        -> the steps as server-sent events
+    POST /v1/agents/runs/{id}/approve | reject | cancel
+A tenant sees only its own runs (another tenant's are 404).
+
+(No `from __future__ import annotations`: FastAPI reads the handlers' annotations at run time,
+and Serve ships these classes by value.)
+"""
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+from lmfoundry.platform.config import StageConfig
+from lmfoundry.serving.agents import TERMINAL, AgentStore, AgentWorker, load_workflows
+from lmfoundry.serving.keys import Authenticator
+
+app = FastAPI(title="lmfoundry agents")
+
+
+class AgentServeConfig(StageConfig):
+    workflows: str = Field(..., description="a YAML file (or folder) with a 'workflows:' mapping")
+    store: str = Field(..., description="the run store: a SQLite path or a postgresql:// DSN")
+    keys_file: str | None = None
+    api_keys_env: str = "LMFOUNDRY_API_KEYS"
+    workers: int = Field(2, ge=1, description="worker replicas executing runs")
+    runs_per_worker: int = Field(16, ge=1)
+    per_tenant_running: int = Field(8, ge=1, description="runs of one tenant executing at once, all workers")
+    per_tenant_active: int = Field(200, ge=1, description="queued + running runs of one tenant before 429")
+    lease_s: float = Field(15.0, gt=0, description="a dead worker's runs resume elsewhere after this")
+    route_prefix: str = "/agents"
+    env_from_driver: list[str] = Field([], description="environment variables copied from the launching process "
+                                       "into the replicas (the model endpoint's API key, the workflows' secrets)")
+
+
+class StartRun(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    workflow: str
+    input: str = Field(..., min_length=1, max_length=20000)
+
+
+def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers,
+                        content={"error": {"message": message, "type": "invalid_request_error", "code": status}})
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+class AgentWorkers:
+    def __init__(self, store: str, workflows: str, runs_per_worker: int, per_tenant_running: int, lease_s: float):
+        self.worker = AgentWorker(store, load_workflows(workflows), runs_per_worker, per_tenant_running, lease_s)
+
+    def check_health(self):
+        if not self.worker.thread.is_alive():
+            raise RuntimeError("the worker loop has stopped")
+
+    def active(self) -> list[str]:
+        return sorted(self.worker.active)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+@serve.ingress(app)
+class AgentAPI:
+    def __init__(self, store: str, workflows: str, keys_file, env_digests: list, per_tenant_active: int, workers):
+        self.store = AgentStore(store)
+        self.workflows = load_workflows(workflows)
+        self.auth = Authenticator(keys_file, env_digests)
+        self.per_tenant_active = per_tenant_active
+        self.workers = workers  # held so the worker deployment is part of this app
+
+    def _tenant(self, request: Request):
+        who = self.auth.principal(request.headers.get("authorization"))
+        return who.tenant if who else None
+
+    def _run(self, request: Request, run_id: str):
+        tenant = self._tenant(request)
+        if tenant is None:
+            return None, _error(401, "missing, invalid or revoked API key: send 'Authorization: Bearer <key>'")
+        run = self.store.get(run_id, tenant)
+        if run is None:
+            return None, _error(404, f"no run {run_id}")
+        return run, None
+
+    @app.get("/health")
+    def health(self):
+        return {"status": "ok"}
+
+    @app.post("/v1/agents/runs")
+    def start(self, request: Request, body: StartRun):
+        tenant = self._tenant(request)
+        if tenant is None:
+            return _error(401, "missing, invalid or revoked API key: send 'Authorization: Bearer <key>'")
+        if body.workflow not in self.workflows:
+            return _error(400, f"workflow {body.workflow!r} is unknown; known: {sorted(self.workflows)}")
+        if self.store.active_count(tenant) >= self.per_tenant_active:
+            return _error(429, f"tenant {tenant} has {self.per_tenant_active} runs queued or running; retry later",
+                          {"Retry-After": "5"})
+        return {"id": self.store.create(tenant, body.workflow, body.input), "state": "queued"}
+
+    @app.get("/v1/agents/runs/{run_id}")
+    def get(self, request: Request, run_id: str):
+        run, err = self._run(request, run_id)
+        return err or {k: v for k, v in run.items() if k != "tenant"}
+
+    @app.get("/v1/agents/runs/{run_id}/events")
+    async def events(self, request: Request, run_id: str):
+        run, err = self._run(request, run_id)
+        if err:
+            return err
+
+        async def stream():
+            seen = -1
+            while True:
+                for step in self.store.steps(run_id, seen):
+                    if step["kind"] == "tool" and step["status"] == "started":
+                        break  # sent once it is done
+                    seen = step["n"]
+                    yield f"event: step\ndata: {json.dumps(step, default=str)}\n\n"
+                state = self.store.get(run_id)["state"]
+                if state in TERMINAL or state == "waiting_approval":
+                    yield f"event: state\ndata: {json.dumps({'state': state})}\n\n"
+                    return
+                await asyncio.sleep(0.2)
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    def _decide(self, request: Request, run_id: str, approved: bool):
+        run, err = self._run(request, run_id)
+        if err:
+            return err
+        if not self.store.decide(run_id, approved, self._tenant(request)):
+            return _error(409, f"run {run_id} is {run['state']}, not waiting for an approval")
+        return {"id": run_id, "state": "queued", "approved": approved}
+
+    @app.post("/v1/agents/runs/{run_id}/approve")
+    def approve(self, request: Request, run_id: str):
+        return self._decide(request, run_id, True)
+
+    @app.post("/v1/agents/runs/{run_id}/reject")
+    def reject(self, request: Request, run_id: str):
+        return self._decide(request, run_id, False)
+
+    @app.post("/v1/agents/runs/{run_id}/cancel")
+    def cancel(self, request: Request, run_id: str):
+        run, err = self._run(request, run_id)
+        if err:
+            return err
+        if run["state"] in TERMINAL:
+            return _error(409, f"run {run_id} has ended ({run['state']})")
+        self.store.request_cancel(run_id)
+        return {"id": run_id, "state": self.store.get(run_id)["state"], "cancel_requested": True}
+
+
+def build_agent_app(cfg: AgentServeConfig, env_digests: list[str]):
+    import os
+
+    load_workflows(cfg.workflows)  # fail now, not in a replica
+    missing = [name for name in cfg.env_from_driver if name not in os.environ]
+    if missing:
+        raise ValueError(f"env_from_driver: {missing} are not set in this environment")
+    env = {name: os.environ[name] for name in cfg.env_from_driver}
+    workers = AgentWorkers.options(num_replicas=cfg.workers, ray_actor_options={
+        "num_cpus": 0.1, "runtime_env": {"env_vars": env}}).bind(cfg.store, cfg.workflows, cfg.runs_per_worker,
+                                                                 cfg.per_tenant_running, cfg.lease_s)
+    return AgentAPI.bind(cfg.store, cfg.workflows, cfg.keys_file, env_digests, cfg.per_tenant_active, workers)

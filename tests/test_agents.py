@@ -1,0 +1,178 @@
+"""The agent service on real Ray Serve over real HTTP: the session's trained weights (with room
+for tool descriptions) behind the OpenAI API choose the tool calls by constrained decoding, a
+real SQLite orders database and a BM25 docs corpus answer them, a local HTTP API takes the
+approved calls; runs, approvals, cancellation, tenants and the event stream."""
+
+import json
+import shutil
+import sqlite3
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+KEY = "sk-agents-test-" + "a" * 16
+
+
+class _Orders(BaseHTTPRequestHandler):
+    calls: list = []
+
+    def do_POST(self):
+        _Orders.calls.append((self.path, self.headers.get("Idempotency-Key")))
+        self.send_response(201)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def agents(pretrained, tmp_path_factory):
+    from ray import serve
+
+    from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS
+    from lmfoundry.platform import checkpoint
+    from lmfoundry.serving.agent_api import AgentServeConfig, build_agent_app
+    from lmfoundry.serving.app import ServeConfig, build_app
+    from lmfoundry.serving.keys import create_key, digest
+
+    root = tmp_path_factory.mktemp("agents")
+    source = Path(checkpoint.resolve(pretrained[0]))
+    ckpt = root / "long-context"
+    ckpt.mkdir()
+    for name in (WEIGHTS, TOKENIZER):
+        shutil.copy(source / name, ckpt / name)
+    (ckpt / MODEL_CONFIG).write_text(json.dumps({**json.loads((source / MODEL_CONFIG).read_text()), "max_seq_len": 1024}))
+    checkpoint.seal(ckpt, {"step": 0})
+    db = root / "orders.sqlite"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, customer TEXT, total REAL)")
+    conn.executemany("INSERT INTO orders (customer, total) VALUES (?, ?)", [("acme", 12.5), ("globex", 40.0)])
+    conn.commit()
+    conn.close()
+    docs = root / "docs.jsonl"
+    docs.write_text(json.dumps({"id": "refunds", "text": "Refunds are paid within 14 days."}) + "\n")
+    api = ThreadingHTTPServer(("127.0.0.1", 0), _Orders)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    api_url = f"http://127.0.0.1:{api.server_address[1]}"
+    port = free_port()
+    keys = str(root / "keys.json")
+    other_key, _ = create_key(keys, "globex")
+    workflows = root / "workflows.yaml"
+    model = {"model_url": f"http://127.0.0.1:{port}", "model": "tiny", "api_key_env": "LMFOUNDRY_AGENT_TEST_KEY",
+             "max_tokens": 48}
+    workflows.write_text(json.dumps({"workflows": {
+        "orders": {**model, "tools": {"sql": {"kind": "sql", "dsn": str(db)}, "docs": {"kind": "search",
+                   "corpus": str(docs)}}, "first_tool": "sql", "max_steps": 4},
+        "refund": {**model, "tools": {"refund": {"kind": "http", "allow": [{"base_url": f"{api_url}/refunds",
+                   "methods": ["POST"]}]}}, "approval_required": ["refund"], "first_tool": "refund", "max_steps": 2},
+    }}))
+    import os
+
+    os.environ["LMFOUNDRY_AGENT_TEST_KEY"] = KEY
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(ServeConfig(checkpoint=str(ckpt), model_name="tiny", cpus_per_replica=0.5), [digest(KEY)]),
+              name="llm", route_prefix="/", blocking=False)
+    cfg = AgentServeConfig(workflows=str(workflows), store=str(root / "runs.sqlite"), keys_file=keys, workers=2,
+                           per_tenant_active=6, env_from_driver=["LMFOUNDRY_AGENT_TEST_KEY"])
+    serve.run(build_agent_app(cfg, [digest(KEY)]), name="agents", route_prefix="/agents", blocking=False)
+    url = f"http://127.0.0.1:{port}/agents"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200 and httpx.get(
+                    f"http://127.0.0.1:{port}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "the agent service did not come up"
+        time.sleep(0.5)
+    yield {"url": url, "other_key": other_key, "store": cfg.store}
+    serve.delete("agents")
+    serve.delete("llm")
+    api.shutdown()
+
+
+def auth(key=KEY):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def wait_for(url, run_id, states, key=KEY, timeout=240):
+    deadline = time.time() + timeout
+    while True:
+        run = httpx.get(f"{url}/v1/agents/runs/{run_id}", headers=auth(key)).json()
+        if run["state"] in states:
+            return run
+        assert time.time() < deadline, f"run {run_id} stayed {run['state']}"
+        time.sleep(0.3)
+
+
+def test_a_run_queries_the_database_persists_every_step_and_streams_them(agents):
+    url = agents["url"]
+    started = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "What did acme spend?"},
+                         headers=auth())
+    assert started.status_code == 200 and started.json()["state"] == "queued"
+    run_id = started.json()["id"]
+    run = wait_for(url, run_id, ("succeeded", "failed"))
+    steps = run["steps"]
+    assert [s["n"] for s in steps] == list(range(len(steps)))  # every step once, in order
+    assert steps[0]["kind"] == "model" and steps[0]["tool"] == "sql"  # the workflow's first tool
+    assert steps[1]["kind"] == "tool" and steps[1]["status"] == "done" and steps[1]["idempotency_key"] == f"{run_id}:1"
+    assert "untrusted" not in steps[1]["model_view"]  # wrapping happens in the prompt, not in the record
+    if run["state"] == "failed":
+        assert run["error"].startswith("budget reached")
+    with httpx.stream("GET", f"{url}/v1/agents/runs/{run_id}/events", headers=auth(), timeout=60) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert len(events) == len(steps) + 1 and json.loads(events[-1][6:]) == {"state": run["state"]}
+    # another tenant cannot see it, or cancel it
+    other = agents["other_key"]
+    assert httpx.get(f"{url}/v1/agents/runs/{run_id}", headers=auth(other)).status_code == 404
+    assert httpx.post(f"{url}/v1/agents/runs/{run_id}/cancel", headers=auth(other)).status_code == 404
+    assert httpx.post(f"{url}/v1/agents/runs/{run_id}/cancel", headers=auth()).status_code == 409  # it has ended
+
+
+def test_approvals_gate_side_effects_and_carry_idempotency_keys(agents):
+    url = agents["url"]
+    rejected = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "refund", "input": "Refund order 2."},
+                          headers=auth()).json()["id"]
+    run = wait_for(url, rejected, ("waiting_approval",))
+    assert run["steps"][-1]["kind"] == "approval" and run["steps"][-1]["status"] == "pending"
+    assert _Orders.calls == []  # nothing was called before a human said yes
+    assert httpx.post(f"{url}/v1/agents/runs/{rejected}/reject", headers=auth()).json()["approved"] is False
+    run = wait_for(url, rejected, ("succeeded", "failed", "waiting_approval"))
+    tool = next(s for s in run["steps"] if s["kind"] == "tool")
+    assert tool["refused"] == "rejected by a reviewer" and _Orders.calls == []
+    approved = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "refund", "input": "Refund order 1."},
+                          headers=auth()).json()["id"]
+    wait_for(url, approved, ("waiting_approval",))
+    assert httpx.post(f"{url}/v1/agents/runs/{approved}/approve", headers=auth()).status_code == 200
+    run = wait_for(url, approved, ("succeeded", "failed", "waiting_approval"))
+    tool = next(s for s in run["steps"] if s["kind"] == "tool")
+    if tool["ok"]:  # the model's URL may fall outside the allow-list: then the service refused it
+        assert _Orders.calls[-1][1] == tool["idempotency_key"] == f"{approved}:{tool['n']}"
+    else:
+        assert "outside the allow-list" in tool["error"] and _Orders.calls == []
+    assert httpx.post(f"{url}/v1/agents/runs/{approved}/approve", headers=auth()).status_code in (409, 200)
+
+
+def test_cancellation_limits_and_bad_requests(agents):
+    url = agents["url"]
+    waiting = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "refund", "input": "Refund order 9."},
+                         headers=auth()).json()["id"]
+    wait_for(url, waiting, ("waiting_approval",))
+    assert httpx.post(f"{url}/v1/agents/runs/{waiting}/cancel", headers=auth()).json()["state"] == "cancelled"
+    assert wait_for(url, waiting, ("cancelled",))["state"] == "cancelled"
+    assert httpx.post(f"{url}/v1/agents/runs", json={"workflow": "nope", "input": "x"}, headers=auth()).status_code == 400
+    assert httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "x"}).status_code == 401
+    assert httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders"}, headers=auth()).status_code == 422
+    codes = [httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders", "input": f"q{i}"},
+                        headers=auth(agents["other_key"])).status_code for i in range(8)]
+    assert codes[:6] == [200] * 6 and 429 in codes[6:]  # per-tenant back-pressure

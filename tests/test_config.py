@@ -73,6 +73,7 @@ def test_every_recipe_in_configs_validates():
     from lmfoundry.jobs.align import AlignJobConfig
     from lmfoundry.align.pairs import PairsConfig
     from lmfoundry.align.synth import SynthConfig
+    from lmfoundry.jobs.agents import AgentsJobConfig
     from lmfoundry.data.pack import PackConfig
     from lmfoundry.data.quality import QualityTrainConfig
     from lmfoundry.jobs.quickstart import load_quickstart_config
@@ -84,7 +85,8 @@ def test_every_recipe_in_configs_validates():
               "pretrain_7b_gpu.yaml": PretrainConfig, "pretrain_moe_16b_gpu.yaml": PretrainConfig,
               "pretrain_70b_gpu.yaml": PretrainConfig,
               "evaluate.yaml": EvaluateConfig, "serve.yaml": ServeConfig, "quality_model.yaml": QualityTrainConfig,
-              "pairs.yaml": PairsConfig, "synth.yaml": SynthConfig, "align_dpo.yaml": AlignJobConfig}
+              "pairs.yaml": PairsConfig, "synth.yaml": SynthConfig, "align_dpo.yaml": AlignJobConfig,
+              "agents.yaml": AgentsJobConfig}
     for name, cls in models.items():
         assert isinstance(load_config(cls, root / name), cls)
     q = load_quickstart_config(str(root / "quickstart.yaml"), "/tmp/qs-work", [])

@@ -4,7 +4,8 @@
     lmfoundry align CONFIG [--input CHECKPOINT] [--output RUN] [--set pairs=PAIRS.jsonl]
     lmfoundry pairs CONFIG [--output DIR]      (teacher-judged preference pairs)
     lmfoundry synth CONFIG [--output DIR]      (verified synthetic data)
-    lmfoundry review --db DSN list|claim|decide|comment ...
+    lmfoundry review --db DSN list|claim|decide|comment|serve ...
+    lmfoundry agents CONFIG | agents demo-data [--out DIR]
     lmfoundry quickstart [--workdir DIR] [--keep-serving]
     lmfoundry export CHECKPOINT OUTPUT [--format hf]
     lmfoundry plan PRETRAIN_CONFIG [--gpu H200] [--nodes N] [--token-budget T]
@@ -26,7 +27,7 @@ from lmfoundry.platform.config import ConfigError, StageConfig, load_config
 from lmfoundry.platform.log import get_logger
 
 STAGES = ("curate", "pack", "pretrain", "evaluate", "align", "serve", "quickstart", "export", "plan", "quality-model", "keys",
-          "traffic", "pairs", "synth", "review")
+          "traffic", "pairs", "synth", "review", "agents")
 logger = get_logger(__name__)
 
 

@@ -68,12 +68,12 @@ def agents(pretrained, tmp_path_factory):
     other_key, _ = create_key(keys, "globex")
     workflows = root / "workflows.yaml"
     model = {"model_url": f"http://127.0.0.1:{port}", "model": "tiny", "api_key_env": "LMFOUNDRY_AGENT_TEST_KEY",
-             "max_tokens": 48}
+             "max_tokens": 200, "max_answer_chars": 40}
     workflows.write_text(json.dumps({"workflows": {
-        "orders": {**model, "tools": {"sql": {"kind": "sql", "dsn": str(db)}, "docs": {"kind": "search",
-                   "corpus": str(docs)}}, "first_tool": "sql", "max_steps": 4},
-        "refund": {**model, "tools": {"refund": {"kind": "http", "allow": [{"base_url": f"{api_url}/refunds",
-                   "methods": ["POST"]}]}}, "approval_required": ["refund"], "first_tool": "refund", "max_steps": 2},
+        "orders": {**model, "tools": {"sql": {"kind": "sql", "dsn": str(db), "max_query_chars": 40},
+                   "docs": {"kind": "search", "corpus": str(docs), "max_query_chars": 30}}, "first_tool": "sql", "max_steps": 4},
+        "refund": {**model, "tools": {"refund": {"kind": "http", "max_query_chars": 40,
+                   "allow": [{"base_url": f"{api_url}/refunds", "methods": ["POST"]}]}}, "approval_required": ["refund"], "first_tool": "refund", "max_steps": 2},
     }}))
     import os
 
@@ -127,8 +127,8 @@ def test_a_run_queries_the_database_persists_every_step_and_streams_them(agents)
     assert steps[0]["kind"] == "model" and steps[0]["tool"] == "sql"  # the workflow's first tool
     assert steps[1]["kind"] == "tool" and steps[1]["status"] == "done" and steps[1]["idempotency_key"] == f"{run_id}:1"
     assert "untrusted" not in steps[1]["model_view"]  # wrapping happens in the prompt, not in the record
-    if run["state"] == "failed":
-        assert run["error"].startswith("budget reached")
+    if run["state"] == "failed":  # out of steps, or the conversation outgrew the 1,024-token context
+        assert run["error"].startswith("budget reached") or "context" in run["error"], run["error"]
     with httpx.stream("GET", f"{url}/v1/agents/runs/{run_id}/events", headers=auth(), timeout=60) as stream:
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
     assert len(events) == len(steps) + 1 and json.loads(events[-1][6:]) == {"state": run["state"]}

@@ -115,7 +115,7 @@ def test_http_reaches_only_the_allow_list_and_sends_idempotency_keys(api):
     registry.register(tool)
     ok = registry.call("http", {"method": "GET", "url": f"{api}/api/orders/7"})
     assert ok.ok and json.loads(ok.output["body"]) == {"path": "/api/orders/7"}
-    created = registry.call("http", {"method": "POST", "url": f"{api}/api/orders", "body": {"sku": 1}},
+    created = registry.call("http", {"method": "POST", "url": f"{api}/api/orders", "body": '{"sku": 1}'},
                             idempotency_key="run-1-step-3")
     assert created.ok and _API.seen[-1][1] == "run-1-step-3"
     for method, url in [("POST", f"{api}/status"), ("GET", f"{api}/admin"), ("GET", f"{api}/apiary"),

@@ -152,7 +152,7 @@ def _statement_keyword(query: str) -> str:
 
 
 def sql_tool(dsn: str, allow_writes: bool = False, max_rows: int = 100, timeout_s: float = 5.0,
-             name: str = "sql") -> Tool:
+             name: str = "sql", max_query_chars: int = 4000) -> Tool:
     allowed = READ_KEYWORDS + (WRITE_KEYWORDS if allow_writes else ())
     postgres = dsn.startswith(("postgresql://", "postgres://"))
 
@@ -212,7 +212,7 @@ def sql_tool(dsn: str, allow_writes: bool = False, max_rows: int = 100, timeout_
     return Tool(name, "Run one read-only SQL query" + (" (writes allowed)" if allow_writes else "")
                 + f"; at most {max_rows} rows come back.",
                 {"type": "object", "required": ["query"], "additionalProperties": False,
-                 "properties": {"query": {"type": "string", "maxLength": 4000}}},
+                 "properties": {"query": {"type": "string", "maxLength": max_query_chars}}},
                 sql, timeout_s=timeout_s + 1, side_effects=allow_writes)
 
 
@@ -268,7 +268,8 @@ def read_corpus(uri: str, limit: int = 100_000) -> list[dict]:
     return [{"id": str(r.get("id", i)), "text": r["text"]} for i, r in enumerate(rows[:limit])]
 
 
-def search_tool(corpus: str | list[dict], k: int = 5, snippet_chars: int = 400, name: str = "search") -> Tool:
+def search_tool(corpus: str | list[dict], k: int = 5, snippet_chars: int = 400, name: str = "search",
+                max_query_chars: int = 500) -> Tool:
     docs = read_corpus(corpus) if isinstance(corpus, str) else corpus
     index = BM25(docs)
 
@@ -279,7 +280,7 @@ def search_tool(corpus: str | list[dict], k: int = 5, snippet_chars: int = 400, 
 
     return Tool(name, f"Search {len(docs)} documents by keywords (BM25); the best matches come back.",
                 {"type": "object", "required": ["query"], "additionalProperties": False,
-                 "properties": {"query": {"type": "string", "maxLength": 500},
+                 "properties": {"query": {"type": "string", "maxLength": max_query_chars},
                                 "top_k": {"type": "integer", "minimum": 1, "maximum": 20}}},
                 search, timeout_s=10.0)
 
@@ -302,12 +303,12 @@ def _within(url: str, base: str) -> bool:
 
 
 def http_tool(allow: list[AllowedAPI], timeout_s: float = 10.0, max_bytes: int = 20_000, retries: int = 2,
-              name: str = "http") -> Tool:
+              name: str = "http", max_argument_chars: int = 2000) -> Tool:
     if not allow:
         raise ValueError("http_tool needs at least one allowed base URL")
     methods = sorted({m.upper() for a in allow for m in a.methods})
 
-    def http(method: str, url: str, body: object = None, idempotency_key: str | None = None) -> dict:
+    def http(method: str, url: str, body: str | None = None, idempotency_key: str | None = None) -> dict:
         import httpx
 
         method = method.upper()
@@ -316,8 +317,10 @@ def http_tool(allow: list[AllowedAPI], timeout_s: float = 10.0, max_bytes: int =
             raise ToolError(f"{method} {url} is outside the allow-list: "
                             + "; ".join(f"{'/'.join(a.methods)} {a.base_url}" for a in allow))
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key and method != "GET" else {}
+        if body is not None:
+            headers["Content-Type"] = "application/json" if body.lstrip()[:1] in ("{", "[") else "text/plain"
         try:
-            r = httpx.request(method, url, json=body if body is not None else None, headers=headers,
+            r = httpx.request(method, url, content=body.encode() if body is not None else None, headers=headers,
                               timeout=timeout_s, follow_redirects=False)
         except httpx.TransportError as e:
             raise ToolError(f"{method} {url}: {e}", retryable=True) from None
@@ -328,8 +331,10 @@ def http_tool(allow: list[AllowedAPI], timeout_s: float = 10.0, max_bytes: int =
     return Tool(name, "Call an internal HTTP API (allowed: "
                 + "; ".join(f"{'/'.join(a.methods)} {a.base_url}" for a in allow) + ").",
                 {"type": "object", "required": ["method", "url"], "additionalProperties": False,
-                 "properties": {"method": {"type": "string", "enum": methods}, "url": {"type": "string"},
-                                "body": {}}},
+                 "properties": {"method": {"type": "string", "enum": methods},
+                                "url": {"type": "string", "maxLength": max_argument_chars},
+                                "body": {"type": "string", "maxLength": max_argument_chars,
+                                         "description": "the request body (JSON text for JSON APIs)"}}},
                 http, timeout_s=timeout_s + 1, retries=retries,
                 side_effects=any(m.upper() != "GET" for a in allow for m in a.methods))
 

@@ -107,3 +107,14 @@ def postgres_dsn():
     yield f"postgresql://lmfoundry@127.0.0.1:{port}/postgres"
     subprocess.run([*run_as, pg_ctl, "-D", data, "-m", "immediate", "stop"], capture_output=True)
     shutil.rmtree(root, ignore_errors=True)
+
+
+# Modules whose Ray Train runs come last in the session. After the alignment module (a DPO run
+# whose worker is killed, and the pair pipeline's Ray Data actor pools), a later Train run of the
+# same session was seen to hang before its worker group starts (its TrainController.run stays
+# PENDING_NODE_ASSIGNMENT); run on their own, both pass. Until that is understood, they go last.
+RUN_LAST = ("test_align_ray.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.fspath.basename in RUN_LAST)  # stable: the rest keep their order

@@ -96,8 +96,7 @@ def agents(pretrained, tmp_path_factory):
         assert time.time() < deadline, "the agent service did not come up"
         time.sleep(0.5)
     yield {"url": url, "other_key": other_key, "store": cfg.store}
-    serve.delete("agents")
-    serve.delete("llm")
+    serve.shutdown()  # the next module starts Serve on a port of its own
     api.shutdown()
 
 

@@ -151,6 +151,12 @@ def overall(scores: dict[str, float]) -> float:
     return sum(scores[d] for d in DIMENSIONS) / len(DIMENSIONS)
 
 
+def best_and_worst(cands: list[dict]) -> tuple[list[float], int, int]:
+    """Each candidate's mean overall score over its judgments, and the best and worst by it."""
+    means = [statistics.fmean(overall(s) for s in c["scores"]) for c in cands]
+    return means, max(range(len(cands)), key=means.__getitem__), min(range(len(cands)), key=means.__getitem__)
+
+
 def route(record: dict, cfg: PairsConfig) -> dict:
     """From a judged record ({"id", "prompt", "candidates": [{"text", "scores": [per judgment]}],
     "swapped": [verdict with best first, verdict with worst first]} or an "error"), the decision:
@@ -158,9 +164,7 @@ def route(record: dict, cfg: PairsConfig) -> dict:
     if record.get("error"):
         return {"route": "review", "reason": f"judge failed: {record['error']}"}
     cands = record["candidates"]
-    means = [statistics.fmean(overall(s) for s in c["scores"]) for c in cands]
-    best = max(range(len(cands)), key=means.__getitem__)
-    worst = min(range(len(cands)), key=means.__getitem__)
+    means, best, worst = best_and_worst(cands)
     margin = means[best] - means[worst]
     if margin <= 1e-9:
         return {"route": "tie", "reason": "every reply scored the same: a tie is never a pair"}
@@ -192,24 +196,25 @@ def audited(pair_id: str, rate: float, seed: int) -> bool:
 # --- the Ray Data stages -------------------------------------------------------------------------
 
 
-def _open_model(ref: ModelRef):
+def _local_checkpoint(ref: ModelRef) -> str:
+    from lmfoundry.platform import checkpoint
+
+    local = checkpoint.local_copy(checkpoint.resolve(ref.checkpoint), model_only=True)
+    checkpoint.verify(local, model_only=True)
+    return local
+
+
+def open_model(ref: ModelRef):
+    """The student (or a solver) as an evaluation model: generation by checkpoint or endpoint."""
     from lmfoundry.eval.models import CheckpointModel, EndpointModel
 
-    if ref.checkpoint:
-        from lmfoundry.platform import checkpoint
-
-        return CheckpointModel(checkpoint.local_copy(checkpoint.resolve(ref.checkpoint), model_only=True))
-    return EndpointModel(ref.url, ref.model, ref.api_key())
+    return CheckpointModel(_local_checkpoint(ref)) if ref.checkpoint else EndpointModel(ref.url, ref.model, ref.api_key())
 
 
-def _open_judge(ref: ModelRef):
+def open_judge(ref: ModelRef):
     from lmfoundry.align.judge import CheckpointJudge, EndpointJudge
 
-    if ref.checkpoint:
-        from lmfoundry.platform import checkpoint
-
-        return CheckpointJudge(checkpoint.local_copy(checkpoint.resolve(ref.checkpoint), model_only=True))
-    return EndpointJudge(ref.url, ref.model, ref.api_key())
+    return CheckpointJudge(_local_checkpoint(ref)) if ref.checkpoint else EndpointJudge(ref.url, ref.model, ref.api_key())
 
 
 class SampleCandidates:
@@ -217,7 +222,7 @@ class SampleCandidates:
 
     def __init__(self, cfg_json: dict):
         self.cfg = PairsConfig.model_validate(cfg_json)
-        self.model = _open_model(self.cfg.student)
+        self.model = open_model(self.cfg.student)
 
     def __call__(self, row: dict) -> dict:
         prompt = json.loads(row["prompt"])  # JSON text in the dataset: a prompt is text or a list of messages
@@ -237,8 +242,7 @@ def judge_record(judge, row: dict, judgments: int, seed: int) -> dict:
         cands = [{"text": t, "scores": [judge.score(prompt, t, seed + j) for j in range(judgments)]} for t in texts]
         if len(cands) < 2:
             return {**out, "candidates": cands, "swapped": ["tie", "tie"]}
-        means = [statistics.fmean(overall(s) for s in c["scores"]) for c in cands]
-        best, worst = max(range(len(cands)), key=means.__getitem__), min(range(len(cands)), key=means.__getitem__)
+        _, best, worst = best_and_worst(cands)
         swapped = [judge.prefer(prompt, cands[best]["text"], cands[worst]["text"], seed),
                    judge.prefer(prompt, cands[worst]["text"], cands[best]["text"], seed + 1)]
     except JudgeError as e:
@@ -249,7 +253,7 @@ def judge_record(judge, row: dict, judgments: int, seed: int) -> dict:
 class JudgeCandidates:
     def __init__(self, cfg_json: dict):
         self.cfg = PairsConfig.model_validate(cfg_json)
-        self.judge = _open_judge(self.cfg.judge)
+        self.judge = open_judge(self.cfg.judge)
 
     def __call__(self, row: dict) -> dict:
         row = {**row, "prompt": json.loads(row["prompt"])}
@@ -261,13 +265,11 @@ class JudgeCandidates:
 
 def read_prompts(uri: str) -> list[dict]:
     rows = []
-    for n, line in enumerate(storage.read_bytes(storage.normalize(uri)).decode("utf-8").splitlines(), 1):
-        if line.strip():
-            row = json.loads(line)
-            if "prompt" not in row:
-                raise ValueError(f"{uri}:{n}: a prompt record needs 'prompt'")
-            row.setdefault("id", hashlib.sha256(json.dumps(row["prompt"]).encode()).hexdigest()[:16])
-            rows.append({"id": str(row["id"]), "prompt": row["prompt"]})
+    for n, row in enumerate(storage.read_jsonl(uri)):
+        if "prompt" not in row:
+            raise ValueError(f"{uri}: record {n} needs 'prompt'")
+        row.setdefault("id", hashlib.sha256(json.dumps(row["prompt"]).encode()).hexdigest()[:16])
+        rows.append({"id": str(row["id"]), "prompt": row["prompt"]})
     if not rows:
         raise ValueError(f"{uri} holds no prompts")
     return rows
@@ -278,10 +280,6 @@ def chat_form(pair: dict) -> dict:
     return {"id": pair["id"], "prompt": messages,
             "chosen": [{"role": "assistant", "content": pair["chosen"]}],
             "rejected": [{"role": "assistant", "content": pair["rejected"]}]}
-
-
-def _write_jsonl(uri: str, rows: list[dict]) -> None:
-    storage.write_bytes_atomic(uri, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
 
 
 def run_pairs(cfg: PairsConfig) -> dict:
@@ -322,9 +320,9 @@ def run_pairs(cfg: PairsConfig) -> dict:
             if audited(record["id"], cfg.audit_rate, cfg.seed):
                 audits += store.add(f"audit-{record['id']}", "audit", "random audit", decision["pair"])
     store.close()
-    _write_jsonl(storage.join(out, "pairs.jsonl"), accepted)
-    _write_jsonl(storage.join(out, "pairs_chat.jsonl"), [chat_form(p) for p in accepted])
-    _write_jsonl(storage.join(out, "rejected.jsonl"), rejected)
+    storage.write_jsonl_atomic(storage.join(out, "pairs.jsonl"), accepted)
+    storage.write_jsonl_atomic(storage.join(out, "pairs_chat.jsonl"), [chat_form(p) for p in accepted])
+    storage.write_jsonl_atomic(storage.join(out, "rejected.jsonl"), rejected)
     reasons: dict[str, int] = {}
     for r in rejected:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
@@ -376,7 +374,7 @@ def finalize(output: str, review_db: str | None = None) -> dict:
     store = ReviewStore(review_db or storage.join(out, "review.sqlite"))
     items = {i["id"]: i for i in store.list()}
     store.close()
-    pairs = [json.loads(line) for line in storage.read_bytes(storage.join(out, "pairs.jsonl")).decode().splitlines()]
+    pairs = storage.read_jsonl(storage.join(out, "pairs.jsonl"))
     final = []
     for pair in pairs:
         audit = items.get(f"audit-{pair['id']}")
@@ -414,7 +412,7 @@ def finalize(output: str, review_db: str | None = None) -> dict:
         "audit_disagreement_by_judge": {j: sum(v) / len(v) for j, v in by_judge.items()},
     }
     storage.write_bytes_atomic(storage.join(out, "CARD.md"), card_markdown(card).encode())
-    _write_jsonl(storage.join(out, "final", "pairs.jsonl"), final)
-    _write_jsonl(storage.join(out, "final", "pairs_chat.jsonl"), [chat_form(p) for p in final])
+    storage.write_jsonl_atomic(storage.join(out, "final", "pairs.jsonl"), final)
+    storage.write_jsonl_atomic(storage.join(out, "final", "pairs_chat.jsonl"), [chat_form(p) for p in final])
     storage.write_json_atomic(storage.join(out, "card.json"), card)
     return card

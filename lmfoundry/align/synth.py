@@ -19,16 +19,16 @@ rejected with the reason, like curation's rejects, never silently dropped.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import time
 
 from pydantic import Field
 
-from lmfoundry.align.pairs import ModelRef, _open_model
+from lmfoundry.align.pairs import ModelRef, open_model
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
+from lmfoundry.platform.corpus import read_documents
 from lmfoundry.platform.log import get_logger
 from lmfoundry.platform.sandbox import run_python
 
@@ -208,31 +208,13 @@ def qa_candidates(texts: list[str]) -> list[dict]:
     return found
 
 
-def read_documents(uri: str, limit: int = 2000) -> list[str]:
-    uri = storage.normalize(uri)
-    if uri.endswith(".jsonl"):
-        return [json.loads(line)["text"] for line in storage.read_bytes(uri).decode().splitlines() if line.strip()][:limit]
-    import pyarrow.parquet as pq
-
-    files = storage.list_files(storage.join(uri, "kept"), (".parquet",))
-    if not files:
-        raise FileNotFoundError(f"{uri} has no kept/ Parquet shards (a curate output) and is not a .jsonl")
-    texts: list[str] = []
-    for f in files:
-        fs, path = storage.filesystem(f)
-        texts.extend(pq.read_table(fs.open_input_file(path), columns=["text"]).column("text").to_pylist())
-        if len(texts) >= limit:
-            break
-    return texts[:limit]
-
-
 # --- the stage ---------------------------------------------------------------------------------
 
 
 def solve(samples: list[dict], ref: ModelRef, max_tokens: int) -> None:
     """Replace each sample's answer by the solver model's reply (the generator's is kept as
     `reference_answer`)."""
-    model = _open_model(ref)
+    model = open_model(ref)
     instructions = {"arithmetic": "Reply with the number only.", "algebra": "Reply with the answer only.",
                     "code": "Reply with the Python function only, no explanation.",
                     "qa": "Answer with the words of the passage."}
@@ -276,7 +258,7 @@ def run_synth(cfg: SynthConfig) -> dict:
         elif kind == "code":
             samples += [gen_code(rng, i) for i in range(count)]
         else:
-            found = qa_candidates(read_documents(cfg.documents))
+            found = qa_candidates([d["text"] for d in read_documents(cfg.documents, limit=2000)])
             rng.shuffle(found)
             samples += found[:count]
     for i, s in enumerate(samples):
@@ -290,8 +272,7 @@ def run_synth(cfg: SynthConfig) -> dict:
     counts = {k: {"generated": sum(s["kind"] == k for s in samples), "kept": sum(s["kind"] == k for s in kept)}
               for k in cfg.kinds}
     for name, rows in (("kept.jsonl", kept), ("rejected.jsonl", rejected)):
-        storage.write_bytes_atomic(storage.join(out, name),
-                                   "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+        storage.write_jsonl_atomic(storage.join(out, name), rows)
     card = {"samples": len(samples), "kept": len(kept), "rejected": len(rejected), "by_kind": counts,
             "solver": samples[0].get("solver") if samples and cfg.solver else "generator",
             "seconds": round(time.time() - started, 2)}

@@ -104,12 +104,7 @@ class CheckpointModel:
                 sequence = (context + continuation)[-(self.max_length + 1):][:-1]
                 inputs.append(sequence)
                 spans.append((len(sequence) - len(continuation), continuation))
-            width = max(len(s) for s in inputs)
-            batch = torch.full((len(inputs), width), self.eos, dtype=torch.long)
-            for r, s in enumerate(inputs):
-                batch[r, :len(s)] = torch.tensor(s)
-            logits, _ = self.model(batch.to(self.device))
-            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+            logprobs = self._logprobs(inputs)
             for r, (i, (begin, continuation)) in enumerate(zip(rows, spans)):
                 scored = logprobs[r, begin:begin + len(continuation)]
                 target = torch.tensor(continuation)
@@ -123,17 +118,20 @@ class CheckpointModel:
         total = 0.0
         for start in range(0, len(sequences), self.batch_size):
             rows = sequences[start:start + self.batch_size]
-            width = max(len(r) for r in rows)
-            batch = torch.full((len(rows), width), self.eos, dtype=torch.long)
-            mask = torch.zeros((len(rows), width - 1))
+            logprobs = self._logprobs([ids[:-1] for ids in rows])
             for r, ids in enumerate(rows):
-                batch[r, :len(ids)] = torch.tensor(ids)
-                mask[r, :len(ids) - 1] = 1
-            logits, _ = self.model(batch[:, :-1].to(self.device))
-            nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2).cpu(), batch[:, 1:],
-                                                    reduction="none")
-            total += float((nll * mask).sum())
+                targets = torch.tensor(ids[1:])
+                total -= float(logprobs[r, :len(targets)].gather(1, targets[:, None]).sum())
         return total
+
+    def _logprobs(self, inputs: list[list[int]]) -> torch.Tensor:
+        """Log-probabilities (B, T, V) after each token of the inputs, right-padded into one batch
+        (causal attention: padding after a row never changes what comes before it)."""
+        batch = torch.full((len(inputs), max(len(s) for s in inputs)), self.eos, dtype=torch.long)
+        for r, s in enumerate(inputs):
+            batch[r, :len(s)] = torch.tensor(s)
+        logits, _ = self.model(batch.to(self.device))
+        return torch.log_softmax(logits.float(), dim=-1).cpu()
 
     def _generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
                   seed: int | None = None) -> tuple[str, bool]:

@@ -46,7 +46,8 @@ class CheckpointEvaluator:
     def __init__(self, run_dir: str, suites, num_cpus: float = 1.0, poll_s: float = 1.0):
         self.run_dir, self.suites, self.num_cpus, self.poll_s = run_dir, suites, num_cpus, poll_s
         self.pending: dict = {}  # ObjectRef -> step
-        self.submitted: set[int] = set()
+        self.seen: set[int] = set()  # steps handed to a task, or evaluated by an earlier attempt of the run
+        self._task = None
         self.records: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="checkpoint-evaluator", daemon=True)
@@ -62,12 +63,15 @@ class CheckpointEvaluator:
     def _submit_new(self) -> None:
         import ray
 
-        task = ray.remote(num_cpus=self.num_cpus, max_retries=1)(evaluate_checkpoint)
+        if self._task is None:
+            self._task = ray.remote(num_cpus=self.num_cpus, max_retries=1)(evaluate_checkpoint)
         for step, uri in checkpoint.committed_checkpoints(self.run_dir):
-            if step in self.submitted or storage.exists(checkpoint.eval_path(self.run_dir, step)):
+            if step in self.seen:
                 continue
-            self.submitted.add(step)
-            self.pending[task.remote(uri, step, self.suites.model_dump(mode="json"), self.run_dir)] = step
+            self.seen.add(step)  # each step's record is looked for once, not at every poll
+            if storage.exists(checkpoint.eval_path(self.run_dir, step)):
+                continue
+            self.pending[self._task.remote(uri, step, self.suites.model_dump(mode="json"), self.run_dir)] = step
             logger.info("evaluating checkpoint %d in the background", step)
 
     def _collect(self, timeout: float) -> None:

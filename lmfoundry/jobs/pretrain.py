@@ -4,7 +4,6 @@ committed checkpoint is evaluated in the background (results in RUN/evals/ and m
     python -m lmfoundry.jobs.pretrain configs/pretrain_tiny_cpu.yaml --input work/packed --output work/pretrain
 """
 
-import json
 import sys
 
 from pydantic import Field
@@ -35,9 +34,7 @@ def run_pretrain_job(cfg: PretrainJobConfig) -> dict:
         manifest = run_pretrain(train_cfg)
         records = evaluator.finish()
     # the last checkpoints' evaluations end after training did: merge them into metrics.jsonl now
-    rows = [json.loads(line) for line in
-            storage.read_bytes(storage.join(run_dir, "metrics.jsonl")).decode().splitlines()]
-    write_metrics(run_dir, rows)
+    write_metrics(run_dir, storage.read_jsonl(storage.join(run_dir, "metrics.jsonl")))
     TENSORBOARD.wait()
     return {**manifest, "evaluations": [{k: r.get(k) for k in ("step", "metrics", "gate_passed", "error") if k in r}
                                         for r in records]}

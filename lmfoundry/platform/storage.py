@@ -94,6 +94,22 @@ def read_json(uri: str) -> Any:
     return json.loads(read_bytes(uri))
 
 
+def read_jsonl(uri: str) -> list[dict]:
+    """The objects of a JSON-lines file (blank lines skipped); a bad line is an error naming it."""
+    rows = []
+    for n, line in enumerate(read_bytes(normalize(uri)).decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{uri}:{n}: not JSON ({e})") from None
+    return rows
+
+
+def write_jsonl_atomic(uri: str, rows: list[dict]) -> None:
+    write_bytes_atomic(uri, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows).encode())
+
+
 def remove_dir(uri: str) -> None:
     fs, path = filesystem(uri)
     if fs.get_file_info(path).type != pafs.FileType.NotFound:

@@ -309,7 +309,6 @@ def advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistr
     """Run `run_id` from its last written step until it ends, waits for approval, or the lease is
     lost; the state it is left in."""
     guard = Guard(wf.secrets)
-    run = store.get(run_id)
     specs = registry.specs(list(wf.tools)) + [final_answer_spec(wf.max_answer_chars)]
     while True:
         run = store.get(run_id)

@@ -22,7 +22,6 @@ model sees it, and what a tool may reach is enforced here, not by the model's go
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import math
 import re
 import sqlite3
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from lmfoundry.platform.corpus import read_documents
 from lmfoundry.platform.log import get_logger
 
 logger = get_logger(__name__)
@@ -246,31 +246,9 @@ class BM25:
         return sorted(scores, reverse=True)[:k]
 
 
-def read_corpus(uri: str, limit: int = 100_000) -> list[dict]:
-    """Documents of a curate output (kept/ Parquet shards) or a JSONL with `text` (and `id`)."""
-    from lmfoundry.platform import storage
-
-    uri = storage.normalize(uri)
-    if uri.endswith(".jsonl"):
-        rows = [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]
-    else:
-        import pyarrow.parquet as pq
-
-        files = storage.list_files(storage.join(uri, "kept"), (".parquet",))
-        if not files:
-            raise FileNotFoundError(f"{uri} has no kept/ Parquet shards (a curate output) and is not a .jsonl")
-        rows = []
-        for f in files:
-            fs, path = storage.filesystem(f)
-            table = pq.read_table(fs.open_input_file(path))
-            cols = [c for c in ("id", "text") if c in table.column_names]
-            rows.extend(table.select(cols).to_pylist())
-    return [{"id": str(r.get("id", i)), "text": r["text"]} for i, r in enumerate(rows[:limit])]
-
-
 def search_tool(corpus: str | list[dict], k: int = 5, snippet_chars: int = 400, name: str = "search",
                 max_query_chars: int = 500) -> Tool:
-    docs = read_corpus(corpus) if isinstance(corpus, str) else corpus
+    docs = read_documents(corpus) if isinstance(corpus, str) else corpus
     index = BM25(docs)
 
     def search(query: str, top_k: int = k) -> dict:

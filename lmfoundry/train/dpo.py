@@ -22,7 +22,7 @@ import json
 import logging
 import random
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -138,20 +138,13 @@ class PairEncoder:
 
 
 def read_pairs(uri: str) -> list[dict]:
-    rows = []
-    for n, line in enumerate(storage.read_bytes(storage.normalize(uri)).decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{uri}:{n}: not JSON ({e})") from None
+    rows = storage.read_jsonl(uri)
+    for n, row in enumerate(rows):
         missing = {"prompt", "chosen", "rejected"} - set(row)
         if missing:
-            raise ValueError(f"{uri}:{n}: a pair needs prompt, chosen and rejected; missing {sorted(missing)}")
+            raise ValueError(f"{uri}: pair {n} needs prompt, chosen and rejected; missing {sorted(missing)}")
         if _reply_text(row["chosen"]) == _reply_text(row["rejected"]):
-            raise ValueError(f"{uri}:{n}: chosen and rejected are the same reply (a tie is no preference)")
-        rows.append(row)
+            raise ValueError(f"{uri}: pair {n}: chosen and rejected are the same reply (a tie is no preference)")
     if not rows:
         raise ValueError(f"{uri} holds no pairs")
     return rows
@@ -318,8 +311,10 @@ def _with_template(write, staged: Path, template: Path):
 
 
 def run_dpo(cfg: DPOConfig) -> dict:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from lmfoundry.train.pretrain import fit, run_config
 
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
@@ -334,23 +329,15 @@ def run_dpo(cfg: DPOConfig) -> dict:
     if cfg.overwrite:
         storage.remove_dir(out)
     started = time.time()
-    out_path = PurePosixPath(out) if not storage.is_remote(out) else None
-    storage_path, name = (str(out_path.parent), out_path.name) if out_path else out.rsplit("/", 1)
     trainer = TorchTrainer(
         dpo_loop,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out},
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
-        run_config=RunConfig(name=name, storage_path=storage_path,
-                             failure_config=FailureConfig(max_failures=cfg.max_failures)),
+        run_config=run_config(out, cfg.max_failures),
     )
-    try:
-        error = trainer.fit().error
-    except Exception as e:  # Ray Train raises once the worker group has failed max_failures + 1 times
-        error = e
-    if error:
-        raise RuntimeError(f"DPO failed after {cfg.max_failures} restarts at most: {error}") from error
+    fit(trainer, cfg.max_failures, "DPO")
     final_uri = checkpoint.latest_valid(out)
     final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
     final_dir = checkpoint.local_copy(final_uri, model_only=True)

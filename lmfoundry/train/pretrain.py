@@ -65,9 +65,28 @@ def ordered_ingest():
     return options
 
 
+def run_config(run_dir: str, max_failures: int):
+    """Ray Train's RunConfig for a run directory (its parent is Ray's storage path)."""
+    from ray.train import FailureConfig, RunConfig
+
+    local = PurePosixPath(run_dir) if not storage.is_remote(run_dir) else None
+    storage_path, name = (str(local.parent), local.name) if local else run_dir.rsplit("/", 1)
+    return RunConfig(name=name, storage_path=storage_path, failure_config=FailureConfig(max_failures=max_failures))
+
+
+def fit(trainer, max_failures: int, what: str) -> None:
+    """Run the trainer; a clear error when the worker group failed more than max_failures times."""
+    try:
+        error = trainer.fit().error
+    except Exception as e:  # Ray Train raises once the worker group has failed max_failures + 1 times
+        error = e
+    if error:
+        raise RuntimeError(f"{what} failed after {max_failures} restarts at most: {error}") from error
+
+
 def run_pretrain(cfg: PretrainConfig) -> dict:
     import ray
-    from ray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import DataConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     data = storage.normalize(cfg.data)
@@ -95,8 +114,6 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     started = time.time()
     train_ds = ray.data.read_parquet(storage.list_files(storage.join(data, "train"), (".parquet",)))
     tokenizer_json = storage.read_bytes(storage.join(data, pack["tokenizer"])).decode()
-    out_path = PurePosixPath(out) if not storage.is_remote(out) else None
-    storage_path, name = (str(out_path.parent), out_path.name) if out_path else out.rsplit("/", 1)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "seq_len": seq_len, "tokenizer_json": tokenizer_json,
@@ -108,16 +125,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         # every worker reads the whole stream, in file order, and keeps its slice of each global
         # micro-batch (loop.micro_batches): a split handed out as workers ask is not reproducible
         dataset_config=DataConfig(datasets_to_split=[], execution_options=ordered_ingest()),
-        run_config=RunConfig(name=name, storage_path=storage_path,
-                             failure_config=FailureConfig(max_failures=cfg.max_failures)),
+        run_config=run_config(out, cfg.max_failures),
     )
-    try:
-        result = trainer.fit()
-        error = result.error
-    except Exception as e:  # Ray Train raises once the worker group has failed max_failures + 1 times
-        error = e
-    if error:
-        raise RuntimeError(f"pretraining failed after {cfg.max_failures} restarts at most: {error}") from error
+    fit(trainer, cfg.max_failures, "pretraining")
     final_uri = checkpoint.latest_valid(out)
     if final_uri is None:
         raise RuntimeError("pretraining finished without a checkpoint")

@@ -11,8 +11,8 @@ its choices are arbitrary but, under constrained decoding, always well-formed to
 run's cost is that of real model calls and real tool calls. The workflow offers `sql` (a SQLite
 orders table) and `docs` (BM25), forces `sql` first and stops at 5 model steps (or an earlier
 final answer). Two worker replicas, 16 runs each at once; after a third of the runs have ended
-one replica is killed; its runs resume on the other (and on the replacement Serve starts) once
-their 5 s leases run out.
+the replica holding the most runs is killed with SIGKILL; its runs resume on the other (and on
+the replacement Serve starts) once their 5 s leases run out.
 Prints a table; writes benchmarks/results/agents.json.
 """
 
@@ -111,16 +111,19 @@ def main() -> None:
     killed = {}
 
     def kill_one_when_a_third_is_done():
-        import ray
+        """SIGKILL the worker replica holding the most runs (a crash, not a graceful stop)."""
+        import collections
+        import signal
 
         while True:
-            done = sum(store.get(i)["state"] in ("succeeded", "failed", "cancelled") for i in ids)
+            runs = [store.get(i) for i in ids]
+            done = sum(r["state"] in ("succeeded", "failed", "cancelled") for r in runs)
             if done >= n_runs // 3:
-                replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                            if "AgentWorkers" in a["name"]]
-                handle = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
-                killed.update(at_s=time.time() - started, runs_done=done, replica=replicas[0]["name"])
-                ray.kill(handle, no_restart=False)
+                owners = collections.Counter(r["steps"][-1]["worker"] for r in runs
+                                             if r["state"] == "running" and r["steps"] and r["steps"][-1].get("worker"))
+                victim, holding = owners.most_common(1)[0]
+                os.kill(int(victim.split("-")[1]), signal.SIGKILL)
+                killed.update(at_s=time.time() - started, runs_done=done, worker=victim, runs_held=holding)
                 return
             time.sleep(0.2)
 
@@ -141,22 +144,25 @@ def main() -> None:
     gaps = [r["id"] for r in runs if [s["n"] for s in r["steps"]] != list(range(len(r["steps"])))]
     unfinished_tools = [r["id"] for r in runs if any(s["kind"] == "tool" and s["status"] != "done" for s in r["steps"])]
     model_steps = [sum(s["kind"] == "model" for s in r["steps"]) for r in runs]
+    resumed = [r["id"] for r in runs if killed.get("worker") in {s.get("worker") for s in r["steps"]}
+               and r["steps"][-1].get("worker") != killed.get("worker")]
     q = statistics.quantiles(latencies, n=100)
     result = {
         "machine": f"{os.cpu_count()} CPU cores, no GPU", "runs": n_runs, "wall_s": wall,
         "runs_per_minute": n_runs / wall * 60, "latency_p50_s": statistics.median(latencies), "latency_p99_s": q[98],
         "states": {s: sum(r["state"] == s for r in runs) for s in ("succeeded", "failed", "cancelled")},
         "mean_model_steps": statistics.fmean(model_steps), "killed": killed,
-        "runs_with_step_gaps": len(gaps), "tool_steps_left_unfinished": len(unfinished_tools),
+        "runs_resumed_after_the_kill": len(resumed), "runs_with_step_gaps": len(gaps), "tool_steps_left_unfinished": len(unfinished_tools),
         "errors": sorted({r["error"] for r in runs if r["error"]})[:5],
     }
     print(f"\n{'measure':<40}{'value':>24}")
     for k in ("runs", "wall_s", "runs_per_minute", "latency_p50_s", "latency_p99_s", "mean_model_steps",
-              "runs_with_step_gaps", "tool_steps_left_unfinished"):
+              "runs_resumed_after_the_kill", "runs_with_step_gaps", "tool_steps_left_unfinished"):
         v = result[k]
         print(f"{k:<40}{v:>24.2f}" if isinstance(v, float) else f"{k:<40}{v:>24}")
     print(f"{'states':<40}{json.dumps(result['states']):>24}")
-    print(f"killed {killed.get('replica')} at {killed.get('at_s', 0):.1f} s, after {killed.get('runs_done')} runs ended")
+    print(f"killed {killed.get('worker')} (holding {killed.get('runs_held')} runs) at {killed.get('at_s', 0):.1f} s, "
+          f"after {killed.get('runs_done')} runs had ended")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "agents.json").write_text(json.dumps(result, indent=2, default=str))
     serve.shutdown()

@@ -85,7 +85,11 @@ def postgres_dsn():
     import subprocess
     import tempfile
 
-    initdb, pg_ctl = shutil.which("initdb"), shutil.which("pg_ctl")
+    import glob
+
+    # on PATH, or where Debian's postgresql package puts the server's programs
+    path = os.pathsep.join([os.environ.get("PATH", ""), *sorted(glob.glob("/usr/lib/postgresql/*/bin"))])
+    initdb, pg_ctl = shutil.which("initdb", path=path), shutil.which("pg_ctl", path=path)
     if not initdb or not pg_ctl:
         pytest.skip("PostgreSQL is not installed here (no initdb / pg_ctl on PATH)")
     pytest.importorskip("psycopg", reason="psycopg is not installed (pip install 'lmfoundry[postgres]')")
@@ -107,16 +111,3 @@ def postgres_dsn():
     yield f"postgresql://lmfoundry@127.0.0.1:{port}/postgres"
     subprocess.run([*run_as, pg_ctl, "-D", data, "-m", "immediate", "stop"], capture_output=True)
     shutil.rmtree(root, ignore_errors=True)
-
-
-# Tests that come last in the session. In full-suite runs, the first Ray Train run after the
-# per-checkpoint evaluation test (whose driver thread submits Ray tasks while `trainer.fit()`
-# waits) was seen to hang before its worker group started (its TrainController.run stays
-# PENDING_NODE_ASSIGNMENT, no resource demand pending); run in pairs, the two pass. Until that
-# is understood, the evaluation test runs last, after the alignment module's Train runs.
-RUN_LAST = {"test_align_ray.py": 1, "test_pretraining_evaluates_each_checkpoint_as_it_is_committed": 2}
-
-
-def pytest_collection_modifyitems(config, items):
-    # stable: the rest keep their order
-    items.sort(key=lambda item: RUN_LAST.get(item.name, RUN_LAST.get(item.fspath.basename, 0)))

@@ -81,8 +81,10 @@ def agents(pretrained, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(ServeConfig(checkpoint=str(ckpt), model_name="tiny", cpus_per_replica=0.5), [digest(KEY)]),
               name="llm", route_prefix="/", blocking=False)
+    spans = root / "spans.jsonl"
     cfg = AgentServeConfig(workflows=str(workflows), store=str(root / "runs.sqlite"), keys_file=keys, workers=2,
-                           per_tenant_active=6, env_from_driver=["LMFOUNDRY_AGENT_TEST_KEY"])
+                           per_tenant_active=6, lease_s=4.0, env_from_driver=["LMFOUNDRY_AGENT_TEST_KEY"],
+                           tracing={"exporter": "jsonl", "path": str(spans)})
     serve.run(build_agent_app(cfg, [digest(KEY)]), name="agents", route_prefix="/agents", blocking=False)
     url = f"http://127.0.0.1:{port}/agents"
     deadline = time.time() + 300
@@ -95,7 +97,7 @@ def agents(pretrained, tmp_path_factory):
             pass
         assert time.time() < deadline, "the agent service did not come up"
         time.sleep(0.5)
-    yield {"url": url, "other_key": other_key, "store": cfg.store}
+    yield {"url": url, "other_key": other_key, "store": cfg.store, "spans": spans}
     serve.shutdown()  # the next module starts Serve on a port of its own
     api.shutdown()
 
@@ -131,11 +133,26 @@ def test_a_run_queries_the_database_persists_every_step_and_streams_them(agents)
     with httpx.stream("GET", f"{url}/v1/agents/runs/{run_id}/events", headers=auth(), timeout=60) as stream:
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
     assert len(events) == len(steps) + 1 and json.loads(events[-1][6:]) == {"state": run["state"]}
+    assert all(s["prompt_tokens"] > 0 and s["completion_tokens"] > 0 for s in steps if s["kind"] == "model")
+    # its trace: a root span and one per step, exported by the worker that ended it
+    deadline = time.time() + 30
+    while not (trace := [s for s in spans_of(agents) if s["attributes"].get("agent.run_id") == run_id]):
+        assert time.time() < deadline, "the run's trace was not exported"
+        time.sleep(0.2)
+    children = [s for s in spans_of(agents) if s["context"]["trace_id"] == trace[0]["context"]["trace_id"]
+                and s["parent_id"] == trace[0]["context"]["span_id"]]
+    assert sorted(s["attributes"]["agent.step"] for s in children) == [s["n"] for s in steps]
+    assert trace[0]["attributes"]["agent.prompt_tokens"] == sum(s.get("prompt_tokens") or 0 for s in steps)
     # another tenant cannot see it, or cancel it
     other = agents["other_key"]
     assert httpx.get(f"{url}/v1/agents/runs/{run_id}", headers=auth(other)).status_code == 404
     assert httpx.post(f"{url}/v1/agents/runs/{run_id}/cancel", headers=auth(other)).status_code == 404
     assert httpx.post(f"{url}/v1/agents/runs/{run_id}/cancel", headers=auth()).status_code == 409  # it has ended
+
+
+def spans_of(agents) -> list[dict]:
+    path = agents["spans"]
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_approvals_gate_side_effects_and_carry_idempotency_keys(agents):
@@ -175,3 +192,34 @@ def test_cancellation_limits_and_bad_requests(agents):
     codes = [httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders", "input": f"q{i}"},
                         headers=auth(agents["other_key"])).status_code for i in range(8)]
     assert codes[:6] == [200] * 6 and 429 in codes[6:]  # per-tenant back-pressure
+
+
+def test_a_run_survives_its_worker_replica_being_killed(agents):
+    """SIGKILL the replica holding a run right after its first step: once the 4 s lease runs out
+    another replica resumes it from the written steps; no step is lost or written twice."""
+    import os
+    import signal
+
+    from lmfoundry.serving.agents import AgentStore
+
+    url, store = agents["url"], AgentStore(agents["store"])
+    run_id = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "How many orders are there?"},
+                        headers=auth()).json()["id"]
+    deadline = time.time() + 120
+    while not store.steps(run_id):
+        assert time.time() < deadline, "the run never took its first step"
+        time.sleep(0.05)
+    owner = store.steps(run_id)[0]["worker"]  # worker-PID-...
+    os.kill(int(owner.split("-")[1]), signal.SIGKILL)
+    at_kill = store.get(run_id)
+    assert at_kill["state"] == "running", at_kill  # first_tool forces sql: the answer is at least two steps away
+    run = wait_for(url, run_id, ("succeeded", "failed"))
+    steps = run["steps"]
+    assert [s["n"] for s in steps] == list(range(len(steps)))  # none lost, none twice
+    assert all(s["status"] == "done" for s in steps if s["kind"] == "tool")
+    # it was running when its worker died and it has ended: another worker took it over (the
+    # remaining work may be only to record the final answer already written, or a spent budget)
+    after = steps[len(at_kill["steps"]):]
+    assert owner not in {s["worker"] for s in after if s.get("worker")}, (at_kill["steps"], after)
+    if run["state"] == "failed":
+        assert run["error"].startswith("budget reached") or "context" in run["error"], run["error"]

@@ -22,6 +22,7 @@ from ray import serve
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.serving.agents import TERMINAL, AgentStore, AgentWorker, load_workflows
 from lmfoundry.serving.keys import Authenticator
+from lmfoundry.serving.tracing import TracingConfig
 
 app = FastAPI(title="lmfoundry agents")
 
@@ -37,6 +38,7 @@ class AgentServeConfig(StageConfig):
     per_tenant_active: int = Field(200, ge=1, description="queued + running runs of one tenant before 429")
     lease_s: float = Field(15.0, gt=0, description="a dead worker's runs resume elsewhere after this")
     route_prefix: str = "/agents"
+    tracing: TracingConfig = Field(TracingConfig(), description="where ended runs' spans go (OTLP, JSON lines)")
     env_from_driver: list[str] = Field([], description="environment variables copied from the launching process "
                                        "into the replicas (the model endpoint's API key, the workflows' secrets)")
 
@@ -54,8 +56,10 @@ def _error(status: int, message: str, headers: dict | None = None) -> JSONRespon
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 class AgentWorkers:
-    def __init__(self, store: str, workflows: str, runs_per_worker: int, per_tenant_running: int, lease_s: float):
-        self.worker = AgentWorker(store, load_workflows(workflows), runs_per_worker, per_tenant_running, lease_s)
+    def __init__(self, store: str, workflows: str, runs_per_worker: int, per_tenant_running: int, lease_s: float,
+                 tracing: dict):
+        self.worker = AgentWorker(store, load_workflows(workflows), runs_per_worker, per_tenant_running, lease_s,
+                                  tracing=TracingConfig.model_validate(tracing))
 
     def check_health(self):
         if not self.worker.thread.is_alive():
@@ -168,5 +172,6 @@ def build_agent_app(cfg: AgentServeConfig, env_digests: list[str]):
     env = {name: os.environ[name] for name in cfg.env_from_driver}
     workers = AgentWorkers.options(num_replicas=cfg.workers, ray_actor_options={
         "num_cpus": 0.1, "runtime_env": {"env_vars": env}}).bind(cfg.store, cfg.workflows, cfg.runs_per_worker,
-                                                                 cfg.per_tenant_running, cfg.lease_s)
+                                                                 cfg.per_tenant_running, cfg.lease_s,
+                                                                 cfg.tracing.model_dump())
     return AgentAPI.bind(cfg.store, cfg.workflows, cfg.keys_file, env_digests, cfg.per_tenant_active, workers)

@@ -39,6 +39,7 @@ from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.db import Database
 from lmfoundry.platform.log import get_logger
 from lmfoundry.serving import tools as toolkit
+from lmfoundry.serving.tracing import RunTracer, TracingConfig
 
 logger = get_logger(__name__)
 
@@ -172,10 +173,10 @@ class AgentStore:
         return {**dict(zip(keys, rows[0])), "steps": self.steps(run_id)}
 
     def steps(self, run_id: str, after: int = -1) -> list[dict]:
-        rows, _ = self.db.run("SELECT n, kind, status, payload, idempotency_key, seconds FROM agent_steps "
+        rows, _ = self.db.run("SELECT n, kind, status, payload, idempotency_key, seconds, created_at FROM agent_steps "
                               "WHERE run_id = ? AND n > ? ORDER BY n", (run_id, after))
-        return [{"n": n, "kind": k, "status": s, **json.loads(p), "idempotency_key": key, "seconds": sec}
-                for n, k, s, p, key, sec in rows]
+        return [{"n": n, "kind": k, "status": s, **json.loads(p), "idempotency_key": key, "seconds": sec, "at": at}
+                for n, k, s, p, key, sec, at in rows]
 
     def write_step(self, run_id: str, n: int, kind: str, status: str, payload: dict, key: str | None = None,
                    seconds: float | None = None) -> None:
@@ -264,7 +265,9 @@ class Guard:
         return bool(self.injection.search(text))
 
 
-def _call_model(wf: WorkflowConfig, messages: list[dict], specs: list[dict], force: str | None) -> tuple[str, dict]:
+def _call_model(wf: WorkflowConfig, messages: list[dict], specs: list[dict],
+                force: str | None) -> tuple[str, dict, dict]:
+    """The model's tool call (name, arguments) and the reply's token counts."""
     import httpx
 
     key = os.environ.get(wf.api_key_env) if wf.api_key_env else None
@@ -275,15 +278,17 @@ def _call_model(wf: WorkflowConfig, messages: list[dict], specs: list[dict], for
     if r.status_code != 200:
         raise toolkit.ToolError(f"the model endpoint answered {r.status_code}: {r.text[:200]}",
                                 retryable=r.status_code >= 500 or r.status_code == 429)
-    message = r.json()["choices"][0]["message"]
+    reply = r.json()
+    usage = {k: (reply.get("usage") or {}).get(k) for k in ("prompt_tokens", "completion_tokens")}
+    message = reply["choices"][0]["message"]
     calls = message.get("tool_calls") or []
     if not calls:  # e.g. cut by max_tokens before the call was complete: an invalid step, not an answer
-        return INVALID, {"finish_reason": r.json()["choices"][0].get("finish_reason"),
-                         "content": (message.get("content") or "")[:500]}
+        return INVALID, {"finish_reason": reply["choices"][0].get("finish_reason"),
+                         "content": (message.get("content") or "")[:500]}, usage
     try:
-        return calls[0]["function"]["name"], json.loads(calls[0]["function"]["arguments"] or "{}")
+        return calls[0]["function"]["name"], json.loads(calls[0]["function"]["arguments"] or "{}"), usage
     except json.JSONDecodeError:
-        return calls[0]["function"]["name"], {"_unparsed": calls[0]["function"]["arguments"]}
+        return calls[0]["function"]["name"], {"_unparsed": calls[0]["function"]["arguments"]}, usage
 
 
 def conversation(wf: WorkflowConfig, run: dict, steps: list[dict]) -> list[dict]:
@@ -353,7 +358,7 @@ def advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistr
                                  "model_view": "error: the call would send a secret out; refused"})
                 continue
             key = f"{run_id}:{n}"
-            store.write_step(run_id, n, "tool", "started", {"tool": tool, "arguments": arguments}, key)
+            store.write_step(run_id, n, "tool", "started", {"tool": tool, "arguments": arguments, "worker": worker}, key)
             result = registry.call(tool, arguments, idempotency_key=key)
             raw = json.dumps(result.output, default=str)[:20000] if result.ok else f"error: {result.error}"
             view, leaked = guard.redact(raw)
@@ -363,7 +368,7 @@ def advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistr
             store.write_step(run_id, n, "tool", "done", {
                 "tool": tool, "arguments": arguments, "ok": result.ok, "output": guard.redact(raw)[0],
                 "error": result.error, "attempts": result.attempts, "model_view": view,
-                "injection_flagged": flagged, "secret_redacted": leaked}, key, round(result.seconds, 4))
+                "injection_flagged": flagged, "secret_redacted": leaked, "worker": worker}, key, round(result.seconds, 4))
             continue
         if last is not None and last["kind"] == "model" and last["tool"] == "final_answer":
             answer, _ = guard.redact(str(last["arguments"].get("answer", "")))
@@ -377,12 +382,12 @@ def advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistr
         started = time.perf_counter()
         force = wf.first_tool if model_steps == 0 else None
         try:
-            tool, arguments = _call_model(wf, conversation(wf, run, steps), specs, force)
+            tool, arguments, usage = _call_model(wf, conversation(wf, run, steps), specs, force)
         except toolkit.ToolError as e:
             store.set_state(run_id, "failed", error=str(e), release=True)
             return "failed"
         arguments = json.loads(guard.redact(json.dumps(arguments))[0])
-        store.write_step(run_id, n, "model", "done", {"tool": tool, "arguments": arguments},
+        store.write_step(run_id, n, "model", "done", {"tool": tool, "arguments": arguments, "worker": worker, **usage},
                          seconds=round(time.perf_counter() - started, 4))
 
 
@@ -391,11 +396,12 @@ class AgentWorker:
     Several workers (Serve replicas) share one store; per-tenant limits hold across all."""
 
     def __init__(self, store_dsn: str, workflows: dict[str, WorkflowConfig], concurrency: int = 8,
-                 per_tenant: int = 4, lease_s: float = 30.0, poll_s: float = 0.1):
+                 per_tenant: int = 4, lease_s: float = 30.0, poll_s: float = 0.1, tracing: TracingConfig | None = None):
         self.store = AgentStore(store_dsn)
         self.workflows = workflows
         self.registries = {name: build_registry(wf) for name, wf in workflows.items()}
-        self.id = f"worker-{uuid.uuid4().hex[:8]}"
+        self.tracer = RunTracer(tracing) if tracing and tracing.exporter != "none" else None
+        self.id = f"worker-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the process, for operators and fault drills
         self.concurrency, self.per_tenant, self.lease_s, self.poll_s = concurrency, per_tenant, lease_s, poll_s
         self.active: set[str] = set()
         self._lock = threading.Lock()
@@ -417,19 +423,31 @@ class AgentWorker:
 
     def _run(self, run_id: str) -> None:
         try:
-            run = self.store.get(run_id)
-            wf = self.workflows.get(run["workflow"])
-            if wf is None:
-                self.store.set_state(run_id, "failed", error=f"unknown workflow {run['workflow']!r}", release=True)
-                return
-            advance(self.store, wf, self.registries[wf.name], run_id, self.id, self.lease_s)
-        except Exception as e:  # a run's failure ends that run, never the worker
-            logger.exception("run %s failed", run_id)
-            self.store.set_state(run_id, "failed", error=f"{type(e).__name__}: {e}", release=True)
+            ended = self._advance(run_id)
+            if self.tracer and ended in TERMINAL:
+                try:
+                    self.tracer.export(self.store.get(run_id))
+                except Exception:  # a collector that is down costs the trace, never the run
+                    logger.exception("could not export the trace of run %s", run_id)
         finally:
             with self._lock:
                 self.active.discard(run_id)
 
+    def _advance(self, run_id: str) -> str:
+        try:
+            run = self.store.get(run_id)
+            wf = self.workflows.get(run["workflow"])
+            if wf is None:
+                self.store.set_state(run_id, "failed", error=f"unknown workflow {run['workflow']!r}", release=True)
+                return "failed"
+            return advance(self.store, wf, self.registries[wf.name], run_id, self.id, self.lease_s)
+        except Exception as e:  # a run's failure ends that run, never the worker
+            logger.exception("run %s failed", run_id)
+            self.store.set_state(run_id, "failed", error=f"{type(e).__name__}: {e}", release=True)
+            return "failed"
+
     def stop(self) -> None:
         self._stop.set()
         self.thread.join()
+        if self.tracer:
+            self.tracer.shutdown()

@@ -5,6 +5,9 @@ directory that holds checkpoints but no manifest (a run that died) is resumed, n
 
 from __future__ import annotations
 
+import gc
+import signal
+import threading
 import time
 from pathlib import PurePosixPath
 
@@ -76,10 +79,22 @@ def run_config(run_dir: str, max_failures: int):
 
 def fit(trainer, max_failures: int, what: str) -> None:
     """Run the trainer; a clear error when the worker group failed more than max_failures times."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigint = signal.getsignal(signal.SIGINT) if main_thread else None
     try:
         error = trainer.fit().error
     except Exception as e:  # Ray Train raises once the worker group has failed max_failures + 1 times
         error = e
+    finally:
+        # Ray Train leaves its SIGINT handler installed after fit(), and that handler holds the
+        # finished run's controller actor: the controller would live on until something replaces
+        # the handler (the next fit, at a moment of its own). Put ours back and collect, so the
+        # controller ends here, while nothing else is starting. (A driver that ran several runs
+        # was seen to miss the next controller's start, and wait forever, when an old controller
+        # died late.)
+        if main_thread:
+            signal.signal(signal.SIGINT, sigint)
+        gc.collect()
     if error:
         raise RuntimeError(f"{what} failed after {max_failures} restarts at most: {error}") from error
 

@@ -8,8 +8,12 @@
               16 x 6 min-hashes). datatrove is the `bench` extra: pip install 'lmfoundry[bench]' spacy
   scaling     the whole `lmfoundry curate` pipeline on local Ray over 10k and 100k documents:
               wall time and the peak memory (proportional set size) of all Ray processes together
+  multilingual  the same pipeline over a folder of a few hundred MB of .txt files in 11
+              languages (Faker word lists for 10 of them: pip install faker): time, peak memory,
+              what each language keeps (not in the default sections)
 
     python benchmarks/curation.py [--quick] [--sections dedup,throughput,scaling] [--sizes 10000,100000]
+    python benchmarks/curation.py --sections multilingual [--megabytes 200]
 
 Prints tables; writes benchmarks/results/curation.json.
 """
@@ -220,11 +224,86 @@ def bench_scaling(sizes: list[int]) -> list[dict]:
     return rows
 
 
+# Faker's word lists give each language real words in that language's script (the sentences are
+# not grammatical: good enough for language identification and for the cost of every stage)
+FAKER_LOCALES = {"de": "de_DE", "fr": "fr_FR", "es": "es_ES", "it": "it_IT", "nl": "nl_NL", "pl": "pl_PL",
+                 "ru": "ru_RU", "ar": "ar_AA", "zh": "zh_CN", "ja": "ja_JP"}
+
+
+def multilingual_folder(path: Path, megabytes: int, seed: int = 0) -> dict:
+    """A folder of .txt files, one document each, in 11 languages (English from the standard
+    library's docstrings, the rest from Faker's word lists), about `megabytes` of UTF-8 in all;
+    3% exact and 3% near copies. Documents per language."""
+    from faker import Faker
+
+    from lmfoundry.data.sample_corpus import stdlib_documents
+
+    rng = random.Random(seed)
+    pools = {"en": [s.strip() + "." for d in stdlib_documents(2000) for s in d.replace("\n", " ").split(". ")
+                    if len(s.split()) >= 6]}
+    for lang, locale in FAKER_LOCALES.items():
+        fake = Faker(locale)
+        fake.seed_instance(seed)
+        pools[lang] = [fake.sentence(nb_words=12) for _ in range(5000)]
+    langs, budget, written, n = sorted(pools), megabytes * 2**20, 0, 0
+    counts = dict.fromkeys(langs, 0)
+    previous: list[tuple[str, str]] = []
+    while written < budget:
+        r = rng.random()
+        if r < 0.03 and previous:
+            lang, text = rng.choice(previous)
+        elif r < 0.06 and previous:
+            lang, text = rng.choice(previous)
+            text = text.replace(". ", ". Also, ", 1)
+        else:
+            lang = rng.choice(langs)
+            text = "\n\n".join(" ".join(rng.sample(pools[lang], rng.randint(4, 8))) for _ in range(rng.randint(2, 6)))
+            if len(previous) < 2000:
+                previous.append((lang, text))
+        folder = path / lang
+        folder.mkdir(parents=True, exist_ok=True)
+        data = text.encode()
+        (folder / f"{n:07d}.txt").write_bytes(data)
+        written, n, counts[lang] = written + len(data), n + 1, counts[lang] + 1
+    return counts
+
+
+def bench_multilingual(megabytes: int) -> dict:
+    """`lmfoundry curate` over a folder of mixed-language .txt files: wall time, peak memory,
+    what was kept per language."""
+    import pyarrow.parquet as pq
+
+    from lmfoundry.data.curate import CurateConfig, run_curate
+    from lmfoundry.platform.ray_env import init_ray
+
+    init_ray()
+    work = Path(tempfile.mkdtemp(prefix="curate-multilingual-"))
+    written = multilingual_folder(work / "raw", megabytes)
+    size = sum(f.stat().st_size for f in (work / "raw").rglob("*.txt"))
+    monitor = PeakRSS()
+    monitor.start()
+    t = time.perf_counter()
+    report = run_curate(CurateConfig(input=str(work / "raw"), output=str(work / "out")))
+    seconds = time.perf_counter() - t
+    monitor.stopped.set()
+    monitor.join()
+    kept = pq.read_table(work / "out" / "kept", columns=["lang"]).column("lang").to_pylist()
+    out = {"input_mb": round(size / 2**20, 1), "documents": sum(written.values()), "seconds": round(seconds, 1),
+           "mb_per_s": round(size / 2**20 / seconds, 3), "docs_per_s": round(sum(written.values()) / seconds, 1),
+           "peak_pss_gib": round(monitor.peak / 2**30, 2), "written_by_language": written,
+           "kept_by_language": {lang: kept.count(lang) for lang in sorted(set(kept))},
+           "documents_kept": report["documents_kept"], "rejected_by_reason": report["rejected_by_reason"],
+           "phase_seconds": report["phase_seconds"]}
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     p.add_argument("--sections", default="dedup,throughput,scaling")
     p.add_argument("--sizes", default="10000,100000", help="scaling: corpus sizes in documents")
+    p.add_argument("--megabytes", type=int, default=200, help="multilingual: size of the text folder")
     args = p.parse_args()
     sections = args.sections.split(",")
     RESULTS.mkdir(exist_ok=True)
@@ -259,6 +338,17 @@ def main() -> None:
         print(f"  {'documents':>10}{'input MB':>10}{'seconds':>10}{'docs/s':>10}{'peak PSS GiB':>14}")
         for r in result["scaling"]:
             print(f"  {r['documents']:>10}{r['input_mb_gzip']:>10}{r['seconds']:>10}{r['docs_per_s']:>10}{r['peak_pss_gib']:>14}")
+        save()
+    if "multilingual" in sections:
+        result["multilingual"] = m = bench_multilingual(20 if args.quick else args.megabytes)
+        print(f"\nmultilingual text folder: {m['input_mb']} MB, {m['documents']} .txt documents in "
+              f"{len(m['written_by_language'])} languages")
+        print(f"  {m['seconds']} s ({m['mb_per_s']} MB/s, {m['docs_per_s']} docs/s), peak PSS {m['peak_pss_gib']} GiB, "
+              f"kept {m['documents_kept']}")
+        print(f"  {'language':<10}{'written':>10}{'kept':>10}")
+        for lang, n in m["written_by_language"].items():
+            print(f"  {lang:<10}{n:>10}{m['kept_by_language'].get(lang, 0):>10}")
+        print(f"  rejected: {m['rejected_by_reason']}")
         save()
     print(f"\nwrote {path}")
 

@@ -38,6 +38,8 @@ class AgentServeConfig(StageConfig):
     per_tenant_active: int = Field(200, ge=1, description="queued + running runs of one tenant before 429")
     lease_s: float = Field(15.0, gt=0, description="a dead worker's runs resume elsewhere after this")
     route_prefix: str = "/agents"
+    py_modules: list[str] = Field([], description="local packages (folders) or .py files with custom tools, "
+                                  "shipped to the worker replicas (Ray runtime_env py_modules)")
     tracing: TracingConfig = Field(TracingConfig(), description="where ended runs' spans go (OTLP, JSON lines)")
     env_from_driver: list[str] = Field([], description="environment variables copied from the launching process "
                                        "into the replicas (the model endpoint's API key, the workflows' secrets)")
@@ -166,12 +168,23 @@ def build_agent_app(cfg: AgentServeConfig, env_digests: list[str]):
     import os
 
     load_workflows(cfg.workflows)  # fail now, not in a replica
+    absent = [m for m in cfg.py_modules if not os.path.exists(m)]
+    if absent:
+        raise ValueError(f"py_modules: {absent} do not exist (give package folders or .py files)")
     missing = [name for name in cfg.env_from_driver if name not in os.environ]
     if missing:
         raise ValueError(f"env_from_driver: {missing} are not set in this environment")
     env = {name: os.environ[name] for name in cfg.env_from_driver}
+    runtime_env = {"env_vars": env}
+    if cfg.py_modules:
+        # A deployment's runtime_env takes URIs only; this is the upload `ray.init(runtime_env=...)`
+        # does for a job's py_modules (local folder or .py file -> a gcs:// package).
+        from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+
+        runtime_env = upload_py_modules_if_needed({**runtime_env, "py_modules": [os.path.abspath(m) for m in
+                                                                               cfg.py_modules]}, include_gitignore=True)
     workers = AgentWorkers.options(num_replicas=cfg.workers, ray_actor_options={
-        "num_cpus": 0.1, "runtime_env": {"env_vars": env}}).bind(cfg.store, cfg.workflows, cfg.runs_per_worker,
+        "num_cpus": 0.1, "runtime_env": runtime_env}).bind(cfg.store, cfg.workflows, cfg.runs_per_worker,
                                                                  cfg.per_tenant_running, cfg.lease_s,
                                                                  cfg.tracing.model_dump())
     return AgentAPI.bind(cfg.store, cfg.workflows, cfg.keys_file, env_digests, cfg.per_tenant_active, workers)

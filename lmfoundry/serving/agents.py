@@ -24,6 +24,7 @@ tool call whose arguments hold one is refused, so a secret never leaves the serv
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -76,6 +77,8 @@ class ToolSettings(StageConfig):
     max_query_chars: int = Field(1000, ge=1, description="sql, search, http: the longest query, URL or body "
                                  "the model may write")
     memory_mb: int = Field(512, ge=32)  # python
+    module: str | None = Field(None, description="custom: the Python module whose import registers the tool "
+                               "(@CUSTOM_TOOLS.tool); imported in every worker")
 
 
 class WorkflowConfig(StageConfig):
@@ -132,6 +135,11 @@ def build_registry(wf: WorkflowConfig) -> toolkit.ToolRegistry:
         elif s.kind == "python":
             tool = toolkit.python_tool(s.timeout_s, s.memory_mb, name=name)
         else:
+            if s.module:
+                importlib.import_module(s.module)
+            if name not in CUSTOM_TOOLS.tools:
+                raise ValueError(f"workflow {wf.name}: custom tool {name!r} is not registered; registered: "
+                                 f"{sorted(CUSTOM_TOOLS.tools)} (set 'module' to the module that registers it)")
             tool = CUSTOM_TOOLS.get(name)
         registry.register(tool)
     return registry

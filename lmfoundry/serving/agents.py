@@ -91,6 +91,8 @@ class WorkflowConfig(StageConfig):
     approval_required: list[str] = []
     first_tool: str | None = Field(None, description="the tool the first step must call (e.g. look up the database)")
     max_steps: int = Field(8, ge=1, le=100)
+    answer_on_last_step: bool = Field(True, description="the last model step allowed must be the final answer "
+                                      "(tool_choice names final_answer), instead of ending the run unanswered")
     max_seconds: float = Field(300.0, gt=0)
     max_tokens: int = Field(256, ge=8, description="per model step; a tool call cut short is an invalid step")
     max_answer_chars: int = Field(2000, ge=1)
@@ -389,6 +391,8 @@ def advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistr
             return "failed"
         started = time.perf_counter()
         force = wf.first_tool if model_steps == 0 else None
+        if wf.answer_on_last_step and model_steps == wf.max_steps - 1:
+            force = "final_answer"  # what the run has found so far, rather than nothing
         try:
             tool, arguments, usage = _call_model(wf, conversation(wf, run, steps), specs, force)
         except toolkit.ToolError as e:

@@ -197,8 +197,21 @@ class PeakRSS(threading.Thread):
             self.stopped.wait(self.interval)
 
 
-def bench_scaling(sizes: list[int]) -> list[dict]:
+def timed_curate(work: Path) -> tuple[dict, float, int]:
+    """`lmfoundry curate` from work/raw to work/out: its report, seconds, peak memory in bytes."""
     from lmfoundry.data.curate import CurateConfig, run_curate
+
+    monitor = PeakRSS()
+    monitor.start()
+    t = time.perf_counter()
+    report = run_curate(CurateConfig(input=str(work / "raw"), output=str(work / "out")))
+    seconds = time.perf_counter() - t
+    monitor.stopped.set()
+    monitor.join()
+    return report, seconds, monitor.peak
+
+
+def bench_scaling(sizes: list[int]) -> list[dict]:
     from lmfoundry.platform.ray_env import init_ray
 
     init_ray()
@@ -207,15 +220,9 @@ def bench_scaling(sizes: list[int]) -> list[dict]:
         work = Path(tempfile.mkdtemp(prefix=f"curate-{n}-"))
         scaling_corpus(work / "raw", n)
         size_mb = sum(f.stat().st_size for f in (work / "raw").iterdir()) / 2**20
-        monitor = PeakRSS()
-        monitor.start()
-        t = time.perf_counter()
-        report = run_curate(CurateConfig(input=str(work / "raw"), output=str(work / "out")))
-        seconds = time.perf_counter() - t
-        monitor.stopped.set()
-        monitor.join()
+        report, seconds, peak = timed_curate(work)
         rows.append({"documents": n, "input_mb_gzip": round(size_mb, 1), "seconds": round(seconds, 1),
-                     "docs_per_s": round(n / seconds, 1), "peak_pss_gib": round(monitor.peak / 2**30, 2),
+                     "docs_per_s": round(n / seconds, 1), "peak_pss_gib": round(peak / 2**30, 2),
                      "kept": report["documents_kept"], "phase_seconds": report["phase_seconds"],
                      "exact_duplicates": report["dedup"]["exact_duplicates"],
                      "near_duplicates": report["dedup"]["near_duplicates"]})
@@ -273,24 +280,17 @@ def bench_multilingual(megabytes: int) -> dict:
     what was kept per language."""
     import pyarrow.parquet as pq
 
-    from lmfoundry.data.curate import CurateConfig, run_curate
     from lmfoundry.platform.ray_env import init_ray
 
     init_ray()
     work = Path(tempfile.mkdtemp(prefix="curate-multilingual-"))
     written = multilingual_folder(work / "raw", megabytes)
     size = sum(f.stat().st_size for f in (work / "raw").rglob("*.txt"))
-    monitor = PeakRSS()
-    monitor.start()
-    t = time.perf_counter()
-    report = run_curate(CurateConfig(input=str(work / "raw"), output=str(work / "out")))
-    seconds = time.perf_counter() - t
-    monitor.stopped.set()
-    monitor.join()
+    report, seconds, peak = timed_curate(work)
     kept = pq.read_table(work / "out" / "kept", columns=["lang"]).column("lang").to_pylist()
     out = {"input_mb": round(size / 2**20, 1), "documents": sum(written.values()), "seconds": round(seconds, 1),
            "mb_per_s": round(size / 2**20 / seconds, 3), "docs_per_s": round(sum(written.values()) / seconds, 1),
-           "peak_pss_gib": round(monitor.peak / 2**30, 2), "written_by_language": written,
+           "peak_pss_gib": round(peak / 2**30, 2), "written_by_language": written,
            "kept_by_language": {lang: kept.count(lang) for lang in sorted(set(kept))},
            "documents_kept": report["documents_kept"], "rejected_by_reason": report["rejected_by_reason"],
            "phase_seconds": report["phase_seconds"]}

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -289,23 +290,65 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
         return None
     local = Path(checkpoint.local_copy(chosen[0]))
     state = json.loads((local / "train_state.json").read_text())
-    if state["world_size"] != world:
-        raise ValueError(f"checkpoint {chosen[0]} was written by {state['world_size']} workers and this run has "
-                         f"{world}: resuming at another world size needs a universal checkpoint, not supported yet")
+    written_by = state["world_size"]
+    load_dir = local / "deepspeed"
+    if written_by != world:
+        stage = engine.zero_optimization_stage()
+        if stage not in (1, 2) or _expert_parallel(engine):
+            raise ValueError(f"checkpoint {chosen[0]} was written by {written_by} workers and this run has {world}: "
+                             f"a change of world size is supported for ZeRO stages 1 and 2 without expert "
+                             f"parallelism (this run: ZeRO-{stage}"
+                             f"{', expert parallel' if _expert_parallel(engine) else ''}); resume with "
+                             f"{written_by} workers")
+        load_dir = universal_copy(load_dir, chosen[0])
+        engine._config.load_universal_checkpoint = True  # read per load: this load only
     # DeepSpeed's MoE loader wants per-expert files that it writes only for its own MoE layers;
     # lmfoundry's experts come back from each rank's module file instead
     has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
     try:
-        engine.load_checkpoint(str(local / "deepspeed"), tag="state", load_module_strict=True)
+        engine.load_checkpoint(str(load_dir), tag="state", load_module_strict=True)
     finally:
         engine.has_moe_layers = has_moe_layers
+        engine._config.load_universal_checkpoint = False
     if _expert_parallel(engine):
         engine.module.load_state_dict(torch.load(local / "deepspeed" / f"module-rank-{rank}.pt"))
-    _set_rng_state(torch.load(local / "deepspeed" / f"rng-rank-{rank}.pt", weights_only=False))
+    _set_rng_state(torch.load(local / "deepspeed" / f"rng-rank-{rank % written_by}.pt", weights_only=False))
+    if written_by != world:
+        # the position counts global micro-batches of micro_batch_size x world rows; a checkpoint
+        # sits on a step boundary, so the rows trained on divide evenly at the new world size
+        state = {**state, "batches_in_epoch": state["batches_in_epoch"] * written_by // world}
     if rank == 0:
-        logger.info("resumed from %s: step %d, epoch %d, %d micro-batches into the epoch", chosen[0], state["step"],
-                    state["epoch"], state["batches_in_epoch"])
+        logger.info("resumed from %s: step %d, epoch %d, %d micro-batches into the epoch%s", chosen[0], state["step"],
+                    state["epoch"], state["batches_in_epoch"],
+                    f" (written by {written_by} workers, now {world})" if written_by != world else "")
     return state
+
+
+def universal_copy(deepspeed_dir: Path, uri: str) -> Path:
+    """The checkpoint's ZeRO state as a DeepSpeed universal checkpoint (whole parameters and
+    optimizer moments, no partitioning), which loads at any world size. The first rank of each
+    node converts it into a node-local folder; the node's other ranks wait for it."""
+    import subprocess
+    import sys
+    import zlib
+
+    import torch.distributed as dist
+
+    out = Path(tempfile.gettempdir()) / f"lmfoundry-universal-{zlib.crc32(uri.encode()):08x}"
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (out / "latest_universal").exists():
+        shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
+        scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
+        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(deepspeed_dir / "state"), "--output_folder", str(scratch / "state"),
+                               "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}"
+                               f"{done.stderr[-2000:]}")
+        (scratch / "latest_universal").write_text("state")
+        os.replace(scratch, out)
+    dist.barrier()
+    return out
 
 
 def micro_batches(shard, cfg: PretrainConfig, rank: int, world: int, epoch: int, skip: int):

@@ -13,7 +13,7 @@
               what each language keeps (not in the default sections)
 
     python benchmarks/curation.py [--quick] [--sections dedup,throughput,scaling] [--sizes 10000,100000]
-    python benchmarks/curation.py --sections multilingual [--megabytes 200]
+    python benchmarks/curation.py --sections multilingual [--megabytes 200,400]
 
 Prints tables; writes benchmarks/results/curation.json.
 """
@@ -303,7 +303,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     p.add_argument("--sections", default="dedup,throughput,scaling")
     p.add_argument("--sizes", default="10000,100000", help="scaling: corpus sizes in documents")
-    p.add_argument("--megabytes", type=int, default=200, help="multilingual: size of the text folder")
+    p.add_argument("--megabytes", default="200,400", help="multilingual: sizes of the text folder, in MB")
     args = p.parse_args()
     sections = args.sections.split(",")
     RESULTS.mkdir(exist_ok=True)
@@ -340,15 +340,17 @@ def main() -> None:
             print(f"  {r['documents']:>10}{r['input_mb_gzip']:>10}{r['seconds']:>10}{r['docs_per_s']:>10}{r['peak_pss_gib']:>14}")
         save()
     if "multilingual" in sections:
-        result["multilingual"] = m = bench_multilingual(20 if args.quick else args.megabytes)
-        print(f"\nmultilingual text folder: {m['input_mb']} MB, {m['documents']} .txt documents in "
-              f"{len(m['written_by_language'])} languages")
-        print(f"  {m['seconds']} s ({m['mb_per_s']} MB/s, {m['docs_per_s']} docs/s), peak PSS {m['peak_pss_gib']} GiB, "
-              f"kept {m['documents_kept']}")
-        print(f"  {'language':<10}{'written':>10}{'kept':>10}")
-        for lang, n in m["written_by_language"].items():
-            print(f"  {lang:<10}{n:>10}{m['kept_by_language'].get(lang, 0):>10}")
-        print(f"  rejected: {m['rejected_by_reason']}")
+        sizes = [20] if args.quick else [int(m) for m in args.megabytes.split(",")]
+        result["multilingual"] = [bench_multilingual(mb) for mb in sizes]
+        for m in result["multilingual"]:
+            print(f"\nmultilingual text folder: {m['input_mb']} MB, {m['documents']} .txt documents in "
+                  f"{len(m['written_by_language'])} languages")
+            print(f"  {m['seconds']} s ({m['mb_per_s']} MB/s, {m['docs_per_s']} docs/s), peak PSS "
+                  f"{m['peak_pss_gib']} GiB, kept {m['documents_kept']}")
+            print(f"  {'language':<10}{'written':>10}{'kept':>10}")
+            for lang, n in m["written_by_language"].items():
+                print(f"  {lang:<10}{n:>10}{m['kept_by_language'].get(lang, 0):>10}")
+            print(f"  rejected: {m['rejected_by_reason']}")
         save()
     print(f"\nwrote {path}")
 

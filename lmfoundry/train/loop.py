@@ -300,7 +300,7 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
                              f"parallelism (this run: ZeRO-{stage}"
                              f"{', expert parallel' if _expert_parallel(engine) else ''}); resume with "
                              f"{written_by} workers")
-        load_dir = universal_copy(load_dir, chosen[0])
+        load_dir = universal_copy(local, chosen[0])
         engine._config.load_universal_checkpoint = True  # read per load: this load only
     # DeepSpeed's MoE loader wants per-expert files that it writes only for its own MoE layers;
     # lmfoundry's experts come back from each rank's module file instead
@@ -310,6 +310,10 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
     finally:
         engine.has_moe_layers = has_moe_layers
         engine._config.load_universal_checkpoint = False
+    if written_by != world:
+        dist.barrier()  # every rank of the node has loaded it: the converted copy can go
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            shutil.rmtree(load_dir, ignore_errors=True)
     if _expert_parallel(engine):
         engine.module.load_state_dict(torch.load(local / "deepspeed" / f"module-rank-{rank}.pt"))
     _set_rng_state(torch.load(local / "deepspeed" / f"rng-rank-{rank % written_by}.pt", weights_only=False))
@@ -324,17 +328,20 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
     return state
 
 
-def universal_copy(deepspeed_dir: Path, uri: str) -> Path:
+def universal_copy(local: Path, uri: str) -> Path:
     """The checkpoint's ZeRO state as a DeepSpeed universal checkpoint (whole parameters and
     optimizer moments, no partitioning), which loads at any world size. The first rank of each
-    node converts it into a node-local folder; the node's other ranks wait for it."""
+    node converts it into a node-local folder named by the checkpoint's manifest (its checksums),
+    so another checkpoint at the same path never reuses it; the node's other ranks wait for it."""
+    import hashlib
     import subprocess
     import sys
-    import zlib
 
     import torch.distributed as dist
 
-    out = Path(tempfile.gettempdir()) / f"lmfoundry-universal-{zlib.crc32(uri.encode()):08x}"
+    identity = hashlib.sha256(uri.encode() + (local / checkpoint.CHECKPOINT_MANIFEST).read_bytes()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / f"lmfoundry-universal-{identity}"
+    deepspeed_dir = local / "deepspeed"
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (out / "latest_universal").exists():
         shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
         scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
@@ -376,10 +383,10 @@ def build_engine(cfg: PretrainConfig, world: int, seq_len: int):
         shard_model(model, cfg.expert_parallel_size)
     num_params, flops_per_token = model.num_params(), train_flops_per_token(model, seq_len)
     ds_config = deepspeed_config(cfg, world, seq_len, num_params)
-    client_scheduler = None
-    if cfg.lr_schedule == "wsd":
-        def client_scheduler(optimizer):
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, wsd_schedule(cfg))
+    def wsd(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, wsd_schedule(cfg))
+
+    client_scheduler = wsd if cfg.lr_schedule == "wsd" else None  # else DeepSpeed's from the config
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, cfg.weight_decay), config=ds_config,
         lr_scheduler=client_scheduler,
@@ -404,7 +411,6 @@ def train_loop(loop_config: dict) -> None:
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
 
     engine, scheduler, ds_config, num_params, flops_per_token = build_engine(cfg, world, seq_len)
-    model = engine.module
     accum = ds_config["gradient_accumulation_steps"]
     tokens_per_step = cfg.global_batch_tokens
     if rank == 0:

@@ -5,6 +5,7 @@ to a receiver that decodes the protobuf the way a collector does."""
 import json
 import threading
 import time
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -60,10 +61,9 @@ def test_a_run_is_one_trace_in_json_lines(tmp_path):
     tracer.export(run)
     tracer.shutdown()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    iso = __import__("datetime").datetime.fromisoformat
 
     def ns(stamp):
-        return int(iso(stamp).timestamp() * 1e6) * 1000
+        return int(datetime.fromisoformat(stamp).timestamp() * 1e6) * 1000
 
     check_trace([{"name": s["name"], "trace": s["context"]["trace_id"], "id": s["context"]["span_id"],
                   "parent": s["parent_id"], "start": ns(s["start_time"]), "end": ns(s["end_time"]),

@@ -139,10 +139,10 @@ def build_registry(wf: WorkflowConfig) -> toolkit.ToolRegistry:
         else:
             if s.module:
                 importlib.import_module(s.module)
-            if name not in CUSTOM_TOOLS.tools:
-                raise ValueError(f"workflow {wf.name}: custom tool {name!r} is not registered; registered: "
-                                 f"{sorted(CUSTOM_TOOLS.tools)} (set 'module' to the module that registers it)")
-            tool = CUSTOM_TOOLS.get(name)
+            try:
+                tool = CUSTOM_TOOLS.get(name)
+            except toolkit.ToolError as e:
+                raise ValueError(f"workflow {wf.name}: {e} (set 'module' to the module that registers it)") from None
         registry.register(tool)
     return registry
 

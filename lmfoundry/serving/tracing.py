@@ -60,7 +60,7 @@ class JsonLinesExporter(SpanExporter):
         self._lock = threading.Lock()
 
     def export(self, spans):
-        lines = "".join(json.dumps(json.loads(span.to_json()), separators=(",", ":")) + "\n" for span in spans)
+        lines = "".join(span.to_json(indent=None) + "\n" for span in spans)
         with self._lock:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:

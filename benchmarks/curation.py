@@ -6,7 +6,8 @@
               documents, interleaved repeat by repeat: the heuristic stage (C4 + Gopher quality +
               Gopher repetition + FineWeb rules) and MinHash signatures (same shingles, same
               16 x 6 min-hashes). datatrove is the `bench` extra: pip install 'lmfoundry[bench]' spacy
-  scaling     the whole `lmfoundry curate` pipeline on local Ray over 10k and 100k documents:
+  scaling     the whole `lmfoundry curate` pipeline on local Ray over 10k and 100k documents
+              (or --sizes; a size measured alone replaces its row, others are kept):
               wall time and the peak memory (proportional set size) of all Ray processes together
   multilingual  the same pipeline over a folder of a few hundred MB of .txt files in 11
               languages (Faker word lists for 10 of them: pip install faker): time, peak memory,
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -141,9 +143,10 @@ def bench_throughput(n: int, repeats: int) -> dict:
     return out
 
 
-def scaling_corpus(path: Path, n: int, seed: int = 0, shards: int = 8) -> None:
+def scaling_corpus(path: Path, n: int, seed: int = 0) -> None:
     """Documents assembled from real sentences (the standard library's docstrings), 5% exact and
-    5% near copies, 10% web-like noise; gzip JSON lines."""
+    5% near copies, 10% web-like noise; gzip JSON lines, 12,500 documents a file (at least 8
+    files), so a file stays the same size as the corpus grows, as in a real corpus."""
     import gzip
 
     from lmfoundry.data.sample_corpus import stdlib_documents, web_like_documents
@@ -166,6 +169,7 @@ def scaling_corpus(path: Path, n: int, seed: int = 0, shards: int = 8) -> None:
         else:
             docs.append("\n\n".join(" ".join(rng.sample(sentences, 5)) for _ in range(rng.randint(2, 5))))
     path.mkdir(parents=True, exist_ok=True)
+    shards = max(8, n // 12_500)
     for s in range(shards):
         with gzip.open(path / f"part-{s:05d}.jsonl.gz", "wt", encoding="utf-8") as f:
             for j in range(s, n, shards):
@@ -219,7 +223,12 @@ def bench_scaling(sizes: list[int]) -> list[dict]:
     rows = []
     for n in sizes:
         work = Path(tempfile.mkdtemp(prefix=f"curate-{n}-"))
-        scaling_corpus(work / "raw", n)
+        # generated in a child process: the generator's own memory is gone before the measurement
+        child = multiprocessing.get_context("spawn").Process(target=scaling_corpus, args=(work / "raw", n))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"generating the {n}-document corpus failed (exit code {child.exitcode})")
         size_mb = sum(f.stat().st_size for f in (work / "raw").iterdir()) / 2**20
         report, seconds, peak = timed_curate(work)
         rows.append({"documents": n, "input_mb_gzip": round(size_mb, 1), "seconds": round(seconds, 1),
@@ -335,7 +344,9 @@ def main() -> None:
     if "scaling" in sections:
         sizes = [1000, 5000] if args.quick else [int(s) for s in args.sizes.split(",")]
         print("\nscaling (the whole curate pipeline on local Ray):")
-        result["scaling"] = bench_scaling(sizes)
+        # rows of other sizes from earlier runs are kept, so one size can be (re)measured alone
+        measured = {r["documents"]: r for r in result.get("scaling", []) + bench_scaling(sizes)}
+        result["scaling"] = [measured[n] for n in sorted(measured)]
         print(f"  {'documents':>10}{'input MB':>10}{'seconds':>10}{'docs/s':>10}{'peak PSS GiB':>14}")
         for r in result["scaling"]:
             print(f"  {r['documents']:>10}{r['input_mb_gzip']:>10}{r['seconds']:>10}{r['docs_per_s']:>10}{r['peak_pss_gib']:>14}")

@@ -155,8 +155,8 @@ def test_a_loss_spike_rolls_back_and_skips_the_batches(ray_local, packed, tmp_pa
 @pytest.mark.ray
 def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(ray_local, packed, tmp_path):
     """ZeRO-3: each rank holds half the weights; the servable checkpoint gathers them, and a
-    run killed after step 6 resumes from step 4 to the uninterrupted run's losses. ZeRO-2 with
-    the optimizer offloaded gives the same losses."""
+    run killed after step 6 resumes from step 4 to the uninterrupted run's losses, at 2 workers
+    or at 1. ZeRO-2 with the optimizer offloaded gives the same losses."""
     from safetensors.torch import load_file
 
     from lmfoundry.model.checkpoint import WEIGHTS, load_model_files
@@ -177,6 +177,16 @@ def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(ray
     weights = load_file(str(final / WEIGHTS))
     assert all(t.numel() > 0 for t in weights.values())
     assert drilled["final_loss"] == clean["final_loss"]
+    # stopped after step 6 at 2 workers, finished by 1 (the partitions regathered through a
+    # universal checkpoint): the clean run's losses, up to the other summation order
+    shrunk = str(tmp_path / "shrunk")
+    with pytest.raises(RuntimeError, match="pretraining failed"):
+        run_pretrain(tiny_pretrain_config(packed[0], shrunk, max_failures=0, drills=[FaultDrill(at_step=6, rank=1)],
+                                          **settings))
+    run_pretrain(tiny_pretrain_config(packed[0], shrunk, num_workers=1, **settings))
+    rows["shrunk"] = [json.loads(line) for line in open(Path(shrunk) / "metrics.jsonl")]
+    assert [r["step"] for r in rows["shrunk"]] == list(range(1, 9))
+    assert [r["loss"] for r in rows["shrunk"]] == pytest.approx([r["loss"] for r in rows["clean"]], rel=1e-5)
     # ZeRO-2 with the optimizer offloaded to CPU memory trains the same model to the same losses
     run_pretrain(tiny_pretrain_config(packed[0], str(tmp_path / "offload"), **{**settings, "zero_stage": 2},
                                       offload_optimizer=True))
@@ -209,3 +219,70 @@ def test_a_run_shrinks_to_one_worker_and_grows_back_to_two_on_the_same_batches(r
     assert worst < 1e-5, worst  # measured 6e-8; a batch skipped or seen twice moves a step's loss by percents
     assert [r["loss"] for r in rows[:10]] == [r["loss"] for r in reference[:10]]  # before any change: bitwise
     assert manifest["tokens_seen"] == 40 * 2 * 4 * 64 * 2
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(ray_local, packed, pretrained,
+                                                                                    tmp_path, monkeypatch):
+    """The reference run with min_workers=1 on a Ray cluster of three nodes on this machine: a
+    head for the driver and the data, two training nodes with one `trainer` slot each. Rank 0
+    stalls after step 12 while a training node is removed: Ray restarts the group with the one
+    worker that fits, which resumes from step 10. It stalls after step 25 while a node is added:
+    Ray grows the group back to 2 workers, which resume from step 20. Every step once, on the
+    reference's batches (its losses, up to the rounding of the other summation order)."""
+    import threading
+    import time
+
+    from ray.cluster_utils import Cluster
+
+    from lmfoundry.platform.ray_env import init_ray
+    from lmfoundry.train.config import FaultDrill
+    from lmfoundry.train.pretrain import run_pretrain
+
+    out = tmp_path / "elastic-live"
+    cfg = tiny_pretrain_config(packed[0], str(out), min_workers=1, worker_resources={"trainer": 1},
+                               elastic_resize_interval_s=2, max_failures=2,
+                               drills=[FaultDrill(at_step=12, kind="stall", seconds=300),
+                                       FaultDrill(at_step=25, kind="stall", seconds=300)])
+
+    def wait_for_drill(index: int) -> None:
+        deadline = time.monotonic() + 300
+        while not list((out / "_drills").glob(f"drill-{index}-*")):
+            assert time.monotonic() < deadline and thread.is_alive(), f"drill {index} did not fire: {result}"
+            time.sleep(0.2)
+
+    # right after a node's loss Ray's view of the cluster may still count it: the restart first
+    # waits for 2 workers that cannot start, for this long (Ray's default: 60 s), then takes 1
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
+    ray_local.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})  # its processes inherit the setting
+    result: dict = {}
+    try:
+        nodes = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(2)]
+        ray_local.init(address=cluster.address)
+        cluster.wait_for_nodes()
+
+        def train():
+            try:
+                result["manifest"] = run_pretrain(cfg)
+            except BaseException as e:  # handed to the assertions below
+                result["error"] = e
+
+        thread = threading.Thread(target=train)  # the cluster is changed from this (the main) thread
+        thread.start()
+        wait_for_drill(0)
+        cluster.remove_node(nodes[1])
+        wait_for_drill(1)
+        cluster.add_node(num_cpus=1, resources={"trainer": 1})
+        thread.join(timeout=600)
+    finally:
+        ray_local.shutdown()
+        cluster.shutdown()
+        init_ray()  # the session's local Ray, for the tests after this one
+    assert "manifest" in result, result
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert [r["world_size"] for r in rows] == [2] * 10 + [1] * 10 + [2] * 20
+    reference = [json.loads(line) for line in open(Path(pretrained[0]) / "metrics.jsonl")]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-5)

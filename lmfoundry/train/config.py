@@ -17,13 +17,18 @@ class FaultDrill(StageConfig):
     """A real failure injected on purpose, to prove recovery: the worker of `rank` kills its own
     process with SIGKILL after optimizer step `at_step` (or, with `during_save`, while that
     step's checkpoint is being written), or (`lr_spike`) every worker takes step `at_step` with
-    its learning rate multiplied, which blows the loss up. Once per run unless `every_attempt`."""
+    its learning rate multiplied, which blows the loss up, or (`stall`) the worker of `rank`
+    sleeps `seconds` after step `at_step`, as a hung straggler does (the others wait for it in
+    the next collective), which holds the run still while an operator or a test acts on the
+    cluster. Once per run unless `every_attempt`."""
 
     at_step: int = Field(..., ge=1)
     rank: int = Field(0, ge=0)
-    kind: Literal["kill", "lr_spike"] = Field("kill", description="kill: SIGKILL the worker; lr_spike: "
-                                               "multiply the learning rate of step at_step by lr_factor")
+    kind: Literal["kill", "lr_spike", "stall"] = Field(
+        "kill", description="kill: SIGKILL the worker; lr_spike: multiply the learning rate of step at_step by "
+        "lr_factor; stall: the worker sleeps `seconds`")
     lr_factor: float = Field(1e4, gt=0)
+    seconds: float = Field(60.0, gt=0, description="stall: how long the worker sleeps")
     during_save: bool = False
     every_attempt: bool = False
 
@@ -32,8 +37,16 @@ class PretrainConfig(StageConfig):
     data: str = Field(..., description="a pack output directory (train/, val/, tokenizer.json)")
     output: str = Field(..., description="the run directory: checkpoints and the run manifest")
     model: ModelConfig = ModelConfig()
-    num_workers: int = Field(2, ge=1)
+    num_workers: int = Field(2, ge=1, description="workers; with min_workers, the most the run grows to")
+    min_workers: int | None = Field(None, ge=1, description="elastic: Ray Train goes on with as few as this "
+                                    "many workers when some are lost, and grows back towards num_workers as "
+                                    "resources return (None: a fixed num_workers)")
+    elastic_resize_interval_s: float = Field(60.0, gt=0, description="elastic: how often a running group "
+                                             "checks for resources to grow into")
     cpus_per_worker: float = Field(1.0, gt=0)
+    worker_resources: dict[str, float] = Field(default_factory=dict, description="more Ray resources each worker "
+                                               "needs besides CPUs (and a GPU with use_gpu), e.g. a custom resource "
+                                               "that only training nodes have")
     use_gpu: bool = False
     zero_stage: int = Field(2, ge=0, le=3, description="0-3; 3 partitions the weights too (not with MoE)")
     offload_optimizer: bool = Field(False, description="keep the optimizer's partition (moments, fp32 master "
@@ -91,6 +104,13 @@ class PretrainConfig(StageConfig):
             raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3 (ZeRO-Offload moves the optimizer's partition)")
         if self.zero_stage == 3 and self.model.moe is not None:
             raise ValueError("zero_stage=3 with an MoE model: DeepSpeed's MoE layers support ZeRO stages 0-2")
+        if self.min_workers is not None:
+            if self.min_workers > self.num_workers:
+                raise ValueError(f"min_workers={self.min_workers} must not exceed num_workers={self.num_workers}")
+            if ep > 1:
+                raise ValueError(f"min_workers (elastic) with expert_parallel_size={ep}: a change of world size "
+                                 "needs every expert's state in one checkpoint format, which expert parallelism "
+                                 "does not write; use a fixed num_workers")
         for drill in self.drills:
             if drill.rank >= self.num_workers:
                 raise ValueError(f"drills: rank {drill.rank} does not exist with num_workers={self.num_workers}")
@@ -108,6 +128,11 @@ def resolved_precision(cfg: PretrainConfig) -> str:
     if cfg.precision == "bf16" and not cfg.use_gpu:
         logger.warning("precision=bf16 on CPU workers is slow; fp32 is the CPU default")
     return cfg.precision
+
+
+def world_sizes(cfg: PretrainConfig) -> range:
+    """Every world size the run may train at: num_workers, or min_workers..num_workers when elastic."""
+    return range(cfg.min_workers or cfg.num_workers, cfg.num_workers + 1)
 
 
 def gradient_accumulation(cfg: PretrainConfig, world_size: int, seq_len: int) -> int:

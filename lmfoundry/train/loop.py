@@ -189,6 +189,10 @@ class Drills:
 
     def after_step(self, step: int) -> None:
         self._kill(step, during_save=False)
+        for i, drill in self._pending(step, "stall"):
+            self._mark(i)
+            logger.warning("fault drill: rank %d stalls for %.0f s after step %d", self.rank, drill.seconds, step)
+            time.sleep(drill.seconds)
 
     def during_save(self, step: int) -> None:
         self._kill(step, during_save=True)
@@ -293,15 +297,13 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
     written_by = state["world_size"]
     load_dir = local / "deepspeed"
     if written_by != world:
-        stage = engine.zero_optimization_stage()
-        if stage not in (1, 2) or _expert_parallel(engine):
+        if _expert_parallel(engine):
             raise ValueError(f"checkpoint {chosen[0]} was written by {written_by} workers and this run has {world}: "
-                             f"a change of world size is supported for ZeRO stages 1 and 2 without expert "
-                             f"parallelism (this run: ZeRO-{stage}"
-                             f"{', expert parallel' if _expert_parallel(engine) else ''}); resume with "
-                             f"{written_by} workers")
+                             f"a change of world size is supported without expert parallelism only (each rank's "
+                             f"experts are its own files); resume with {written_by} workers")
         load_dir = universal_copy(local, chosen[0])
         engine._config.load_universal_checkpoint = True  # read per load: this load only
+    own_settings = [{k: g[k] for k in ("weight_decay", "name") if k in g} for g in engine.optimizer.param_groups]
     # DeepSpeed's MoE loader wants per-expert files that it writes only for its own MoE layers;
     # lmfoundry's experts come back from each rank's module file instead
     has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
@@ -310,6 +312,8 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
     finally:
         engine.has_moe_layers = has_moe_layers
         engine._config.load_universal_checkpoint = False
+    if written_by != world:
+        _mend_universal_load(engine, own_settings)
     if written_by != world:
         dist.barrier()  # every rank of the node has loaded it: the converted copy can go
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -326,6 +330,21 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
                     state["epoch"], state["batches_in_epoch"],
                     f" (written by {written_by} workers, now {world})" if written_by != world else "")
     return state
+
+
+def _mend_universal_load(engine, own_settings: list[dict]) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal load (0.19,
+    stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), harmless for stages 1 and 2:
+    every parameter group is given the first group's settings (weight decay on the norms and
+    embeddings), and every group's optimizer state is given one shared `step` tensor, which
+    AdamW then advances once per group per step (the wrong bias correction from the next step
+    on). Each group gets its own settings and its own step counter back."""
+    for group, own in zip(engine.optimizer.param_groups, own_settings):
+        group.update(own)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def universal_copy(local: Path, uri: str) -> Path:
@@ -353,7 +372,12 @@ def universal_copy(local: Path, uri: str) -> Path:
             raise RuntimeError(f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}"
                                f"{done.stderr[-2000:]}")
         (scratch / "latest_universal").write_text("state")
-        os.replace(scratch, out)
+        try:
+            os.replace(scratch, out)
+        except OSError:  # another node on this machine converted it first (a test's nodes share /tmp)
+            if not (out / "latest_universal").exists():
+                raise
+            shutil.rmtree(scratch, ignore_errors=True)
     dist.barrier()
     return out
 
@@ -520,7 +544,7 @@ def train_loop(loop_config: dict) -> None:
                     "step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                     "grad_norm": float(engine.get_global_grad_norm() or 0.0), "tokens_per_s": tokens_per_s,
                     "step_time_s": (now - t_last) / max(step - step_last, 1), "tflops_per_worker": tflops,
-                    "skipped_batches": skipped, "rollbacks": rollbacks, "time": now,
+                    "skipped_batches": skipped, "rollbacks": rollbacks, "world_size": world, "time": now,
                 }
                 busy = [None] * world
                 dist.all_gather_object(busy, (busy_s, host))

@@ -13,7 +13,7 @@ from pathlib import PurePosixPath
 
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
-from lmfoundry.train.config import PretrainConfig, deepspeed_config, gradient_accumulation
+from lmfoundry.train.config import PretrainConfig, deepspeed_config, gradient_accumulation, world_sizes
 from lmfoundry.train.loop import train_loop
 
 logger = get_logger(__name__)
@@ -99,9 +99,21 @@ def fit(trainer, max_failures: int, what: str) -> None:
         raise RuntimeError(f"{what} failed after {max_failures} restarts at most: {error}") from error
 
 
+def scaling_config(cfg: PretrainConfig):
+    """Ray Train's ScalingConfig: a fixed group, or with min_workers an elastic one that Ray
+    shrinks when workers are lost and grows when resources return (each change a restart of the
+    group, which resumes from the newest checkpoint at its new size)."""
+    from ray.train import ScalingConfig
+
+    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {}), **cfg.worker_resources}
+    workers = (cfg.min_workers, cfg.num_workers) if cfg.min_workers is not None else cfg.num_workers
+    return ScalingConfig(num_workers=workers, use_gpu=cfg.use_gpu, resources_per_worker=resources,
+                         elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s)
+
+
 def run_pretrain(cfg: PretrainConfig) -> dict:
     import ray
-    from ray.train import DataConfig, ScalingConfig
+    from ray.train import DataConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     data = storage.normalize(cfg.data)
@@ -110,7 +122,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         raise ValueError(f"pretrain data {cfg.data!r} is a {pack.get('stage')!r} output, not a pack output")
     cfg = resolve_model_shape(cfg, pack)
     seq_len = pack["seq_len"]
-    gradient_accumulation(cfg, cfg.num_workers, seq_len)  # fail now, not inside the workers
+    for world in world_sizes(cfg):  # fail now, not inside the workers
+        gradient_accumulation(cfg, world, seq_len)
     sequences, per_micro_step = pack["splits"]["train"]["sequences"], cfg.num_workers * cfg.micro_batch_size
     if sequences < per_micro_step:  # an epoch would hold no micro-batch, and training no step
         raise ValueError(f"pretrain data {cfg.data!r} holds {sequences} training sequences, fewer than one global "
@@ -133,8 +146,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         train_loop,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "seq_len": seq_len, "tokenizer_json": tokenizer_json,
                            "run_dir": out},
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
+        scaling_config=scaling_config(cfg),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         datasets={"train": train_ds},
         # every worker reads the whole stream, in file order, and keeps its slice of each global

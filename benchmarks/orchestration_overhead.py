@@ -12,7 +12,10 @@ tokens/s is the median over steps after warm-up (steps 6 onwards); lmfoundry log
 as a run would (every logged step is a collective and a report to Ray Train), so its figure is
 the median over those 5-step intervals.
 
-    python benchmarks/orchestration_overhead.py --steps 40
+The three loops run one after another, --repeats rounds (interleaved); the table gives each
+loop's median over the rounds, and the lmfoundry / DDP ratio of each round.
+
+    python benchmarks/orchestration_overhead.py --steps 40 --repeats 3
 
 Prints a table; writes benchmarks/results/orchestration_overhead.json.
 """
@@ -105,9 +108,13 @@ def lmfoundry_pretrain(packed: str, out: str, steps: int) -> float:
     return statistics.median(r["tokens_per_s"] for r in rows if r["step"] > WARMUP and "checkpoint_blocking_s" not in r)
 
 
+LMF, DDP, ONE = "lmfoundry pretrain (Ray Train + DeepSpeed ZeRO-2)", "PyTorch DDP, 2 processes", "one process, 2 threads"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=3, help="rounds of the three loops, one after another")
     args = p.parse_args()
 
     from lmfoundry.data.curate import CurateConfig, run_curate
@@ -116,25 +123,31 @@ def main() -> None:
     from lmfoundry.platform.ray_env import init_ray
 
     init_ray()
-    figures = {}
+    runs: dict[str, list[float]] = {LMF: [], DDP: [], ONE: []}
     with tempfile.TemporaryDirectory(prefix="lmf-overhead-") as work:
         build_sample_corpus(f"{work}/raw", seed=1, shards=2)
         run_curate(CurateConfig(input=f"{work}/raw", output=f"{work}/curated"))
         packed = run_pack(PackConfig(input=f"{work}/curated", output=f"{work}/packed", vocab_size=4096, seq_len=SEQ))
         vocab = packed["vocab_size"]
-        figures["lmfoundry pretrain (Ray Train + DeepSpeed ZeRO-2)"] = lmfoundry_pretrain(
-            f"{work}/packed", f"{work}/run", args.steps)
-    figures["PyTorch DDP, 2 processes"] = ddp(vocab, args.steps)
-    figures["one process, 2 threads"] = one_process(vocab, args.steps)
-    base = figures["PyTorch DDP, 2 processes"]
-    print(f"{'loop':<50} {'tokens/s':>9} {'vs DDP':>7}")
+        # interleaved, so that a change in the machine's state over the run touches every loop alike
+        for r in range(args.repeats):
+            runs[LMF].append(lmfoundry_pretrain(f"{work}/packed", f"{work}/run-{r}", args.steps))
+            runs[DDP].append(ddp(vocab, args.steps))
+            runs[ONE].append(one_process(vocab, args.steps))
+            print(f"round {r + 1}: " + ", ".join(f"{name} {v[-1]:.0f}" for name, v in runs.items()), flush=True)
+    figures = {name: statistics.median(v) for name, v in runs.items()}
+    base = figures[DDP]
+    per_round = [a / b for a, b in zip(runs[LMF], runs[DDP])]
+    print(f"\n{'loop':<50} {'tokens/s':>9} {'vs DDP':>7}   (medians of {args.repeats} interleaved rounds)")
     for name, tps in figures.items():
         print(f"{name:<50} {tps:9.0f} {tps / base:7.3f}")
+    print("lmfoundry / DDP, round by round: " + ", ".join(f"{x:.3f}" for x in per_round))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "orchestration_overhead.json").write_text(json.dumps({
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "steps": args.steps,
-        "seq_len": SEQ, "sequences_per_step": GLOBAL_SEQS, "tokens_per_s": figures,
-        "ratio_to_ddp": {k: v / base for k, v in figures.items()}}, indent=2))
+        "seq_len": SEQ, "sequences_per_step": GLOBAL_SEQS, "repeats": args.repeats, "tokens_per_s_runs": runs,
+        "tokens_per_s": figures, "ratio_to_ddp": {k: v / base for k, v in figures.items()},
+        "lmfoundry_to_ddp_by_round": per_round}, indent=2))
 
 
 if __name__ == "__main__":

@@ -281,6 +281,40 @@ def serve_overhead(ckpt: Path, prompts: list[list[int]], max_tokens: int, thread
             "one_token_request_p50_ms": round(1000 * statistics.median(one_token_s), 1)}
 
 
+def attention_kernels(lengths=(64, 128, 256), batch: int = 16, repeats: int = 7, calls: int = 200) -> list[dict]:
+    """Microseconds per decode-step attention call at the benchmark model's shapes (6 query heads,
+    2 key/value heads, head dim 64), scaled_dot_product_attention against the model's own
+    decode_attention, interleaved repeat by repeat; medians."""
+    import torch.nn.functional as F
+
+    from lmfoundry.model.transformer import decode_attention
+
+    rows = []
+    for length in lengths:
+        gen = torch.Generator().manual_seed(length)
+        q = torch.randn(batch, 6, 1, 64, generator=gen)
+        k, v = (torch.randn(batch, 2, length, 64, generator=gen) for _ in range(2))
+        filled = torch.randint(length // 2, length + 1, (batch,), generator=gen)
+        mask = torch.arange(length)[None, None, None, :] < filled[:, None, None, None]
+        kernels = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                   "decode_attention": lambda: decode_attention(q, k, v, mask)}
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        with torch.inference_mode():
+            for fn in kernels.values():
+                fn()
+            for _ in range(repeats):
+                for name, fn in kernels.items():
+                    t = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    times[name].append((time.perf_counter() - t) / calls * 1e6)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        rows.append({"batch": batch, "cache_length": length, "sdpa_us": round(med["sdpa"], 1),
+                     "decode_attention_us": round(med["decode_attention"], 1),
+                     "speedup": round(med["sdpa"] / med["decode_attention"], 2)})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -298,6 +332,11 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     vocab = model.cfg.vocab_size
     del model
+    kernels = in_subprocess(args.threads, attention_kernels)
+    print("\n| batch | cache length | SDPA us | decode_attention us | speedup |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in kernels:
+        print(f"| {r['batch']} | {r['cache_length']} | {r['sdpa_us']} | {r['decode_attention_us']} | {r['speedup']} |")
     rows = []
     for c in levels:
         rounds = args.rounds if c < 64 else max(1, args.rounds // 2)
@@ -334,7 +373,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     out = {"machine": f"{os.cpu_count()} CPU", "torch_threads": args.threads, "parameters": params,
            "max_tokens": max_tokens, "spread_s": args.spread, "rounds": args.rounds, "rows": rows, "ratios": ratios,
-           "serve_overhead": overhead}
+           "serve_overhead": overhead, "decode_attention": kernels}
     (RESULTS / "serving.json").write_text(json.dumps(out, indent=2))
 
 

@@ -119,6 +119,19 @@ class KVCache:
         return self.k[layer][rows, :, :end], self.v[layer][rows, :, :end]
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query position per row: q (B, H, 1, D) against the cache's k, v (B, K, L, D), mask
+    (B, 1, 1, L). Two batched products with each key/value head's G = H / K query heads as the
+    rows of one product, so the cache is read once and nothing is copied. On CPU this is faster
+    than scaled_dot_product_attention, whose kernel tiles the query axis, here of length 1
+    (benchmarks/serving.py compares the two)."""
+    B, H, _, D = q.shape
+    K = k.shape[1]
+    scores = q.reshape(B, K, H // K, D) @ k.transpose(-1, -2) * D ** -0.5  # (B, K, G, L)
+    scores = scores.masked_fill(~mask, float("-inf"))  # (B, 1, 1, L) broadcasts over K and G
+    return (scores.softmax(-1) @ v).reshape(B, H, 1, D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -142,8 +155,11 @@ class Attention(nn.Module):
         else:
             cache, slots, rows, positions, mask = cached
             k, v = cache.update(self.layer, slots, rows, positions, k, v)  # (B, K, L, D)
-            # decoding reads the whole cache every token: share key/value heads rather than copy them
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=K != H)
+            if T == 1:
+                y = decode_attention(q, k, v, mask)
+            else:
+                # the whole cache is read: share key/value heads rather than copy them
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=K != H)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
 

@@ -184,6 +184,7 @@ class PeakRSS(threading.Thread):
     def __init__(self, interval: float = 0.5):
         super().__init__(daemon=True)
         self.interval, self.peak, self.stopped = interval, 0, threading.Event()
+        self.samples: list[tuple[float, int]] = []  # (perf_counter, bytes)
 
     def run(self):
         import psutil
@@ -199,11 +200,24 @@ class PeakRSS(threading.Thread):
                     except (psutil.NoSuchProcess, psutil.AccessDenied):
                         pass
             self.peak = max(self.peak, total)
+            self.samples.append((time.perf_counter(), total))
             self.stopped.wait(self.interval)
 
+    def peaks_by_phase(self, start: float, phase_seconds: dict[str, float]) -> dict[str, float]:
+        """GiB: the peak in each of the report's phases, laid end to end from the run's start (the
+        set-up before the first phase counts to it)."""
+        out, begin = {}, start
+        for i, (phase, seconds) in enumerate(phase_seconds.items()):
+            end = begin + seconds if i < len(phase_seconds) - 1 else float("inf")
+            inside = [b for t, b in self.samples if (i == 0 or t >= begin) and t < end]
+            out[phase] = round(max(inside, default=0) / 2**30, 2)
+            begin = end
+        return out
 
-def timed_curate(work: Path) -> tuple[dict, float, int]:
-    """`lmfoundry curate` from work/raw to work/out: its report, seconds, peak memory in bytes."""
+
+def timed_curate(work: Path) -> tuple[dict, float, int, dict[str, float]]:
+    """`lmfoundry curate` from work/raw to work/out: its report, seconds, peak memory in bytes,
+    and the peak of each phase in GiB."""
     from lmfoundry.data.curate import CurateConfig, run_curate
 
     monitor = PeakRSS()
@@ -213,7 +227,7 @@ def timed_curate(work: Path) -> tuple[dict, float, int]:
     seconds = time.perf_counter() - t
     monitor.stopped.set()
     monitor.join()
-    return report, seconds, monitor.peak
+    return report, seconds, monitor.peak, monitor.peaks_by_phase(t, report["phase_seconds"])
 
 
 def bench_scaling(sizes: list[int]) -> list[dict]:
@@ -230,9 +244,10 @@ def bench_scaling(sizes: list[int]) -> list[dict]:
         if child.exitcode != 0:
             raise RuntimeError(f"generating the {n}-document corpus failed (exit code {child.exitcode})")
         size_mb = sum(f.stat().st_size for f in (work / "raw").iterdir()) / 2**20
-        report, seconds, peak = timed_curate(work)
+        report, seconds, peak, phase_peaks = timed_curate(work)
         rows.append({"documents": n, "input_mb_gzip": round(size_mb, 1), "seconds": round(seconds, 1),
                      "docs_per_s": round(n / seconds, 1), "peak_pss_gib": round(peak / 2**30, 2),
+                     "peak_pss_gib_by_phase": phase_peaks,
                      "kept": report["documents_kept"], "phase_seconds": report["phase_seconds"],
                      "exact_duplicates": report["dedup"]["exact_duplicates"],
                      "near_duplicates": report["dedup"]["near_duplicates"]})
@@ -296,11 +311,12 @@ def bench_multilingual(megabytes: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="curate-multilingual-"))
     written = multilingual_folder(work / "raw", megabytes)
     size = sum(f.stat().st_size for f in (work / "raw").rglob("*.txt"))
-    report, seconds, peak = timed_curate(work)
+    report, seconds, peak, phase_peaks = timed_curate(work)
     kept = pq.read_table(work / "out" / "kept", columns=["lang"]).column("lang").to_pylist()
     out = {"input_mb": round(size / 2**20, 1), "documents": sum(written.values()), "seconds": round(seconds, 1),
            "mb_per_s": round(size / 2**20 / seconds, 3), "docs_per_s": round(sum(written.values()) / seconds, 1),
-           "peak_pss_gib": round(peak / 2**30, 2), "written_by_language": written,
+           "peak_pss_gib": round(peak / 2**30, 2), "peak_pss_gib_by_phase": phase_peaks,
+           "written_by_language": written,
            "kept_by_language": dict(sorted(collections.Counter(kept).items())),
            "documents_kept": report["documents_kept"], "rejected_by_reason": report["rejected_by_reason"],
            "phase_seconds": report["phase_seconds"]}

@@ -22,7 +22,9 @@ the last has ended), prompts of 16-64 random tokens.
   does); every request's first token comes with the batch's result.
 Each run is a fresh process (spawned), so no system inherits another's threads: on CPU, torch
 ops slow down for good once a second thread of a process has run OpenMP-parallel work.
-Throughput is generated tokens over the time from the first request to the last token. Then 20
+Throughput is generated tokens over the time from the first request to the last token. First,
+the decode step's attention is timed alone, scaled_dot_product_attention against the model's
+decode_attention on the same tensors. Then 20
 requests go through the HTTP API on Ray Serve one at a time, and the API's overhead per request
 is its latency minus the engine's time for the same request measured alone.
 Prints a table; writes benchmarks/results/serving.json.

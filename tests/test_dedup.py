@@ -66,3 +66,24 @@ def test_planted_near_duplicates_found_with_high_recall_and_precision():
 def test_dedup_config_is_checked():
     with pytest.raises(ValueError, match="at most 1024"):
         DedupConfig(num_bands=100, rows_per_band=20)
+
+
+def test_verification_sends_each_document_once_to_each_partition_that_checks_one_of_its_pairs():
+    """The plan behind the distributed verification: every pair's partition receives the texts
+    of both its documents, each shard is asked only for its own documents, and a document that
+    pairs with many others is sent once per partition, not once per pair."""
+    from lmfoundry.data.dedup_pipeline import PAIRS_PER_PARTITION, verification_plan
+    from lmfoundry.data.documents import SHARD_BITS
+
+    rng = np.random.default_rng(0)
+    docs = (rng.integers(0, 40, 5000) << SHARD_BITS) | rng.integers(0, 300, 5000)
+    a, b = np.unique(np.sort(rng.choice(np.unique(docs), (3 * PAIRS_PER_PARTITION, 2)), axis=1), axis=0).T
+    a, b = a[a != b], b[a != b]
+    pairs, items, parts = verification_plan(a, b)
+    assert parts == -(-len(a) // PAIRS_PER_PARTITION) and pairs.num_rows == len(a)
+    sent = {(k, p) for item in items for k, p in zip(item["keys"], item["parts"])}
+    assert all(k >> SHARD_BITS == item["shard"] for item in items for k in item["keys"])
+    assert len(sent) == sum(len(item["keys"]) for item in items)  # no document twice to one partition
+    for part, x, y in zip(*(pairs.column(c).to_pylist() for c in ("part", "a", "b"))):
+        assert (x, part) in sent and (y, part) in sent
+    assert len(sent) < 2 * len(a)  # shared documents travel once per partition

@@ -271,7 +271,7 @@ def run_curate(cfg: CurateConfig) -> dict:
     run_documents(cfg, out, fmt, shards)
     timings["documents"] = round(time.time() - t, 2)
     t = time.time()
-    dedup_stats = run_dedup(cfg, out, len(shards), _workers(cfg, len(shards)))
+    dedup_stats = run_dedup(cfg, out, len(shards))
     timings["dedup"] = round(time.time() - t, 2)
     t = time.time()
     run_finalize(cfg, out, len(shards))

@@ -1,6 +1,7 @@
 """Dedup on Ray Data: exact and MinHash-fuzzy duplicates in one groupby over hash partitions of
-the bucket keys, candidate pairs verified per pair of shards, optional semantic dedup, clusters by
-union-find over the duplicate edges. Writes `_work/dedup/duplicates.parquet`."""
+the bucket keys, candidate pairs verified in a second groupby that brings each pair together with
+its documents' texts (each shard read once), optional semantic dedup, clusters by union-find over
+the duplicate edges. Writes `_work/dedup/duplicates.parquet`."""
 
 from __future__ import annotations
 
@@ -59,30 +60,69 @@ def bucket_group(group: dict) -> dict:
     return {k: np.concatenate(v) for k, v in out.items()}
 
 
-def verify_pairs(batch: dict, out: str, text_field: str, shingle_words: int, threshold: float) -> dict:
-    """Candidate pairs between two shards: read the two shards' texts, keep the pairs whose
-    shingle sets have Jaccard similarity at or above the threshold."""
+PAIRS_PER_PARTITION = 20_000  # candidate pairs verified by one map_groups call, about
+
+
+def verification_plan(a: np.ndarray, b: np.ndarray) -> tuple[pa.Table, list[dict], int]:
+    """The candidate pairs (a, b) spread over hash partitions: the pairs' rows (part, a, b) and,
+    per shard, the candidate documents it must send and to which partitions (a document goes to
+    each partition that holds one of its pairs, once). Each shard is then read once, however many
+    other shards its documents pair with."""
+    parts = max(1, min(512, -(-len(a) // PAIRS_PER_PARTITION)))
+    mixed = (a.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ b.astype(np.uint64)
+    part = (mixed % np.uint64(parts)).astype(np.int64)
+    pairs = pa.table({"part": part, "a": a, "b": b, "text": pa.nulls(len(a), pa.string())})
+    sends = np.unique(np.stack([np.concatenate([a, b]), np.concatenate([part, part])], axis=1), axis=0)
+    shards = sends[:, 0] >> SHARD_BITS
+    items = [{"shard": int(s), "keys": sends[shards == s, 0].tolist(), "parts": sends[shards == s, 1].tolist()}
+             for s in np.unique(shards)]
+    return pairs, items, parts
+
+
+def candidate_texts(batch: dict, out: str, text_field: str) -> pa.Table:
+    """One shard's candidate documents, a row (part, doc key as `a`, b = -1, text) for each
+    partition that verifies one of its pairs."""
+    shard, keys, parts = int(batch["shard"][0]), np.asarray(batch["keys"][0], np.int64), np.asarray(batch["parts"][0])
+    t = read_parquet(work_path(out, "docs", shard_name(shard) + ".parquet"), ["doc_key", text_field])
+    t = t.filter(pc.is_in(t.column("doc_key"), pa.array(np.unique(keys))))
+    texts = pc.take(t.column(text_field), pc.index_in(pa.array(keys), t.column("doc_key")))
+    return pa.table({"part": pa.array(parts, pa.int64()), "a": pa.array(keys), "b": pa.array(np.full(len(keys), -1)),
+                     "text": texts.cast(pa.string())})
+
+
+def verify_group(group: pa.Table, shingle_words: int, threshold: float) -> dict:
+    """One partition: its pairs and the texts of their documents -> the pairs whose shingle
+    sets have Jaccard similarity at or above the threshold."""
     from lmfoundry.data.dedup import jaccard, shingle_hashes
 
-    keep_a, keep_b = [], []
-    for shard_a, shard_b, a, b in zip(batch["shard_a"], batch["shard_b"], batch["a"], batch["b"]):
-        a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
-        texts = {}
-        for shard in {int(shard_a), int(shard_b)}:
-            t = read_parquet(work_path(out, "docs", shard_name(shard) + ".parquet"), ["doc_key", text_field])
-            t = t.filter(pc.is_in(t.column("doc_key"), pa.array(np.unique(np.concatenate([a, b])))))
-            texts.update(zip(t.column("doc_key").to_pylist(), t.column(text_field).to_pylist()))
-        shingles = {k: shingle_hashes(v, shingle_words) for k, v in texts.items()}
-        ok = np.array([jaccard(shingles[x], shingles[y]) >= threshold
-                       for x, y in zip(a.tolist(), b.tolist())], dtype=bool)
-        keep_a.append(a[ok])
-        keep_b.append(b[ok])
-    return {"a": np.concatenate(keep_a), "b": np.concatenate(keep_b)}
+    is_text = pc.equal(group.column("b"), -1)
+    texts, pairs = group.filter(is_text), group.filter(pc.invert(is_text))
+    shingles = {k: shingle_hashes(v, shingle_words)
+                for k, v in zip(texts.column("a").to_pylist(), texts.column("text").to_pylist())}
+    a, b = np.asarray(pairs.column("a")), np.asarray(pairs.column("b"))
+    ok = np.array([jaccard(shingles[x], shingles[y]) >= threshold for x, y in zip(a.tolist(), b.tolist())], bool)
+    return {"a": a[ok], "b": b[ok]}
 
 
-def run_dedup(cfg: CurateConfig, out: str, num_shards: int, workers: int) -> dict:
+def verified_pairs(cfg: CurateConfig, out: str, a: np.ndarray, b: np.ndarray):
+    """Batches of the candidate pairs that pass verification: every shard read once for the
+    texts of its candidate documents, which a groupby brings together with their pairs."""
+    import ray
+
+    pairs, items, parts = verification_plan(a, b)
+    texts = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        candidate_texts, fn_kwargs={"out": out, "text_field": cfg.text_field}, batch_size=1, batch_format="numpy")
+    chunks = [pairs.slice(i, PAIRS_PER_PARTITION) for i in range(0, pairs.num_rows, PAIRS_PER_PARTITION)]
+    grouped = texts.union(ray.data.from_arrow(chunks)).groupby("part", num_partitions=parts).map_groups(
+        verify_group, fn_kwargs={"shingle_words": cfg.dedup.shingle_words, "threshold": cfg.dedup.jaccard_threshold},
+        batch_format="pyarrow")
+    return grouped.iter_batches(batch_format="numpy")
+
+
+def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
     """Exact and fuzzy duplicates in one Ray Data groupby over hash partitions of the buckets;
-    candidate pairs verified per pair of shards; clusters by union-find over the duplicate edges.
+    candidate pairs verified by true Jaccard (verified_pairs); clusters by union-find over the
+    duplicate edges.
     Writes `_work/dedup/duplicates.parquet`: (shard, doc_key, reason, duplicate_of)."""
     import ray
     from ray.data.context import ShuffleStrategy
@@ -118,19 +158,12 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int, workers: int) -> dic
                     exact_dups.add(b)
                 else:  # the same pair can share buckets in several bands, in several partitions
                     fuzzy_pairs.add((a, b))
-        candidates: dict[tuple[int, int], tuple[list, list]] = {}
-        for a, b in sorted(fuzzy_pairs):
-            if b not in exact_dups or uf.find(a) != uf.find(b):  # exact pairs need no verification
-                pair = candidates.setdefault((a >> SHARD_BITS, b >> SHARD_BITS), ([], []))
-                pair[0].append(a)
-                pair[1].append(b)
-        stats["candidate_pairs"] = sum(len(v[0]) for v in candidates.values())
+        # exact pairs need no verification
+        candidates = sorted((a, b) for a, b in fuzzy_pairs if b not in exact_dups or uf.find(a) != uf.find(b))
+        stats["candidate_pairs"] = len(candidates)
         if candidates:
-            items = [{"shard_a": sa, "shard_b": sb, "a": v[0], "b": v[1]} for (sa, sb), v in sorted(candidates.items())]
-            verified = ray.data.from_items(items, override_num_blocks=min(len(items), 4 * workers)).map_batches(
-                verify_pairs, fn_kwargs={"out": out, "text_field": cfg.text_field, "threshold": cfg.dedup.jaccard_threshold,
-                                         "shingle_words": cfg.dedup.shingle_words}, batch_size=1, num_cpus=1)
-            for batch in verified.iter_batches(batch_format="numpy"):
+            a, b = (np.array(side, np.int64) for side in zip(*candidates))
+            for batch in verified_pairs(cfg, out, a, b):
                 for a, b in zip(batch["a"].tolist(), batch["b"].tolist()):
                     uf.union(a, b)
                     near_linked.update((a, b))

@@ -115,3 +115,23 @@ def test_large_recipes_have_the_sizes_their_names_promise(recipe, vocab, seq, lo
     assert low < model.num_params() < high, model.num_params()
     if active_high:  # parameters a token passes through, embedding included
         assert matmul_params(model) + vocab * model_cfg.d_model < active_high
+
+
+def test_an_elastic_range_is_checked_and_every_size_in_it_must_divide_the_global_batch():
+    from lmfoundry.model.moe import MoEConfig
+    from lmfoundry.model.transformer import ModelConfig
+    from lmfoundry.train.config import gradient_accumulation, world_sizes
+
+    base = dict(data="d", output="o", num_workers=4)
+    with pytest.raises(ValueError, match="min_workers=5 must not exceed num_workers=4"):
+        PretrainConfig(**base, min_workers=5)
+    with pytest.raises(ValueError, match="expert_parallel_size=2"):
+        PretrainConfig(**base, min_workers=2, expert_parallel_size=2,
+                       model=ModelConfig(moe=MoEConfig(num_experts=4, top_k=1)))
+    cfg = PretrainConfig(**base, min_workers=2, micro_batch_size=1, global_batch_tokens=12 * 64)
+    assert list(world_sizes(cfg)) == [2, 3, 4]
+    assert [gradient_accumulation(cfg, w, 64) for w in world_sizes(cfg)] == [6, 4, 3]
+    odd = cfg.model_copy(update={"global_batch_tokens": 8 * 64})
+    with pytest.raises(ValueError, match="x 3 x 64"):  # 3 workers cannot share 8 sequences evenly
+        [gradient_accumulation(odd, w, 64) for w in world_sizes(odd)]
+    assert list(world_sizes(PretrainConfig(**base))) == [4]

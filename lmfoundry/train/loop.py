@@ -303,7 +303,7 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
                              f"experts are its own files); resume with {written_by} workers")
         load_dir = universal_copy(local, chosen[0])
         engine._config.load_universal_checkpoint = True  # read per load: this load only
-    own_settings = [{k: g[k] for k in ("weight_decay", "name") if k in g} for g in engine.optimizer.param_groups]
+        own_settings = [{k: g[k] for k in ("weight_decay", "name") if k in g} for g in engine.optimizer.param_groups]
     # DeepSpeed's MoE loader wants per-expert files that it writes only for its own MoE layers;
     # lmfoundry's experts come back from each rank's module file instead
     has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
@@ -314,7 +314,6 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
         engine._config.load_universal_checkpoint = False
     if written_by != world:
         _mend_universal_load(engine, own_settings)
-    if written_by != world:
         dist.barrier()  # every rank of the node has loaded it: the converted copy can go
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             shutil.rmtree(load_dir, ignore_errors=True)

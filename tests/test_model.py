@@ -157,3 +157,34 @@ def test_nucleus_sampling_keeps_the_top_token_at_any_top_p():
     logits = torch.tensor([0.1, 3.0, -1.0, 2.0])
     for top_p in (5e-324, 1e-45, 1e-9, 0.3):
         assert sample_next(logits, 1.0, top_p, torch.Generator().manual_seed(0)) == 1
+
+
+def test_decode_attention_equals_sdpa_with_shared_key_value_heads_and_a_mask():
+    import torch.nn.functional as F
+
+    from lmfoundry.model.transformer import decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    for B, H, K, D, L in [(16, 6, 2, 64, 128), (3, 4, 4, 16, 7), (5, 8, 2, 32, 33)]:
+        q = torch.randn(B, H, 1, D, generator=gen)
+        k, v = torch.randn(B, K, L, D, generator=gen), torch.randn(B, K, L, D, generator=gen)
+        filled = torch.randint(1, L + 1, (B,), generator=gen)
+        mask = torch.arange(L)[None, None, None, :] < filled[:, None, None, None]
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=K != H)
+        assert torch.allclose(decode_attention(q, k, v, mask), ref, atol=1e-5)
+
+
+def test_a_cached_decode_step_past_the_decode_attention_threshold_matches_the_full_forward():
+    from lmfoundry.model.transformer import DECODE_ATTENTION_MIN_WORK, KVCache, ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, max_seq_len=160, n_layer=1, d_model=32, n_head=4,
+                                    n_kv_head=2)).eval()
+    idx = torch.randint(0, 64, (16, 130))
+    assert 16 * 130 >= DECODE_ATTENTION_MIN_WORK  # the decode step below takes decode_attention
+    with torch.inference_mode():
+        full = model(idx)[0][:, -1]
+        cache = KVCache(model.cfg, 16, 160, "cpu", torch.float32)
+        model(idx[:, :-1], cache=cache)
+        step = model(idx[:, -1:], cache=cache)[0][:, -1]
+    assert torch.allclose(step, full, atol=1e-4)

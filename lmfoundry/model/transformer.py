@@ -119,12 +119,18 @@ class KVCache:
         return self.k[layer][rows, :, :end], self.v[layer][rows, :, :end]
 
 
+# rows x cache positions from which decode_attention beats scaled_dot_product_attention on CPU
+# (2 cores: even at 4 rows x 128 and 16 x 64, ahead from 16 x 128; well behind at 1-4 rows)
+DECODE_ATTENTION_MIN_WORK = 2048
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One query position per row: q (B, H, 1, D) against the cache's k, v (B, K, L, D), mask
     (B, 1, 1, L). Two batched products with each key/value head's G = H / K query heads as the
     rows of one product, so the cache is read once and nothing is copied. On 2 CPU cores,
     with 16 rows, it took 0.64-0.80 of scaled_dot_product_attention's time at cache lengths of
-    128 and 256 and 1.08 at 64 (benchmarks/serving.py times the two side by side)."""
+    128 and 256 and 1.08 at 64 (benchmarks/serving.py times the two side by side); with 1-4 rows
+    its extra ops cost more than it saves, hence DECODE_ATTENTION_MIN_WORK."""
     B, H, _, D = q.shape
     K = k.shape[1]
     scores = q.reshape(B, K, H // K, D) @ k.transpose(-1, -2) * D ** -0.5  # (B, K, G, L)
@@ -155,7 +161,7 @@ class Attention(nn.Module):
         else:
             cache, slots, rows, positions, mask = cached
             k, v = cache.update(self.layer, slots, rows, positions, k, v)  # (B, K, L, D)
-            if T == 1:
+            if T == 1 and x.device.type == "cpu" and B * k.shape[2] >= DECODE_ATTENTION_MIN_WORK:
                 y = decode_attention(q, k, v, mask)
             else:
                 # the whole cache is read: share key/value heads rather than copy them

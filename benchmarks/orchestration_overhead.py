@@ -3,6 +3,10 @@ the same cores, world size, model and global batch, and against one process usin
 
   PyTorch DDP, 2 processes   torch.nn.parallel.DistributedDataParallel over gloo, AdamW, one
                              thread each, batches already in memory: the floor of overhead
+  the same DDP, with lmfoundry's allocator settings
+                             the glibc malloc settings lmfoundry gives its CPU training workers
+                             (platform/ray_env.py: CPU_ALLOCATOR_ENV): what is left between the
+                             two is orchestration proper
   one process, 2 threads     no communication at all, the whole batch in one forward pass
   lmfoundry pretrain         Ray Train TorchTrainer, 2 workers, DeepSpeed ZeRO-2, Ray Data
                              streaming the packed shards, metrics, checkpoints
@@ -12,8 +16,8 @@ tokens/s is the median over steps after warm-up (steps 6 onwards); lmfoundry log
 as a run would (every logged step is a collective and a report to Ray Train), so its figure is
 the median over those 5-step intervals.
 
-The three loops run one after another, --repeats rounds (interleaved); the table gives each
-loop's median over the rounds, and the lmfoundry / DDP ratio of each round.
+The four loops run one after another, --repeats rounds (interleaved); the table gives each
+loop's median over the rounds, and the lmfoundry / DDP ratios of each round.
 
     python benchmarks/orchestration_overhead.py --steps 40 --repeats 3
 
@@ -75,12 +79,18 @@ def _ddp_worker(rank: int, world: int, port: int, vocab: int, steps: int, result
     dist.destroy_process_group()
 
 
-def ddp(vocab: int, steps: int) -> float:
+def ddp(vocab: int, steps: int, env: dict[str, str]) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_ddp_worker, args=(2, port, vocab, steps, results), nprocs=2, join=True)
+    saved = dict(os.environ)
+    os.environ.update(env)  # spawned processes start with it: glibc reads it at start
+    try:
+        mp.spawn(_ddp_worker, args=(2, port, vocab, steps, results), nprocs=2, join=True)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     step_s = [max(a, b) for a, b in zip(results[0], results[1])][WARMUP:]
     return GLOBAL_SEQS * SEQ / statistics.median(step_s)
 
@@ -109,6 +119,7 @@ def lmfoundry_pretrain(packed: str, out: str, steps: int) -> float:
 
 
 LMF, DDP, ONE = "lmfoundry pretrain (Ray Train + DeepSpeed ZeRO-2)", "PyTorch DDP, 2 processes", "one process, 2 threads"
+DDP_ALLOC = "PyTorch DDP, 2 processes, lmfoundry's allocator settings"
 
 
 def main() -> None:
@@ -120,10 +131,10 @@ def main() -> None:
     from lmfoundry.data.curate import CurateConfig, run_curate
     from lmfoundry.data.pack import PackConfig, run_pack
     from lmfoundry.data.sample_corpus import build_sample_corpus
-    from lmfoundry.platform.ray_env import init_ray
+    from lmfoundry.platform.ray_env import CPU_ALLOCATOR_ENV, init_ray
 
     init_ray()
-    runs: dict[str, list[float]] = {LMF: [], DDP: [], ONE: []}
+    runs: dict[str, list[float]] = {LMF: [], DDP: [], DDP_ALLOC: [], ONE: []}
     with tempfile.TemporaryDirectory(prefix="lmf-overhead-") as work:
         build_sample_corpus(f"{work}/raw", seed=1, shards=2)
         run_curate(CurateConfig(input=f"{work}/raw", output=f"{work}/curated"))
@@ -132,22 +143,27 @@ def main() -> None:
         # interleaved, so that a change in the machine's state over the run touches every loop alike
         for r in range(args.repeats):
             runs[LMF].append(lmfoundry_pretrain(f"{work}/packed", f"{work}/run-{r}", args.steps))
-            runs[DDP].append(ddp(vocab, args.steps))
+            runs[DDP].append(ddp(vocab, args.steps, {}))
+            runs[DDP_ALLOC].append(ddp(vocab, args.steps, CPU_ALLOCATOR_ENV))
             runs[ONE].append(one_process(vocab, args.steps))
             print(f"round {r + 1}: " + ", ".join(f"{name} {v[-1]:.0f}" for name, v in runs.items()), flush=True)
     figures = {name: statistics.median(v) for name, v in runs.items()}
     base = figures[DDP]
     per_round = [a / b for a, b in zip(runs[LMF], runs[DDP])]
-    print(f"\n{'loop':<50} {'tokens/s':>9} {'vs DDP':>7}   (medians of {args.repeats} interleaved rounds)")
+    per_round_alloc = [a / b for a, b in zip(runs[LMF], runs[DDP_ALLOC])]
+    print(f"\n{'loop':<58} {'tokens/s':>9} {'vs DDP':>7}   (medians of {args.repeats} interleaved rounds)")
     for name, tps in figures.items():
-        print(f"{name:<50} {tps:9.0f} {tps / base:7.3f}")
+        print(f"{name:<58} {tps:9.0f} {tps / base:7.3f}")
     print("lmfoundry / DDP, round by round: " + ", ".join(f"{x:.3f}" for x in per_round))
+    print("lmfoundry / DDP with the same allocator settings, round by round: "
+          + ", ".join(f"{x:.3f}" for x in per_round_alloc))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "orchestration_overhead.json").write_text(json.dumps({
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "steps": args.steps,
         "seq_len": SEQ, "sequences_per_step": GLOBAL_SEQS, "repeats": args.repeats, "tokens_per_s_runs": runs,
         "tokens_per_s": figures, "ratio_to_ddp": {k: v / base for k, v in figures.items()},
-        "lmfoundry_to_ddp_by_round": per_round}, indent=2))
+        "lmfoundry_to_ddp_by_round": per_round, "lmfoundry_to_ddp_same_allocator_by_round": per_round_alloc,
+        "ratio_to_ddp_same_allocator": figures[LMF] / figures[DDP_ALLOC]}, indent=2))
 
 
 if __name__ == "__main__":

@@ -335,7 +335,7 @@ def run_dpo(cfg: DPOConfig) -> dict:
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
-        run_config=run_config(out, cfg.max_failures),
+        run_config=run_config(out, cfg.max_failures, cfg.use_gpu),
     )
     fit(trainer, cfg.max_failures, "DPO")
     final_uri = checkpoint.latest_valid(out)

@@ -13,6 +13,7 @@ from pathlib import PurePosixPath
 
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
+from lmfoundry.platform.ray_env import cpu_worker_env
 from lmfoundry.train.config import PretrainConfig, deepspeed_config, gradient_accumulation, world_sizes
 from lmfoundry.train.loop import train_loop
 
@@ -68,13 +69,15 @@ def ordered_ingest():
     return options
 
 
-def run_config(run_dir: str, max_failures: int):
-    """Ray Train's RunConfig for a run directory (its parent is Ray's storage path)."""
+def run_config(run_dir: str, max_failures: int, use_gpu: bool):
+    """Ray Train's RunConfig for a run directory (its parent is Ray's storage path); workers that
+    train on the CPU start with the allocator settings of ray_env.cpu_worker_env."""
     from ray.train import FailureConfig, RunConfig
 
     local = PurePosixPath(run_dir) if not storage.is_remote(run_dir) else None
     storage_path, name = (str(local.parent), local.name) if local else run_dir.rsplit("/", 1)
-    return RunConfig(name=name, storage_path=storage_path, failure_config=FailureConfig(max_failures=max_failures))
+    return RunConfig(name=name, storage_path=storage_path, failure_config=FailureConfig(max_failures=max_failures),
+                     worker_runtime_env={"env_vars": {} if use_gpu else cpu_worker_env()})
 
 
 def fit(trainer, max_failures: int, what: str) -> None:
@@ -152,7 +155,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         # every worker reads the whole stream, in file order, and keeps its slice of each global
         # micro-batch (loop.micro_batches): a split handed out as workers ask is not reproducible
         dataset_config=DataConfig(datasets_to_split=[], execution_options=ordered_ingest()),
-        run_config=run_config(out, cfg.max_failures),
+        run_config=run_config(out, cfg.max_failures, cfg.use_gpu),
     )
     fit(trainer, cfg.max_failures, "pretraining")
     final_uri = checkpoint.latest_valid(out)

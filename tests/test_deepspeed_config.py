@@ -77,3 +77,14 @@ def test_offloaded_optimizer_and_zero3_are_derived_and_checked():
         PretrainConfig(**base, zero_stage=0, offload_optimizer=True)
     with pytest.raises(ValueError, match="zero_stage=3 with an MoE model"):
         PretrainConfig(**base, zero_stage=3, model={"moe": {"num_experts": 4, "top_k": 1}})
+
+
+def test_cpu_training_workers_start_with_the_allocator_settings_and_a_users_own_win(monkeypatch):
+    from lmfoundry.platform.ray_env import CPU_ALLOCATOR_ENV
+    from lmfoundry.train.pretrain import run_config
+
+    cpu = run_config("/runs/a", max_failures=1, use_gpu=False).worker_runtime_env["env_vars"]
+    assert cpu == CPU_ALLOCATOR_ENV and int(cpu["MALLOC_MMAP_THRESHOLD_"]) >= 1 << 30
+    assert run_config("/runs/a", max_failures=1, use_gpu=True).worker_runtime_env["env_vars"] == {}
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert "MALLOC_MMAP_THRESHOLD_" not in run_config("/runs/a", 1, False).worker_runtime_env["env_vars"]

@@ -2,13 +2,16 @@
 Face `transformers` `generate` on the same weights (exported to Llama format), and the HTTP
 overhead of the Ray Serve API.
 
-    python benchmarks/serving.py            # about 10 minutes on 2 CPU cores
+    python benchmarks/serving.py            # about 20 minutes on 2 CPU cores
     python benchmarks/serving.py --quick    # concurrency 1 and 4 only, fewer tokens
+    python benchmarks/serving.py --dtypes float32
 
 The model is Llama-shaped, about 16M parameters (8 layers, d_model 384, GQA 6/2 heads, an 8,192
 BPE vocabulary trained here on standard-library docstrings), with random weights: throughput
 does not depend on what the weights say, and every request generates exactly `--max-tokens`
 tokens (stop tokens are switched off on both sides) so that both sides do the same work.
+Every comparison runs both sides in one precision: float32, then bfloat16 (the engine's
+`dtype: bfloat16`; Hugging Face loaded with dtype=torch.bfloat16), each with its own table.
 
 For each concurrency c in 1, 4, 16, 64: c client streams start at uniformly random times over
 the first `--spread` seconds; each sends `--rounds` requests one after another (the next when
@@ -87,9 +90,9 @@ def summary(name: str, c: int, t0: float, ends: list[float], ttfts: list[float],
             "ttft_p99_s": round(q[98], 4)}
 
 
-def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int) -> dict:
+def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int, dtype: torch.dtype) -> dict:
     c, rounds = len(starts), len(prompts[0])
-    batcher = ContinuousBatcher(lambda: load_model_files(ckpt), frozenset(), max_batch_size=min(c, 64),
+    batcher = ContinuousBatcher(lambda: load_model_files(ckpt).to(dtype), frozenset(), max_batch_size=min(c, 64),
                                 max_waiting=1024)
     ended: queue.Queue = queue.Queue()  # (stream, round) of each request that has ended
     sent, first, counts, ends = {}, {}, {}, []
@@ -148,10 +151,10 @@ def hf_generate(hf, prompts: list[list[int]], max_tokens: int, pad_id: int, stre
     return (out.shape[1] - width) * len(prompts)
 
 
-def load_hf(hf_dir: Path):
+def load_hf(hf_dir: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None  # exactly max_tokens, as on our side
     return hf
 
@@ -164,10 +167,11 @@ def in_subprocess(threads: int, fn, *args):
         return pool.apply(fn, args)
 
 
-def run_system(system: str, work: Path, starts, prompts, max_tokens: int) -> dict:
+def run_system(system: str, work: Path, starts, prompts, max_tokens: int, dtype_name: str) -> dict:
+    dtype = getattr(torch, dtype_name)
     if system == "lmf":
-        return run_lmfoundry(work / "ckpt", starts, prompts, max_tokens)
-    hf = load_hf(work / "hf")
+        return run_lmfoundry(work / "ckpt", starts, prompts, max_tokens, dtype)
+    hf = load_hf(work / "hf", dtype)
     if system == "seq":
         return run_hf_sequential(hf, starts, prompts, max_tokens, PAD_ID)
     return run_hf_static(hf, starts, prompts, max_tokens, PAD_ID)
@@ -324,7 +328,11 @@ def main() -> None:
     p.add_argument("--spread", type=float, default=0.5, help="seconds over which the streams start")
     p.add_argument("--rounds", type=int, default=4, help="requests each stream sends, one after another")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     args = p.parse_args()
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= {"float32", "bfloat16"}:
+        p.error(f"--dtypes {args.dtypes!r}: each must be float32 or bfloat16")
     torch.set_num_threads(args.threads)
     levels = [1, 4] if args.quick else [1, 4, 16, 64]
     max_tokens = 16 if args.quick else args.max_tokens
@@ -340,35 +348,40 @@ def main() -> None:
     for r in kernels:
         print(f"| {r['batch']} | {r['cache_length']} | {r['sdpa_us']} | {r['decode_attention_us']} | {r['speedup']} |")
     rows = []
-    for c in levels:
-        rounds = args.rounds if c < 64 else max(1, args.rounds // 2)
-        starts, prompts = workload(c, rounds, vocab, args.spread if c > 1 else 0.0, seed=0)
-        # the systems one after another on the same requests, twice (once at 64), each one's median
-        systems = ["lmf", "seq", "static"] if c <= 16 else ["lmf", "static"]  # one at a time at 64: ~10 min
-        runs: dict[str, list[dict]] = {name: [] for name in systems}
-        for _ in range(1 if c == 64 else 2):
-            for name in systems:
-                runs[name].append(in_subprocess(args.threads, run_system, name, work, starts, prompts, max_tokens))
-        for results in runs.values():
-            best = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
-            rows.append(best | {"rounds": rounds})
-            print(json.dumps(rows[-1]), flush=True)
+    for dtype in dtypes:
+        for c in levels:
+            rounds = args.rounds if c < 64 else max(1, args.rounds // 2)
+            starts, prompts = workload(c, rounds, vocab, args.spread if c > 1 else 0.0, seed=0)
+            # the systems one after another on the same requests, twice (once at 64), each one's median
+            systems = ["lmf", "seq", "static"] if c <= 16 else ["lmf", "static"]  # one at a time at 64: ~10 min
+            runs: dict[str, list[dict]] = {name: [] for name in systems}
+            for _ in range(1 if c == 64 else 2):
+                for name in systems:
+                    runs[name].append(in_subprocess(args.threads, run_system, name, work, starts, prompts,
+                                                    max_tokens, dtype))
+            for results in runs.values():
+                best = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
+                rows.append(best | {"rounds": rounds, "dtype": dtype})
+                print(json.dumps(rows[-1]), flush=True)
     _, one_each = workload(20, 1, vocab, 0.0, seed=1)
     overhead = serve_overhead(work / "ckpt", [p[0] for p in one_each], max_tokens, args.threads)
-    print("\n| concurrency | system | tokens/s | TTFT p50 s | TTFT p99 s |")
-    print("|---:|---|---:|---:|---:|")
+    print("\n| dtype | concurrency | system | tokens/s | TTFT p50 s | TTFT p99 s |")
+    print("|---|---:|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['system']} | {r['tokens_per_s']:,.0f} | {r['ttft_p50_s']:.3f} | "
-              f"{r['ttft_p99_s']:.3f} |")
-    ratios = {}
-    for c in levels:
-        at = {r["system"]: r["tokens_per_s"] for r in rows if r["concurrency"] == c}
-        lmf = at["lmfoundry continuous batching"]
-        ratios[c] = {"vs_one_at_a_time": round(lmf / at["HF generate, one at a time"], 2)
+        print(f"| {r['dtype']} | {r['concurrency']} | {r['system']} | {r['tokens_per_s']:,.0f} | "
+              f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} |")
+    ratios: dict[str, dict[int, dict]] = {}
+    for dtype in dtypes:
+        ratios[dtype] = {}
+        for c in levels:
+            at = {r["system"]: r["tokens_per_s"] for r in rows if r["concurrency"] == c and r["dtype"] == dtype}
+            lmf = at["lmfoundry continuous batching"]
+            ratio = {"vs_one_at_a_time": round(lmf / at["HF generate, one at a time"], 2)
                      if "HF generate, one at a time" in at else None,
                      "vs_static_batch": round(lmf / at["HF generate, static batch"], 2)}
-        print(f"c={c}: lmfoundry / HF one at a time = {ratios[c]['vs_one_at_a_time']}, "
-              f"/ HF static batch = {ratios[c]['vs_static_batch']}")
+            ratios[dtype][c] = ratio
+            print(f"{dtype} c={c}: lmfoundry / HF one at a time = {ratio['vs_one_at_a_time']}, "
+                  f"/ HF static batch = {ratio['vs_static_batch']}")
     print(f"Serve API overhead per request, p50: {overhead['overhead_p50_ms']} ms "
           f"(engine {overhead['engine_p50_s']} s, HTTP {overhead['http_p50_s']} s, {overhead['requests']} requests); "
           f"a 1-token request takes {overhead['one_token_request_p50_ms']} ms end to end")

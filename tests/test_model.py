@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from lmfoundry.model.checkpoint import load_model_files, save_model_files
@@ -26,6 +27,21 @@ def test_kv_cache_matches_full_forward():
     parts = [m(x[:, :17], cache=cache)[0], m(x[:, 17:25], cache=cache)[0]]
     parts += [m(x[:, t : t + 1], cache=cache)[0] for t in range(25, 30)]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-4)
+
+
+def test_logits_at_gives_the_full_forwards_logits_at_those_positions_only():
+    m = tiny().eval()
+    x = torch.randint(0, 97, (3, 20))
+    at = torch.tensor([19, 4, 11])  # each row's last prompt token, as a right-padded prefill has them
+    with torch.no_grad():
+        full, _ = m(x)
+        picked, _ = m(x, logits_at=at)
+        cached, _ = m(x, cache=KVCache(m.cfg, 3, 48, "cpu", torch.float32), logits_at=at)
+    assert picked.shape == cached.shape == (3, 1, 97)
+    torch.testing.assert_close(picked[:, 0], full[torch.arange(3), at], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(cached, picked, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="logits_at and targets"):
+        m(x, x, logits_at=at)
 
 
 def test_cache_slots_at_different_lengths_decode_in_one_pass():

@@ -153,3 +153,32 @@ def test_a_request_that_fails_ends_alone(model):
         assert batcher.alive() and batcher.running == 0
     finally:
         batcher.close()
+
+
+def test_the_engine_serves_in_bfloat16_when_asked(tmp_path):
+    import asyncio
+
+    from test_export import make_checkpoint
+
+    from lmfoundry.serving.engine import InferenceEngine
+
+    fp32, _ = make_checkpoint(tmp_path / "ckpt")
+    engine = InferenceEngine(str(tmp_path / "ckpt"), "cpu", max_batch_size=2, dtype="bfloat16")
+    try:
+        bf16 = engine.batcher.model
+        assert next(bf16.parameters()).dtype == engine.batcher.cache.k.dtype == torch.bfloat16
+        ids = engine.encode("def add(a, b):")
+        with torch.inference_mode():
+            want, got = fp32(torch.tensor([ids]))[0], bf16(torch.tensor([ids]))[0]
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)  # bfloat16 keeps 8 bits
+        reply = asyncio.run(_complete(engine, ids, 6))
+        assert 1 <= reply.completion_tokens <= 6 and reply.finish_reason in ("length", "stop")
+    finally:
+        engine.batcher.close()
+    with pytest.raises(ValueError, match="dtype 'float16' is not one of"):
+        InferenceEngine(str(tmp_path / "ckpt"), "cpu", dtype="float16")
+
+
+async def _complete(engine, ids, n):
+    return await engine.stream(ids, n, 0.0, 1.0, [], None).collect()

@@ -231,10 +231,16 @@ class Transformer(nn.Module):
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx: (B, T) token ids. Returns logits (B, T, V) and, given targets, the mean loss.
-        With a cache, row b continues the sequence in cache slot `slots[b]` (default: slot b)."""
+        With a cache, row b continues the sequence in cache slot `slots[b]` (default: slot b).
+        logits_at (B,): the logits of row b at position logits_at[b] only, as (B, 1, V): a
+        prefill needs no more than its prompts' last positions, and the output layer over every
+        position is a fifth of a prefill's work at the serving benchmark's shapes."""
         B, T = idx.shape
+        if logits_at is not None and targets is not None:
+            raise ValueError("logits_at and targets exclude each other: the loss needs every position's logits")
         cached = None
         if cache is None:
             if T > self.cfg.max_seq_len:
@@ -261,6 +267,8 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, cached)
         if cache is not None:
             cache.lengths[slots] += T
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at][:, None]
         logits = self.lm_head(self.norm(x))
         loss = None
         if targets is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from lmfoundry.platform.config import StageConfig
@@ -10,6 +12,9 @@ from lmfoundry.serving.ratelimit import RateLimits
 
 
 class EngineConfig(StageConfig):
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="weights and KV cache; bfloat16 halves both and runs faster on GPUs and on CPUs "
+                               "with AMX (benchmarks/serving.py), slower on CPUs without bfloat16 instructions")
     max_batch_size: int = Field(16, ge=1, description="requests decoded together (KV-cache slots)")
     max_waiting: int = Field(64, ge=0, description="requests queued for a slot; beyond it: 503")
     max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens admitted per scheduler step")

@@ -183,12 +183,12 @@ class ContinuousBatcher:
             ids[row, : len(req.prompt)] = torch.tensor(req.prompt, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         self.cache.reset(slots)
-        logits, _ = self.model(ids, cache=self.cache, slots=slots)
+        logits, _ = self.model(ids, cache=self.cache, slots=slots, logits_at=lengths - 1)
         self.cache.lengths[slots] = lengths
         self.stats["prefills"] += len(reqs)
         self.stats["prefill_passes"] += 1
         self.stats["prefill_tokens"] += int(lengths.sum())
-        last = logits[torch.arange(len(reqs), device=self.device), lengths - 1]
+        last = logits[:, 0]
         for row, req in enumerate(reqs):
             self._advance_one(req, last[row])
 

@@ -65,7 +65,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
@@ -120,7 +121,9 @@ class KVCache:
 
 
 # rows x cache positions from which decode_attention beats scaled_dot_product_attention on CPU
-# (2 cores: even at 4 rows x 128 and 16 x 64, ahead from 16 x 128; well behind at 1-4 rows)
+# in float32 (2 cores: even at 4 rows x 128 and 16 x 64, ahead from 16 x 128; well behind at 1-4
+# rows). Not in bfloat16: its batched products copy the strided cache first, and SDPA was ahead
+# by 1.3-1.8x at 16 and 64 rows x 128-200 positions.
 DECODE_ATTENTION_MIN_WORK = 2048
 
 
@@ -161,7 +164,8 @@ class Attention(nn.Module):
         else:
             cache, slots, rows, positions, mask = cached
             k, v = cache.update(self.layer, slots, rows, positions, k, v)  # (B, K, L, D)
-            if T == 1 and x.device.type == "cpu" and B * k.shape[2] >= DECODE_ATTENTION_MIN_WORK:
+            if T == 1 and x.device.type == "cpu" and x.dtype == torch.float32 \
+                    and B * k.shape[2] >= DECODE_ATTENTION_MIN_WORK:
                 y = decode_attention(q, k, v, mask)
             else:
                 # the whole cache is read: share key/value heads rather than copy them

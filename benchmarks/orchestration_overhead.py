@@ -35,6 +35,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -84,13 +85,8 @@ def ddp(vocab: int, steps: int, env: dict[str, str]) -> float:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").Manager().dict()
-    saved = dict(os.environ)
-    os.environ.update(env)  # spawned processes start with it: glibc reads it at start
-    try:
+    with mock.patch.dict(os.environ, env):  # spawned processes start with it: glibc reads it at start
         mp.spawn(_ddp_worker, args=(2, port, vocab, steps, results), nprocs=2, join=True)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     step_s = [max(a, b) for a, b in zip(results[0], results[1])][WARMUP:]
     return GLOBAL_SEQS * SEQ / statistics.median(step_s)
 

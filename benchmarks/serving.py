@@ -54,6 +54,7 @@ from lmfoundry.model.checkpoint import TOKENIZER, load_model_files, save_model_f
 from lmfoundry.model.export import export_hf
 from lmfoundry.model.transformer import ModelConfig, Transformer
 from lmfoundry.platform import checkpoint
+from lmfoundry.serving.engine import DTYPES
 from lmfoundry.serving.scheduler import ContinuousBatcher
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -168,7 +169,7 @@ def in_subprocess(threads: int, fn, *args):
 
 
 def run_system(system: str, work: Path, starts, prompts, max_tokens: int, dtype_name: str) -> dict:
-    dtype = getattr(torch, dtype_name)
+    dtype = DTYPES[dtype_name]
     if system == "lmf":
         return run_lmfoundry(work / "ckpt", starts, prompts, max_tokens, dtype)
     hf = load_hf(work / "hf", dtype)
@@ -328,11 +329,11 @@ def main() -> None:
     p.add_argument("--spread", type=float, default=0.5, help="seconds over which the streams start")
     p.add_argument("--rounds", type=int, default=4, help="requests each stream sends, one after another")
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of: {', '.join(DTYPES)}")
     args = p.parse_args()
     dtypes = args.dtypes.split(",")
-    if not set(dtypes) <= {"float32", "bfloat16"}:
-        p.error(f"--dtypes {args.dtypes!r}: each must be float32 or bfloat16")
+    if not set(dtypes) <= set(DTYPES):
+        p.error(f"--dtypes {args.dtypes!r}: each must be one of {', '.join(DTYPES)}")
     torch.set_num_threads(args.threads)
     levels = [1, 4] if args.quick else [1, 4, 16, 64]
     max_tokens = 16 if args.quick else args.max_tokens

@@ -160,7 +160,10 @@ def test_the_engine_serves_in_bfloat16_when_asked(tmp_path):
 
     from test_export import make_checkpoint
 
-    from lmfoundry.serving.engine import InferenceEngine
+    import typing
+
+    from lmfoundry.serving.app import EngineConfig
+    from lmfoundry.serving.engine import DTYPES, InferenceEngine
 
     fp32, _ = make_checkpoint(tmp_path / "ckpt")
     engine = InferenceEngine(str(tmp_path / "ckpt"), "cpu", max_batch_size=2, dtype="bfloat16")
@@ -178,6 +181,8 @@ def test_the_engine_serves_in_bfloat16_when_asked(tmp_path):
         engine.batcher.close()
     with pytest.raises(ValueError, match="dtype 'float16' is not one of"):
         InferenceEngine(str(tmp_path / "ckpt"), "cpu", dtype="float16")
+    # the serve config offers exactly the precisions the engine runs in
+    assert set(typing.get_args(EngineConfig.model_fields["dtype"].annotation)) == set(DTYPES)
 
 
 async def _complete(engine, ids, n):

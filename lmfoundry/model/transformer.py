@@ -130,10 +130,10 @@ DECODE_ATTENTION_MIN_WORK = 2048
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One query position per row: q (B, H, 1, D) against the cache's k, v (B, K, L, D), mask
     (B, 1, 1, L). Two batched products with each key/value head's G = H / K query heads as the
-    rows of one product, so the cache is read once and nothing is copied. On 2 CPU cores,
-    with 16 rows, it took 0.64-0.80 of scaled_dot_product_attention's time at cache lengths of
-    128 and 256 and 1.08 at 64 (benchmarks/serving.py times the two side by side); with 1-4 rows
-    its extra ops cost more than it saves, hence DECODE_ATTENTION_MIN_WORK."""
+    rows of one product, so the cache is read once and, in float32, nothing is copied. Used on
+    CPU in float32 from DECODE_ATTENTION_MIN_WORK on, where it beats scaled_dot_product_attention
+    (benchmarks/serving.py times the two side by side); below that, and in bfloat16, SDPA is
+    faster."""
     B, H, _, D = q.shape
     K = k.shape[1]
     scores = q.reshape(B, K, H // K, D) @ k.transpose(-1, -2) * D ** -0.5  # (B, K, G, L)

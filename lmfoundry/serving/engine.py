@@ -63,20 +63,24 @@ def parse_tool_call(text: str, tool_names: list[str], forced: bool) -> tuple[str
     return call["name"], call["arguments"], before
 
 
+# the precisions the engine runs in (EngineConfig.dtype names the same)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 class InferenceEngine:
     def __init__(self, checkpoint_uri: str, device: str = "auto", max_batch_size: int = 16,
                  max_waiting: int = 256, max_prefill_tokens: int = 2048, dtype: str = "float32"):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"engine dtype {dtype!r} is not one of 'float32', 'bfloat16'")
+        if dtype not in DTYPES:
+            raise ValueError(f"engine dtype {dtype!r} is not one of {', '.join(map(repr, DTYPES))}")
         local = checkpoint.local_copy(checkpoint_uri, model_only=True)
         self.manifest = checkpoint.verify(local, model_only=True)
         self.tokenizer = Tokenizer.from_file(f"{local}/{TOKENIZER}")
         self.chat_template = ChatTemplate.from_checkpoint(local)
         self.stop_ids = frozenset(self.tokenizer.token_to_id(t) for t in (EOS, IM_END)
                                   if self.tokenizer.token_to_id(t) is not None)
-        self.batcher = ContinuousBatcher(lambda: load_model_files(local, device).to(getattr(torch, dtype)),
+        self.batcher = ContinuousBatcher(lambda: load_model_files(local, device).to(DTYPES[dtype]),
                                          self.stop_ids, max_batch_size, max_waiting, max_prefill_tokens)
         self.context = self.batcher.context
 

@@ -8,18 +8,22 @@ the same cores, world size, model and global batch, and against one process usin
                              (platform/ray_env.py: CPU_ALLOCATOR_ENV): what is left between the
                              two is orchestration proper
   one process, 2 threads     no communication at all, the whole batch in one forward pass
-  lmfoundry pretrain         Ray Train TorchTrainer, 2 workers, DeepSpeed ZeRO-2, Ray Data
-                             streaming the packed shards, metrics, checkpoints
+  lmfoundry pretrain         Ray Train TorchTrainer, 2 workers, DeepSpeed, Ray Data streaming
+                             the packed shards, metrics, checkpoints; a row per ZeRO stage
+                             (--zero-stages): ZeRO-0 is the same algorithm as DDP (replicated
+                             optimizer, gradients all-reduced), so it measures orchestration
+                             alone; ZeRO-2 adds sharding's own cost, the all-gather of the
+                             updated weights after every step
 
 Model: 4 layers, d_model 256, 8 heads (2 key/value heads); 16 sequences x 256 tokens per step.
 tokens/s is the median over steps after warm-up (steps 6 onwards); lmfoundry logs every 5 steps,
 as a run would (every logged step is a collective and a report to Ray Train), so its figure is
 the median over those 5-step intervals.
 
-The four loops run one after another, --repeats rounds (interleaved); the table gives each
-loop's median over the rounds, and the lmfoundry / DDP ratios of each round.
+The loops run one after another, --repeats rounds (interleaved); the table gives each loop's
+median over the rounds, and the lmfoundry / DDP ratios of each round.
 
-    python benchmarks/orchestration_overhead.py --steps 40 --repeats 3
+    python benchmarks/orchestration_overhead.py --steps 40 --repeats 5 --zero-stages 0 2
 
 Prints a table; writes benchmarks/results/orchestration_overhead.json.
 """
@@ -101,12 +105,12 @@ def one_process(vocab: int, steps: int) -> float:
     return GLOBAL_SEQS * SEQ / statistics.median(times[WARMUP:])
 
 
-def lmfoundry_pretrain(packed: str, out: str, steps: int) -> float:
+def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> float:
     from lmfoundry.train.config import PretrainConfig
     from lmfoundry.train.pretrain import run_pretrain
 
     cfg = PretrainConfig(data=packed, output=out, model=model_config(0).model_copy(update={"vocab_size": 0}),
-                         num_workers=2, cpus_per_worker=1, zero_stage=2, micro_batch_size=GLOBAL_SEQS // 2,
+                         num_workers=2, cpus_per_worker=1, zero_stage=zero_stage, micro_batch_size=GLOBAL_SEQS // 2,
                          global_batch_tokens=GLOBAL_SEQS * SEQ, max_steps=steps, warmup_steps=2,
                          checkpoint_every=steps, log_every=5)
     run_pretrain(cfg)
@@ -114,14 +118,24 @@ def lmfoundry_pretrain(packed: str, out: str, steps: int) -> float:
     return statistics.median(r["tokens_per_s"] for r in rows if r["step"] > WARMUP and "checkpoint_blocking_s" not in r)
 
 
-LMF, DDP, ONE = "lmfoundry pretrain (Ray Train + DeepSpeed ZeRO-2)", "PyTorch DDP, 2 processes", "one process, 2 threads"
+DDP, ONE = "PyTorch DDP, 2 processes", "one process, 2 threads"
 DDP_ALLOC = "PyTorch DDP, 2 processes, lmfoundry's allocator settings"
+
+
+def lmfoundry_row(stage: int) -> str:
+    return f"lmfoundry pretrain (Ray Train + DeepSpeed ZeRO-{stage})"
+
+
+def by_round(runs: dict[str, list[float]], name: str, base: str) -> list[float]:
+    return [a / b for a, b in zip(runs[name], runs[base])]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--repeats", type=int, default=3, help="rounds of the three loops, one after another")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of the loops, one after another")
+    p.add_argument("--zero-stages", type=int, nargs="+", default=[0, 2], choices=[0, 1, 2, 3],
+                   help="the DeepSpeed ZeRO stages to run lmfoundry with, a row each")
     args = p.parse_args()
 
     from lmfoundry.data.curate import CurateConfig, run_curate
@@ -130,7 +144,8 @@ def main() -> None:
     from lmfoundry.platform.ray_env import CPU_ALLOCATOR_ENV, init_ray
 
     init_ray()
-    runs: dict[str, list[float]] = {LMF: [], DDP: [], DDP_ALLOC: [], ONE: []}
+    lmf_rows = {stage: lmfoundry_row(stage) for stage in args.zero_stages}
+    runs: dict[str, list[float]] = {**{row: [] for row in lmf_rows.values()}, DDP: [], DDP_ALLOC: [], ONE: []}
     with tempfile.TemporaryDirectory(prefix="lmf-overhead-") as work:
         build_sample_corpus(f"{work}/raw", seed=1, shards=2)
         run_curate(CurateConfig(input=f"{work}/raw", output=f"{work}/curated"))
@@ -138,32 +153,32 @@ def main() -> None:
         vocab = packed["vocab_size"]
         # interleaved, so that a change in the machine's state over the run touches every loop alike
         for r in range(args.repeats):
-            runs[LMF].append(lmfoundry_pretrain(f"{work}/packed", f"{work}/run-{r}", args.steps))
+            for stage, row in lmf_rows.items():
+                runs[row].append(lmfoundry_pretrain(f"{work}/packed", f"{work}/run-{r}-zero{stage}", args.steps, stage))
             runs[DDP].append(ddp(vocab, args.steps, {}))
             runs[DDP_ALLOC].append(ddp(vocab, args.steps, CPU_ALLOCATOR_ENV))
             runs[ONE].append(one_process(vocab, args.steps))
             print(f"round {r + 1}: " + ", ".join(f"{name} {v[-1]:.0f}" for name, v in runs.items()), flush=True)
     figures = {name: statistics.median(v) for name, v in runs.items()}
     base = figures[DDP]
-    per_round = [a / b for a, b in zip(runs[LMF], runs[DDP])]
-    per_round_alloc = [a / b for a, b in zip(runs[LMF], runs[DDP_ALLOC])]
+    # side by side within a round: the figures to quote (the pooled medians mix different rounds)
+    rounds = {row: {"vs DDP": by_round(runs, row, DDP), "vs DDP with the same allocator": by_round(runs, row, DDP_ALLOC)}
+              for row in lmf_rows.values()}
     print(f"\n{'loop':<58} {'tokens/s':>9} {'vs DDP':>7}   (medians of {args.repeats} interleaved rounds)")
     for name, tps in figures.items():
         print(f"{name:<58} {tps:9.0f} {tps / base:7.3f}")
-    print("lmfoundry / DDP, round by round: " + ", ".join(f"{x:.3f}" for x in per_round)
-          + f" (median {statistics.median(per_round):.3f})")
-    print("lmfoundry / DDP with the same allocator settings, round by round: "
-          + ", ".join(f"{x:.3f}" for x in per_round_alloc) + f" (median {statistics.median(per_round_alloc):.3f})")
+    for row, against in rounds.items():
+        for what, ratios in against.items():
+            print(f"{row} {what}, round by round: " + ", ".join(f"{x:.3f}" for x in ratios)
+                  + f" (median {statistics.median(ratios):.3f})")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "orchestration_overhead.json").write_text(json.dumps({
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "steps": args.steps,
         "seq_len": SEQ, "sequences_per_step": GLOBAL_SEQS, "repeats": args.repeats, "tokens_per_s_runs": runs,
         "tokens_per_s": figures, "ratio_to_ddp": {k: v / base for k, v in figures.items()},
-        "lmfoundry_to_ddp_by_round": per_round, "lmfoundry_to_ddp_same_allocator_by_round": per_round_alloc,
-        # side by side within a round: the figure to quote (the medians above pool different rounds)
-        "lmfoundry_to_ddp_median_of_rounds": statistics.median(per_round),
-        "lmfoundry_to_ddp_same_allocator_median_of_rounds": statistics.median(per_round_alloc),
-        "ratio_to_ddp_same_allocator": figures[LMF] / figures[DDP_ALLOC]}, indent=2))
+        "lmfoundry_by_round": rounds,
+        "lmfoundry_median_of_rounds": {row: {what: statistics.median(ratios) for what, ratios in against.items()}
+                                       for row, against in rounds.items()}}, indent=2))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -133,18 +134,23 @@ def test_a_crash_loop_ends_failed_after_max_failures(ray_local, packed, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_loss_spike_rolls_back_and_skips_the_batches(ray_local, packed, tmp_path):
-    """Step 12 runs with its learning rate multiplied by 10^4: step 13's loss explodes, the run
-    goes back to the checkpoint of step 10 and trains on past the batches of steps 11-13."""
+def test_a_nonfinite_gradient_skips_its_step_and_a_loss_spike_rolls_back(ray_local, packed, tmp_path):
+    """Rank 1's gradients of step 3 are NaN (its loss is finite): that optimizer step is not
+    taken and its 2 micro-batches are passed over. Step 12 runs with its learning rate multiplied
+    by 10^4: step 13's loss explodes, the run goes back to the checkpoint of step 10 and trains on
+    past the batches of steps 11-13."""
     from lmfoundry.train.config import FaultDrill
     from lmfoundry.train.pretrain import run_pretrain
 
     out = tmp_path / "spike"
+    drills = [FaultDrill(at_step=3, rank=1, kind="nan_grad"), FaultDrill(at_step=12, kind="lr_spike", lr_factor=1e4)]
     cfg = tiny_pretrain_config(packed[0], str(out), max_steps=20, checkpoint_every=5, spike_factor=3.0,
-                               spike_window=6, drills=[FaultDrill(at_step=12, kind="lr_spike", lr_factor=1e4)])
+                               spike_window=6, drills=drills)
     manifest = run_pretrain(cfg)
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(1, 21))  # the spiked steps were rolled back
+    assert [r["skipped_batches"] for r in rows] == [0, 0] + [2] * 18  # accumulation: 2 micro-batches a step
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
     assert [r["rollbacks"] for r in rows] == [0] * 10 + [1] * 10
     losses = [r["loss"] for r in rows]
     assert max(losses[10:]) < 1.5 * losses[9]  # no trace of the spike after the rollback

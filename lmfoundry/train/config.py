@@ -20,13 +20,15 @@ class FaultDrill(StageConfig):
     its learning rate multiplied, which blows the loss up, or (`stall`) the worker of `rank`
     sleeps `seconds` after step `at_step`, as a hung straggler does (the others wait for it in
     the next collective), which holds the run still while an operator or a test acts on the
-    cluster. Once per run unless `every_attempt`."""
+    cluster, or (`nan_grad`) the worker of `rank` gets non-finite gradients in step `at_step`
+    while its loss stays finite, as an overflow in the backward pass does. Once per run unless
+    `every_attempt`."""
 
     at_step: int = Field(..., ge=1)
     rank: int = Field(0, ge=0)
-    kind: Literal["kill", "lr_spike", "stall"] = Field(
+    kind: Literal["kill", "lr_spike", "stall", "nan_grad"] = Field(
         "kill", description="kill: SIGKILL the worker; lr_spike: multiply the learning rate of step at_step by "
-        "lr_factor; stall: the worker sleeps `seconds`")
+        "lr_factor; stall: the worker sleeps `seconds`; nan_grad: the worker's gradients of step at_step are NaN")
     lr_factor: float = Field(1e4, gt=0)
     seconds: float = Field(60.0, gt=0, description="stall: how long the worker sleeps")
     during_save: bool = False

@@ -197,6 +197,21 @@ class Drills:
     def during_save(self, step: int) -> None:
         self._kill(step, during_save=True)
 
+    def nan_gradients(self, step: int, model: torch.nn.Module):
+        """For the micro-batch about to run backward in `step`: a hook that turns one weight's
+        gradient to NaN when a nan_grad drill is due on this rank (its handle, to remove after the
+        backward pass), else None."""
+        if not any(d.kind == "nan_grad" and d.at_step == step and d.rank == self.rank for _, d in self.drills):
+            return None
+        due = self._pending(step, "nan_grad")
+        if not due:
+            return None
+        for i, _ in due:
+            self._mark(i)
+        logger.warning("fault drill: rank %d gets NaN gradients in step %d", self.rank, step)
+        weight = next(p for p in model.parameters() if p.requires_grad)
+        return weight.register_hook(lambda grad: torch.full_like(grad, math.nan))
+
     def before_optimizer_step(self, step: int, optimizer) -> None:
         """Collective: every replica of the weights must take the same spike."""
         import torch.distributed as dist
@@ -453,7 +468,7 @@ def train_loop(loop_config: dict) -> None:
     history: list[dict] = state.get("history", [])  # every logged step's metrics, for metrics.jsonl
     skipped, rollbacks = state.get("skipped_batches", 0), state.get("rollbacks", 0)
     recent: collections.deque[float] = collections.deque(maxlen=cfg.spike_window)  # step losses
-    step_sum, step_count, nonfinite_run = 0.0, 0, 0
+    step_sum, step_count, nonfinite_run, nonfinite_steps = 0.0, 0, 0, 0  # the last two: in a row
     busy_s, host = 0.0, socket.gethostname()  # this worker's data waits and forward passes, per log interval
 
     moe_layers = engine.module.moe_layers()
@@ -487,7 +502,10 @@ def train_loop(loop_config: dict) -> None:
                 nonfinite_run = 0
                 for load, layer in zip(expert_load, moe_layers):
                     load += layer.stats.tokens_per_expert
+                drilled = drills.nan_gradients(step + 1, engine.module)
                 engine.backward(loss)
+                if drilled:
+                    drilled.remove()
                 if (micro + 1) % accum == 0:
                     drills.before_optimizer_step(step + 1, engine.optimizer)
                 engine.step()
@@ -496,16 +514,33 @@ def train_loop(loop_config: dict) -> None:
                 loss_count, step_count = loss_count + 1, step_count + 1
                 if micro % accum:
                     continue
-                step += 1
-                if cfg.spike_factor:
-                    step_loss = mean_across_ranks(step_sum / step_count)
-                    median = statistics.median(recent) if len(recent) >= recent.maxlen // 2 else math.inf
-                    if step_loss > cfg.spike_factor * median:
-                        diverged = f"loss {step_loss:.3f} is above {cfg.spike_factor:g} x the running median {median:.3f}"
-                        damaged_since = step - 1  # this step's loss already saw the update before it
-                    else:
-                        recent.append(step_loss)
-                step_sum, step_count = 0.0, 0
+                if not engine.was_step_applied():
+                    # DeepSpeed found the step's gradients non-finite on some rank (its global
+                    # gradient norm, ZeRO stages 1-3) and left the weights, the optimizer and the
+                    # schedule as they were: the step is not taken and its micro-batches are passed over
+                    skipped, nonfinite_steps = skipped + accum, nonfinite_steps + 1
+                    loss_sum, loss_count = loss_sum - step_sum, loss_count - step_count
+                    step_sum, step_count = 0.0, 0
+                    for load in expert_load:
+                        load.zero_()
+                    logger.warning("step %d: non-finite gradients on some rank; the optimizer step and its %d "
+                                   "micro-batches are skipped", step + 1, accum)
+                    if nonfinite_steps < 2:
+                        continue
+                    diverged = f"{nonfinite_steps} optimizer steps in a row had non-finite gradients"
+                else:
+                    nonfinite_steps = 0
+                    step += 1
+                    if cfg.spike_factor:
+                        step_loss = mean_across_ranks(step_sum / step_count)
+                        median = statistics.median(recent) if len(recent) >= recent.maxlen // 2 else math.inf
+                        if step_loss > cfg.spike_factor * median:
+                            diverged = (f"loss {step_loss:.3f} is above {cfg.spike_factor:g} x the running median "
+                                        f"{median:.3f}")
+                            damaged_since = step - 1  # this step's loss already saw the update before it
+                        else:
+                            recent.append(step_loss)
+                    step_sum, step_count = 0.0, 0
             if diverged:
                 if not cfg.spike_factor:
                     raise RuntimeError(f"training diverged at step {step}: {diverged} (set spike_factor to roll back)")
@@ -525,6 +560,7 @@ def train_loop(loop_config: dict) -> None:
                 epoch, position = here
                 rollbacks += 1
                 micro, loss_sum, loss_count, step_sum, step_count, nonfinite_run = 0, 0.0, 0, 0.0, 0, 0
+                nonfinite_steps = 0
                 recent.clear()
                 t_last, step_last = time.time(), step
                 finished_epoch = False

@@ -144,6 +144,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
 
     started = time.time()
     train_ds = ray.data.read_parquet(storage.list_files(storage.join(data, "train"), (".parquet",)))
+    # each worker streams this dataset for the whole run; its progress bars would be redrawn every
+    # second in every worker and carried to the driver's log for as long as training lasts
+    train_ds.context.enable_progress_bars = False
     tokenizer_json = storage.read_bytes(storage.join(data, pack["tokenizer"])).decode()
     trainer = TorchTrainer(
         train_loop,

@@ -47,6 +47,9 @@ from lmfoundry.train.snapshot import SnapshotCheckpointEngine
 
 logger = get_logger(__name__)
 
+# how often at most the loop reports to Ray Train (see the report in train_loop)
+REPORT_INTERVAL_S = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
+
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only; norms and embeddings are not decayed (as in GPT-3).
@@ -479,6 +482,7 @@ def train_loop(loop_config: dict) -> None:
     micro = 0
     loss_sum, loss_count = 0.0, 0
     t_last, step_last = time.time(), step
+    last_report = -math.inf  # rank 0's monotonic clock at the last ray.train.report
     device = engine.device
     while step < cfg.max_steps:
         finished_epoch = True
@@ -582,8 +586,10 @@ def train_loop(loop_config: dict) -> None:
                     "skipped_batches": skipped, "rollbacks": rollbacks, "world_size": world, "time": now,
                 }
                 busy = [None] * world
-                dist.all_gather_object(busy, (busy_s, host))
+                dist.all_gather_object(busy, (busy_s, host, time.monotonic()))
                 busy_s = 0.0
+                rank0_clock = busy[0][2]  # the same number on every rank: it decides the report below
+                busy = [(seconds, where) for seconds, where, _ in busy]
                 metrics["worker_busy_s"] = [seconds for seconds, _ in busy]
                 for slow_rank, slow_host, ratio in stragglers(busy, cfg.straggler_factor):
                     if rank == 0:
@@ -614,7 +620,14 @@ def train_loop(loop_config: dict) -> None:
                     metrics["checkpoint_blocking_s"] = time.perf_counter() - blocked
                     if rank == 0:
                         write_metrics(run_dir, history)
-                ray.train.report(metrics)
+                # Ray Train takes one report per worker each time its controller polls (every
+                # RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default) and a report blocks until
+                # the last one was taken, so reporting every fast step would hold the loop to one
+                # step a poll. Every logged step is in metrics.jsonl and TensorBoard; Ray Train
+                # gets the newest at most once a poll, and always at a save and at the end.
+                if save or rank0_clock - last_report >= REPORT_INTERVAL_S:
+                    ray.train.report(metrics)
+                    last_report = rank0_clock
                 t_last, step_last = time.time(), step
             drills.after_step(step)
             if last:

@@ -17,8 +17,8 @@ the same cores, world size, model and global batch, and against one process usin
 
 Model: 4 layers, d_model 256, 8 heads (2 key/value heads); 16 sequences x 256 tokens per step.
 tokens/s is the median over steps after warm-up (steps 6 onwards); lmfoundry logs every 5 steps,
-as a run would (every logged step is a collective and a report to Ray Train), so its figure is
-the median over those 5-step intervals.
+as a run would (every logged step is a collective, and at this step time a report to Ray
+Train), so its figure is the median over those 5-step intervals.
 
 The loops run one after another, --repeats rounds (interleaved); the table gives each loop's
 median over the rounds, and the lmfoundry / DDP ratios of each round.

@@ -205,7 +205,8 @@ def dpo_loop(loop_config: dict) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from lmfoundry.train.loop import Drills, mean_across_ranks, param_groups, resume, stage_checkpoint, stage_root
+    from lmfoundry.train.loop import (Drills, RayTrainReporter, mean_across_ranks, param_groups, resume,
+                                      stage_checkpoint, stage_root)
     from lmfoundry.train.snapshot import SnapshotCheckpointEngine
 
     cfg = DPOConfig.model_validate(loop_config["cfg"])
@@ -228,6 +229,7 @@ def dpo_loop(loop_config: dict) -> None:
     reference.to(engine.device)
     accum = ds_config["gradient_accumulation_steps"]
     drills = Drills(cfg.drills, rank, run_dir)
+    reporter = RayTrainReporter()
     checkpointer = checkpoint.AsyncCheckpointer(run_dir, rank, world, cfg.keep_checkpoints,
                                                 before_commit=drills.during_save)
     staging = stage_root(None)
@@ -288,7 +290,7 @@ def dpo_loop(loop_config: dict) -> None:
                     if rank == 0:
                         storage.write_bytes_atomic(storage.join(run_dir, "metrics.jsonl"),
                                                    "".join(json.dumps(h) + "\n" for h in history).encode())
-                ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+                reporter.maybe_report({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, force=save)
                 t_last, step_last = time.time(), step
             drills.after_step(step)
             if last:

@@ -47,8 +47,6 @@ from lmfoundry.train.snapshot import SnapshotCheckpointEngine
 
 logger = get_logger(__name__)
 
-# how often at most the loop reports to Ray Train (see the report in train_loop)
-REPORT_INTERVAL_S = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -204,8 +202,6 @@ class Drills:
         """For the micro-batch about to run backward in `step`: a hook that turns one weight's
         gradient to NaN when a nan_grad drill is due on this rank (its handle, to remove after the
         backward pass), else None."""
-        if not any(d.kind == "nan_grad" and d.at_step == step and d.rank == self.rank for _, d in self.drills):
-            return None
         due = self._pending(step, "nan_grad")
         if not due:
             return None
@@ -229,6 +225,32 @@ class Drills:
                 logger.warning("fault drill: step %d with its learning rate multiplied by %g", step, drill.lr_factor)
             for group in optimizer.param_groups:
                 group["lr"] *= drill.lr_factor
+
+
+class RayTrainReporter:
+    """Hands logged metrics to `ray.train.report` without holding the loop. Ray Train gives each
+    worker a result queue of one that its controller empties once per poll (every
+    RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default), and a report blocks until the last one was
+    taken, so a report at every fast step would hold training to one step a poll. The loops keep
+    every logged step in metrics.jsonl and TensorBoard; Ray Train gets the newest at most once a
+    poll, and always when forced (a save, the end). Every rank must report the same number of
+    times (Ray Train synchronises reports), so rank 0's clock decides, broadcast to all:
+    `maybe_report` is a collective."""
+
+    def __init__(self, interval_s: float | None = None):
+        self.interval_s = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0")) \
+            if interval_s is None else interval_s
+        self.last = -math.inf  # rank 0's monotonic clock at the last report
+
+    def maybe_report(self, metrics: dict, force: bool = False) -> None:
+        import ray.train
+        import torch.distributed as dist
+
+        clock = torch.tensor([time.monotonic()], dtype=torch.float64)
+        dist.broadcast(clock, src=0)
+        if force or clock.item() - self.last >= self.interval_s:
+            ray.train.report(metrics)
+            self.last = clock.item()
 
 
 def stage_root(stage_dir: str | None) -> Path:
@@ -482,7 +504,7 @@ def train_loop(loop_config: dict) -> None:
     micro = 0
     loss_sum, loss_count = 0.0, 0
     t_last, step_last = time.time(), step
-    last_report = -math.inf  # rank 0's monotonic clock at the last ray.train.report
+    reporter = RayTrainReporter()
     device = engine.device
     while step < cfg.max_steps:
         finished_epoch = True
@@ -586,10 +608,8 @@ def train_loop(loop_config: dict) -> None:
                     "skipped_batches": skipped, "rollbacks": rollbacks, "world_size": world, "time": now,
                 }
                 busy = [None] * world
-                dist.all_gather_object(busy, (busy_s, host, time.monotonic()))
+                dist.all_gather_object(busy, (busy_s, host))
                 busy_s = 0.0
-                rank0_clock = busy[0][2]  # the same number on every rank: it decides the report below
-                busy = [(seconds, where) for seconds, where, _ in busy]
                 metrics["worker_busy_s"] = [seconds for seconds, _ in busy]
                 for slow_rank, slow_host, ratio in stragglers(busy, cfg.straggler_factor):
                     if rank == 0:
@@ -620,14 +640,7 @@ def train_loop(loop_config: dict) -> None:
                     metrics["checkpoint_blocking_s"] = time.perf_counter() - blocked
                     if rank == 0:
                         write_metrics(run_dir, history)
-                # Ray Train takes one report per worker each time its controller polls (every
-                # RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default) and a report blocks until
-                # the last one was taken, so reporting every fast step would hold the loop to one
-                # step a poll. Every logged step is in metrics.jsonl and TensorBoard; Ray Train
-                # gets the newest at most once a poll, and always at a save and at the end.
-                if save or rank0_clock - last_report >= REPORT_INTERVAL_S:
-                    ray.train.report(metrics)
-                    last_report = rank0_clock
+                reporter.maybe_report(metrics, force=save)
                 t_last, step_last = time.time(), step
             drills.after_step(step)
             if last:

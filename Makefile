@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 WORKDIR ?= work/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: env quickstart test clean
+.PHONY: env quickstart lint test clean
 
 env: $(VENV)/.installed
 
@@ -25,8 +25,13 @@ $(VENV)/.installed: pyproject.toml
 quickstart: env
 	$(VENV)/bin/lmfoundry quickstart --workdir $(WORKDIR)
 
+# ruff (lint and format) as configured in pyproject.toml
+lint: env
+	$(VENV)/bin/ruff check lmfoundry tests benchmarks
+	$(VENV)/bin/ruff format --check lmfoundry tests benchmarks
+
 # pytest exits 5 when it collects nothing (e.g. a -k that matches no test): say so, and fail.
-test: env
+test: env lint
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 

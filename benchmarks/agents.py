@@ -47,8 +47,9 @@ def build_checkpoint(directory: Path) -> None:
 
     torch.manual_seed(0)
     tok = train_bpe(stdlib_documents(1000), vocab_size=4096)
-    model = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=2048, n_layer=4, d_model=128,
-                                    n_head=4, n_kv_head=2)).eval()
+    model = Transformer(
+        ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=2048, n_layer=4, d_model=128, n_head=4, n_kv_head=2)
+    ).eval()
     save_model_files(model, directory)
     (directory / TOKENIZER).write_text(tok.to_str())
     checkpoint.seal(directory, {"step": 0})
@@ -77,54 +78,114 @@ def main() -> None:
     conn.executemany("INSERT INTO orders (customer, total) VALUES (?, ?)", [(f"c{i % 9}", i * 2.5) for i in range(200)])
     conn.commit()
     conn.close()
-    (work / "docs.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": f"Policy {i}: refunds in {i + 7} days."})
-                                             + "\n" for i in range(50)))
+    (work / "docs.jsonl").write_text(
+        "".join(json.dumps({"id": f"d{i}", "text": f"Policy {i}: refunds in {i + 7} days."}) + "\n" for i in range(50))
+    )
     port = 8123
     os.environ["LMFOUNDRY_BENCH_AGENT_KEY"] = KEY
-    (work / "workflows.yaml").write_text(json.dumps({"workflows": {"five_steps": {
-        "model_url": f"http://127.0.0.1:{port}", "model": "bench", "api_key_env": "LMFOUNDRY_BENCH_AGENT_KEY",
-        "tools": {"sql": {"kind": "sql", "dsn": str(db), "max_rows": 5, "max_query_chars": 60},
-                  "docs": {"kind": "search", "corpus": str(work / "docs.jsonl"), "max_query_chars": 40}},
-        "first_tool": "sql", "max_steps": 5, "max_tokens": 96, "max_answer_chars": 24,
-        "max_seconds": 600}}}))
+    (work / "workflows.yaml").write_text(
+        json.dumps(
+            {
+                "workflows": {
+                    "five_steps": {
+                        "model_url": f"http://127.0.0.1:{port}",
+                        "model": "bench",
+                        "api_key_env": "LMFOUNDRY_BENCH_AGENT_KEY",
+                        "tools": {
+                            "sql": {"kind": "sql", "dsn": str(db), "max_rows": 5, "max_query_chars": 60},
+                            "docs": {"kind": "search", "corpus": str(work / "docs.jsonl"), "max_query_chars": 40},
+                        },
+                        "first_tool": "sql",
+                        "max_steps": 5,
+                        "max_tokens": 96,
+                        "max_answer_chars": 24,
+                        "max_seconds": 600,
+                    }
+                }
+            }
+        )
+    )
     init_ray()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(ServeConfig(checkpoint=str(work / "ckpt"), model_name="bench", cpus_per_replica=1,
-                                    engine={"max_batch_size": 32, "max_waiting": 256}), [digest(KEY)]),
-              name="llm", route_prefix="/", blocking=False)
-    cfg = AgentServeConfig(workflows=str(work / "workflows.yaml"), store=str(work / "runs.sqlite"), workers=2,
-                           runs_per_worker=16, per_tenant_running=64, per_tenant_active=1000, lease_s=5.0,
-                           env_from_driver=["LMFOUNDRY_BENCH_AGENT_KEY"])
+    serve.run(
+        build_app(
+            ServeConfig(
+                checkpoint=str(work / "ckpt"),
+                model_name="bench",
+                cpus_per_replica=1,
+                engine={"max_batch_size": 32, "max_waiting": 256},
+            ),
+            [digest(KEY)],
+        ),
+        name="llm",
+        route_prefix="/",
+        blocking=False,
+    )
+    cfg = AgentServeConfig(
+        workflows=str(work / "workflows.yaml"),
+        store=str(work / "runs.sqlite"),
+        workers=2,
+        runs_per_worker=16,
+        per_tenant_running=64,
+        per_tenant_active=1000,
+        lease_s=5.0,
+        env_from_driver=["LMFOUNDRY_BENCH_AGENT_KEY"],
+    )
     serve.run(build_agent_app(cfg, [digest(KEY)]), name="agents", route_prefix="/agents", blocking=False)
     url = f"http://127.0.0.1:{port}/agents"
     headers = {"Authorization": f"Bearer {KEY}"}
     while True:
         try:
-            if httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+            if (
+                httpx.get(f"{url}/health").status_code == 200
+                and httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+            ):
                 break
         except httpx.TransportError:
             pass
         time.sleep(0.5)
 
     store = AgentStore(cfg.store)
-    phases = {"undisturbed": load(url, headers, store, n_runs, kill=False),
-              "replica killed": load(url, headers, store, n_runs, kill=True)}
-    keys = ("wall_s", "runs_per_minute", "latency_p50_s", "latency_p99_s", "mean_model_steps", "mean_tool_calls",
-            "model_steps_cut_short", "runs_resumed_after_the_kill", "runs_with_step_gaps",
-            "tool_steps_left_unfinished")
+    phases = {
+        "undisturbed": load(url, headers, store, n_runs, kill=False),
+        "replica killed": load(url, headers, store, n_runs, kill=True),
+    }
+    keys = (
+        "wall_s",
+        "runs_per_minute",
+        "latency_p50_s",
+        "latency_p99_s",
+        "mean_model_steps",
+        "mean_tool_calls",
+        "model_steps_cut_short",
+        "runs_resumed_after_the_kill",
+        "runs_with_step_gaps",
+        "tool_steps_left_unfinished",
+    )
     print(f"\n{n_runs} runs submitted at once, per phase")
     print(f"{'measure':<32}" + "".join(f"{name:>18}" for name in phases))
     for k in keys:
-        print(f"{k:<32}" + "".join(f"{p[k]:>18.2f}" if isinstance(p[k], float) else f"{p[k]:>18}"
-                                   for p in phases.values()))
-    print(f"{'succeeded / failed':<32}" + "".join(f"{p['states']['succeeded']:>11} / {p['states']['failed']:<4}"
-                                                 for p in phases.values()))
+        print(
+            f"{k:<32}"
+            + "".join(f"{p[k]:>18.2f}" if isinstance(p[k], float) else f"{p[k]:>18}" for p in phases.values())
+        )
+    print(
+        f"{'succeeded / failed':<32}"
+        + "".join(f"{p['states']['succeeded']:>11} / {p['states']['failed']:<4}" for p in phases.values())
+    )
     killed = phases["replica killed"]["killed"]
-    print(f"killed {killed.get('worker')} (holding {killed.get('runs_held')} runs) at {killed.get('at_s', 0):.1f} s, "
-          f"after {killed.get('runs_done')} runs had ended")
+    print(
+        f"killed {killed.get('worker')} (holding {killed.get('runs_held')} runs) at {killed.get('at_s', 0):.1f} s, "
+        f"after {killed.get('runs_done')} runs had ended"
+    )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "agents.json").write_text(json.dumps({"machine": f"{os.cpu_count()} CPU cores, no GPU",
-                                                     "runs_per_phase": n_runs, **phases}, indent=2, default=str))
+    (RESULTS / "agents.json").write_text(
+        json.dumps(
+            {"machine": f"{os.cpu_count()} CPU cores, no GPU", "runs_per_phase": n_runs, **phases},
+            indent=2,
+            default=str,
+        )
+    )
     serve.shutdown()
 
 
@@ -132,8 +193,14 @@ def load(url: str, headers: dict, store, n_runs: int, kill: bool) -> dict:
     """Submit n_runs at once and wait for all; with `kill`, SIGKILL the worker replica holding
     the most runs once a third have ended. Throughput, latency and an audit of every run."""
     started = time.time()
-    ids = [httpx.post(f"{url}/v1/agents/runs", json={"workflow": "five_steps", "input": f"Total for customer c{i % 9}?"},
-                      headers=headers).json()["id"] for i in range(n_runs)]
+    ids = [
+        httpx.post(
+            f"{url}/v1/agents/runs",
+            json={"workflow": "five_steps", "input": f"Total for customer c{i % 9}?"},
+            headers=headers,
+        ).json()["id"]
+        for i in range(n_runs)
+    ]
     killed: dict = {}
 
     def kill_one_when_a_third_is_done():
@@ -142,7 +209,9 @@ def load(url: str, headers: dict, store, n_runs: int, kill: bool) -> dict:
 
         while True:
             done = sum(store.get(i)["state"] in ("succeeded", "failed", "cancelled") for i in ids)
-            rows, _ = store.db.run("SELECT lease_owner FROM agent_runs WHERE state = 'running' AND lease_owner IS NOT NULL")
+            rows, _ = store.db.run(
+                "SELECT lease_owner FROM agent_runs WHERE state = 'running' AND lease_owner IS NOT NULL"
+            )
             owners = collections.Counter(owner for (owner,) in rows)
             if done >= n_runs // 3 and owners:
                 victim, holding = owners.most_common(1)[0]
@@ -169,18 +238,29 @@ def load(url: str, headers: dict, store, n_runs: int, kill: bool) -> dict:
     runs = [run for _, run in ends.values()]
     gaps = [r["id"] for r in runs if [s["n"] for s in r["steps"]] != list(range(len(r["steps"])))]
     unfinished_tools = [r["id"] for r in runs if any(s["kind"] == "tool" and s["status"] != "done" for s in r["steps"])]
-    resumed = [r["id"] for r in runs if killed and killed["worker"] in {s.get("worker") for s in r["steps"]}
-               and r["steps"][-1].get("worker") != killed["worker"]]
+    resumed = [
+        r["id"]
+        for r in runs
+        if killed
+        and killed["worker"] in {s.get("worker") for s in r["steps"]}
+        and r["steps"][-1].get("worker") != killed["worker"]
+    ]
     return {
-        "wall_s": wall, "runs_per_minute": n_runs / wall * 60, "latency_p50_s": statistics.median(latencies),
+        "wall_s": wall,
+        "runs_per_minute": n_runs / wall * 60,
+        "latency_p50_s": statistics.median(latencies),
         "latency_p99_s": statistics.quantiles(latencies, n=100)[98],
         "states": {s: sum(r["state"] == s for r in runs) for s in ("succeeded", "failed", "cancelled")},
         "mean_model_steps": statistics.fmean(sum(s["kind"] == "model" for s in r["steps"]) for r in runs),
-        "mean_tool_calls": statistics.fmean(sum(s["kind"] == "tool" and "refused" not in s for s in r["steps"])
-                                            for r in runs),
-        "model_steps_cut_short": sum(s["kind"] == "model" and s["tool"] == "_invalid_reply" for r in runs
-                                     for s in r["steps"]),
-        "killed": killed, "runs_resumed_after_the_kill": len(resumed), "runs_with_step_gaps": len(gaps),
+        "mean_tool_calls": statistics.fmean(
+            sum(s["kind"] == "tool" and "refused" not in s for s in r["steps"]) for r in runs
+        ),
+        "model_steps_cut_short": sum(
+            s["kind"] == "model" and s["tool"] == "_invalid_reply" for r in runs for s in r["steps"]
+        ),
+        "killed": killed,
+        "runs_resumed_after_the_kill": len(resumed),
+        "runs_with_step_gaps": len(gaps),
         "tool_steps_left_unfinished": len(unfinished_tools),
         "errors": sorted({r["error"] for r in runs if r["error"]})[:5],
     }

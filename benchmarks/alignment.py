@@ -32,10 +32,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TOPICS = ["apples", "rivers", "gardens", "windows", "markets", "pencils", "castles", "forests", "bridges", "candles",
-          "rockets", "planets", "ladders", "mirrors", "pockets", "winters", "islands", "engines", "letters", "kettles",
-          "violins", "harbours", "meadows", "lanterns", "tunnels", "orchards", "glaciers", "bakeries", "museums",
-          "stations", "compasses", "telescopes"]
+TOPICS = [
+    "apples",
+    "rivers",
+    "gardens",
+    "windows",
+    "markets",
+    "pencils",
+    "castles",
+    "forests",
+    "bridges",
+    "candles",
+    "rockets",
+    "planets",
+    "ladders",
+    "mirrors",
+    "pockets",
+    "winters",
+    "islands",
+    "engines",
+    "letters",
+    "kettles",
+    "violins",
+    "harbours",
+    "meadows",
+    "lanterns",
+    "tunnels",
+    "orchards",
+    "glaciers",
+    "bakeries",
+    "museums",
+    "stations",
+    "compasses",
+    "telescopes",
+]
 
 
 def bench_sandbox() -> dict:
@@ -70,12 +100,28 @@ def start_postgres(root: Path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     data = root / "data"
-    subprocess.run([*run_as, initdb, "-D", str(data), "-U", "lmfoundry", "--auth=trust"], check=True,
-                   capture_output=True)
-    subprocess.run([*run_as, pg_ctl, "-D", str(data), "-l", str(root / "log"), "-w", "-o",
-                    f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
+    subprocess.run(
+        [*run_as, initdb, "-D", str(data), "-U", "lmfoundry", "--auth=trust"], check=True, capture_output=True
+    )
+    subprocess.run(
+        [
+            *run_as,
+            pg_ctl,
+            "-D",
+            str(data),
+            "-l",
+            str(root / "log"),
+            "-w",
+            "-o",
+            f"-p {port} -k {root} -c listen_addresses=127.0.0.1",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return f"postgresql://lmfoundry@127.0.0.1:{port}/postgres", lambda: subprocess.run(
-        [*run_as, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        [*run_as, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True
+    )
 
 
 def bench_queue(dsn: str, n: int = 300) -> dict:
@@ -109,8 +155,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="lmfoundry-bench-align-"))
     ckpt = work / "ckpt"
     build_checkpoint(ckpt, vocab=8192, context=256)
-    results: dict = {"machine": f"{os.cpu_count()} CPU cores, no GPU",
-                     "model": "Llama-shaped, 8 layers, d_model 384, 256-token context, random weights"}
+    results: dict = {
+        "machine": f"{os.cpu_count()} CPU cores, no GPU",
+        "model": "Llama-shaped, 8 layers, d_model 384, 256-token context, random weights",
+    }
     results["sandbox"] = bench_sandbox()
     results["synth"] = bench_synth(work, 100 if not args.quick else 20)
     results["queue"] = {"sqlite": bench_queue(str(work / "q.sqlite"))}
@@ -124,45 +172,100 @@ def main() -> None:
 
     init_ray()
     prompts = work / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Tell me about {t}."}) + "\n"
-                               for i, t in enumerate(TOPICS[:n_prompts])))
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": f"Tell me about {t}."}) + "\n"
+            for i, t in enumerate(TOPICS[:n_prompts])
+        )
+    )
     started = time.perf_counter()
-    card = run_pairs(PairsConfig(prompts=str(prompts), output=str(work / "pairs"), student={"checkpoint": str(ckpt)},
-                                 judge={"checkpoint": str(ckpt)}, candidates=4, judgments=2, max_tokens=24,
-                                 min_margin=0.05))
+    card = run_pairs(
+        PairsConfig(
+            prompts=str(prompts),
+            output=str(work / "pairs"),
+            student={"checkpoint": str(ckpt)},
+            judge={"checkpoint": str(ckpt)},
+            candidates=4,
+            judgments=2,
+            max_tokens=24,
+            min_margin=0.05,
+        )
+    )
     seconds = time.perf_counter() - started
-    results["pairs"] = {"prompts": n_prompts, "seconds": seconds, "prompts_per_s": n_prompts / seconds,
-                        "accepted": card["accepted"], "to_review": card["queued_for_review"],
-                        "rejected": card["rejected_by_reason"]}
+    results["pairs"] = {
+        "prompts": n_prompts,
+        "seconds": seconds,
+        "prompts_per_s": n_prompts / seconds,
+        "accepted": card["accepted"],
+        "to_review": card["queued_for_review"],
+        "rejected": card["rejected_by_reason"],
+    }
 
     pairs = work / "dpo_pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"Tell me about {t}.", "chosen": f"{t.capitalize()} are useful.",
-                                         "rejected": f"I hate {t}. Kill all the {t} now!"}) + "\n"
-                             for t in TOPICS[:n_pairs]))
+    pairs.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": f"Tell me about {t}.",
+                    "chosen": f"{t.capitalize()} are useful.",
+                    "rejected": f"I hate {t}. Kill all the {t} now!",
+                }
+            )
+            + "\n"
+            for t in TOPICS[:n_pairs]
+        )
+    )
     started = time.perf_counter()
-    manifest = run_dpo(DPOConfig(checkpoint=str(ckpt), pairs=str(pairs), output=str(work / "dpo"), lr=1e-3,
-                                 beta=0.1, warmup_steps=2, max_steps=steps, micro_batch_size=2, global_batch_pairs=8,
-                                 num_workers=2, cpus_per_worker=0.5, checkpoint_every=steps, log_every=4))
+    manifest = run_dpo(
+        DPOConfig(
+            checkpoint=str(ckpt),
+            pairs=str(pairs),
+            output=str(work / "dpo"),
+            lr=1e-3,
+            beta=0.1,
+            warmup_steps=2,
+            max_steps=steps,
+            micro_batch_size=2,
+            global_batch_pairs=8,
+            num_workers=2,
+            cpus_per_worker=0.5,
+            checkpoint_every=steps,
+            log_every=4,
+        )
+    )
     seconds = time.perf_counter() - started
-    results["dpo"] = {"pairs": n_pairs, "steps": steps, "seconds": seconds,
-                      "preference_accuracy": manifest["preference_accuracy"],
-                      "first_loss": manifest["first_loss"], "final_loss": manifest["final_loss"]}
+    results["dpo"] = {
+        "pairs": n_pairs,
+        "steps": steps,
+        "seconds": seconds,
+        "preference_accuracy": manifest["preference_accuracy"],
+        "first_loss": manifest["first_loss"],
+        "final_loss": manifest["final_loss"],
+    }
 
     print(f"\n{'part':<44}{'figure':>36}")
-    print(f"{'sandbox, trivial script (median of 20)':<44}{results['sandbox']['median_s'] * 1000:>30.0f} ms  "
-          f"({results['sandbox']['isolation']})")
+    print(
+        f"{'sandbox, trivial script (median of 20)':<44}{results['sandbox']['median_s'] * 1000:>30.0f} ms  "
+        f"({results['sandbox']['isolation']})"
+    )
     s = results["synth"]
     print(f"{'synthetic data, generated -> kept':<44}{s['samples']:>20} -> {s['kept']:<5} in {s['seconds']:.2f} s")
     for name, q in results["queue"].items():
-        print(f"{'review queue, ' + name + ' (add; claim+decide /s)':<44}{q['add_per_s']:>20.0f}; "
-              f"{q['claim_and_decide_per_s']:.0f}")
+        print(
+            f"{'review queue, ' + name + ' (add; claim+decide /s)':<44}{q['add_per_s']:>20.0f}; "
+            f"{q['claim_and_decide_per_s']:.0f}"
+        )
     p = results["pairs"]
-    print(f"{'preference pairs (prompts/s; accepted)':<44}{p['prompts_per_s']:>20.2f}; {p['accepted']} of "
-          f"{p['prompts']}, {p['to_review']} to review")
+    print(
+        f"{'preference pairs (prompts/s; accepted)':<44}{p['prompts_per_s']:>20.2f}; {p['accepted']} of "
+        f"{p['prompts']}, {p['to_review']} to review"
+    )
     d = results["dpo"]
-    print(f"{'DPO, preference accuracy before -> after':<44}{d['preference_accuracy']['before']:>20.3f} -> "
-          f"{d['preference_accuracy']['after']:.3f} ({d['steps']} steps, {d['seconds']:.1f} s, loss "
-          f"{d['first_loss']:.3f} -> {d['final_loss']:.3f})")
+    print(
+        f"{'DPO, preference accuracy before -> after':<44}{d['preference_accuracy']['before']:>20.3f} -> "
+        f"{d['preference_accuracy']['after']:.3f} ({d['steps']} steps, {d['seconds']:.1f} s, loss "
+        f"{d['first_loss']:.3f} -> {d['final_loss']:.3f})"
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "alignment.json").write_text(json.dumps(results, indent=2, default=str))
     shutil.rmtree(pg_root, ignore_errors=True)

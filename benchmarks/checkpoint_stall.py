@@ -50,10 +50,25 @@ def main() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     seq = 128
-    model = ModelConfig(vocab_size=args.vocab, max_seq_len=seq, n_layer=args.layers, d_model=args.d_model,
-                        n_head=args.d_model // 64, n_kv_head=max(1, args.d_model // 128))
-    cfg = PretrainConfig(data="-", output="-", model=model, num_workers=1, zero_stage=2, micro_batch_size=2,
-                         global_batch_tokens=2 * seq, max_steps=100, warmup_steps=1)
+    model = ModelConfig(
+        vocab_size=args.vocab,
+        max_seq_len=seq,
+        n_layer=args.layers,
+        d_model=args.d_model,
+        n_head=args.d_model // 64,
+        n_kv_head=max(1, args.d_model // 128),
+    )
+    cfg = PretrainConfig(
+        data="-",
+        output="-",
+        model=model,
+        num_workers=1,
+        zero_stage=2,
+        micro_batch_size=2,
+        global_batch_tokens=2 * seq,
+        max_steps=100,
+        warmup_steps=1,
+    )
     engine, *_ = build_engine(cfg, world=1, seq_len=seq)
     for _ in range(2):
         tokens = torch.randint(0, args.vocab, (2, seq + 1))
@@ -62,7 +77,9 @@ def main() -> None:
 
     run_dir = tempfile.mkdtemp(prefix="lmfoundry-ckpt-bench-", dir=args.storage)
     writer = AsyncCheckpointer(run_dir, rank=0, world_size=1, keep_last=2)
-    stage_root = Path(tempfile.mkdtemp(prefix="lmfoundry-stage-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    stage_root = Path(
+        tempfile.mkdtemp(prefix="lmfoundry-stage-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    )
     state = {"step": 0, "note": "benchmark"}
     sync_s, blocked_s, background_s = [], [], []
     size = 0
@@ -82,17 +99,23 @@ def main() -> None:
         size = sum(f.stat().st_size for f in Path(run_dir).rglob("*") if f.is_file()) / 2  # two kept
     out = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "parameters": sum(p.numel() for p in engine.module.parameters()), "checkpoint_bytes": size,
-        "repeats": args.repeats, "synchronous_s": sync_s, "async_blocked_s": blocked_s,
+        "parameters": sum(p.numel() for p in engine.module.parameters()),
+        "checkpoint_bytes": size,
+        "repeats": args.repeats,
+        "synchronous_s": sync_s,
+        "async_blocked_s": blocked_s,
         "async_background_s": background_s,
-        "median_synchronous_s": statistics.median(sync_s), "median_async_blocked_s": statistics.median(blocked_s),
+        "median_synchronous_s": statistics.median(sync_s),
+        "median_async_blocked_s": statistics.median(blocked_s),
     }
     out["blocked_fraction"] = out["median_async_blocked_s"] / out["median_synchronous_s"]
     print(f"{out['parameters'] / 1e6:.1f}M parameters, checkpoint {size / 2**20:.0f} MiB, {args.repeats} saves each")
     print(f"{'save':<14} {'loop blocked, s (median)':>25} {'vs synchronous':>15}")
     print(f"{'synchronous':<14} {out['median_synchronous_s']:25.3f} {1.0:15.3f}")
-    print(f"{'asynchronous':<14} {out['median_async_blocked_s']:25.3f} {out['blocked_fraction']:15.3f}"
-          f"   (background {statistics.median(background_s):.3f} s)")
+    print(
+        f"{'asynchronous':<14} {out['median_async_blocked_s']:25.3f} {out['blocked_fraction']:15.3f}"
+        f"   (background {statistics.median(background_s):.3f} s)"
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "checkpoint_stall.json").write_text(json.dumps(out, indent=2))
     shutil.rmtree(run_dir, ignore_errors=True)

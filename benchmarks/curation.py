@@ -39,8 +39,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     return f"{os.cpu_count()} vCPU {cpu}, {round(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30)} GiB"
 
 
@@ -54,9 +56,15 @@ def bench_dedup(groups: int) -> dict:
     uf = cluster_in_process(texts, cfg)
     seconds = time.perf_counter() - started
     scores = planted_scores(texts, truth, uf, cfg.jaccard_threshold)
-    return {"documents": len(texts), "bands": cfg.num_bands, "rows_per_band": cfg.rows_per_band,
-            "threshold": cfg.jaccard_threshold, "seconds": round(seconds, 2), **scores,
-            "published_text_dedup_minhash": {"precision": 0.9587, "recall": 0.9416}}
+    return {
+        "documents": len(texts),
+        "bands": cfg.num_bands,
+        "rows_per_band": cfg.rows_per_band,
+        "threshold": cfg.jaccard_threshold,
+        "seconds": round(seconds, 2),
+        **scores,
+        "published_text_dedup_minhash": {"precision": 0.9587, "recall": 0.9416},
+    }
 
 
 def throughput_docs(n: int) -> list[str]:
@@ -77,14 +85,19 @@ def _let_datatrove_hash_str() -> None:
 
     dt_xxhash.xxhash = types.SimpleNamespace(
         xxh64_intdigest=lambda d: xxhash.xxh64_intdigest(d.encode() if isinstance(d, str) else d),
-        xxh32_intdigest=lambda d: xxhash.xxh32_intdigest(d.encode() if isinstance(d, str) else d))
+        xxh32_intdigest=lambda d: xxhash.xxh32_intdigest(d.encode() if isinstance(d, str) else d),
+    )
 
 
 def bench_throughput(n: int, repeats: int) -> dict:
     from datatrove.data import Document
     from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
-    from datatrove.pipeline.filters import (C4QualityFilter, FineWebQualityFilter, GopherQualityFilter,
-                                            GopherRepetitionFilter)
+    from datatrove.pipeline.filters import (
+        C4QualityFilter,
+        FineWebQualityFilter,
+        GopherQualityFilter,
+        GopherRepetitionFilter,
+    )
 
     from lmfoundry.data.dedup import DedupConfig, MinHasher
     from lmfoundry.data.filters import HeuristicFilter
@@ -92,8 +105,12 @@ def bench_throughput(n: int, repeats: int) -> dict:
     docs = throughput_docs(n)
     # datatrove with the settings our defaults use: no terminal-punctuation or words-per-line rule,
     # no curly-bracket rule (both strip technical text), everything else at its defaults.
-    dt_filters = [C4QualityFilter(filter_no_terminal_punct=False, min_words_per_line=0, filter_curly_bracket=False),
-                  GopherRepetitionFilter(), GopherQualityFilter(), FineWebQualityFilter()]
+    dt_filters = [
+        C4QualityFilter(filter_no_terminal_punct=False, min_words_per_line=0, filter_curly_bracket=False),
+        GopherRepetitionFilter(),
+        GopherQualityFilter(),
+        FineWebQualityFilter(),
+    ]
     ours = HeuristicFilter()
 
     def datatrove_heuristic():
@@ -114,7 +131,9 @@ def bench_throughput(n: int, repeats: int) -> dict:
 
     _let_datatrove_hash_str()
     tmp = tempfile.mkdtemp()
-    dt_sig = MinhashDedupSignature(output_folder=tmp, config=MinhashConfig(num_buckets=16, hashes_per_bucket=6, n_grams=5))
+    dt_sig = MinhashDedupSignature(
+        output_folder=tmp, config=MinhashConfig(num_buckets=16, hashes_per_bucket=6, n_grams=5)
+    )
     hasher = MinHasher(DedupConfig())
 
     def datatrove_minhash():
@@ -135,9 +154,11 @@ def bench_throughput(n: int, repeats: int) -> dict:
                 fn()
                 times[label].append(time.perf_counter() - t)
         med = {k: statistics.median(v) for k, v in times.items()}
-        out[name] = {"lmfoundry_docs_per_s": round(len(docs) / med["lmfoundry"], 1),
-                     "datatrove_docs_per_s": round(len(docs) / med["datatrove"], 1),
-                     "ratio": round(med["datatrove"] / med["lmfoundry"], 2)}
+        out[name] = {
+            "lmfoundry_docs_per_s": round(len(docs) / med["lmfoundry"], 1),
+            "datatrove_docs_per_s": round(len(docs) / med["datatrove"], 1),
+            "ratio": round(med["datatrove"] / med["lmfoundry"], 2),
+        }
     out["kept"] = {"lmfoundry": ours_heuristic(), "datatrove": datatrove_heuristic()}
     shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -152,8 +173,9 @@ def scaling_corpus(path: Path, n: int, seed: int = 0) -> None:
     from lmfoundry.data.sample_corpus import stdlib_documents, web_like_documents
 
     rng = random.Random(seed)
-    sentences = [s.strip() + "." for d in stdlib_documents(2000) for s in d.replace("\n", " ").split(". ")
-                 if len(s.split()) >= 6]
+    sentences = [
+        s.strip() + "." for d in stdlib_documents(2000) for s in d.replace("\n", " ").split(". ") if len(s.split()) >= 6
+    ]
     noise = web_like_documents(500, seed=seed)
     docs: list[str] = []
     while len(docs) < n:
@@ -193,8 +215,14 @@ class PeakRSS(threading.Thread):
             total = 0
             for p in psutil.process_iter(["pid", "name", "cmdline"]):
                 cmd = " ".join(p.info["cmdline"] or [])
-                if p.info["pid"] == os.getpid() or "ray" in (p.info["name"] or "") or "ray::" in cmd or "raylet" in cmd \
-                        or "gcs_server" in cmd or "default_worker" in cmd:
+                if (
+                    p.info["pid"] == os.getpid()
+                    or "ray" in (p.info["name"] or "")
+                    or "ray::" in cmd
+                    or "raylet" in cmd
+                    or "gcs_server" in cmd
+                    or "default_worker" in cmd
+                ):
                     try:
                         total += p.memory_full_info().pss
                     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -245,12 +273,20 @@ def bench_scaling(sizes: list[int]) -> list[dict]:
             raise RuntimeError(f"generating the {n}-document corpus failed (exit code {child.exitcode})")
         size_mb = sum(f.stat().st_size for f in (work / "raw").iterdir()) / 2**20
         report, seconds, peak, phase_peaks = timed_curate(work)
-        rows.append({"documents": n, "input_mb_gzip": round(size_mb, 1), "seconds": round(seconds, 1),
-                     "docs_per_s": round(n / seconds, 1), "peak_pss_gib": round(peak / 2**30, 2),
-                     "peak_pss_gib_by_phase": phase_peaks,
-                     "kept": report["documents_kept"], "phase_seconds": report["phase_seconds"],
-                     "exact_duplicates": report["dedup"]["exact_duplicates"],
-                     "near_duplicates": report["dedup"]["near_duplicates"]})
+        rows.append(
+            {
+                "documents": n,
+                "input_mb_gzip": round(size_mb, 1),
+                "seconds": round(seconds, 1),
+                "docs_per_s": round(n / seconds, 1),
+                "peak_pss_gib": round(peak / 2**30, 2),
+                "peak_pss_gib_by_phase": phase_peaks,
+                "kept": report["documents_kept"],
+                "phase_seconds": report["phase_seconds"],
+                "exact_duplicates": report["dedup"]["exact_duplicates"],
+                "near_duplicates": report["dedup"]["near_duplicates"],
+            }
+        )
         print(f"  {n}: {rows[-1]}", flush=True)
         shutil.rmtree(work, ignore_errors=True)
     return rows
@@ -258,8 +294,18 @@ def bench_scaling(sizes: list[int]) -> list[dict]:
 
 # Faker's word lists give each language real words in that language's script (the sentences are
 # not grammatical: good enough for language identification and for the cost of every stage)
-FAKER_LOCALES = {"de": "de_DE", "fr": "fr_FR", "es": "es_ES", "it": "it_IT", "nl": "nl_NL", "pl": "pl_PL",
-                 "ru": "ru_RU", "ar": "ar_AA", "zh": "zh_CN", "ja": "ja_JP"}
+FAKER_LOCALES = {
+    "de": "de_DE",
+    "fr": "fr_FR",
+    "es": "es_ES",
+    "it": "it_IT",
+    "nl": "nl_NL",
+    "pl": "pl_PL",
+    "ru": "ru_RU",
+    "ar": "ar_AA",
+    "zh": "zh_CN",
+    "ja": "ja_JP",
+}
 
 
 def multilingual_folder(path: Path, megabytes: int, seed: int = 0) -> dict:
@@ -271,8 +317,14 @@ def multilingual_folder(path: Path, megabytes: int, seed: int = 0) -> dict:
     from lmfoundry.data.sample_corpus import stdlib_documents
 
     rng = random.Random(seed)
-    pools = {"en": [s.strip() + "." for d in stdlib_documents(2000) for s in d.replace("\n", " ").split(". ")
-                    if len(s.split()) >= 6]}
+    pools = {
+        "en": [
+            s.strip() + "."
+            for d in stdlib_documents(2000)
+            for s in d.replace("\n", " ").split(". ")
+            if len(s.split()) >= 6
+        ]
+    }
     for lang, locale in FAKER_LOCALES.items():
         fake = Faker(locale)
         fake.seed_instance(seed)
@@ -313,13 +365,20 @@ def bench_multilingual(megabytes: int) -> dict:
     size = sum(f.stat().st_size for f in (work / "raw").rglob("*.txt"))
     report, seconds, peak, phase_peaks = timed_curate(work)
     kept = pq.read_table(work / "out" / "kept", columns=["lang"]).column("lang").to_pylist()
-    out = {"input_mb": round(size / 2**20, 1), "documents": sum(written.values()), "seconds": round(seconds, 1),
-           "mb_per_s": round(size / 2**20 / seconds, 3), "docs_per_s": round(sum(written.values()) / seconds, 1),
-           "peak_pss_gib": round(peak / 2**30, 2), "peak_pss_gib_by_phase": phase_peaks,
-           "written_by_language": written,
-           "kept_by_language": dict(sorted(collections.Counter(kept).items())),
-           "documents_kept": report["documents_kept"], "rejected_by_reason": report["rejected_by_reason"],
-           "phase_seconds": report["phase_seconds"]}
+    out = {
+        "input_mb": round(size / 2**20, 1),
+        "documents": sum(written.values()),
+        "seconds": round(seconds, 1),
+        "mb_per_s": round(size / 2**20 / seconds, 3),
+        "docs_per_s": round(sum(written.values()) / seconds, 1),
+        "peak_pss_gib": round(peak / 2**30, 2),
+        "peak_pss_gib_by_phase": phase_peaks,
+        "written_by_language": written,
+        "kept_by_language": dict(sorted(collections.Counter(kept).items())),
+        "documents_kept": report["documents_kept"],
+        "rejected_by_reason": report["rejected_by_reason"],
+        "phase_seconds": report["phase_seconds"],
+    }
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -343,14 +402,20 @@ def main() -> None:
 
     if "dedup" in sections:
         result["dedup"] = d = bench_dedup(100 if args.quick else 1500)
-        print(f"\nfuzzy dedup on {d['documents']} documents with planted near duplicates ({d['true_pairs']} pairs at "
-              f"Jaccard >= {d['threshold']}), {d['bands']} bands x {d['rows_per_band']} rows, {d['seconds']} s")
-        print(f"  pair recall {d['pair_recall']:.4f}   document recall {d['document_recall']:.4f}   "
-              f"document precision {d['document_precision']:.4f}   (text-dedup MinHash: P 0.9587 / R 0.9416)")
+        print(
+            f"\nfuzzy dedup on {d['documents']} documents with planted near duplicates ({d['true_pairs']} pairs at "
+            f"Jaccard >= {d['threshold']}), {d['bands']} bands x {d['rows_per_band']} rows, {d['seconds']} s"
+        )
+        print(
+            f"  pair recall {d['pair_recall']:.4f}   document recall {d['document_recall']:.4f}   "
+            f"document precision {d['document_precision']:.4f}   (text-dedup MinHash: P 0.9587 / R 0.9416)"
+        )
         save()
     if "throughput" in sections:
         result["throughput"] = t = bench_throughput(200 if args.quick else 1000, 3 if args.quick else 5)
-        print(f"\nper core, {t['documents']} documents of {t['mean_chars']} characters on average, median of {t['repeats']}")
+        print(
+            f"\nper core, {t['documents']} documents of {t['mean_chars']} characters on average, median of {t['repeats']}"
+        )
         print(f"  {'step':<12}{'lmfoundry docs/s':>18}{'datatrove docs/s':>18}{'ratio':>8}")
         for name in ("heuristic", "minhash"):
             r = t[name]
@@ -365,16 +430,22 @@ def main() -> None:
         result["scaling"] = [measured[n] for n in sorted(measured)]
         print(f"  {'documents':>10}{'input MB':>10}{'seconds':>10}{'docs/s':>10}{'peak PSS GiB':>14}")
         for r in result["scaling"]:
-            print(f"  {r['documents']:>10}{r['input_mb_gzip']:>10}{r['seconds']:>10}{r['docs_per_s']:>10}{r['peak_pss_gib']:>14}")
+            print(
+                f"  {r['documents']:>10}{r['input_mb_gzip']:>10}{r['seconds']:>10}{r['docs_per_s']:>10}{r['peak_pss_gib']:>14}"
+            )
         save()
     if "multilingual" in sections:
         sizes = [20] if args.quick else [int(m) for m in args.megabytes.split(",")]
         result["multilingual"] = [bench_multilingual(mb) for mb in sizes]
         for m in result["multilingual"]:
-            print(f"\nmultilingual text folder: {m['input_mb']} MB, {m['documents']} .txt documents in "
-                  f"{len(m['written_by_language'])} languages")
-            print(f"  {m['seconds']} s ({m['mb_per_s']} MB/s, {m['docs_per_s']} docs/s), peak PSS "
-                  f"{m['peak_pss_gib']} GiB, kept {m['documents_kept']}")
+            print(
+                f"\nmultilingual text folder: {m['input_mb']} MB, {m['documents']} .txt documents in "
+                f"{len(m['written_by_language'])} languages"
+            )
+            print(
+                f"  {m['seconds']} s ({m['mb_per_s']} MB/s, {m['docs_per_s']} docs/s), peak PSS "
+                f"{m['peak_pss_gib']} GiB, kept {m['documents_kept']}"
+            )
             print(f"  {'language':<10}{'written':>10}{'kept':>10}")
             for lang, n in m["written_by_language"].items():
                 print(f"  {lang:<10}{n:>10}{m['kept_by_language'].get(lang, 0):>10}")

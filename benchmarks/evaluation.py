@@ -42,10 +42,17 @@ def run_ours(ckpt: str, out: mp.Queue) -> None:
     started = time.perf_counter()
     model = CheckpointModel(ckpt)
     results = {t.name: run_task(t, model) for t in load_tasks(TASK_FILES)}
-    out.put({"seconds": time.perf_counter() - started,
-             "metrics": {n: r["metrics"] for n, r in results.items()},
-             "lls": {n: [s["loglikelihoods"] for s in r["samples"]] for n, r in results.items()
-                     if r["output_type"] == "multiple_choice"}})
+    out.put(
+        {
+            "seconds": time.perf_counter() - started,
+            "metrics": {n: r["metrics"] for n, r in results.items()},
+            "lls": {
+                n: [s["loglikelihoods"] for s in r["samples"]]
+                for n, r in results.items()
+                if r["output_type"] == "multiple_choice"
+            },
+        }
+    )
 
 
 def run_harness(hf_dir: str, include: str, out: mp.Queue) -> None:
@@ -55,11 +62,19 @@ def run_harness(hf_dir: str, include: str, out: mp.Queue) -> None:
 
     started = time.perf_counter()
     names = ["lmfoundry_arithmetic_mc", "lmfoundry_common_sense_mc", "lmfoundry_repeat_word"]
-    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},dtype=float32", tasks=names,
-                                  task_manager=TaskManager(include_path=include), log_samples=True, batch_size=16,
-                                  device="cpu")
-    metrics = {n: {k.split(",")[0]: v for k, v in res["results"][n].items()
-                   if k.endswith(",none") and "stderr" not in k} for n in names}
+    res = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={hf_dir},dtype=float32",
+        tasks=names,
+        task_manager=TaskManager(include_path=include),
+        log_samples=True,
+        batch_size=16,
+        device="cpu",
+    )
+    metrics = {
+        n: {k.split(",")[0]: v for k, v in res["results"][n].items() if k.endswith(",none") and "stderr" not in k}
+        for n in names
+    }
     lls = {n: [None] * len(res["samples"][n]) for n in names[:2]}
     for n in names[:2]:
         for s in res["samples"][n]:
@@ -109,10 +124,15 @@ def main() -> None:
             ll_diff = max(ll_diff, max(abs(a - b) for d, e in zip(docs, theirs["lls"][n]) for a, b in zip(d, e)))
         for n, m in ours["metrics"].items():
             metric_diff = max(metric_diff, max(abs(v - theirs["metrics"][n][k]) for k, v in m.items()))
-    comparison = {"lmfoundry_s": statistics.median(ours_s), "harness_s": statistics.median(theirs_s),
-                  "speedup": statistics.median(theirs_s) / statistics.median(ours_s), "repeats": repeats,
-                  "max_loglikelihood_diff": ll_diff, "max_metric_diff": metric_diff,
-                  "metrics": ours["metrics"]}
+    comparison = {
+        "lmfoundry_s": statistics.median(ours_s),
+        "harness_s": statistics.median(theirs_s),
+        "speedup": statistics.median(theirs_s) / statistics.median(ours_s),
+        "repeats": repeats,
+        "max_loglikelihood_diff": ll_diff,
+        "max_metric_diff": metric_diff,
+        "metrics": ours["metrics"],
+    }
 
     model = CheckpointModel(str(ckpt))
     suites = {}
@@ -131,18 +151,28 @@ def main() -> None:
     print(f"{'system':<28}{'seconds':>10}")
     print(f"{'lmfoundry':<28}{comparison['lmfoundry_s']:>10.2f}")
     print(f"{'lm-evaluation-harness 0.4.13':<28}{comparison['harness_s']:>10.2f}")
-    print(f"speedup {comparison['speedup']:.2f}x; largest log-likelihood difference {ll_diff:.2e}; "
-          f"largest metric difference {metric_diff:.2e}")
+    print(
+        f"speedup {comparison['speedup']:.2f}x; largest log-likelihood difference {ll_diff:.2e}; "
+        f"largest metric difference {metric_diff:.2e}"
+    )
     print(f"\n{'suite':<58}{'seconds':>10}")
     for name, seconds in suites.items():
         print(f"{name:<58}{seconds:>10.2f}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "evaluation.json").write_text(json.dumps({
-        "machine": f"{os.cpu_count()} CPU cores, no GPU", "model": "Llama-shaped, 8 layers, d_model 384, random weights",
-        "harness_comparison": comparison, "suite_seconds": suites,
-        "needle_effective_context_length": needle["effective_context_length"],
-        "red_team_attack_success_rate": red["attack_success_rate"]["rate"],
-        "hhh_refusal_rate": hhh["harmless"]["refusal_rate"]["rate"]}, indent=2))
+    (RESULTS / "evaluation.json").write_text(
+        json.dumps(
+            {
+                "machine": f"{os.cpu_count()} CPU cores, no GPU",
+                "model": "Llama-shaped, 8 layers, d_model 384, random weights",
+                "harness_comparison": comparison,
+                "suite_seconds": suites,
+                "needle_effective_context_length": needle["effective_context_length"],
+                "red_team_attack_success_rate": red["attack_success_rate"]["rate"],
+                "hhh_refusal_rate": hhh["harmless"]["refusal_rate"]["rate"],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

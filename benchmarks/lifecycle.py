@@ -24,9 +24,14 @@ def machine() -> dict:
     import torch
 
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpus": os.cpu_count(), "memory_gb": round(mem_gb, 1), "python": platform.python_version(),
-            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "processor": platform.processor() or platform.machine()}
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gb": round(mem_gb, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "processor": platform.processor() or platform.machine(),
+    }
 
 
 def main() -> None:
@@ -47,17 +52,25 @@ def main() -> None:
         init_ray()
         figures = run_quickstart(cfg)
         total = time.time() - started
-    rows = [(stage, f["seconds"], {k: v for k, v in f.items() if k not in ("seconds", "url")})
-            for stage, f in figures.items()]
+    rows = [
+        (stage, f["seconds"], {k: v for k, v in f.items() if k not in ("seconds", "url")})
+        for stage, f in figures.items()
+    ]
     print(f"\n{'stage':14s} {'seconds':>8s}  figures")
     for stage, secs, fig in rows:
         print(f"{stage:14s} {secs:8.1f}  {json.dumps(fig)}")
     print(f"{'total':14s} {total:8.1f}  (including Ray start-up)")
     pre = figures["pretrain"]
     tokens_per_step = cfg.pretrain.global_batch_tokens
-    result = {"benchmark": "lifecycle", "quick": args.quick, "machine": machine(), "total_seconds": round(total, 1),
-              "stages": figures, "pretrain_tokens": pre["steps"] * tokens_per_step,
-              "pretrain_tokens_per_s_incl_startup": round(pre["steps"] * tokens_per_step / pre["seconds"], 1)}
+    result = {
+        "benchmark": "lifecycle",
+        "quick": args.quick,
+        "machine": machine(),
+        "total_seconds": round(total, 1),
+        "stages": figures,
+        "pretrain_tokens": pre["steps"] * tokens_per_step,
+        "pretrain_tokens_per_s_incl_startup": round(pre["steps"] * tokens_per_step / pre["seconds"], 1),
+    }
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "lifecycle.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -55,8 +55,9 @@ def main() -> None:
     models = {
         "dense": ModelConfig(**shape),
         # same active FLOPs per token as dense: 2 of 8 routed experts at a quarter width, plus 1 shared
-        "moe 8x(1/4), top-2, 1 shared": ModelConfig(**shape, moe=MoEConfig(
-            num_experts=8, top_k=2, num_shared_experts=1, expert_hidden=ffn // 4)),
+        "moe 8x(1/4), top-2, 1 shared": ModelConfig(
+            **shape, moe=MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_hidden=ffn // 4)
+        ),
     }
     peak = peak_tflops(args.device, args.peak_tflops)
     rows = []
@@ -83,20 +84,45 @@ def main() -> None:
         med = statistics.median(times)
         tokens = args.batch * seq
         flops = train_flops_per_token(model, seq) * tokens
-        rows.append({"model": name, "params": model.num_params(), "flops_per_token": flops / tokens,
-                     "median_step_s": med, "tokens_per_s": tokens / med, "tflop_per_s": flops / med / 1e12,
-                     "mfu": flops / med / 1e12 / peak if peak else None})
-    print(f"forward+backward+AdamW, {args.device} {args.dtype}, batch {args.batch} x {seq} tokens, "
-          f"median of {repeats}" + (f", peak {peak} TFLOP/s" if peak else ""))
+        rows.append(
+            {
+                "model": name,
+                "params": model.num_params(),
+                "flops_per_token": flops / tokens,
+                "median_step_s": med,
+                "tokens_per_s": tokens / med,
+                "tflop_per_s": flops / med / 1e12,
+                "mfu": flops / med / 1e12 / peak if peak else None,
+            }
+        )
+    print(
+        f"forward+backward+AdamW, {args.device} {args.dtype}, batch {args.batch} x {seq} tokens, "
+        f"median of {repeats}" + (f", peak {peak} TFLOP/s" if peak else "")
+    )
     print(f"{'model':30s} {'params':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s}")
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         print(f"{r['model']:30s} {r['params'] / 1e6:7.1f}M {r['tokens_per_s']:10.0f} {r['tflop_per_s']:8.3f} {mfu:>6s}")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"model_throughput_{args.device}.json"
-    out.write_text(json.dumps({"benchmark": "model_throughput", "device": args.device, "dtype": args.dtype,
-                               "size": args.size, "batch": args.batch, "seq_len": seq, "threads": torch.get_num_threads(),
-                               "cpus": os.cpu_count(), "peak_tflops": peak, "rows": rows}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "model_throughput",
+                "device": args.device,
+                "dtype": args.dtype,
+                "size": args.size,
+                "batch": args.batch,
+                "seq_len": seq,
+                "threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(),
+                "peak_tflops": peak,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -79,6 +79,7 @@ def fwd_bwd(layer, x):
         out = layer(x)
         out = out[0] if isinstance(out, tuple) else out
         out.float().pow(2).mean().backward()
+
     return run
 
 
@@ -92,8 +93,9 @@ def deepspeed_moe(c, h, e, k):
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         deepspeed.init_distributed(dist_backend="gloo")
-    layer = DSMoE(hidden_size=c, expert=SwiGLUExpert(c, h), num_experts=e, ep_size=1, k=k, drop_tokens=False,
-                  use_rts=False)
+    layer = DSMoE(
+        hidden_size=c, expert=SwiGLUExpert(c, h), num_experts=e, ep_size=1, k=k, drop_tokens=False, use_rts=False
+    )
     layer.set_deepspeed_parallelism()
     return layer
 
@@ -115,8 +117,9 @@ def main() -> None:
 
     layers = {}
     for how in ("grouped_mm", "sliced"):
-        layers[f"lmfoundry MoE ({how})"] = MoE(C, 0, MoEConfig(num_experts=E, top_k=K, num_shared_experts=0,
-                                                              expert_hidden=H, dispatch=how, balance="none"))
+        layers[f"lmfoundry MoE ({how})"] = MoE(
+            C, 0, MoEConfig(num_experts=E, top_k=K, num_shared_experts=0, expert_hidden=H, dispatch=how, balance="none")
+        )
     layers["DeepSpeed MoE (dropless)"] = deepspeed_moe(C, H, E, K)
     layers["loop over experts + masks"] = LoopOverExperts(C, H, E, K)
 
@@ -140,20 +143,47 @@ def main() -> None:
     ds_s = statistics.median(samples["DeepSpeed MoE (dropless)"])
     for name, ts in samples.items():
         med = statistics.median(ts)
-        rows.append({"name": name, "median_s": med, "tokens_per_s": N / med, "gflop_per_s": flops / med / 1e9,
-                     "vs_deepspeed": ds_s / med, "vs_dense_limit": dense_s / med})
-    print(f"MoE fwd+bwd, fp32 CPU ({torch.get_num_threads()} threads): {N} tokens, {E} experts, top-{K}, "
-          f"d_model {C}, expert hidden {H}; {flops / 1e9:.1f} GFLOP per pass; median of {repeats}")
+        rows.append(
+            {
+                "name": name,
+                "median_s": med,
+                "tokens_per_s": N / med,
+                "gflop_per_s": flops / med / 1e9,
+                "vs_deepspeed": ds_s / med,
+                "vs_dense_limit": dense_s / med,
+            }
+        )
+    print(
+        f"MoE fwd+bwd, fp32 CPU ({torch.get_num_threads()} threads): {N} tokens, {E} experts, top-{K}, "
+        f"d_model {C}, expert hidden {H}; {flops / 1e9:.1f} GFLOP per pass; median of {repeats}"
+    )
     print(f"{'layer':30s} {'median s':>9s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'x DS':>6s} {'of dense':>8s}")
     for r in rows:
-        print(f"{r['name']:30s} {r['median_s']:9.3f} {r['tokens_per_s']:9.0f} {r['gflop_per_s']:8.1f} "
-              f"{r['vs_deepspeed']:6.2f} {r['vs_dense_limit']:8.0%}")
+        print(
+            f"{r['name']:30s} {r['median_s']:9.3f} {r['tokens_per_s']:9.0f} {r['gflop_per_s']:8.1f} "
+            f"{r['vs_deepspeed']:6.2f} {r['vs_dense_limit']:8.0%}"
+        )
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "moe_layer.json"
-    out.write_text(json.dumps({"benchmark": "moe_layer", "tokens": N, "experts": E, "top_k": K, "d_model": C,
-                               "expert_hidden": H, "gflop_per_pass": flops / 1e9, "repeats": repeats,
-                               "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "rows": rows},
-                              indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "moe_layer",
+                "tokens": N,
+                "experts": E,
+                "top_k": K,
+                "d_model": C,
+                "expert_hidden": H,
+                "gflop_per_pass": flops / 1e9,
+                "repeats": repeats,
+                "threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(),
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

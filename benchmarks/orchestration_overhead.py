@@ -79,7 +79,9 @@ def _ddp_worker(rank: int, world: int, port: int, vocab: int, steps: int, result
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(Transformer(model_config(vocab)))
-    batches = torch.randint(0, vocab, (steps, GLOBAL_SEQS // world, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+    batches = torch.randint(
+        0, vocab, (steps, GLOBAL_SEQS // world, SEQ + 1), generator=torch.Generator().manual_seed(rank)
+    )
     results[rank] = timed_steps(model, batches)
     dist.destroy_process_group()
 
@@ -109,10 +111,20 @@ def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> fl
     from lmfoundry.train.config import PretrainConfig
     from lmfoundry.train.pretrain import run_pretrain
 
-    cfg = PretrainConfig(data=packed, output=out, model=model_config(0).model_copy(update={"vocab_size": 0}),
-                         num_workers=2, cpus_per_worker=1, zero_stage=zero_stage, micro_batch_size=GLOBAL_SEQS // 2,
-                         global_batch_tokens=GLOBAL_SEQS * SEQ, max_steps=steps, warmup_steps=2,
-                         checkpoint_every=steps, log_every=5)
+    cfg = PretrainConfig(
+        data=packed,
+        output=out,
+        model=model_config(0).model_copy(update={"vocab_size": 0}),
+        num_workers=2,
+        cpus_per_worker=1,
+        zero_stage=zero_stage,
+        micro_batch_size=GLOBAL_SEQS // 2,
+        global_batch_tokens=GLOBAL_SEQS * SEQ,
+        max_steps=steps,
+        warmup_steps=2,
+        checkpoint_every=steps,
+        log_every=5,
+    )
     run_pretrain(cfg)
     rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
     return statistics.median(r["tokens_per_s"] for r in rows if r["step"] > WARMUP and "checkpoint_blocking_s" not in r)
@@ -134,8 +146,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3, help="rounds of the loops, one after another")
-    p.add_argument("--zero-stages", type=int, nargs="+", default=[0, 2], choices=[0, 1, 2, 3],
-                   help="the DeepSpeed ZeRO stages to run lmfoundry with, a row each")
+    p.add_argument(
+        "--zero-stages",
+        type=int,
+        nargs="+",
+        default=[0, 2],
+        choices=[0, 1, 2, 3],
+        help="the DeepSpeed ZeRO stages to run lmfoundry with, a row each",
+    )
     args = p.parse_args()
 
     from lmfoundry.data.curate import CurateConfig, run_curate
@@ -162,23 +180,41 @@ def main() -> None:
     figures = {name: statistics.median(v) for name, v in runs.items()}
     base = figures[DDP]
     # side by side within a round: the figures to quote (the pooled medians mix different rounds)
-    rounds = {row: {"vs DDP": by_round(runs, row, DDP), "vs DDP with the same allocator": by_round(runs, row, DDP_ALLOC)}
-              for row in lmf_rows.values()}
+    rounds = {
+        row: {"vs DDP": by_round(runs, row, DDP), "vs DDP with the same allocator": by_round(runs, row, DDP_ALLOC)}
+        for row in lmf_rows.values()
+    }
     print(f"\n{'loop':<58} {'tokens/s':>9} {'vs DDP':>7}   (medians of {args.repeats} interleaved rounds)")
     for name, tps in figures.items():
         print(f"{name:<58} {tps:9.0f} {tps / base:7.3f}")
     for row, against in rounds.items():
         for what, ratios in against.items():
-            print(f"{row} {what}, round by round: " + ", ".join(f"{x:.3f}" for x in ratios)
-                  + f" (median {statistics.median(ratios):.3f})")
+            print(
+                f"{row} {what}, round by round: "
+                + ", ".join(f"{x:.3f}" for x in ratios)
+                + f" (median {statistics.median(ratios):.3f})"
+            )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "orchestration_overhead.json").write_text(json.dumps({
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "steps": args.steps,
-        "seq_len": SEQ, "sequences_per_step": GLOBAL_SEQS, "repeats": args.repeats, "tokens_per_s_runs": runs,
-        "tokens_per_s": figures, "ratio_to_ddp": {k: v / base for k, v in figures.items()},
-        "lmfoundry_by_round": rounds,
-        "lmfoundry_median_of_rounds": {row: {what: statistics.median(ratios) for what, ratios in against.items()}
-                                       for row, against in rounds.items()}}, indent=2))
+    (RESULTS / "orchestration_overhead.json").write_text(
+        json.dumps(
+            {
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                "steps": args.steps,
+                "seq_len": SEQ,
+                "sequences_per_step": GLOBAL_SEQS,
+                "repeats": args.repeats,
+                "tokens_per_s_runs": runs,
+                "tokens_per_s": figures,
+                "ratio_to_ddp": {k: v / base for k, v in figures.items()},
+                "lmfoundry_by_round": rounds,
+                "lmfoundry_median_of_rounds": {
+                    row: {what: statistics.median(ratios) for what, ratios in against.items()}
+                    for row, against in rounds.items()
+                },
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,9 +30,15 @@ def compare(selected: dict[str, PretrainConfig]) -> list[dict]:
     rows = []
     for (name, cfg), peak in zip(selected.items(), measured):
         predicted = predicted_peak_bytes(cfg, SEQ_LEN, WORLD)
-        rows.append({"case": name, "measured_mib": peak / 2**20, "predicted_mib": predicted["total"] / 2**20,
-                     "ratio": predicted["total"] / peak,
-                     "predicted_parts_mib": {k: v / 2**20 for k, v in predicted.items()}})
+        rows.append(
+            {
+                "case": name,
+                "measured_mib": peak / 2**20,
+                "predicted_mib": predicted["total"] / 2**20,
+                "ratio": predicted["total"] / peak,
+                "predicted_parts_mib": {k: v / 2**20 for k, v in predicted.items()},
+            }
+        )
     return rows
 
 
@@ -42,12 +48,19 @@ def main() -> None:
     print(f"{'case':<32} {'measured MiB':>12} {'predicted MiB':>13} {'ratio':>6}   predicted parts, MiB")
     for r in rows:
         parts = r["predicted_parts_mib"]
-        detail = " ".join(f"{k} {parts[k]:.0f}" for k in ("weights", "gradients", "optimizer", "buckets",
-                                                          "activations", "backward_transient"))
+        detail = " ".join(
+            f"{k} {parts[k]:.0f}"
+            for k in ("weights", "gradients", "optimizer", "buckets", "activations", "backward_transient")
+        )
         print(f"{r['case']:<32} {r['measured_mib']:12.1f} {r['predicted_mib']:13.1f} {r['ratio']:6.3f}   {detail}")
     RESULTS.mkdir(exist_ok=True)
-    out = {"machine": f"{platform.processor() or platform.machine()}, {platform.system()}", "seq_len": SEQ_LEN,
-           "world_size": WORLD, "seconds": time.time() - start, "cases": rows}
+    out = {
+        "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
+        "seq_len": SEQ_LEN,
+        "world_size": WORLD,
+        "seconds": time.time() - start,
+        "cases": rows,
+    }
     (RESULTS / "peak_memory.json").write_text(json.dumps(out, indent=2))
     print(f"wrote {RESULTS / 'peak_memory.json'} in {out['seconds']:.0f} s")
 

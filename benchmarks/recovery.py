@@ -53,16 +53,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lmf-recovery-") as work:
         build_sample_corpus(f"{work}/raw", num_clean_docs=300, seed=1, shards=2)
         run_curate(CurateConfig(input=f"{work}/raw", output=f"{work}/curated"))
-        run_pack(PackConfig(input=f"{work}/curated", output=f"{work}/packed", vocab_size=1024, seq_len=64,
-                            val_fraction=0.1))
+        run_pack(
+            PackConfig(input=f"{work}/curated", output=f"{work}/packed", vocab_size=1024, seq_len=64, val_fraction=0.1)
+        )
         runs = {}
 
         def config(name: str, **overrides) -> PretrainConfig:
             return PretrainConfig(
-                data=f"{work}/packed", output=f"{work}/{name}",
-                model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2), num_workers=2, zero_stage=2,
-                micro_batch_size=4, global_batch_tokens=2 * 4 * 64 * 2, max_steps=args.steps, warmup_steps=5,
-                lr=5e-3, checkpoint_every=args.checkpoint_every, log_every=1, **overrides)
+                data=f"{work}/packed",
+                output=f"{work}/{name}",
+                model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2),
+                num_workers=2,
+                zero_stage=2,
+                micro_batch_size=4,
+                global_batch_tokens=2 * 4 * 64 * 2,
+                max_steps=args.steps,
+                warmup_steps=5,
+                lr=5e-3,
+                checkpoint_every=args.checkpoint_every,
+                log_every=1,
+                **overrides,
+            )
 
         def record(name: str, started: float) -> None:
             rows = [json.loads(line) for line in open(f"{work}/{name}/metrics.jsonl")]
@@ -76,8 +87,11 @@ def main() -> None:
                 [marker] = Path(f"{work}/{name}/_drills").iterdir()
                 runs[name]["killed_at"] = marker.stat().st_mtime
         started = time.time()
-        drill = run_elastic_drill(config("elastic", min_workers=1, elastic_resize_interval_s=args.resize_interval,
-                                         max_failures=2), remove_after=args.remove_at, add_after=args.add_at)
+        drill = run_elastic_drill(
+            config("elastic", min_workers=1, elastic_resize_interval_s=args.resize_interval, max_failures=2),
+            remove_after=args.remove_at,
+            add_after=args.add_at,
+        )
         record("elastic", started)
     elastic = runs["elastic"]["rows"]
     shrunk = next(r for r in elastic if r["world_size"] == 1)
@@ -85,10 +99,13 @@ def main() -> None:
     every = args.checkpoint_every
     reference = runs["uninterrupted"]["rows"]
     elastic_out = {
-        "removed_after_step": args.remove_at, "added_after_step": args.add_at,
+        "removed_after_step": args.remove_at,
+        "added_after_step": args.add_at,
         "resize_interval_s": args.resize_interval,
-        "shrink_s": shrunk["time"] - drill.removed_at, "first_step_at_1_worker": shrunk["step"],
-        "grow_s": grown["time"] - drill.added_at, "first_step_at_2_workers_again": grown["step"],
+        "shrink_s": shrunk["time"] - drill.removed_at,
+        "first_step_at_1_worker": shrunk["step"],
+        "grow_s": grown["time"] - drill.added_at,
+        "first_step_at_2_workers_again": grown["step"],
         "steps_lost": (args.remove_at - args.remove_at // every * every) + (args.add_at - args.add_at // every * every),
         "world_size_by_step": [r["world_size"] for r in elastic],
         "max_relative_loss_difference": max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(elastic, reference)),
@@ -99,8 +116,11 @@ def main() -> None:
     last_checkpoint = args.kill_at // args.checkpoint_every * args.checkpoint_every
     out = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "steps": args.steps, "checkpoint_every": args.checkpoint_every, "killed_after_step": args.kill_at,
-        "recovery_s": resumed["time"] - killed_at, "first_resumed_step": resumed["step"],
+        "steps": args.steps,
+        "checkpoint_every": args.checkpoint_every,
+        "killed_after_step": args.kill_at,
+        "recovery_s": resumed["time"] - killed_at,
+        "first_resumed_step": resumed["step"],
         "steps_lost": args.kill_at - last_checkpoint,
         "run_s": {name: r["seconds"] for name, r in runs.items()},
         "losses_bitwise_equal": [r["loss"] for r in runs["killed"]["rows"]]
@@ -110,16 +130,20 @@ def main() -> None:
     print(f"{'run':<15} {'seconds':>8}")
     for name, secs in out["run_s"].items():
         print(f"{name:<15} {secs:8.1f}")
-    print(f"killed after step {args.kill_at}; first resumed step {resumed['step']} logged {out['recovery_s']:.1f} s "
-          f"after the kill; steps lost {out['steps_lost']} (checkpoint every {args.checkpoint_every}); losses "
-          f"bitwise equal to the uninterrupted run: {out['losses_bitwise_equal']}")
+    print(
+        f"killed after step {args.kill_at}; first resumed step {resumed['step']} logged {out['recovery_s']:.1f} s "
+        f"after the kill; steps lost {out['steps_lost']} (checkpoint every {args.checkpoint_every}); losses "
+        f"bitwise equal to the uninterrupted run: {out['losses_bitwise_equal']}"
+    )
     e = elastic_out
-    print(f"elastic (num_workers 1-2, a node removed after step {e['removed_after_step']} and added after step "
-          f"{e['added_after_step']}, resize check every {e['resize_interval_s']} s): first step at 1 worker (step "
-          f"{e['first_step_at_1_worker']}) {e['shrink_s']:.1f} s after the removal, first step at 2 workers again "
-          f"(step {e['first_step_at_2_workers_again']}) {e['grow_s']:.1f} s after the return; steps lost "
-          f"{e['steps_lost']}; every step once: {e['every_step_once']}; losses within "
-          f"{e['max_relative_loss_difference']:.1e} (relative) of the uninterrupted run")
+    print(
+        f"elastic (num_workers 1-2, a node removed after step {e['removed_after_step']} and added after step "
+        f"{e['added_after_step']}, resize check every {e['resize_interval_s']} s): first step at 1 worker (step "
+        f"{e['first_step_at_1_worker']}) {e['shrink_s']:.1f} s after the removal, first step at 2 workers again "
+        f"(step {e['first_step_at_2_workers_again']}) {e['grow_s']:.1f} s after the return; steps lost "
+        f"{e['steps_lost']}; every step once: {e['every_step_once']}; losses within "
+        f"{e['max_relative_loss_difference']:.1e} (relative) of the uninterrupted run"
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "recovery.json").write_text(json.dumps(out, indent=2))
 

@@ -64,8 +64,15 @@ PAD_ID = 0  # left padding of the static batch; masked out, so any id does
 def build_checkpoint(directory: Path, vocab: int, context: int) -> Transformer:
     torch.manual_seed(0)
     tok = train_bpe(stdlib_documents(2000), vocab_size=vocab)
-    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=context, n_layer=8, d_model=384, n_head=6,
-                      n_kv_head=2, ffn_hidden_size=1024)
+    cfg = ModelConfig(
+        vocab_size=tok.get_vocab_size(),
+        max_seq_len=context,
+        n_layer=8,
+        d_model=384,
+        n_head=6,
+        n_kv_head=2,
+        ffn_hidden_size=1024,
+    )
     model = Transformer(cfg).eval()
     save_model_files(model, directory)
     (directory / TOKENIZER).write_text(tok.to_str())
@@ -78,23 +85,29 @@ def workload(c: int, rounds: int, vocab: int, spread: float, seed: int) -> tuple
     rng = random.Random(seed + c)
     starts = sorted(rng.uniform(0, spread) for _ in range(c))
     starts = [t - starts[0] for t in starts]
-    prompts = [[[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in range(rounds)]
-               for _ in range(c)]
+    prompts = [[[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in range(rounds)] for _ in range(c)]
     return starts, prompts
 
 
 def summary(name: str, c: int, t0: float, ends: list[float], ttfts: list[float], tokens: int) -> dict:
     wall = max(ends) - t0
     q = statistics.quantiles(ttfts, n=100) if len(ttfts) > 1 else ttfts * 99
-    return {"system": name, "concurrency": c, "tokens": tokens, "seconds": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 1), "ttft_p50_s": round(statistics.median(ttfts), 4),
-            "ttft_p99_s": round(q[98], 4)}
+    return {
+        "system": name,
+        "concurrency": c,
+        "tokens": tokens,
+        "seconds": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        "ttft_p50_s": round(statistics.median(ttfts), 4),
+        "ttft_p99_s": round(q[98], 4),
+    }
 
 
 def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int, dtype: torch.dtype) -> dict:
     c, rounds = len(starts), len(prompts[0])
-    batcher = ContinuousBatcher(lambda: load_model_files(ckpt).to(dtype), frozenset(), max_batch_size=min(c, 64),
-                                max_waiting=1024)
+    batcher = ContinuousBatcher(
+        lambda: load_model_files(ckpt).to(dtype), frozenset(), max_batch_size=min(c, 64), max_waiting=1024
+    )
     ended: queue.Queue = queue.Queue()  # (stream, round) of each request that has ended
     sent, first, counts, ends = {}, {}, {}, []
 
@@ -109,8 +122,10 @@ def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int, dtype: torch.dty
             else:
                 ends.append(time.perf_counter())
                 ended.put(key)
+
         sent[key] = time.perf_counter()
         batcher.submit(prompts[stream][r], max_tokens, 0.0, 1.0, emit)
+
     try:
         t0 = time.perf_counter()
         for stream in sorted(range(c), key=lambda i: starts[i]):
@@ -123,8 +138,9 @@ def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int, dtype: torch.dty
     finally:
         batcher.close()
     assert all(n == max_tokens for n in counts.values()), counts
-    return summary("lmfoundry continuous batching", c, t0, ends, [first[k] - sent[k] for k in sent],
-                   sum(counts.values()))
+    return summary(
+        "lmfoundry continuous batching", c, t0, ends, [first[k] - sent[k] for k in sent], sum(counts.values())
+    )
 
 
 class FirstToken:
@@ -147,8 +163,15 @@ def hf_generate(hf, prompts: list[list[int]], max_tokens: int, pad_id: int, stre
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                          do_sample=False, pad_token_id=pad_id, streamer=streamer)
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            streamer=streamer,
+        )
     return (out.shape[1] - width) * len(prompts)
 
 
@@ -215,7 +238,8 @@ def run_hf_static(hf, starts, prompts, max_tokens: int, pad_id: int) -> dict:
         ends.append(end)
         sent = [end] * c  # every stream sends its next request when the batch returns
     return summary("HF generate, static batch", c, t0, ends, ttfts, tokens) | {
-        "batch_seconds_median": round(statistics.median(batch_s), 3)}
+        "batch_seconds_median": round(statistics.median(batch_s), 3)
+    }
 
 
 def engine_seconds(ckpt: Path, texts: list[str], max_tokens: int) -> list[tuple[float, int]]:
@@ -260,8 +284,15 @@ def serve_overhead(ckpt: Path, prompts: list[list[int]], max_tokens: int, thread
     init_ray()
     os.environ["LMFOUNDRY_BENCH_KEY"] = "sk-bench"
     # the replica gets as many CPUs as the engine had threads (Ray sets its OMP_NUM_THREADS so)
-    url, _ = start(ServeConfig(checkpoint=str(ckpt), port=free_port(), api_keys_env="LMFOUNDRY_BENCH_KEY",
-                               cpus_per_replica=threads, guardrails={"enabled": False}))
+    url, _ = start(
+        ServeConfig(
+            checkpoint=str(ckpt),
+            port=free_port(),
+            api_keys_env="LMFOUNDRY_BENCH_KEY",
+            cpus_per_replica=threads,
+            guardrails={"enabled": False},
+        )
+    )
     overheads, http_s, one_token_s = [], [], []
     try:
         with httpx.Client(timeout=120, headers={"Authorization": "Bearer sk-bench"}) as client:
@@ -282,10 +313,13 @@ def serve_overhead(ckpt: Path, prompts: list[list[int]], max_tokens: int, thread
     finally:
         serve.shutdown()
         ray.shutdown()
-    return {"requests": len(overheads), "engine_p50_s": round(statistics.median(e for e, _ in engine), 4),
-            "http_p50_s": round(statistics.median(http_s), 4),
-            "overhead_p50_ms": round(1000 * statistics.median(overheads), 1),
-            "one_token_request_p50_ms": round(1000 * statistics.median(one_token_s), 1)}
+    return {
+        "requests": len(overheads),
+        "engine_p50_s": round(statistics.median(e for e, _ in engine), 4),
+        "http_p50_s": round(statistics.median(http_s), 4),
+        "overhead_p50_ms": round(1000 * statistics.median(overheads), 1),
+        "one_token_request_p50_ms": round(1000 * statistics.median(one_token_s), 1),
+    }
 
 
 def attention_kernels(lengths=(64, 128, 256), batch: int = 16, repeats: int = 7, calls: int = 200) -> list[dict]:
@@ -303,8 +337,10 @@ def attention_kernels(lengths=(64, 128, 256), batch: int = 16, repeats: int = 7,
         k, v = (torch.randn(batch, 2, length, 64, generator=gen) for _ in range(2))
         filled = torch.randint(length // 2, length + 1, (batch,), generator=gen)
         mask = torch.arange(length)[None, None, None, :] < filled[:, None, None, None]
-        kernels = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-                   "decode_attention": lambda: decode_attention(q, k, v, mask)}
+        kernels = {
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+            "decode_attention": lambda: decode_attention(q, k, v, mask),
+        }
         times: dict[str, list[float]] = {name: [] for name in kernels}
         with torch.inference_mode():
             for fn in kernels.values():
@@ -316,9 +352,15 @@ def attention_kernels(lengths=(64, 128, 256), batch: int = 16, repeats: int = 7,
                         fn()
                     times[name].append((time.perf_counter() - t) / calls * 1e6)
         med = {name: statistics.median(ts) for name, ts in times.items()}
-        rows.append({"batch": batch, "cache_length": length, "sdpa_us": round(med["sdpa"], 1),
-                     "decode_attention_us": round(med["decode_attention"], 1),
-                     "speedup": round(med["sdpa"] / med["decode_attention"], 2)})
+        rows.append(
+            {
+                "batch": batch,
+                "cache_length": length,
+                "sdpa_us": round(med["sdpa"], 1),
+                "decode_attention_us": round(med["decode_attention"], 1),
+                "speedup": round(med["sdpa"] / med["decode_attention"], 2),
+            }
+        )
     return rows
 
 
@@ -358,8 +400,9 @@ def main() -> None:
             runs: dict[str, list[dict]] = {name: [] for name in systems}
             for _ in range(1 if c == 64 else 2):
                 for name in systems:
-                    runs[name].append(in_subprocess(args.threads, run_system, name, work, starts, prompts,
-                                                    max_tokens, dtype))
+                    runs[name].append(
+                        in_subprocess(args.threads, run_system, name, work, starts, prompts, max_tokens, dtype)
+                    )
             for results in runs.values():
                 best = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
                 rows.append(best | {"rounds": rounds, "dtype": dtype})
@@ -369,27 +412,45 @@ def main() -> None:
     print("\n| dtype | concurrency | system | tokens/s | TTFT p50 s | TTFT p99 s |")
     print("|---|---:|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['concurrency']} | {r['system']} | {r['tokens_per_s']:,.0f} | "
-              f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} |")
+        print(
+            f"| {r['dtype']} | {r['concurrency']} | {r['system']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} |"
+        )
     ratios: dict[str, dict[int, dict]] = {}
     for dtype in dtypes:
         ratios[dtype] = {}
         for c in levels:
             at = {r["system"]: r["tokens_per_s"] for r in rows if r["concurrency"] == c and r["dtype"] == dtype}
             lmf = at["lmfoundry continuous batching"]
-            ratio = {"vs_one_at_a_time": round(lmf / at["HF generate, one at a time"], 2)
-                     if "HF generate, one at a time" in at else None,
-                     "vs_static_batch": round(lmf / at["HF generate, static batch"], 2)}
+            ratio = {
+                "vs_one_at_a_time": round(lmf / at["HF generate, one at a time"], 2)
+                if "HF generate, one at a time" in at
+                else None,
+                "vs_static_batch": round(lmf / at["HF generate, static batch"], 2),
+            }
             ratios[dtype][c] = ratio
-            print(f"{dtype} c={c}: lmfoundry / HF one at a time = {ratio['vs_one_at_a_time']}, "
-                  f"/ HF static batch = {ratio['vs_static_batch']}")
-    print(f"Serve API overhead per request, p50: {overhead['overhead_p50_ms']} ms "
-          f"(engine {overhead['engine_p50_s']} s, HTTP {overhead['http_p50_s']} s, {overhead['requests']} requests); "
-          f"a 1-token request takes {overhead['one_token_request_p50_ms']} ms end to end")
+            print(
+                f"{dtype} c={c}: lmfoundry / HF one at a time = {ratio['vs_one_at_a_time']}, "
+                f"/ HF static batch = {ratio['vs_static_batch']}"
+            )
+    print(
+        f"Serve API overhead per request, p50: {overhead['overhead_p50_ms']} ms "
+        f"(engine {overhead['engine_p50_s']} s, HTTP {overhead['http_p50_s']} s, {overhead['requests']} requests); "
+        f"a 1-token request takes {overhead['one_token_request_p50_ms']} ms end to end"
+    )
     RESULTS.mkdir(exist_ok=True)
-    out = {"machine": f"{os.cpu_count()} CPU", "torch_threads": args.threads, "parameters": params,
-           "max_tokens": max_tokens, "spread_s": args.spread, "rounds": args.rounds, "rows": rows, "ratios": ratios,
-           "serve_overhead": overhead, "decode_attention": kernels}
+    out = {
+        "machine": f"{os.cpu_count()} CPU",
+        "torch_threads": args.threads,
+        "parameters": params,
+        "max_tokens": max_tokens,
+        "spread_s": args.spread,
+        "rounds": args.rounds,
+        "rows": rows,
+        "ratios": ratios,
+        "serve_overhead": overhead,
+        "decode_attention": kernels,
+    }
     (RESULTS / "serving.json").write_text(json.dumps(out, indent=2))
 
 

@@ -61,9 +61,18 @@ def tiny_pretrain_config(data: str, output: str, **overrides):
     from lmfoundry.train.config import PretrainConfig
 
     settings = dict(
-        data=data, output=output, model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2),
-        num_workers=2, zero_stage=2, micro_batch_size=4, global_batch_tokens=2 * 4 * 64 * 2,
-        max_steps=40, warmup_steps=5, lr=5e-3, checkpoint_every=10, log_every=1,
+        data=data,
+        output=output,
+        model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2),
+        num_workers=2,
+        zero_stage=2,
+        micro_batch_size=4,
+        global_batch_tokens=2 * 4 * 64 * 2,
+        max_steps=40,
+        warmup_steps=5,
+        lr=5e-3,
+        checkpoint_every=10,
+        log_every=1,
     )
     return PretrainConfig(**{**settings, **overrides})
 
@@ -81,11 +90,10 @@ def pretrained(packed, tmp_path_factory):
 def postgres_dsn():
     """A throwaway PostgreSQL server (initdb + pg_ctl from the machine's PostgreSQL), or a skip
     that says what is missing."""
+    import glob
     import shutil
     import subprocess
     import tempfile
-
-    import glob
 
     # on PATH, or where Debian's postgresql package puts the server's programs
     path = os.pathsep.join([os.environ.get("PATH", ""), *sorted(glob.glob("/usr/lib/postgresql/*/bin"))])
@@ -106,8 +114,22 @@ def postgres_dsn():
         run_as = ["runuser", "-u", "postgres", "--"]
     data, port = os.path.join(root, "data"), free_port()
     subprocess.run([*run_as, initdb, "-D", data, "-U", "lmfoundry", "--auth=trust"], check=True, capture_output=True)
-    subprocess.run([*run_as, pg_ctl, "-D", data, "-l", os.path.join(root, "log"), "-w", "-o",
-                    f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            *run_as,
+            pg_ctl,
+            "-D",
+            data,
+            "-l",
+            os.path.join(root, "log"),
+            "-w",
+            "-o",
+            f"-p {port} -k {root} -c listen_addresses=127.0.0.1",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
     yield f"postgresql://lmfoundry@127.0.0.1:{port}/postgres"
     subprocess.run([*run_as, pg_ctl, "-D", data, "-m", "immediate", "stop"], capture_output=True)
     shutil.rmtree(root, ignore_errors=True)

@@ -82,8 +82,10 @@ def test_secrets_are_redacted_and_tool_outputs_are_marked_untrusted(monkeypatch)
     text, found = guard.redact("the key is canary-7f3a9c, keep it")
     assert found and "canary-7f3a9c" not in text and "[redacted]" in text
     wf = agents.WorkflowConfig(name="w", model_url="http://x", tools={"sql": {"kind": "sql", "dsn": "x"}})
-    steps = [{"n": 0, "kind": "model", "status": "done", "tool": "sql", "arguments": {"query": "SELECT 1"}},
-             {"n": 1, "kind": "tool", "status": "done", "tool": "sql", "model_view": "[[1]]"}]
+    steps = [
+        {"n": 0, "kind": "model", "status": "done", "tool": "sql", "arguments": {"query": "SELECT 1"}},
+        {"n": 1, "kind": "tool", "status": "done", "tool": "sql", "model_view": "[[1]]"},
+    ]
     messages = agents.conversation(wf, {"input": "hi"}, steps)
     assert agents.UNTRUSTED_NOTE in messages[0]["content"]
     assert messages[2]["tool_calls"][0]["id"] == messages[3]["tool_call_id"] == "call_0"
@@ -92,8 +94,10 @@ def test_secrets_are_redacted_and_tool_outputs_are_marked_untrusted(monkeypatch)
 
 def test_workflow_files_are_checked(tmp_path):
     f = tmp_path / "w.yaml"
-    f.write_text("workflows:\n  w:\n    model_url: http://x\n    tools: {sql: {kind: sql, dsn: db}}\n"
-                 "    approval_required: [http]\n")
+    f.write_text(
+        "workflows:\n  w:\n    model_url: http://x\n    tools: {sql: {kind: sql, dsn: db}}\n"
+        "    approval_required: [http]\n"
+    )
     with pytest.raises(ValueError, match="not among its tools"):
         agents.load_workflows(str(f))
     f.write_text("workflows:\n  w:\n    model_url: http://x\n    tools: {sql: {kind: shell}}\n")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
@@ -63,7 +62,9 @@ def agents(pretrained, tmp_path_factory):
     ckpt.mkdir()
     for name in (WEIGHTS, TOKENIZER):
         shutil.copy(source / name, ckpt / name)
-    (ckpt / MODEL_CONFIG).write_text(json.dumps({**json.loads((source / MODEL_CONFIG).read_text()), "max_seq_len": 1024}))
+    (ckpt / MODEL_CONFIG).write_text(
+        json.dumps({**json.loads((source / MODEL_CONFIG).read_text()), "max_seq_len": 1024})
+    )
     checkpoint.seal(ckpt, {"step": 0})
     db = root / "orders.sqlite"
     conn = sqlite3.connect(db)
@@ -83,37 +84,89 @@ def agents(pretrained, tmp_path_factory):
     tools.mkdir()
     (tools / "__init__.py").write_text(HOSTILE_TOOL)
     workflows = root / "workflows.yaml"
-    model = {"model_url": f"http://127.0.0.1:{port}", "model": "tiny", "api_key_env": "LMFOUNDRY_AGENT_TEST_KEY",
-             "max_tokens": 200, "max_answer_chars": 40}
-    workflows.write_text(json.dumps({"workflows": {
-        "orders": {**model, "tools": {"sql": {"kind": "sql", "dsn": str(db), "max_query_chars": 40},
-                   "docs": {"kind": "search", "corpus": str(docs), "max_query_chars": 30}}, "first_tool": "sql", "max_steps": 4},
-        "canary": {**model, "tools": {"lookup": {"kind": "custom", "module": "hostile_tools"},
-                   "refund": {"kind": "http", "max_query_chars": 40, "allow": [{"base_url": f"{api_url}/refunds",
-                              "methods": ["POST"]}]}}, "first_tool": "lookup", "max_steps": 3,
-                   "secrets": ["LMFOUNDRY_TEST_CANARY"]},
-        "refund": {**model, "tools": {"refund": {"kind": "http", "max_query_chars": 40,
-                   "allow": [{"base_url": f"{api_url}/refunds", "methods": ["POST"]}]}}, "approval_required": ["refund"], "first_tool": "refund", "max_steps": 2},
-    }}))
+    model = {
+        "model_url": f"http://127.0.0.1:{port}",
+        "model": "tiny",
+        "api_key_env": "LMFOUNDRY_AGENT_TEST_KEY",
+        "max_tokens": 200,
+        "max_answer_chars": 40,
+    }
+    workflows.write_text(
+        json.dumps(
+            {
+                "workflows": {
+                    "orders": {
+                        **model,
+                        "tools": {
+                            "sql": {"kind": "sql", "dsn": str(db), "max_query_chars": 40},
+                            "docs": {"kind": "search", "corpus": str(docs), "max_query_chars": 30},
+                        },
+                        "first_tool": "sql",
+                        "max_steps": 4,
+                    },
+                    "canary": {
+                        **model,
+                        "tools": {
+                            "lookup": {"kind": "custom", "module": "hostile_tools"},
+                            "refund": {
+                                "kind": "http",
+                                "max_query_chars": 40,
+                                "allow": [{"base_url": f"{api_url}/refunds", "methods": ["POST"]}],
+                            },
+                        },
+                        "first_tool": "lookup",
+                        "max_steps": 3,
+                        "secrets": ["LMFOUNDRY_TEST_CANARY"],
+                    },
+                    "refund": {
+                        **model,
+                        "tools": {
+                            "refund": {
+                                "kind": "http",
+                                "max_query_chars": 40,
+                                "allow": [{"base_url": f"{api_url}/refunds", "methods": ["POST"]}],
+                            }
+                        },
+                        "approval_required": ["refund"],
+                        "first_tool": "refund",
+                        "max_steps": 2,
+                    },
+                }
+            }
+        )
+    )
     import os
 
     os.environ["LMFOUNDRY_AGENT_TEST_KEY"] = KEY
     os.environ["LMFOUNDRY_TEST_CANARY"] = CANARY
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(ServeConfig(checkpoint=str(ckpt), model_name="tiny", cpus_per_replica=0.5), [digest(KEY)]),
-              name="llm", route_prefix="/", blocking=False)
+    serve.run(
+        build_app(ServeConfig(checkpoint=str(ckpt), model_name="tiny", cpus_per_replica=0.5), [digest(KEY)]),
+        name="llm",
+        route_prefix="/",
+        blocking=False,
+    )
     spans = root / "spans.jsonl"
-    cfg = AgentServeConfig(workflows=str(workflows), store=str(root / "runs.sqlite"), keys_file=keys, workers=2,
-                           per_tenant_active=6, lease_s=4.0, py_modules=[str(tools)],
-                           env_from_driver=["LMFOUNDRY_AGENT_TEST_KEY", "LMFOUNDRY_TEST_CANARY"],
-                           tracing={"exporter": "jsonl", "path": str(spans)})
+    cfg = AgentServeConfig(
+        workflows=str(workflows),
+        store=str(root / "runs.sqlite"),
+        keys_file=keys,
+        workers=2,
+        per_tenant_active=6,
+        lease_s=4.0,
+        py_modules=[str(tools)],
+        env_from_driver=["LMFOUNDRY_AGENT_TEST_KEY", "LMFOUNDRY_TEST_CANARY"],
+        tracing={"exporter": "jsonl", "path": str(spans)},
+    )
     serve.run(build_agent_app(cfg, [digest(KEY)]), name="agents", route_prefix="/agents", blocking=False)
     url = f"http://127.0.0.1:{port}/agents"
     deadline = time.time() + 300
     while True:
         try:
-            if httpx.get(f"{url}/health").status_code == 200 and httpx.get(
-                    f"http://127.0.0.1:{port}/health").status_code == 200:
+            if (
+                httpx.get(f"{url}/health").status_code == 200
+                and httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+            ):
                 break
         except httpx.TransportError:
             pass
@@ -140,8 +193,9 @@ def wait_for(url, run_id, states, key=KEY, timeout=240):
 
 def test_a_run_queries_the_database_persists_every_step_and_streams_them(agents):
     url = agents["url"]
-    started = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "What did acme spend?"},
-                         headers=auth())
+    started = httpx.post(
+        f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "What did acme spend?"}, headers=auth()
+    )
     assert started.status_code == 200 and started.json()["state"] == "queued"
     run_id = started.json()["id"]
     run = wait_for(url, run_id, ("succeeded", "failed"))
@@ -161,8 +215,12 @@ def test_a_run_queries_the_database_persists_every_step_and_streams_them(agents)
     while not (trace := [s for s in spans_of(agents) if s["attributes"].get("agent.run_id") == run_id]):
         assert time.time() < deadline, "the run's trace was not exported"
         time.sleep(0.2)
-    children = [s for s in spans_of(agents) if s["context"]["trace_id"] == trace[0]["context"]["trace_id"]
-                and s["parent_id"] == trace[0]["context"]["span_id"]]
+    children = [
+        s
+        for s in spans_of(agents)
+        if s["context"]["trace_id"] == trace[0]["context"]["trace_id"]
+        and s["parent_id"] == trace[0]["context"]["span_id"]
+    ]
     assert sorted(s["attributes"]["agent.step"] for s in children) == [s["n"] for s in steps]
     assert trace[0]["attributes"]["agent.prompt_tokens"] == sum(s.get("prompt_tokens") or 0 for s in steps)
     # another tenant cannot see it, or cancel it
@@ -179,8 +237,9 @@ def spans_of(agents) -> list[dict]:
 
 def test_approvals_gate_side_effects_and_carry_idempotency_keys(agents):
     url = agents["url"]
-    rejected = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "refund", "input": "Refund order 2."},
-                          headers=auth()).json()["id"]
+    rejected = httpx.post(
+        f"{url}/v1/agents/runs", json={"workflow": "refund", "input": "Refund order 2."}, headers=auth()
+    ).json()["id"]
     run = wait_for(url, rejected, ("waiting_approval",))
     assert run["steps"][-1]["kind"] == "approval" and run["steps"][-1]["status"] == "pending"
     assert _Orders.calls == []  # nothing was called before a human said yes
@@ -188,8 +247,9 @@ def test_approvals_gate_side_effects_and_carry_idempotency_keys(agents):
     run = wait_for(url, rejected, ("succeeded", "failed", "waiting_approval"))
     tool = next(s for s in run["steps"] if s["kind"] == "tool")
     assert tool["refused"] == "rejected by a reviewer" and _Orders.calls == []
-    approved = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "refund", "input": "Refund order 1."},
-                          headers=auth()).json()["id"]
+    approved = httpx.post(
+        f"{url}/v1/agents/runs", json={"workflow": "refund", "input": "Refund order 1."}, headers=auth()
+    ).json()["id"]
     wait_for(url, approved, ("waiting_approval",))
     assert httpx.post(f"{url}/v1/agents/runs/{approved}/approve", headers=auth()).status_code == 200
     run = wait_for(url, approved, ("succeeded", "failed", "waiting_approval"))
@@ -203,16 +263,23 @@ def test_approvals_gate_side_effects_and_carry_idempotency_keys(agents):
 
 def test_cancellation_limits_and_bad_requests(agents):
     url = agents["url"]
-    waiting = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "refund", "input": "Refund order 9."},
-                         headers=auth()).json()["id"]
+    waiting = httpx.post(
+        f"{url}/v1/agents/runs", json={"workflow": "refund", "input": "Refund order 9."}, headers=auth()
+    ).json()["id"]
     wait_for(url, waiting, ("waiting_approval",))
     assert httpx.post(f"{url}/v1/agents/runs/{waiting}/cancel", headers=auth()).json()["state"] == "cancelled"
     assert wait_for(url, waiting, ("cancelled",))["state"] == "cancelled"
-    assert httpx.post(f"{url}/v1/agents/runs", json={"workflow": "nope", "input": "x"}, headers=auth()).status_code == 400
+    assert (
+        httpx.post(f"{url}/v1/agents/runs", json={"workflow": "nope", "input": "x"}, headers=auth()).status_code == 400
+    )
     assert httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "x"}).status_code == 401
     assert httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders"}, headers=auth()).status_code == 422
-    codes = [httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders", "input": f"q{i}"},
-                        headers=auth(agents["other_key"])).status_code for i in range(8)]
+    codes = [
+        httpx.post(
+            f"{url}/v1/agents/runs", json={"workflow": "orders", "input": f"q{i}"}, headers=auth(agents["other_key"])
+        ).status_code
+        for i in range(8)
+    ]
     assert codes[:6] == [200] * 6 and 429 in codes[6:]  # per-tenant back-pressure
 
 
@@ -225,8 +292,9 @@ def test_a_run_survives_its_worker_replica_being_killed(agents):
     from lmfoundry.serving.agents import AgentStore
 
     url, store = agents["url"], AgentStore(agents["store"])
-    run_id = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "How many orders are there?"},
-                        headers=auth()).json()["id"]
+    run_id = httpx.post(
+        f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "How many orders are there?"}, headers=auth()
+    ).json()["id"]
     deadline = time.time() + 120
     while not store.steps(run_id):
         assert time.time() < deadline, "the run never took its first step"
@@ -241,7 +309,7 @@ def test_a_run_survives_its_worker_replica_being_killed(agents):
     assert all(s["status"] == "done" for s in steps if s["kind"] == "tool")
     # it was running when its worker died and it has ended: another worker took it over (the
     # remaining work may be only to record the final answer already written, or a spent budget)
-    after = steps[len(at_kill["steps"]):]
+    after = steps[len(at_kill["steps"]) :]
     assert owner not in {s["worker"] for s in after if s.get("worker")}, (at_kill["steps"], after)
     if run["state"] == "failed":
         assert run["error"].startswith("budget reached") or "context" in run["error"], run["error"]
@@ -252,8 +320,9 @@ def test_a_hostile_tool_output_neither_steers_the_run_nor_lets_the_canary_out(ag
     an injected instruction: the model is shown neither, the record keeps no copy of the secret,
     and nothing the run sends out carries it."""
     url = agents["url"]
-    run_id = httpx.post(f"{url}/v1/agents/runs", json={"workflow": "canary", "input": "What are acme's notes?"},
-                        headers=auth()).json()["id"]
+    run_id = httpx.post(
+        f"{url}/v1/agents/runs", json={"workflow": "canary", "input": "What are acme's notes?"}, headers=auth()
+    ).json()["id"]
     run = wait_for(url, run_id, ("succeeded", "failed", "waiting_approval"))
     lookup = next(s for s in run["steps"] if s["kind"] == "tool" and s["tool"] == "lookup")
     assert lookup["ok"] and lookup["secret_redacted"] and lookup["injection_flagged"]

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def cfg(tmp_path, **kw):
-    return pairs.PairsConfig(prompts="p.jsonl", output=str(tmp_path / "out"), student={"checkpoint": "s"},
-                             judge={"checkpoint": "j"}, **kw)
+    return pairs.PairsConfig(
+        prompts="p.jsonl", output=str(tmp_path / "out"), student={"checkpoint": "s"}, judge={"checkpoint": "j"}, **kw
+    )
 
 
 class ScriptedJudge:
@@ -45,8 +46,10 @@ def judged(judge, replies, judgments=2):
 
 
 def test_a_clear_preference_is_accepted_with_its_scores_and_confidence(tmp_path):
-    decision = pairs.route(judged(ScriptedJudge({"kind words": 9, "rude words": 2, "meh": 5}),
-                                  ["kind words", "rude words", "meh"]), cfg(tmp_path))
+    decision = pairs.route(
+        judged(ScriptedJudge({"kind words": 9, "rude words": 2, "meh": 5}), ["kind words", "rude words", "meh"]),
+        cfg(tmp_path),
+    )
     assert decision["route"] == "accept"
     pair = decision["pair"]
     assert (pair["chosen"], pair["rejected"]) == ("kind words", "rude words")
@@ -159,16 +162,36 @@ def test_review_cli_lists_claims_decides_and_comments(tmp_path, capsys):
 def test_finalize_folds_decisions_back_with_provenance(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    accepted = [{"id": f"p{i}", "prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}", "judge": "j1"}
-                for i in range(3)]
+    accepted = [
+        {"id": f"p{i}", "prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}", "judge": "j1"}
+        for i in range(3)
+    ]
     (out / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in accepted))
-    (out / "card.json").write_text(json.dumps({
-        "prompts": 7, "accepted": 3, "queued_for_review": 4, "queued_for_audit": 2, "rejected_by_reason": {},
-        "student": "s", "judge": "j1", "candidates": 4, "judgments": 2, "min_margin": 1.0, "audit_rate": 0.03}))
+    (out / "card.json").write_text(
+        json.dumps(
+            {
+                "prompts": 7,
+                "accepted": 3,
+                "queued_for_review": 4,
+                "queued_for_audit": 2,
+                "rejected_by_reason": {},
+                "student": "s",
+                "judge": "j1",
+                "candidates": 4,
+                "judgments": 2,
+                "min_margin": 1.0,
+                "audit_rate": 0.03,
+            }
+        )
+    )
     store = review.ReviewStore(str(out / "review.sqlite"))
     for i, decision in (("r1", "a"), ("r2", "b"), ("r3", "reject")):
-        store.add(f"review-{i}", "review", "low confidence",
-                  {"id": i, "prompt": "q", "chosen": f"{i} first", "rejected": f"{i} second", "judge": "j1"})
+        store.add(
+            f"review-{i}",
+            "review",
+            "low confidence",
+            {"id": i, "prompt": "q", "chosen": f"{i} first", "rejected": f"{i} second", "judge": "j1"},
+        )
         store.claim(f"review-{i}", "ana")
         store.decide(f"review-{i}", "ana", decision)
     store.add("review-r4", "review", "judges disagree", {"id": "r4"})  # still pending
@@ -182,7 +205,12 @@ def test_finalize_folds_decisions_back_with_provenance(tmp_path):
     ids = [p["id"] for p in final]
     assert ids == ["p0", "p2", "r1", "r2"]  # p1 overturned by its audit, r3 rejected, r4 pending
     r2 = final[3]
-    assert (r2["chosen"], r2["rejected"], r2["source"], r2["reviewer"]) == ("r2 second", "r2 first", "human review", "ana")
+    assert (r2["chosen"], r2["rejected"], r2["source"], r2["reviewer"]) == (
+        "r2 second",
+        "r2 first",
+        "human review",
+        "ana",
+    )
     assert final[0]["audit"]["reviewer"] == "ben"
     f = card["final"]
     assert f["review_decisions"] == {"a": 1, "b": 1, "reject": 1, "pending": 1}
@@ -223,8 +251,11 @@ def test_each_verifier_accepts_good_and_rejects_bad_samples():
 def test_synth_generates_verifies_and_keeps_rejects_with_reasons(tmp_path):
     docs = tmp_path / "docs.jsonl"
     docs.write_text(json.dumps({"text": "Ray Data is a library for data processing. The model is small."}) + "\n")
-    card = synth.run_synth(synth.SynthConfig(output=str(tmp_path / "s"), documents=str(docs),
-                                             kinds={"arithmetic": 5, "algebra": 6, "code": 6, "qa": 2}))
+    card = synth.run_synth(
+        synth.SynthConfig(
+            output=str(tmp_path / "s"), documents=str(docs), kinds={"arithmetic": 5, "algebra": 6, "code": 6, "qa": 2}
+        )
+    )
     assert card["samples"] == 19 and card["kept"] == 19  # the generator's own answers all verify
     kept = [json.loads(line) for line in (tmp_path / "s" / "kept.jsonl").read_text().splitlines()]
     assert {s["kind"] for s in kept} == {"arithmetic", "algebra", "code", "qa"}

@@ -8,8 +8,24 @@ import pytest
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
-TOPICS = ["apples", "rivers", "gardens", "windows", "markets", "pencils", "castles", "forests", "bridges", "candles",
-          "rockets", "planets", "ladders", "mirrors", "pockets", "winters"]
+TOPICS = [
+    "apples",
+    "rivers",
+    "gardens",
+    "windows",
+    "markets",
+    "pencils",
+    "castles",
+    "forests",
+    "bridges",
+    "candles",
+    "rockets",
+    "planets",
+    "ladders",
+    "mirrors",
+    "pockets",
+    "winters",
+]
 
 
 def test_the_pair_pipeline_judges_routes_and_never_emits_a_tie(pretrained, tmp_path):
@@ -20,9 +36,16 @@ def test_the_pair_pipeline_judges_routes_and_never_emits_a_tie(pretrained, tmp_p
     rows = [{"id": f"t{i}", "prompt": f"Tell me about {t}."} for i, t in enumerate(TOPICS[:8])]
     rows.append({"id": "held", "prompt": "How do I kill a Python process that hangs?"})  # an evaluation prompt
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = PairsConfig(prompts=str(prompts), output=str(tmp_path / "pairs"), student={"checkpoint": pretrained[0]},
-                      judge={"checkpoint": pretrained[0]}, candidates=3, max_tokens=12, min_margin=0.05,
-                      audit_rate=0.5)
+    cfg = PairsConfig(
+        prompts=str(prompts),
+        output=str(tmp_path / "pairs"),
+        student={"checkpoint": pretrained[0]},
+        judge={"checkpoint": pretrained[0]},
+        candidates=3,
+        max_tokens=12,
+        min_margin=0.05,
+        audit_rate=0.5,
+    )
     card = run_pairs(cfg)
     out = tmp_path / "pairs"
     accepted = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
@@ -33,7 +56,9 @@ def test_the_pair_pipeline_judges_routes_and_never_emits_a_tie(pretrained, tmp_p
     assert card["prompts"] == 9
     assert card["rejected_by_reason"].get("held out: exact of an evaluation prompt") == 1
     assert len(accepted) + len(queued) + len(rejected) == 9  # every prompt is accounted for
-    assert all(p["chosen"] != p["rejected"] for p in accepted + [q["payload"] for q in queued if "chosen" in q["payload"]])
+    assert all(
+        p["chosen"] != p["rejected"] for p in accepted + [q["payload"] for q in queued if "chosen" in q["payload"]]
+    )
     assert {a["id"] for a in audits} <= {f"audit-{p['id']}" for p in accepted}
     for p in accepted:
         assert p["agreement"] == 1.0 and p["margin"] >= 0.05 and p["judge"].startswith("checkpoint")
@@ -43,8 +68,14 @@ def test_the_pair_pipeline_judges_routes_and_never_emits_a_tie(pretrained, tmp_p
 
 
 def write_pairs(path):
-    rows = [{"prompt": f"Tell me about {t}.", "chosen": f"{t.capitalize()} are useful and good.",
-             "rejected": f"I hate {t}. Kill all the {t} now!"} for t in TOPICS]
+    rows = [
+        {
+            "prompt": f"Tell me about {t}.",
+            "chosen": f"{t.capitalize()} are useful and good.",
+            "rejected": f"I hate {t}. Kill all the {t} now!",
+        }
+        for t in TOPICS
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -54,13 +85,38 @@ def test_dpo_raises_preference_accuracy_survives_a_killed_worker_and_is_gated(pr
     from lmfoundry.jobs.align import AlignJobConfig, run_align
 
     cfg = AlignJobConfig(
-        checkpoint=pretrained[0], pairs=write_pairs(tmp_path / "pairs.jsonl"), output=str(tmp_path / "dpo"),
-        beta=0.1, lr=2e-3, warmup_steps=2, max_steps=16, micro_batch_size=2, global_batch_pairs=8, num_workers=2,
-        cpus_per_worker=0.5, checkpoint_every=4, drills=[{"at_step": 6, "rank": 1}], max_failures=2, log_every=1,
-        eval=EvalSuites(data=packed[0], max_sequences=32, tasks=["builtin"], task_limit=10,
-                        gate={"track": ["task.*"], "tolerances": {"task.lmfoundry_arithmetic_mc.acc": 1.0,
-                              "task.lmfoundry_arithmetic_mc.acc_norm": 1.0, "task.lmfoundry_common_sense_mc.acc": 1.0,
-                              "task.lmfoundry_common_sense_mc.acc_norm": 1.0, "task.lmfoundry_repeat_word.exact_match": 1.0}}))
+        checkpoint=pretrained[0],
+        pairs=write_pairs(tmp_path / "pairs.jsonl"),
+        output=str(tmp_path / "dpo"),
+        beta=0.1,
+        lr=2e-3,
+        warmup_steps=2,
+        max_steps=16,
+        micro_batch_size=2,
+        global_batch_pairs=8,
+        num_workers=2,
+        cpus_per_worker=0.5,
+        checkpoint_every=4,
+        drills=[{"at_step": 6, "rank": 1}],
+        max_failures=2,
+        log_every=1,
+        eval=EvalSuites(
+            data=packed[0],
+            max_sequences=32,
+            tasks=["builtin"],
+            task_limit=10,
+            gate={
+                "track": ["task.*"],
+                "tolerances": {
+                    "task.lmfoundry_arithmetic_mc.acc": 1.0,
+                    "task.lmfoundry_arithmetic_mc.acc_norm": 1.0,
+                    "task.lmfoundry_common_sense_mc.acc": 1.0,
+                    "task.lmfoundry_common_sense_mc.acc_norm": 1.0,
+                    "task.lmfoundry_repeat_word.exact_match": 1.0,
+                },
+            },
+        ),
+    )
     result = run_align(cfg)
     accuracy = result["preference_accuracy"]
     assert accuracy["before"] == 0.0 and accuracy["after"] >= 0.8

@@ -35,8 +35,9 @@ def test_missing_required_key(tmp_path):
 
 
 def test_overrides_are_typed_and_nested(tmp_path):
-    cfg = load_config(PretrainConfig, write(tmp_path, "data: a\noutput: b\n"),
-                      ["model.n_layer=3", "lr=1e-3", "betas=[0.9, 0.99]"])
+    cfg = load_config(
+        PretrainConfig, write(tmp_path, "data: a\noutput: b\n"), ["model.n_layer=3", "lr=1e-3", "betas=[0.9, 0.99]"]
+    )
     assert cfg.model.n_layer == 3 and cfg.lr == 1e-3 and cfg.betas == (0.9, 0.99)
 
 
@@ -52,14 +53,18 @@ def test_model_shape_is_validated():
         build_config(PretrainConfig, {"data": "a", "output": "b", "model": {"d_model": 100, "n_head": 3}})
 
 
-@pytest.mark.parametrize("text, expect", [
-    ("input: {inp}\noutput: {out}\nbogus: 1\n", "bogus"),
-    ("input: {inp}/does-not-exist\noutput: {out}\n", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("input: {inp}\noutput: {out}\nbogus: 1\n", "bogus"),
+        ("input: {inp}/does-not-exist\noutput: {out}\n", "does not exist"),
+    ],
+)
 def test_cli_rejects_bad_config_before_ray_starts(tmp_path, text, expect):
     p = write(tmp_path, text.format(inp=tmp_path, out=tmp_path / "out"))
-    r = subprocess.run([sys.executable, "-m", "lmfoundry.jobs.curate", str(p)], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "lmfoundry.jobs.curate", str(p)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2
     assert expect in r.stderr and str(p) in r.stderr
     assert "Started a local Ray" not in r.stderr  # failed before any Ray work
@@ -68,25 +73,35 @@ def test_cli_rejects_bad_config_before_ray_starts(tmp_path, text, expect):
 def test_every_recipe_in_configs_validates():
     from pathlib import Path
 
-    from lmfoundry.eval.suite import EvaluateConfig
-    from lmfoundry.jobs.pretrain import PretrainJobConfig
-    from lmfoundry.jobs.align import AlignJobConfig
     from lmfoundry.align.pairs import PairsConfig
     from lmfoundry.align.synth import SynthConfig
-    from lmfoundry.jobs.agents import AgentsJobConfig
     from lmfoundry.data.pack import PackConfig
     from lmfoundry.data.quality import QualityTrainConfig
+    from lmfoundry.eval.suite import EvaluateConfig
+    from lmfoundry.jobs.agents import AgentsJobConfig
+    from lmfoundry.jobs.align import AlignJobConfig
+    from lmfoundry.jobs.pretrain import PretrainJobConfig
     from lmfoundry.jobs.quickstart import load_quickstart_config
     from lmfoundry.serving.app import ServeConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"
-    models = {"curate.yaml": CurateConfig, "pack.yaml": PackConfig, "pretrain_tiny_cpu.yaml": PretrainJobConfig,
-              "pretrain_gpu.yaml": PretrainConfig, "pretrain_moe_cpu.yaml": PretrainConfig,
-              "pretrain_7b_gpu.yaml": PretrainConfig, "pretrain_moe_16b_gpu.yaml": PretrainConfig,
-              "pretrain_70b_gpu.yaml": PretrainConfig,
-              "evaluate.yaml": EvaluateConfig, "serve.yaml": ServeConfig, "quality_model.yaml": QualityTrainConfig,
-              "pairs.yaml": PairsConfig, "synth.yaml": SynthConfig, "align_dpo.yaml": AlignJobConfig,
-              "agents.yaml": AgentsJobConfig}
+    models = {
+        "curate.yaml": CurateConfig,
+        "pack.yaml": PackConfig,
+        "pretrain_tiny_cpu.yaml": PretrainJobConfig,
+        "pretrain_gpu.yaml": PretrainConfig,
+        "pretrain_moe_cpu.yaml": PretrainConfig,
+        "pretrain_7b_gpu.yaml": PretrainConfig,
+        "pretrain_moe_16b_gpu.yaml": PretrainConfig,
+        "pretrain_70b_gpu.yaml": PretrainConfig,
+        "evaluate.yaml": EvaluateConfig,
+        "serve.yaml": ServeConfig,
+        "quality_model.yaml": QualityTrainConfig,
+        "pairs.yaml": PairsConfig,
+        "synth.yaml": SynthConfig,
+        "align_dpo.yaml": AlignJobConfig,
+        "agents.yaml": AgentsJobConfig,
+    }
     for name, cls in models.items():
         assert isinstance(load_config(cls, root / name), cls)
     q = load_quickstart_config(str(root / "quickstart.yaml"), "/tmp/qs-work", [])
@@ -94,11 +109,14 @@ def test_every_recipe_in_configs_validates():
     assert sorted(p.name for p in root.glob("*.yaml")) == sorted([*models, "quickstart.yaml"])
 
 
-@pytest.mark.parametrize("recipe, vocab, seq, low, high, active_high", [
-    ("pretrain_7b_gpu.yaml", 32000, 4096, 6.5e9, 7.0e9, None),
-    ("pretrain_moe_16b_gpu.yaml", 102400, 4096, 15.5e9, 17.0e9, 3.2e9),
-    ("pretrain_70b_gpu.yaml", 32000, 4096, 68e9, 70e9, None),
-])
+@pytest.mark.parametrize(
+    "recipe, vocab, seq, low, high, active_high",
+    [
+        ("pretrain_7b_gpu.yaml", 32000, 4096, 6.5e9, 7.0e9, None),
+        ("pretrain_moe_16b_gpu.yaml", 102400, 4096, 15.5e9, 17.0e9, 3.2e9),
+        ("pretrain_70b_gpu.yaml", 32000, 4096, 68e9, 70e9, None),
+    ],
+)
 def test_large_recipes_have_the_sizes_their_names_promise(recipe, vocab, seq, low, high, active_high):
     """Built on the meta device: shapes and counts without allocating the weights."""
     from pathlib import Path
@@ -126,8 +144,9 @@ def test_an_elastic_range_is_checked_and_every_size_in_it_must_divide_the_global
     with pytest.raises(ValueError, match="min_workers=5 must not exceed num_workers=4"):
         PretrainConfig(**base, min_workers=5)
     with pytest.raises(ValueError, match="expert_parallel_size=2"):
-        PretrainConfig(**base, min_workers=2, expert_parallel_size=2,
-                       model=ModelConfig(moe=MoEConfig(num_experts=4, top_k=1)))
+        PretrainConfig(
+            **base, min_workers=2, expert_parallel_size=2, model=ModelConfig(moe=MoEConfig(num_experts=4, top_k=1))
+        )
     cfg = PretrainConfig(**base, min_workers=2, micro_batch_size=1, global_batch_tokens=12 * 64)
     assert list(world_sizes(cfg)) == [2, 3, 4]
     assert [gradient_accumulation(cfg, w, 64) for w in world_sizes(cfg)] == [6, 4, 3]

@@ -15,10 +15,12 @@ from texts import CHINESE, FRENCH, GERMAN, JAPANESE, PARAPHRASE, PROSE, RUSSIAN,
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[1]
-CONTACT = ("Thank you for your order of the garden tools. The parcel left our warehouse this morning and "
-           "should reach you within three working days. If anything is missing or damaged, write to "
-           "jane@example.com or call +44 20 7946 0958, and we will send a replacement at once. We hope the "
-           "tools serve you well through the coming season. With kind regards from the whole team at the shop.")
+CONTACT = (
+    "Thank you for your order of the garden tools. The parcel left our warehouse this morning and "
+    "should reach you within three working days. If anything is missing or damaged, write to "
+    "jane@example.com or call +44 20 7946 0958, and we will send a replacement at once. We hope the "
+    "tools serve you well through the coming season. With kind regards from the whole team at the shop."
+)
 
 
 def table(out, part):
@@ -34,9 +36,25 @@ def test_killed_run_resumes_and_equals_a_clean_run(ray_local, sample_corpus, cur
     # as it has committed a shard.
     out = tmp_path / "killed"
     env = {**os.environ, "RAY_ADDRESS": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "lmfoundry.jobs.curate", "configs/curate.yaml", "--input", raw,
-                             "--output", str(out), "--set", "workers=1"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmfoundry.jobs.curate",
+            "configs/curate.yaml",
+            "--input",
+            raw,
+            "--output",
+            str(out),
+            "--set",
+            "workers=1",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     docs = out / "_work" / "docs"
     deadline = time.time() + 300
     while not list(docs.glob("*.json")) and proc.poll() is None and time.time() < deadline:
@@ -65,23 +83,42 @@ def test_multilingual_text_folder_with_pii_harm_and_the_checklist(ray_local, tmp
     from lmfoundry.data.curate import ChecklistFailed, CurateConfig, run_curate
 
     raw = tmp_path / "txt"
-    docs = {"en/prose.txt": PROSE, "en/tech.md.txt": TECH_DOC, "de/stadt.txt": GERMAN, "fr/village.txt": FRENCH,
-            "es/biblioteca.txt": SPANISH, "ru/gorod.txt": RUSSIAN, "zh/city.txt": CHINESE, "ja/town.txt": JAPANESE,
-            "en/contact.txt": CONTACT,
-            "en/harm.txt": PROSE + " Then he explained how to make a bomb.",
-            "en/copy.txt": PROSE, "en/paraphrase.txt": PARAPHRASE}
+    docs = {
+        "en/prose.txt": PROSE,
+        "en/tech.md.txt": TECH_DOC,
+        "de/stadt.txt": GERMAN,
+        "fr/village.txt": FRENCH,
+        "es/biblioteca.txt": SPANISH,
+        "ru/gorod.txt": RUSSIAN,
+        "zh/city.txt": CHINESE,
+        "ja/town.txt": JAPANESE,
+        "en/contact.txt": CONTACT,
+        "en/harm.txt": PROSE + " Then he explained how to make a bomb.",
+        "en/copy.txt": PROSE,
+        "en/paraphrase.txt": PARAPHRASE,
+    }
     for name, text in docs.items():
         (raw / name).parent.mkdir(parents=True, exist_ok=True)
         (raw / name).write_text(text)
     out = tmp_path / "out"
     # semantic dedup on, with a threshold this paraphrase (cosine 0.86, Jaccard 0.04) is above
-    report = run_curate(CurateConfig(input=str(raw), output=str(out), text_files_per_shard=4, workers=2,
-                                     dedup={"semantic": {"enabled": True, "similarity": 0.85, "clusters": 2}}))
+    report = run_curate(
+        CurateConfig(
+            input=str(raw),
+            output=str(out),
+            text_files_per_shard=4,
+            workers=2,
+            dedup={"semantic": {"enabled": True, "similarity": 0.85, "clusters": 2}},
+        )
+    )
     kept, rejected = table(out, "kept"), table(out, "rejected")
     assert report["documents_in"] == 12 and report["accounted"]
     assert set(kept["lang"]) == {"en", "de", "fr", "es", "ru", "zh", "ja"}
     assert dict(zip(rejected["id"], rejected["reason"])) == {  # en/copy.txt sorts first: it stays
-        "en/harm.txt": "harmful_content", "en/prose.txt": "exact_duplicate", "en/paraphrase.txt": "semantic_duplicate"}
+        "en/harm.txt": "harmful_content",
+        "en/prose.txt": "exact_duplicate",
+        "en/paraphrase.txt": "semantic_duplicate",
+    }
     assert set(rejected["duplicate_of"].dropna()) == {"en/copy.txt"}
     contact = kept.set_index("id").loc["en/contact.txt"]
     assert "<EMAIL>" in contact["text"] and "<PHONE>" in contact["text"] and "jane@" not in contact["text"]
@@ -93,7 +130,11 @@ def test_multilingual_text_folder_with_pii_harm_and_the_checklist(ray_local, tmp
     assert json.loads((out / "report.json").read_text())["documents_kept"] == len(kept)
 
     # The same input with the checklist enforced and an unreachable threshold fails loudly.
-    strict = CurateConfig(input=str(raw), output=str(tmp_path / "strict"), text_files_per_shard=4,
-                          checklist={"enforce": True, "min_high_density_share": 0.99})
+    strict = CurateConfig(
+        input=str(raw),
+        output=str(tmp_path / "strict"),
+        text_files_per_shard=4,
+        checklist={"enforce": True, "min_high_density_share": 0.99},
+    )
     with pytest.raises(ChecklistFailed, match="high-density share"):
         run_curate(strict)

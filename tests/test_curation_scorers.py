@@ -7,9 +7,9 @@ import pytest
 from texts import CHINESE, FRENCH, GERMAN, JAPANESE, KEYWORDS, PROSE, RUSSIAN, SPAM, SPANISH, TECH_DOC
 
 from lmfoundry.data.density import knowledge_density
-from lmfoundry.platform.harm import HarmConfig, HarmScorer
 from lmfoundry.data.langid import LanguageConfig, LanguageIdentifier
 from lmfoundry.data.pii import PIIRedactor, iban_valid, luhn_valid
+from lmfoundry.platform.harm import HarmConfig, HarmScorer
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +51,19 @@ PII_POSITIVE = [
     ("Pay to GB82WEST12345698765432 by Friday.", "iban"),
 ]
 PII_NEGATIVE = [
-    "Released as version 1.2.3.4 last week.", "Python 3.11.4 and numpy 1.26.0 are required.",
-    "Build 10.0.19041.1 of the system.", "On 2024-01-15 at 12:30:45 UTC.", "The ratio is 16:9, not 4:3.",
-    "x = a[1:2:3] and b = c[::2]", "std::vector<int> v; a::b::c", "pi = 3.14159265358979",
-    "ISBN 978-3-16-148410-0", "order 4111 1111 1111 1112 (not a valid card)", "id 1234567890123456",
-    "See RFC 2616 section 14.9 and 2023.10.05.", "def f(x): return x * 1000000007 % 998244353",
+    "Released as version 1.2.3.4 last week.",
+    "Python 3.11.4 and numpy 1.26.0 are required.",
+    "Build 10.0.19041.1 of the system.",
+    "On 2024-01-15 at 12:30:45 UTC.",
+    "The ratio is 16:9, not 4:3.",
+    "x = a[1:2:3] and b = c[::2]",
+    "std::vector<int> v; a::b::c",
+    "pi = 3.14159265358979",
+    "ISBN 978-3-16-148410-0",
+    "order 4111 1111 1111 1112 (not a valid card)",
+    "id 1234567890123456",
+    "See RFC 2616 section 14.9 and 2023.10.05.",
+    "def f(x): return x * 1000000007 % 998244353",
 ]
 
 
@@ -103,9 +111,16 @@ def test_harm_with_a_local_sequence_classification_model(tmp_path):
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "[PAD]": 1, "bomb": 2, "farm": 3}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
-    cfg = transformers.BertConfig(vocab_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=32, num_labels=2, id2label={0: "safe", 1: "unsafe"},
-                                  label2id={"safe": 0, "unsafe": 1})
+    cfg = transformers.BertConfig(
+        vocab_size=4,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+        id2label={0: "safe", 1: "unsafe"},
+        label2id={"safe": 0, "unsafe": 1},
+    )
     transformers.BertForSequenceClassification(cfg).save_pretrained(tmp_path)
     fast.save_pretrained(tmp_path)
     scorer = HarmScorer(HarmConfig(model=str(tmp_path)))
@@ -116,9 +131,11 @@ def test_harm_with_a_local_sequence_classification_model(tmp_path):
 
 
 def test_knowledge_density_ranks_reference_text_above_filler():
-    wiki = ("Marie Curie was a Polish and naturalised-French physicist and chemist who conducted pioneering "
-            "research on radioactivity. She was the first woman to win a Nobel Prize, in 1903, and the only "
-            "person to win it in two scientific fields.")
+    wiki = (
+        "Marie Curie was a Polish and naturalised-French physicist and chemist who conducted pioneering "
+        "research on radioactivity. She was the first woman to win a Nobel Prize, in 1903, and the only "
+        "person to win it in two scientific fields."
+    )
     chat = "I think that it was really nice and we had a good time, you know, and then we went home. " * 3
     assert knowledge_density(wiki) > 0.25 > 0.05 > knowledge_density(chat)
     assert knowledge_density("Paris Paris Paris Paris") == 0.25  # distinct words: repetition does not count
@@ -150,8 +167,9 @@ def test_quality_classifier_on_minilm_embeddings(tmp_path):
     pos, neg = tmp_path / "pos.jsonl", tmp_path / "neg.jsonl"
     pos.write_text("".join(json.dumps({"text": t}) + "\n" for t in stdlib_documents(60)))
     neg.write_text("".join(json.dumps({"text": t}) + "\n" for t in web_like_documents(60, seed=1)))
-    metrics = train_quality_model(QualityTrainConfig(positive=str(pos), negative=str(neg), output=str(tmp_path / "e"),
-                                                     features="embedding"))
+    metrics = train_quality_model(
+        QualityTrainConfig(positive=str(pos), negative=str(neg), output=str(tmp_path / "e"), features="embedding")
+    )
     assert metrics["validation_auc"] > 0.9
     scores = QualityModel.load(str(tmp_path / "e"))([TECH_DOC, SPAM])
     assert scores[0] > scores[1] and np.all((scores >= 0) & (scores <= 1))
@@ -169,8 +187,18 @@ def test_quality_model_command_trains_without_ray_and_refuses_bad_input(tmp_path
     for i, t in enumerate(stdlib_documents(100)):
         (pos / f"{i}.txt").write_text(t)
     (neg / "web.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in web_like_documents(100)))
-    cmd = [sys.executable, "-m", "lmfoundry.jobs.quality_model", "configs/quality_model.yaml", "--input", str(pos),
-           "--set", f"negative={neg}", "--output", str(tmp_path / "model")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmfoundry.jobs.quality_model",
+        "configs/quality_model.yaml",
+        "--input",
+        str(pos),
+        "--set",
+        f"negative={neg}",
+        "--output",
+        str(tmp_path / "model"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["validation_accuracy"] > 0.85

@@ -60,7 +60,9 @@ def test_planted_near_duplicates_found_with_high_recall_and_precision():
     assert scores["document_precision"] >= 0.98, scores
     # nothing across groups: unrelated documents are never merged
     cluster = [uf.find(i) for i in range(len(texts))]
-    assert all(groups[x] == groups[y] for x, y in itertools.combinations(range(len(texts)), 2) if cluster[x] == cluster[y])
+    assert all(
+        groups[x] == groups[y] for x, y in itertools.combinations(range(len(texts)), 2) if cluster[x] == cluster[y]
+    )
 
 
 def test_dedup_config_is_checked():

@@ -36,9 +36,17 @@ def test_too_little_data_for_one_micro_batch_is_refused_before_training(tmp_path
 
     from lmfoundry.train.pretrain import run_pretrain
 
-    (tmp_path / "_MANIFEST.json").write_text(json.dumps({
-        "stage": "pack", "seq_len": 128, "vocab_size": 512, "tokenizer": "tokenizer.json",
-        "splits": {"train": {"sequences": 10}}}))
+    (tmp_path / "_MANIFEST.json").write_text(
+        json.dumps(
+            {
+                "stage": "pack",
+                "seq_len": 128,
+                "vocab_size": 512,
+                "tokenizer": "tokenizer.json",
+                "splits": {"train": {"sequences": 10}},
+            }
+        )
+    )
     with pytest.raises(ValueError, match="holds 10 training sequences, fewer than one global micro-batch"):
         run_pretrain(PretrainConfig(data=str(tmp_path), output=str(tmp_path / "run"), global_batch_tokens=2 * 8 * 128))
     assert not (tmp_path / "run").exists()
@@ -47,14 +55,15 @@ def test_too_little_data_for_one_micro_batch_is_refused_before_training(tmp_path
 def test_warmup_stable_decay_schedule():
     from lmfoundry.train.config import wsd_schedule
 
-    c = cfg(max_steps=100, warmup_steps=10, lr_schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.1,
-            decay_shape="linear")
+    c = cfg(
+        max_steps=100, warmup_steps=10, lr_schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.1, decay_shape="linear"
+    )
     f = wsd_schedule(c)
     assert [f(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
     assert f(10) == f(50) == f(80) == 1.0  # stable until the last 20 steps
     assert f(90) == pytest.approx(0.55) and f(100) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
     sqrt = wsd_schedule(c.model_copy(update={"decay_shape": "sqrt"}))
-    assert sqrt(85) == pytest.approx(1 - 0.9 * 0.25 ** 0.5)
+    assert sqrt(85) == pytest.approx(1 - 0.9 * 0.25**0.5)
     assert "scheduler" not in deepspeed_config(c, 1, 128)  # the engine gets the schedule itself
     assert deepspeed_config(cfg(), 1, 128)["scheduler"]["type"] == "WarmupCosineLR"
 

@@ -99,11 +99,11 @@ class Window(Scripted):
         self.window = window
 
     def score(self, context, continuation):
-        visible = " ".join(context.split()[-self.window:])
+        visible = " ".join(context.split()[-self.window :])
         return 0.0 if f"is {continuation.strip()}." in visible else -5.0
 
     def reply(self, messages):
-        visible = " ".join(messages[-1]["content"].split()[-self.window:])
+        visible = " ".join(messages[-1]["content"].split()[-self.window :])
         found = re.search(r"secret code of \w+ is (\d+)\.", visible)
         return found.group(1) if found else "I don't know."
 
@@ -129,7 +129,8 @@ def letter_task(tmp_path, golds):
     (tmp_path / "letters.yaml").write_text(
         "task: letters\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: letters.jsonl\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}\\nAnswer:'\n"
-        "doc_to_choice: ['A', 'B', 'C', 'D']\ndoc_to_target: '{{answer}}'\n")
+        "doc_to_choice: ['A', 'B', 'C', 'D']\ndoc_to_target: '{{answer}}'\n"
+    )
     return tasks.load_task(tmp_path / "letters.yaml")
 
 
@@ -172,7 +173,8 @@ def test_generation_tasks_score_exact_match_after_the_stop_string(tmp_path):
     (tmp_path / "w.yaml").write_text(
         "task: w\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: w.jsonl\ntest_split: test\n"
         "output_type: generate_until\ndoc_to_text: 'Say {{word}}:'\ndoc_to_target: '{{word}}'\n"
-        "generation_kwargs:\n  until: [\"\\n\"]\nmetric_list:\n  - metric: exact_match\n    ignore_case: true\n")
+        'generation_kwargs:\n  until: ["\\n"]\nmetric_list:\n  - metric: exact_match\n    ignore_case: true\n'
+    )
 
     class Says(Scripted):
         def reply(self, messages):
@@ -185,12 +187,15 @@ def test_generation_tasks_score_exact_match_after_the_stop_string(tmp_path):
     assert [s["exact_match"] for s in result["samples"]] == [1.0, 0.0]
 
 
-@pytest.mark.parametrize("extra, message", [
-    ("process_docs: !function utils.process\n", "!function"),
-    ("filter_list: []\n", "not supported"),
-    ("repeats: 4\n", "repeats"),
-    ("fewshot_config:\n  sampler: default\n", "first_n"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("process_docs: !function utils.process\n", "!function"),
+        ("filter_list: []\n", "not supported"),
+        ("repeats: 4\n", "repeats"),
+        ("fewshot_config:\n  sampler: default\n", "first_n"),
+    ],
+)
 def test_harness_features_the_runner_lacks_are_refused_by_name(tmp_path, extra, message):
     letter_task(tmp_path, ["A"])
     (tmp_path / "letters.yaml").write_text((tmp_path / "letters.yaml").read_text() + extra)
@@ -257,7 +262,9 @@ def test_effective_context_length_is_where_the_reader_stops_seeing_the_needle(mo
     assert result["effective_context_length"] == 80
     by_length = result["retrieval_by_length"]
     assert by_length["40"] == by_length["80"] == 1.0 and by_length["320"] < 0.9
-    assert result["heatmap"][-1][-1] == 1.0 and result["heatmap"][-1][0] == 0.0  # at the end it is seen; at the start not
+    assert (
+        result["heatmap"][-1][-1] == 1.0 and result["heatmap"][-1][0] == 0.0
+    )  # at the end it is seen; at the start not
     assert needle.run_needle(Window(1000), cfg)["effective_context_length"] == 320
 
 
@@ -331,8 +338,11 @@ def test_the_gate_fails_on_any_regression_even_when_capability_rises():
     assert not gone["passed"] and gone["missing"] == ["harmless.refusal_rate", "lm.perplexity"]
     only_tasks = gate.compare({"task.x.acc": 0.5}, base, gate.GateConfig(track=["task.*"]))
     assert only_tasks["passed"]
-    loose = gate.compare(traded_metrics := {"task.x.acc": 0.7, "harmless.refusal_rate": 0.8, "lm.perplexity": 15.0},
-                         base, gate.GateConfig(tolerances={"harmless.refusal_rate": 0.2}))
+    loose = gate.compare(
+        traded_metrics := {"task.x.acc": 0.7, "harmless.refusal_rate": 0.8, "lm.perplexity": 15.0},
+        base,
+        gate.GateConfig(tolerances={"harmless.refusal_rate": 0.2}),
+    )
     assert loose["passed"] and traded_metrics
     with pytest.raises(ValueError, match="no gate rule"):
         gate.compare({"novel.metric": 1.0}, {"novel.metric": 1.0}, cfg)
@@ -341,8 +351,11 @@ def test_the_gate_fails_on_any_regression_even_when_capability_rises():
 def test_the_html_report_is_self_contained_with_heat_map_and_red_team_table(tmp_path):
     from lmfoundry.eval.suite import EvalSuites, evaluate
 
-    suites = EvalSuites(hhh=hhh.HHHConfig(limit=3), needle=needle.NeedleConfig(lengths=[40, 80], depths=[0, 1]),
-                        redteam=redteam.RedTeamConfig(attacks_per_family=2, seed=1))
+    suites = EvalSuites(
+        hhh=hhh.HHHConfig(limit=3),
+        needle=needle.NeedleConfig(lengths=[40, 80], depths=[0, 1]),
+        redteam=redteam.RedTeamConfig(attacks_per_family=2, seed=1),
+    )
     report = evaluate(Parrot(), suites, out_dir=str(tmp_path))
     report["gate"] = {"baseline": "old.json", **gate.compare(report["metrics"], report["metrics"], gate.GateConfig())}
     page = write_html(report)

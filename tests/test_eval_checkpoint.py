@@ -27,9 +27,15 @@ def test_the_shipped_tasks_score_the_same_under_lm_evaluation_harness(pretrained
     export_hf(ckpt, tmp_path / "hf")
     include = harness_copy(TASK_FILES, tmp_path / "harness_tasks")
     ours = {t.name: run_task(t, CheckpointModel(ckpt)) for t in load_tasks(TASK_FILES)}
-    theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32",
-                                     tasks=sorted(ours), task_manager=TaskManager(include_path=str(include)),
-                                     log_samples=True, batch_size=8, device="cpu")
+    theirs = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={tmp_path / 'hf'},dtype=float32",
+        tasks=sorted(ours),
+        task_manager=TaskManager(include_path=str(include)),
+        log_samples=True,
+        batch_size=8,
+        device="cpu",
+    )
     for name, result in ours.items():
         for metric, value in result["metrics"].items():
             assert theirs["results"][name][f"{metric},none"] == pytest.approx(value, abs=1e-9), (name, metric)
@@ -53,29 +59,56 @@ def test_evaluate_command_writes_the_report_and_the_gate_catches_a_regression(pr
     config.write_text(
         f"checkpoint: {pretrained[0]}\ndata: {packed[0]}\noutput: {tmp_path / 'base'}\ntasks: [builtin]\n"
         "task_limit: 10\nhhh:\n  limit: 4\n  max_tokens: 8\nneedle:\n  lengths: [32, 64]\n  depths: [0.0, 1.0]\n"
-        "  trials: 1\nredteam:\n  families: [injection, base64]\n  attacks_per_family: 2\n  max_tokens: 8\n")
+        "  trials: 1\nredteam:\n  families: [injection, base64]\n  attacks_per_family: 2\n  max_tokens: 8\n"
+    )
     assert evaluate_cli([str(config)]) == 0
     base = json.loads((tmp_path / "base" / "eval.json").read_text())
     metrics = base["metrics"]
-    for name in ("lm.perplexity", "task.lmfoundry_arithmetic_mc.acc", "helpful.task_success", "harmless.refusal_rate",
-                 "honest.ece", "long_context.effective_context_length", "red_team.attack_success_rate"):
+    for name in (
+        "lm.perplexity",
+        "task.lmfoundry_arithmetic_mc.acc",
+        "helpful.task_success",
+        "harmless.refusal_rate",
+        "honest.ece",
+        "long_context.effective_context_length",
+        "red_team.attack_success_rate",
+    ):
         assert name in metrics
     assert (tmp_path / "base" / "report.html").read_text().startswith("<!doctype html>")
     # the same checkpoint against its own report passes
     capsys.readouterr()
-    assert evaluate_cli([str(config), "--output", str(tmp_path / "same"), "--baseline",
-                         str(tmp_path / "base" / "eval.json")]) == 0
+    assert (
+        evaluate_cli(
+            [str(config), "--output", str(tmp_path / "same"), "--baseline", str(tmp_path / "base" / "eval.json")]
+        )
+        == 0
+    )
     # a baseline that was better on harmlessness and on perplexity fails the gate, exit 1
-    better = {**base, "metrics": {**metrics, "harmless.refusal_rate": metrics["harmless.refusal_rate"] + 0.5,
-                                  "lm.perplexity": metrics["lm.perplexity"] * 0.5}}
+    better = {
+        **base,
+        "metrics": {
+            **metrics,
+            "harmless.refusal_rate": metrics["harmless.refusal_rate"] + 0.5,
+            "lm.perplexity": metrics["lm.perplexity"] * 0.5,
+        },
+    }
     (tmp_path / "better.json").write_text(json.dumps(better))
-    assert evaluate_cli([str(config), "--output", str(tmp_path / "worse"), "--baseline", str(tmp_path / "better.json")]) == 1
+    assert (
+        evaluate_cli([str(config), "--output", str(tmp_path / "worse"), "--baseline", str(tmp_path / "better.json")])
+        == 1
+    )
     err = capsys.readouterr().err
     assert "harmless.refusal_rate" in err and "lm.perplexity" in err
     gate = json.loads((tmp_path / "worse" / "eval.json").read_text())["gate"]
-    assert not gate["passed"] and {r["metric"] for r in gate["regressions"]} == {"harmless.refusal_rate", "lm.perplexity"}
+    assert not gate["passed"] and {r["metric"] for r in gate["regressions"]} == {
+        "harmless.refusal_rate",
+        "lm.perplexity",
+    }
     # rerunning a committed evaluation re-judges it without recomputing, and still fails
-    assert evaluate_cli([str(config), "--output", str(tmp_path / "worse"), "--baseline", str(tmp_path / "better.json")]) == 1
+    assert (
+        evaluate_cli([str(config), "--output", str(tmp_path / "worse"), "--baseline", str(tmp_path / "better.json")])
+        == 1
+    )
     # bad configs are exit 2 with the reason
     assert evaluate_cli([str(config), "--set", "hhh.limit=0"]) == 2
     assert evaluate_cli([str(config), "--set", "endpoint.url=http://x", "--set", "endpoint.model=m"]) == 2
@@ -84,6 +117,7 @@ def test_evaluate_command_writes_the_report_and_the_gate_catches_a_regression(pr
 
 def test_pretraining_evaluates_each_checkpoint_as_it_is_committed(packed, tmp_path):
     from conftest import tiny_pretrain_config
+
     from lmfoundry.eval.suite import EvalSuites
     from lmfoundry.jobs.pretrain import PretrainJobConfig, run_pretrain_job
 

@@ -18,8 +18,11 @@ TEXT = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over th
 def make_checkpoint(path, **model_kw):
     torch.manual_seed(0)
     tok = train_bpe(TEXT, vocab_size=300)
-    model = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=64, n_layer=2, d_model=64,
-                                    n_head=4, n_kv_head=2, **model_kw)).eval()
+    model = Transformer(
+        ModelConfig(
+            vocab_size=tok.get_vocab_size(), max_seq_len=64, n_layer=2, d_model=64, n_head=4, n_kv_head=2, **model_kw
+        )
+    ).eval()
     save_model_files(model, path)
     (path / TOKENIZER).write_text(tok.to_str())
     checkpoint.seal(path, {"step": 0})
@@ -45,8 +48,11 @@ def test_hf_export_logits_match_ours(tmp_path, tie):
     from lmfoundry.model.chat_template import ChatTemplate
 
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                {"role": "user", "content": "Call f"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Call f"},
+    ]
     for tools in ([], [tool]):
         ours = ChatTemplate.from_checkpoint(tmp_path / "ckpt").render(messages, tools)
         theirs = hf_tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
@@ -68,12 +74,17 @@ def test_moe_export_as_mixtral_logits_match_ours(tmp_path):
         torch.testing.assert_close(hf(x).logits, model(x)[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("moe, reason", [
-    (MoEConfig(num_experts=4, top_k=2), "normalize_topk"),
-    (MoEConfig(num_experts=4, top_k=2, normalize_topk=True, num_shared_experts=1), "num_shared_experts"),
-    (MoEConfig(num_experts=4, top_k=2, normalize_topk=True, num_shared_experts=0, first_dense_layers=1),
-     "first_dense_layers"),
-])
+@pytest.mark.parametrize(
+    "moe, reason",
+    [
+        (MoEConfig(num_experts=4, top_k=2), "normalize_topk"),
+        (MoEConfig(num_experts=4, top_k=2, normalize_topk=True, num_shared_experts=1), "num_shared_experts"),
+        (
+            MoEConfig(num_experts=4, top_k=2, normalize_topk=True, num_shared_experts=0, first_dense_layers=1),
+            "first_dense_layers",
+        ),
+    ],
+)
 def test_moe_configs_mixtral_cannot_express_are_refused_with_the_reason(tmp_path, capsys, moe, reason):
     from lmfoundry.jobs.export import main
 

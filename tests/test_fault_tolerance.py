@@ -123,8 +123,15 @@ def test_a_crash_loop_ends_failed_after_max_failures(ray_local, packed, tmp_path
     from lmfoundry.train.pretrain import run_pretrain
 
     out = tmp_path / "crashloop"
-    cfg = tiny_pretrain_config(packed[0], str(out), max_steps=6, warmup_steps=1, checkpoint_every=3,
-                               max_failures=1, drills=[FaultDrill(at_step=4, rank=1, every_attempt=True)])
+    cfg = tiny_pretrain_config(
+        packed[0],
+        str(out),
+        max_steps=6,
+        warmup_steps=1,
+        checkpoint_every=3,
+        max_failures=1,
+        drills=[FaultDrill(at_step=4, rank=1, every_attempt=True)],
+    )
     with pytest.raises(RuntimeError, match="pretraining failed after 1 restarts at most"):
         run_pretrain(cfg)
     assert len(list((out / "_drills").iterdir())) == 2  # the first attempt and its one restart
@@ -144,8 +151,9 @@ def test_a_nonfinite_gradient_skips_its_step_and_a_loss_spike_rolls_back(ray_loc
 
     out = tmp_path / "spike"
     drills = [FaultDrill(at_step=3, rank=1, kind="nan_grad"), FaultDrill(at_step=12, kind="lr_spike", lr_factor=1e4)]
-    cfg = tiny_pretrain_config(packed[0], str(out), max_steps=20, checkpoint_every=5, spike_factor=3.0,
-                               spike_window=6, drills=drills)
+    cfg = tiny_pretrain_config(
+        packed[0], str(out), max_steps=20, checkpoint_every=5, spike_factor=3.0, spike_window=6, drills=drills
+    )
     manifest = run_pretrain(cfg)
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(1, 21))  # the spiked steps were rolled back
@@ -171,9 +179,14 @@ def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(ray
 
     settings = dict(zero_stage=3, max_steps=8, warmup_steps=2, checkpoint_every=4)
     clean = run_pretrain(tiny_pretrain_config(packed[0], str(tmp_path / "clean"), **settings))
-    drilled = run_pretrain(tiny_pretrain_config(packed[0], str(tmp_path / "drilled"), max_failures=1,
-                                                drills=[FaultDrill(at_step=6, rank=1)], **settings))
-    rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("clean", "drilled")}
+    drilled = run_pretrain(
+        tiny_pretrain_config(
+            packed[0], str(tmp_path / "drilled"), max_failures=1, drills=[FaultDrill(at_step=6, rank=1)], **settings
+        )
+    )
+    rows = {
+        name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("clean", "drilled")
+    }
     assert [r["step"] for r in rows["drilled"]] == list(range(1, 9))
     assert [r["loss"] for r in rows["drilled"]] == [r["loss"] for r in rows["clean"]]
     assert rows["clean"][-1]["loss"] < rows["clean"][0]["loss"]
@@ -187,23 +200,28 @@ def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(ray
     # universal checkpoint): the clean run's losses, up to the other summation order
     shrunk = str(tmp_path / "shrunk")
     with pytest.raises(RuntimeError, match="pretraining failed"):
-        run_pretrain(tiny_pretrain_config(packed[0], shrunk, max_failures=0, drills=[FaultDrill(at_step=6, rank=1)],
-                                          **settings))
+        run_pretrain(
+            tiny_pretrain_config(packed[0], shrunk, max_failures=0, drills=[FaultDrill(at_step=6, rank=1)], **settings)
+        )
     run_pretrain(tiny_pretrain_config(packed[0], shrunk, num_workers=1, **settings))
     rows["shrunk"] = [json.loads(line) for line in open(Path(shrunk) / "metrics.jsonl")]
     assert [r["step"] for r in rows["shrunk"]] == list(range(1, 9))
     assert [r["loss"] for r in rows["shrunk"]] == pytest.approx([r["loss"] for r in rows["clean"]], rel=1e-5)
     # ZeRO-2 with the optimizer offloaded to CPU memory trains the same model to the same losses
-    run_pretrain(tiny_pretrain_config(packed[0], str(tmp_path / "offload"), **{**settings, "zero_stage": 2},
-                                      offload_optimizer=True))
+    run_pretrain(
+        tiny_pretrain_config(
+            packed[0], str(tmp_path / "offload"), **{**settings, "zero_stage": 2}, offload_optimizer=True
+        )
+    )
     offload = [json.loads(line)["loss"] for line in open(tmp_path / "offload" / "metrics.jsonl")]
     assert offload == pytest.approx([r["loss"] for r in rows["clean"]], rel=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(ray_local, packed, pretrained,
-                                                                                    tmp_path):
+def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(
+    ray_local, packed, pretrained, tmp_path
+):
     """The reference run with min_workers=1 on a Ray cluster of three nodes on this machine
     (elastic_drill.py): a training node removed after step 12, so the group goes on with one
     worker from step 10, and added back after step 25, so it grows back to 2 workers from step

@@ -40,11 +40,19 @@ def test_normalize_nfc_controls_whitespace_and_boilerplate():
     assert removed == 2
 
 
-@pytest.mark.parametrize("name,text,lang", [
-    ("english prose", PROSE, "en"), ("technical documentation", TECH_DOC, "en"), ("german", GERMAN, "de"),
-    ("french", FRENCH, "fr"), ("spanish", SPANISH, "es"), ("russian", RUSSIAN, "ru"), ("chinese", CHINESE, "zh"),
-    ("japanese", JAPANESE, "ja"),
-])
+@pytest.mark.parametrize(
+    "name,text,lang",
+    [
+        ("english prose", PROSE, "en"),
+        ("technical documentation", TECH_DOC, "en"),
+        ("german", GERMAN, "de"),
+        ("french", FRENCH, "fr"),
+        ("spanish", SPANISH, "es"),
+        ("russian", RUSSIAN, "ru"),
+        ("chinese", CHINESE, "zh"),
+        ("japanese", JAPANESE, "ja"),
+    ],
+)
 def test_defaults_keep_good_text_of_every_kind(name, text, lang):
     assert HeuristicFilter()(text, lang)[1] is None, name
 
@@ -81,10 +89,15 @@ def test_the_stop_word_rule_applies_to_english_only():
 
 def test_gopher_repetition_rules_each_keep_and_drop():
     assert gr(PROSE) is None
-    assert gr("\n".join(["the same line of text here"] * 20)) == "gopher_duplicate_paragraphs" or \
-        gr("\n".join(["the same line of text here"] * 20)) == "gopher_duplicate_lines"
+    assert (
+        gr("\n".join(["the same line of text here"] * 20)) == "gopher_duplicate_paragraphs"
+        or gr("\n".join(["the same line of text here"] * 20)) == "gopher_duplicate_lines"
+    )
     lines = "\n".join(["the same line of text here"] * 20)
-    assert gr(lines, max_duplicate_paragraph_fraction=1, max_duplicate_paragraph_char_fraction=1) == "gopher_duplicate_lines"
+    assert (
+        gr(lines, max_duplicate_paragraph_fraction=1, max_duplicate_paragraph_char_fraction=1)
+        == "gopher_duplicate_lines"
+    )
     paragraphs = "\n\n".join([PROSE.split("\n\n")[0]] * 3 + ["A different closing paragraph that ends the page."])
     assert gr(paragraphs) == "gopher_duplicate_paragraphs"
     one_long_repeat = PROSE + "\n" + "\n".join([PROSE.split(". ")[0]] * 5)
@@ -115,12 +128,18 @@ def test_c4_rules_each_keep_and_drop():
     assert c4_clean(PROSE, C4)[1] is None
     assert c4_clean(PROSE + "\nLorem ipsum dolor sit amet.", C4)[1] == "c4_lorem_ipsum"
     assert c4_clean(PROSE + "\nint f() { return 1; }", C4)[1] is None  # off by default: keeps code
-    assert c4_clean(PROSE + "\nint f() { return 1; }", C4.model_copy(update={"drop_curly_bracket": True}))[1] == \
-        "c4_curly_bracket"
+    assert (
+        c4_clean(PROSE + "\nint f() { return 1; }", C4.model_copy(update={"drop_curly_bracket": True}))[1]
+        == "c4_curly_bracket"
+    )
     assert c4_clean("One sentence. Two sentences.", C4)[1] == "c4_too_few_sentences"
-    text, reason, removed = c4_clean(PROSE + "\nPlease enable JavaScript to view this page.\nRead our privacy policy.", C4)
+    text, reason, removed = c4_clean(
+        PROSE + "\nPlease enable JavaScript to view this page.\nRead our privacy policy.", C4
+    )
     assert reason is None and removed == 2 and "JavaScript" not in text and "privacy" not in text
-    text, _, _ = c4_clean(PROSE.replace("porch.", "porch.[1]") + "\nSee history [edit] and [citation needed] notes.", C4)
+    text, _, _ = c4_clean(
+        PROSE.replace("porch.", "porch.[1]") + "\nSee history [edit] and [citation needed] notes.", C4
+    )
     assert "[1]" not in text and "[edit]" not in text
     strict = C4.model_copy(update={"require_terminal_punctuation": True, "min_words_per_line": 3})
     text, reason, removed = c4_clean(PROSE + "\nMenu\nnot ending in punctuation here", strict)
@@ -136,9 +155,13 @@ def test_fineweb_rules_each_keep_and_drop():
     dup = PROSE + "\nThis sentence appears twice in the page.\nThis sentence appears twice in the page."
     assert fineweb_reason(DocumentView(dup), FW) == "fineweb_duplicate_line_chars"
     listy = "\n".join(f"{w} again." for w in PROSE.split()[:40])
-    assert fineweb_reason(DocumentView(listy), FW.model_copy(update={"max_short_line_fraction": 1.0,
-                                                                     "max_duplicate_line_char_fraction": 1.0})) == \
-        "fineweb_list_ratio"
+    assert (
+        fineweb_reason(
+            DocumentView(listy),
+            FW.model_copy(update={"max_short_line_fraction": 1.0, "max_duplicate_line_char_fraction": 1.0}),
+        )
+        == "fineweb_list_ratio"
+    )
 
 
 def test_rule_sets_apply_only_to_their_languages():

@@ -28,8 +28,9 @@ def counted_train_flops(model: Transformer, batch: int, seq_len: int) -> int:
 def test_flops_formula_matches_counted_forward_backward(moe, monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", math_attention)
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=512, max_seq_len=64, n_layer=2, d_model=64, n_head=4, n_kv_head=2,
-                                    moe=moe))
+    model = Transformer(
+        ModelConfig(vocab_size=512, max_seq_len=64, n_layer=2, d_model=64, n_head=4, n_kv_head=2, moe=moe)
+    )
     batch, seq = 4, 64
     counted = counted_train_flops(model, batch, seq)
     predicted = train_flops_per_token(model, seq) * batch * seq
@@ -38,7 +39,8 @@ def test_flops_formula_matches_counted_forward_backward(moe, monkeypatch):
 
 
 def test_dense_matmul_params_equal_the_model_weights_but_the_embedding_and_norms():
-    model = Transformer(ModelConfig(vocab_size=512, max_seq_len=64, n_layer=2, d_model=64, n_head=4, n_kv_head=2,
-                                    tie_embeddings=False))
+    model = Transformer(
+        ModelConfig(vocab_size=512, max_seq_len=64, n_layer=2, d_model=64, n_head=4, n_kv_head=2, tie_embeddings=False)
+    )
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
     assert matmul_params(model) == model.num_params() - model.embed.weight.numel() - norms

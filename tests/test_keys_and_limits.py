@@ -48,8 +48,9 @@ def test_key_store_input_errors_name_what_is_wrong(tmp_path):
 
 def test_request_and_token_buckets_refill_over_a_minute():
     clock = Clock()
-    limits = RateLimits.model_validate({"default": {"requests_per_minute": 3},
-                                        "tenants": {"big": {"tokens_per_minute": 600}}})
+    limits = RateLimits.model_validate(
+        {"default": {"requests_per_minute": 3}, "tenants": {"big": {"tokens_per_minute": 600}}}
+    )
     buckets = TenantBuckets(limits, clock)
     assert [buckets.admit("small", 10)[0] for _ in range(3)] == [0, 0, 0]
     wait, why = buckets.admit("small", 10)

@@ -61,8 +61,7 @@ def test_cache_slots_at_different_lengths_decode_in_one_pass():
         assert cache.lengths.tolist() == [11, 0, 5, 8]
         cache.reset([0])  # slot 0 freed and reused by a new sequence
         fresh = torch.randint(0, 97, (1, 6))
-        torch.testing.assert_close(m(fresh, cache=cache, slots=torch.tensor([0]))[0], m(fresh)[0],
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(m(fresh, cache=cache, slots=torch.tensor([0]))[0], m(fresh)[0], atol=1e-5, rtol=1e-4)
 
 
 def test_model_is_causal():
@@ -144,8 +143,11 @@ def naive_attention(attn, x: torch.Tensor) -> torch.Tensor:
 def test_rope_and_gqa_attention_match_a_naive_implementation():
     torch.manual_seed(0)
     for n_kv_head in (1, 2, 4):  # multi-query, grouped, multi-head
-        m = Transformer(ModelConfig(vocab_size=50, max_seq_len=24, n_layer=1, d_model=32, n_head=4,
-                                    n_kv_head=n_kv_head, rope_theta=500.0)).eval()
+        m = Transformer(
+            ModelConfig(
+                vocab_size=50, max_seq_len=24, n_layer=1, d_model=32, n_head=4, n_kv_head=n_kv_head, rope_theta=500.0
+            )
+        ).eval()
         attn = m.blocks[0].attn
         x = torch.randn(2, 24, 32)
         got = attn(x, m.rope_cos[None, :24], m.rope_sin[None, :24])
@@ -160,8 +162,10 @@ def test_rope_makes_attention_depend_on_relative_position_only():
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
 
     def score(i, j):
-        return (apply_rope(q, cos[None, i : i + 1], sin[None, i : i + 1])
-                * apply_rope(k, cos[None, j : j + 1], sin[None, j : j + 1])).sum()
+        return (
+            apply_rope(q, cos[None, i : i + 1], sin[None, i : i + 1])
+            * apply_rope(k, cos[None, j : j + 1], sin[None, j : j + 1])
+        ).sum()
 
     torch.testing.assert_close(score(5, 2), score(40, 37))
     assert not torch.allclose(score(5, 2), score(5, 3))
@@ -194,8 +198,9 @@ def test_a_cached_decode_step_past_the_decode_attention_threshold_matches_the_fu
     from lmfoundry.model.transformer import DECODE_ATTENTION_MIN_WORK, KVCache, ModelConfig, Transformer
 
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=64, max_seq_len=160, n_layer=1, d_model=32, n_head=4,
-                                    n_kv_head=2)).eval()
+    model = Transformer(
+        ModelConfig(vocab_size=64, max_seq_len=160, n_layer=1, d_model=32, n_head=4, n_kv_head=2)
+    ).eval()
     idx = torch.randint(0, 64, (16, 130))
     assert 16 * 130 >= DECODE_ATTENTION_MIN_WORK  # the decode step below takes decode_attention
     with torch.inference_mode():

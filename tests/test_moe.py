@@ -8,8 +8,9 @@ from lmfoundry.model.transformer import ModelConfig, Transformer
 
 
 def grads(out, moe, x, gy):
-    return torch.autograd.grad(out, [x, moe.w_gate_up, moe.w_down, moe.router.weight,
-                                     moe.shared_gate_up.weight, moe.shared_down.weight], gy)
+    return torch.autograd.grad(
+        out, [x, moe.w_gate_up, moe.w_down, moe.router.weight, moe.shared_gate_up.weight, moe.shared_down.weight], gy
+    )
 
 
 @pytest.mark.parametrize("dispatch", ["grouped_mm", "sliced"])
@@ -17,8 +18,13 @@ def grads(out, moe, x, gy):
 @pytest.mark.parametrize("hidden", [16, 20])  # 20: rows not 16-byte aligned, grouped_mm falls back
 def test_dispatch_matches_the_token_by_token_reference_forward_and_backward(dispatch, score_func, hidden):
     torch.manual_seed(0)
-    moe = MoE(32, 64, MoEConfig(num_experts=8, top_k=3, num_shared_experts=1, score_func=score_func,
-                                dispatch=dispatch, expert_hidden=hidden))
+    moe = MoE(
+        32,
+        64,
+        MoEConfig(
+            num_experts=8, top_k=3, num_shared_experts=1, score_func=score_func, dispatch=dispatch, expert_hidden=hidden
+        ),
+    )
     x = torch.randn(3, 11, 32, requires_grad=True)
     y, ref = moe(x), reference_moe(moe, x)
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4)
@@ -76,8 +82,9 @@ def test_aux_loss_is_lowest_for_even_routing_and_only_in_training():
 def test_aux_free_bias_evens_a_skewed_router():
     torch.manual_seed(0)
     # DeepSeek-V3 pairs the bias method with sigmoid scores
-    moe = MoE(16, 32, MoEConfig(num_experts=8, top_k=2, balance="aux_free", score_func="sigmoid",
-                                bias_update_rate=0.01))
+    moe = MoE(
+        16, 32, MoEConfig(num_experts=8, top_k=2, balance="aux_free", score_func="sigmoid", bias_update_rate=0.01)
+    )
     skew_router(moe)
     x = skewed_input(512)
     moe(x)
@@ -95,8 +102,16 @@ def test_aux_free_bias_evens_a_skewed_router():
 
 def test_moe_transformer_trains_and_reports_stats():
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, max_seq_len=32, n_layer=2, d_model=32, n_head=4, n_kv_head=2,
-                      moe=MoEConfig(num_experts=4, top_k=2, first_dense_layers=1), activation_checkpointing=True)
+    cfg = ModelConfig(
+        vocab_size=64,
+        max_seq_len=32,
+        n_layer=2,
+        d_model=32,
+        n_head=4,
+        n_kv_head=2,
+        moe=MoEConfig(num_experts=4, top_k=2, first_dense_layers=1),
+        activation_checkpointing=True,
+    )
     model = Transformer(cfg)
     assert [type(b.mlp).__name__ for b in model.blocks] == ["SwiGLU", "MoE"]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

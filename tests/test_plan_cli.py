@@ -19,8 +19,11 @@ def readme_examples() -> list[tuple[str, str]]:
 
 def test_readme_has_the_three_worked_examples():
     commands = [c for c, _ in readme_examples()]
-    assert [c.split()[0] for c in commands] == ["configs/pretrain_7b_gpu.yaml", "configs/pretrain_moe_16b_gpu.yaml",
-                                                "configs/pretrain_70b_gpu.yaml"]
+    assert [c.split()[0] for c in commands] == [
+        "configs/pretrain_7b_gpu.yaml",
+        "configs/pretrain_moe_16b_gpu.yaml",
+        "configs/pretrain_70b_gpu.yaml",
+    ]
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
@@ -37,8 +40,22 @@ def test_plan_writes_json_plot_and_a_runnable_recipe(tmp_path, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "best.yaml"
-    assert main(["configs/pretrain_moe_16b_gpu.yaml", "--gpu", "H200", "--json", str(tmp_path / "p.json"),
-                 "--plot", str(tmp_path / "p.png"), "--write-config", str(out)]) == 0
+    assert (
+        main(
+            [
+                "configs/pretrain_moe_16b_gpu.yaml",
+                "--gpu",
+                "H200",
+                "--json",
+                str(tmp_path / "p.json"),
+                "--plot",
+                str(tmp_path / "p.png"),
+                "--write-config",
+                str(out),
+            ]
+        )
+        == 0
+    )
     cfg = load_config(PretrainConfig, out)
     assert cfg.num_workers == 8 and cfg.use_gpu and cfg.model.moe.num_experts == 64
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -4,13 +4,28 @@ schedule, and the instantiated model."""
 import pytest
 
 from lmfoundry.platform.planner import (
-    Cluster, Layout, ModelShape, Recipe, bubble_fraction, gpu, model_state_bytes, plan, search,
+    Cluster,
+    Layout,
+    ModelShape,
+    Recipe,
+    bubble_fraction,
+    gpu,
+    model_state_bytes,
+    plan,
+    search,
 )
 
 
 def shape(total: int, largest: int = 0) -> ModelShape:
-    return ModelShape(total_params=total, expert_params=0, largest_layer_params=largest or total // 50,
-                      train_flops_per_token=6 * total, n_layer=32, d_model=4096, n_head=32)
+    return ModelShape(
+        total_params=total,
+        expert_params=0,
+        largest_layer_params=largest or total // 50,
+        train_flops_per_token=6 * total,
+        n_layer=32,
+        d_model=4096,
+        n_head=32,
+    )
 
 
 @pytest.mark.parametrize("total", [10**8, 7 * 10**9, 70 * 10**9])
@@ -23,14 +38,18 @@ def test_model_state_memory_agrees_with_deepspeed_estimators(total, gpus_per_nod
     s = shape(total)
     layout = Layout(tp=1, pp=1, dp=n)
     for stage, offload in ((2, False), (2, True), (3, False)):
-        states = model_state_bytes(s, layout, Recipe(seq_len=1, global_batch_tokens=1, token_budget=1,
-                                                     zero_stage=stage, offload_optimizer=offload))
+        states = model_state_bytes(
+            s,
+            layout,
+            Recipe(seq_len=1, global_batch_tokens=1, token_budget=1, zero_stage=stage, offload_optimizer=offload),
+        )
         ours = states["weights"] + states["gradients"] + states["optimizer"]  # DeepSpeed's leave out buckets
         if stage == 2:
             _, theirs = estimate_zero2_model_states_mem_needs(total, gpus_per_node, nodes, cpu_offload=offload)
         else:
-            _, theirs, _ = estimate_zero3_model_states_mem_needs(total, s.largest_layer_params, gpus_per_node,
-                                                                 nodes, cpu_offload=False)
+            _, theirs, _ = estimate_zero3_model_states_mem_needs(
+                total, s.largest_layer_params, gpus_per_node, nodes, cpu_offload=False
+            )
         assert ours == pytest.approx(theirs, rel=0.05), (stage, offload)
 
 

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -15,9 +14,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 def test_quickstart_runs_every_stage_and_serves_a_reply(tmp_path):
     work = tmp_path / "qs"
     cli = str(Path(sys.executable).with_name("lmfoundry"))
-    cmd = [cli, "quickstart", "--workdir", str(work), "--set", "corpus.num_clean_docs=250",
-           "--set", "pretrain.max_steps=20", "--set", "pretrain.checkpoint_every=10", "--set", "pretrain.warmup_steps=4",
-           "--set", f"serve.port={free_port()}"]
+    cmd = [
+        cli,
+        "quickstart",
+        "--workdir",
+        str(work),
+        "--set",
+        "corpus.num_clean_docs=250",
+        "--set",
+        "pretrain.max_steps=20",
+        "--set",
+        "pretrain.checkpoint_every=10",
+        "--set",
+        "pretrain.warmup_steps=4",
+        "--set",
+        f"serve.port={free_port()}",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1100)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"work directory {work}" in r.stdout

@@ -10,22 +10,26 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_ordinary_code_runs_and_writes_only_in_its_scratch_directory():
-    r = run_python("open('out.txt', 'w').write('hi')\nprint(open('out.txt').read(), sum(range(5)))",
-                   files={"data.txt": "given"})
+    r = run_python(
+        "open('out.txt', 'w').write('hi')\nprint(open('out.txt').read(), sum(range(5)))", files={"data.txt": "given"}
+    )
     assert r.ok and r.stdout.split() == ["hi", "10"]
     assert run_python("print(open('data.txt').read())", files={"data.txt": "given"}).stdout.strip() == "given"
     with pytest.raises(ValueError, match="outside the scratch"):
         run_python("pass", files={"../x.txt": "no"})
 
 
-@pytest.mark.parametrize("name, code, expect", [
-    ("network", "import socket\nsocket.create_connection(('93.184.216.34', 80), timeout=2)", "no network"),
-    ("dns", "import socket\nsocket.getaddrinfo('example.com', 80)", "no network"),
-    ("write outside", "open('/tmp/lmfoundry-sandbox-escape.txt', 'w').write('x')", "outside the scratch"),
-    ("remove outside", "import os\nos.remove('/etc/hostname')", "outside the scratch"),
-    ("fork bomb", "import os\nwhile True:\n    os.fork()", "no new processes"),
-    ("shell", "import subprocess\nsubprocess.run('ls /', shell=True)", "no new processes"),
-])
+@pytest.mark.parametrize(
+    "name, code, expect",
+    [
+        ("network", "import socket\nsocket.create_connection(('93.184.216.34', 80), timeout=2)", "no network"),
+        ("dns", "import socket\nsocket.getaddrinfo('example.com', 80)", "no network"),
+        ("write outside", "open('/tmp/lmfoundry-sandbox-escape.txt', 'w').write('x')", "outside the scratch"),
+        ("remove outside", "import os\nos.remove('/etc/hostname')", "outside the scratch"),
+        ("fork bomb", "import os\nwhile True:\n    os.fork()", "no new processes"),
+        ("shell", "import subprocess\nsubprocess.run('ls /', shell=True)", "no new processes"),
+    ],
+)
 def test_escapes_are_refused(name, code, expect):
     r = run_python(code, timeout_s=10)
     assert not r.ok and expect in r.stderr, (name, r.stderr[-300:])

@@ -17,8 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=97, max_seq_len=64, n_layer=2, d_model=32, n_head=4,
-                                   n_kv_head=2)).eval()
+    return Transformer(ModelConfig(vocab_size=97, max_seq_len=64, n_layer=2, d_model=32, n_head=4, n_kv_head=2)).eval()
 
 
 def collect(batcher, prompt, n, temperature=0.0, seed=None, top_p=1.0):
@@ -33,6 +32,7 @@ def collect(batcher, prompt, n, temperature=0.0, seed=None, top_p=1.0):
             if isinstance(item, str):
                 return tokens, item
             tokens.append(item)
+
     return req, wait
 
 
@@ -81,6 +81,7 @@ def test_stop_tokens_cancellation_and_slot_reuse(model):
             seen.append(item)
             if len(seen) == 3:
                 req.cancel()
+
         req = batcher.submit([9, 9], 60, 0.0, 1.0, emit)
         deadline = time.time() + 30
         while not seen or not isinstance(seen[-1], str):
@@ -98,6 +99,7 @@ def test_stop_tokens_cancellation_and_slot_reuse(model):
 def test_a_model_that_fails_to_load_fails_the_constructor():
     def broken():
         raise FileNotFoundError("no weights here")
+
     with pytest.raises(FileNotFoundError, match="no weights here"):
         ContinuousBatcher(broken, frozenset())
 
@@ -142,6 +144,7 @@ def test_a_request_that_fails_ends_alone(model):
 
         def done(self):
             return False
+
     batcher = ContinuousBatcher(lambda: model, frozenset(), max_batch_size=4)
     try:
         healthy = collect(batcher, [1, 2, 3], 20)[1]
@@ -157,10 +160,9 @@ def test_a_request_that_fails_ends_alone(model):
 
 def test_the_engine_serves_in_bfloat16_when_asked(tmp_path):
     import asyncio
+    import typing
 
     from test_export import make_checkpoint
-
-    import typing
 
     from lmfoundry.serving.app import EngineConfig
     from lmfoundry.serving.engine import DTYPES, InferenceEngine

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
@@ -32,10 +31,14 @@ def server(pretrained, keys_file):
     from lmfoundry.serving.app import ServeConfig, start
 
     os.environ["LMFOUNDRY_TEST_KEYS"] = f"other-key,{KEY}"
-    cfg = ServeConfig(checkpoint=pretrained[0], port=free_port(), api_keys_env="LMFOUNDRY_TEST_KEYS",
-                      model_name="tiny", keys_file=keys_file,
-                      rate_limits={"tenants": {"limited": {"requests_per_minute": 2},
-                                               "frugal": {"tokens_per_minute": 40}}})
+    cfg = ServeConfig(
+        checkpoint=pretrained[0],
+        port=free_port(),
+        api_keys_env="LMFOUNDRY_TEST_KEYS",
+        model_name="tiny",
+        keys_file=keys_file,
+        rate_limits={"tenants": {"limited": {"requests_per_minute": 2}, "frugal": {"tokens_per_minute": 40}}},
+    )
     url, generated = start(cfg)
     assert generated is None
     yield url
@@ -72,8 +75,13 @@ def test_every_route_but_health_needs_a_key(server):
     schema = httpx.get(f"{server}/openapi.json", headers=auth()).json()
     routes = [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
     routes.append(("GET", "/openapi.json"))
-    assert {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/metrics"),
-            ("GET", "/v1/models"), ("GET", "/health")} <= set(routes)
+    assert {
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+    } <= set(routes)
     for method, path in routes:
         for headers in ({}, auth("wrong"), {"Authorization": KEY}):  # none, unknown, not Bearer
             r = httpx.request(method, f"{server}{path}", headers=headers, json={"prompt": "x"})
@@ -108,8 +116,9 @@ def test_seeded_sampling_n_and_stop(server):
     b = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).json()
     assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
     assert [c["index"] for c in a["choices"]] == [0, 1]
-    stopped = httpx.post(f"{server}/v1/completions", json={**body, "n": 1, "stop": [" "]}, headers=auth(),
-                         timeout=60).json()["choices"][0]
+    stopped = httpx.post(
+        f"{server}/v1/completions", json={**body, "n": 1, "stop": [" "]}, headers=auth(), timeout=60
+    ).json()["choices"][0]
     assert " " not in stopped["text"]
 
 
@@ -120,24 +129,29 @@ def test_concurrent_requests_share_the_batch_and_match_their_single_runs(server)
 
     async def together():
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(client.post(f"{server}/v1/completions", json=b, headers=auth())
-                                          for b in bodies))
+            return await asyncio.gather(
+                *(client.post(f"{server}/v1/completions", json=b, headers=auth()) for b in bodies)
+            )
+
     replies = asyncio.run(together())
     assert [r.json()["choices"][0]["text"] for r in replies] == [a["choices"][0]["text"] for a in alone]
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "x", "frobnicate": True}, "frobnicate"),
-    ({"max_tokens": 3}, "prompt"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
-    ({"prompt": "x", "model": "gpt-9"}, "model"),
-    ({"prompt": "x", "n": 5}, "n"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"prompt": "x", "stop": [""]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "frobnicate": True}, "frobnicate"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+        ({"prompt": "x", "model": "gpt-9"}, "model"),
+        ({"prompt": "x", "n": 5}, "n"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+    ],
+)
 def test_malformed_requests_get_4xx_json_errors(server, body, field):
     r = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60)
     assert 400 <= r.status_code < 500, r.text
@@ -145,13 +159,16 @@ def test_malformed_requests_get_4xx_json_errors(server, body, field):
     assert err["message"] and field in err["message"]
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": []},
-    {"messages": [{"role": "wizard", "content": "hi"}]},
-    {"messages": [{"role": "user"}]},
-    {"messages": "hello"},
-    {"messages": [{"role": "user", "content": "x" * 5000}]},  # beyond the 64-token context
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        {"messages": [{"role": "user"}]},
+        {"messages": "hello"},
+        {"messages": [{"role": "user", "content": "x" * 5000}]},  # beyond the 64-token context
+    ],
+)
 def test_malformed_chats_get_400(server, body):
     r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=auth(), timeout=60)
     assert r.status_code == 400, r.text
@@ -159,7 +176,9 @@ def test_malformed_chats_get_400(server, body):
 
 
 def test_invalid_json_and_oversized_bodies(server):
-    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers={**auth(), "Content-Type": "application/json"})
+    r = httpx.post(
+        f"{server}/v1/chat/completions", content=b"{not json", headers={**auth(), "Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and "error" in r.json()
     big = json.dumps({"prompt": "x" * (2 << 20)}).encode()
     r = httpx.post(f"{server}/v1/completions", content=big, headers={**auth(), "Content-Type": "application/json"})
@@ -168,6 +187,7 @@ def test_invalid_json_and_oversized_bodies(server):
     def chunks():  # no Content-Length: counted as it arrives
         for _ in range(40):
             yield b"x" * 65536
+
     r = httpx.post(f"{server}/v1/completions", content=chunks(), headers={**auth(), "Content-Type": "application/json"})
     assert r.status_code == 413
 
@@ -176,9 +196,12 @@ def test_openai_client_chat(server):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY)
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."},
-                                                                  {"role": "user", "content": "Hello"}],
-                                          max_tokens=10, temperature=0)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        max_tokens=10,
+        temperature=0,
+    )
     assert chat.choices[0].message.role == "assistant"
     assert isinstance(chat.choices[0].message.content, str)
     assert chat.usage.completion_tokens <= 10
@@ -190,12 +213,13 @@ def test_openai_client_chat(server):
 def test_streamed_completion_equals_the_unstreamed_one(server):
     body = {"prompt": "Return the", "max_tokens": 16, "temperature": 0}
     whole = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).json()
-    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=auth(),
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=auth(), timeout=60
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
@@ -207,8 +231,15 @@ def test_openai_client_streams_chat_with_usage_and_several_choices(server):
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY)
     messages = [{"role": "user", "content": "Hello"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                            stream=True, n=2, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        n=2,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     for index in (0, 1):
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == index)
@@ -219,15 +250,20 @@ def test_openai_client_streams_chat_with_usage_and_several_choices(server):
 
 
 def test_streaming_request_that_cannot_fit_is_a_400_not_a_broken_stream(server):
-    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 100000, "stream": True},
-                   headers=auth(), timeout=60)
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json={"prompt": "x", "max_tokens": 100000, "stream": True},
+        headers=auth(),
+        timeout=60,
+    )
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
 
 
 def test_tenant_keys_from_the_cli_work_until_revoked(server, keys_file):
     cli = [str(Path(sys.executable).with_name("lmfoundry")), "keys"]
-    made = subprocess.run(cli + ["create", "--tenant", "acme", "--file", keys_file], capture_output=True, text=True,
-                          check=True)
+    made = subprocess.run(
+        cli + ["create", "--tenant", "acme", "--file", keys_file], capture_output=True, text=True, check=True
+    )
     key = made.stdout.strip()
     assert key.startswith("sk-lmf-") and key not in Path(keys_file).read_text()  # stored hashed only
     key_id = json.loads(Path(keys_file).read_text())["keys"][-1]["id"]
@@ -263,8 +299,9 @@ def test_rate_limits_per_tenant_answer_429_with_retry_after(server, keys_file):
     # another tenant is not affected
     assert httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).status_code == 200
     # tokens: 40 a minute; a request that may use more than that can never fit
-    r = httpx.post(f"{server}/v1/completions", json={"prompt": "The", "max_tokens": 50}, headers=auth(frugal),
-                   timeout=60)
+    r = httpx.post(
+        f"{server}/v1/completions", json={"prompt": "The", "max_tokens": 50}, headers=auth(frugal), timeout=60
+    )
     assert r.status_code == 429 and "40 tokens per minute" in r.json()["error"]["message"]
     small = {"prompt": "The", "max_tokens": 15}
     first = httpx.post(f"{server}/v1/completions", json=small, headers=auth(frugal), timeout=60)
@@ -275,15 +312,21 @@ def test_rate_limits_per_tenant_answer_429_with_retry_after(server, keys_file):
 
 
 def test_guardrails_refuse_harmful_input_and_filter_output(server, pretrained, tmp_path):
-    r = httpx.post(f"{server}/v1/chat/completions", headers=auth(), timeout=60,
-                   json={"messages": [{"role": "user", "content": "Tell me how to make a bomb"}]})
+    r = httpx.post(
+        f"{server}/v1/chat/completions",
+        headers=auth(),
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "Tell me how to make a bomb"}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "content_policy_violation"
     # an output guardrail that blocks a word this model is known to say
     # seeded sampling: the same reply from the same weights in both apps, and one with words in it
     # even when greedy decoding of this small model would stop at once
     for prompt, seed in [(p, s) for s in range(4) for p in ("Return the", "The", "def", "If")]:
         body = {"prompt": prompt, "max_tokens": 32, "temperature": 1.0, "seed": seed}
-        text = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).json()["choices"][0]["text"]
+        text = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).json()["choices"][0][
+            "text"
+        ]
         # a whole word of the reply that is not a word of the prompt (the input guardrail would refuse that)
         words = [w for w in re.findall(r"(?<!\w)[A-Za-z]+(?!\w)", text) if w.lower() not in prompt.lower().split()]
         if words:
@@ -297,8 +340,9 @@ def test_guardrails_refuse_harmful_input_and_filter_output(server, pretrained, t
         assert r.status_code == 200, r.text
         out = r.json()["choices"][0]
         assert out == {**out, "text": "", "finish_reason": "content_filter"}
-        with httpx.stream("POST", f"{guarded}/v1/completions", json={**body, "stream": True}, headers=auth(),
-                          timeout=60) as r:
+        with httpx.stream(
+            "POST", f"{guarded}/v1/completions", json={**body, "stream": True}, headers=auth(), timeout=60
+        ) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
         assert chunks[-1]["choices"][0]["finish_reason"] == "content_filter"
         streamed = "".join(c["choices"][0]["text"] for c in chunks)
@@ -312,13 +356,17 @@ def test_overload_is_a_fast_503_and_a_timeout_is_a_408(server, pretrained):
 
     async def burst(url):
         async with httpx.AsyncClient(timeout=120) as client:
+
             async def one():
                 t = time.perf_counter()
                 r = await client.post(f"{url}/v1/completions", json=body, headers=auth())
                 return r, time.perf_counter() - t
+
             return await asyncio.gather(*(one() for _ in range(16)))
-    with deployed(server, pretrained, "/small", engine={"max_batch_size": 1, "max_waiting": 1},
-                  max_ongoing_requests=32) as small:
+
+    with deployed(
+        server, pretrained, "/small", engine={"max_batch_size": 1, "max_waiting": 1}, max_ongoing_requests=32
+    ) as small:
         replies = asyncio.run(burst(small))
     codes = sorted(r.status_code for r, _ in replies)
     assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
@@ -326,8 +374,13 @@ def test_overload_is_a_fast_503_and_a_timeout_is_a_408(server, pretrained):
     assert all(r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "server_overloaded" for r, _ in refused)
     assert max(s for _, s in refused) < min(s for r, s in replies if r.status_code == 200)
 
-    with deployed(server, pretrained, "/slow", limits={"request_timeout_s": 0.001},
-                  autoscaling={"min_replicas": 1, "max_replicas": 2}) as slow:
+    with deployed(
+        server,
+        pretrained,
+        "/slow",
+        limits={"request_timeout_s": 0.001},
+        autoscaling={"min_replicas": 1, "max_replicas": 2},
+    ) as slow:
         for stream in (False, True):
             r = httpx.post(f"{slow}/v1/completions", json={**body, "stream": stream}, headers=auth(), timeout=60)
             assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
@@ -336,23 +389,48 @@ def test_overload_is_a_fast_503_and_a_timeout_is_a_408(server, pretrained):
 def test_metrics_count_requests_tokens_and_time_to_first_token(server):
     text = httpx.get(f"{server}/metrics", headers=auth()).text
     families = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
-    for name in ("lmfoundry_requests_total", "lmfoundry_request_seconds_bucket", "lmfoundry_generated_tokens_total",
-                 "lmfoundry_time_to_first_token_seconds_bucket", "lmfoundry_queue_depth", "lmfoundry_running_requests",
-                 "lmfoundry_rate_limited_total"):
+    for name in (
+        "lmfoundry_requests_total",
+        "lmfoundry_request_seconds_bucket",
+        "lmfoundry_generated_tokens_total",
+        "lmfoundry_time_to_first_token_seconds_bucket",
+        "lmfoundry_queue_depth",
+        "lmfoundry_running_requests",
+        "lmfoundry_rate_limited_total",
+    ):
         assert name in families, name
     ok = [line for line in text.splitlines() if line.startswith("lmfoundry_requests_total") and 'status="200"' in line]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in ok) >= 5
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The forecast for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "days", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 24},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "days", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -382,8 +460,13 @@ def test_forced_tool_calls_always_parse_against_the_schema(tool_server):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     for seed in range(4):  # sampled, not greedy: each call takes another path through the grammar
         reply = client.chat.completions.create(
-            model="tiny", messages=messages, tools=[WEATHER, CLOCK], temperature=1.0, seed=seed,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            model="tiny",
+            messages=messages,
+            tools=[WEATHER, CLOCK],
+            temperature=1.0,
+            seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, (choice, reply.usage)
         call = choice.message.tool_calls[0]
@@ -392,15 +475,18 @@ def test_forced_tool_calls_always_parse_against_the_schema(tool_server):
     # "required": any of the tools, each with its own schema
     names = set()
     for seed in range(4):
-        reply = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, CLOCK],
-                                               tool_choice="required", temperature=1.0, seed=seed)
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, tools=[WEATHER, CLOCK], tool_choice="required", temperature=1.0, seed=seed
+        )
         call = reply.choices[0].message.tool_calls[0]
         tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
         names.add(call.function.name)
     # the call goes back with its result, and the conversation goes on
-    history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                          {"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'}]
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'},
+    ]
     after = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER, CLOCK], max_tokens=8)
     assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
@@ -412,8 +498,13 @@ def test_streamed_tool_call_and_tool_errors(tool_server):
     server = tool_server
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY)
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], stream=True,
-        tool_choice="required", stream_options={"include_usage": True})
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER],
+        stream=True,
+        tool_choice="required",
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
@@ -425,14 +516,35 @@ def test_streamed_tool_call_and_tool_errors(tool_server):
         ({"tool_choice": "required"}, "tool_choice needs tools"),
         ({"tools": [WEATHER, WEATHER]}, "unique"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
-          "tool_choice": "required"}, "tools"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
     ]:
-        r = httpx.post(f"{server}/v1/chat/completions", headers=auth(), timeout=60,
-                       json={"messages": [{"role": "user", "content": "hi"}], **body})
+        r = httpx.post(
+            f"{server}/v1/chat/completions",
+            headers=auth(),
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "hi"}], **body},
+        )
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
-    r = httpx.post(f"{server}/v1/chat/completions", headers=auth(), timeout=60,
-                   json={"messages": [{"role": "tool", "content": "42"}]})
+    r = httpx.post(
+        f"{server}/v1/chat/completions",
+        headers=auth(),
+        timeout=60,
+        json={"messages": [{"role": "tool", "content": "42"}]},
+    )
     assert r.status_code == 400 and "tool_call_id" in r.json()["error"]["message"]
 
 
@@ -440,9 +552,26 @@ def test_schema_fuzzing_finds_no_server_error(server):
     """Schemathesis generates requests from the app's own OpenAPI schema (valid and invalid
     bodies, odd types, boundary values) and checks that none is answered with a 5xx."""
     st = str(Path(sys.executable).with_name("st"))
-    r = subprocess.run([st, "run", f"{server}/openapi.json", "-H", f"Authorization: Bearer {KEY}",
-                        "--checks", "not_a_server_error", "--max-examples", "30", "--generation-deterministic",
-                        "--request-timeout", "60", "--no-color"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            st,
+            "run",
+            f"{server}/openapi.json",
+            "-H",
+            f"Authorization: Bearer {KEY}",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "30",
+            "--generation-deterministic",
+            "--request-timeout",
+            "60",
+            "--no-color",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
@@ -456,10 +585,12 @@ def test_two_versions_behind_one_route_shift_and_roll_back_without_dropping_requ
     body = {"prompt": "The", "max_tokens": 4}
 
     def answered_by(n=12, **extra):
-        replies = [httpx.post(f"{url}/v1/completions", json={**body, **extra}, headers=auth(), timeout=60)
-                   for _ in range(n)]
-        assert all(r.status_code == 200 and r.headers["x-lmfoundry-version"] == r.json()["system_fingerprint"]
-                   for r in replies)
+        replies = [
+            httpx.post(f"{url}/v1/completions", json={**body, **extra}, headers=auth(), timeout=60) for _ in range(n)
+        ]
+        assert all(
+            r.status_code == 200 and r.headers["x-lmfoundry-version"] == r.json()["system_fingerprint"] for r in replies
+        )
         return {r.json()["system_fingerprint"] for r in replies}
 
     def replica_ids():
@@ -468,12 +599,20 @@ def test_two_versions_behind_one_route_shift_and_roll_back_without_dropping_requ
 
     with deployed(server, pretrained, "/gray", checkpoint=None, versions=versions, traffic_file=str(split)) as url:
         assert answered_by() == {"v1"}
-        assert [m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth()).json()["data"]] == \
-            ["tiny", "tiny:v1", "tiny:v2"]
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth()).json()["data"]] == [
+            "tiny",
+            "tiny:v1",
+            "tiny:v2",
+        ]
         replicas = replica_ids()
         # a stream that is in flight while the split moves finishes on the version it started on
-        with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "The", "max_tokens": 40, "stream": True},
-                          headers=auth(), timeout=60) as stream:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            json={"prompt": "The", "max_tokens": 40, "stream": True},
+            headers=auth(),
+            timeout=60,
+        ) as stream:
             lines = stream.iter_lines()
             first = next(line for line in lines if line)
             subprocess.run(cli + ["set", "v1=0", "v2=100", "--file", str(split)], check=True, capture_output=True)
@@ -508,8 +647,9 @@ def test_red_team_and_hhh_suites_run_against_the_endpoint(server, tool_server):
     assert sum(short.errors.values()) == 1 and "context" in next(iter(short.errors))
     model = EndpointModel(tool_server, "tiny", KEY, concurrency=4)  # the same weights, 1,024 tokens of context
     families = ["roleplay", "base64", "multi_turn", "injection"]
-    result = redteam.run_redteam(model, redteam.RedTeamConfig(families=families, attacks_per_family=3, seed=1,
-                                                              max_tokens=8))
+    result = redteam.run_redteam(
+        model, redteam.RedTeamConfig(families=families, attacks_per_family=3, seed=1, max_tokens=8)
+    )
     assert result["attacks"] == 12 and sorted(result["by_family"]) == sorted(families)
     # roleplay attacks carry the goal in plain words: the server's input guardrail refuses them
     assert result["refusal_rate"]["count"] >= 3
@@ -532,8 +672,12 @@ def test_review_queue_over_http_behind_the_api_keys(server, tmp_path):
     store.add("review-1", "review", "judges disagree", {"id": "1", "chosen": "x", "rejected": "y"})
     store.add("audit-2", "audit", "random audit", {"id": "2", "judge": "j"})
     store.close()
-    serve.run(ReviewAPI.bind(db, None, [digest(KEY), digest("sk-other-reviewer-key-000")]), name="review",
-              route_prefix="/review-queue", blocking=False)
+    serve.run(
+        ReviewAPI.bind(db, None, [digest(KEY), digest("sk-other-reviewer-key-000")]),
+        name="review",
+        route_prefix="/review-queue",
+        blocking=False,
+    )
     url = f"{server}/review-queue"
     try:
         deadline = time.time() + 120

@@ -20,8 +20,8 @@ def tensorboard_scalars(path: str) -> dict[str, list[tuple[int, float]]]:
     data = open(path, "rb").read()
     pos = 0
     while pos < len(data):
-        (length,) = struct.unpack("<Q", data[pos:pos + 8])
-        event = Event.FromString(data[pos + 12:pos + 12 + length])
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        event = Event.FromString(data[pos + 12 : pos + 12 + length])
         pos += 12 + length + 4
         for value in event.summary.value:
             out.setdefault(value.tag, []).append((event.step, value.simple_value))
@@ -105,8 +105,8 @@ def test_evaluate_perplexity_beats_uniform(pretrained, packed, tmp_path):
     assert report["tokens"] == report["sequences"] * 64
     assert report["perplexity"] < 0.5 * report["uniform_perplexity"]
     # bits per byte: the same total log-likelihood over the UTF-8 bytes the tokens decode to
-    from tokenizers import Tokenizer
     import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(f"{packed[0]}/tokenizer.json")
     seqs = pq.read_table(f"{packed[0]}/val").column("tokens").to_pylist()
@@ -140,10 +140,21 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(packed, tmp_path):
     runs = {}
     for ep in (1, 2):
         cfg = PretrainConfig(
-            data=packed[0], output=str(tmp_path / f"ep{ep}"), expert_parallel_size=ep,
+            data=packed[0],
+            output=str(tmp_path / f"ep{ep}"),
+            expert_parallel_size=ep,
             model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, moe=moe),
-            num_workers=2, zero_stage=2, micro_batch_size=4, global_batch_tokens=2 * 4 * 64, max_steps=12,
-            warmup_steps=2, lr=5e-3, checkpoint_every=6, log_every=1, lr_schedule="wsd", decay_fraction=0.25,
+            num_workers=2,
+            zero_stage=2,
+            micro_batch_size=4,
+            global_batch_tokens=2 * 4 * 64,
+            max_steps=12,
+            warmup_steps=2,
+            lr=5e-3,
+            checkpoint_every=6,
+            log_every=1,
+            lr_schedule="wsd",
+            decay_fraction=0.25,
             drills=[FaultDrill(at_step=8, rank=1)] if ep == 2 else [],
         )
         runs[ep] = run_pretrain(cfg)

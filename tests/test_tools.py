@@ -31,10 +31,15 @@ def test_sql_reads_with_a_row_limit_and_refuses_every_write(orders_db):
     assert out["columns"] == ["customer", "n"] and out["rows"][0] == ["c0", 72] and not out["truncated"]
     assert sql("SELECT * FROM orders")["truncated"] and len(sql("SELECT * FROM orders")["rows"]) == 10
     assert sql("WITH t AS (SELECT total FROM orders) SELECT MAX(total) FROM t")["rows"] == [[748.5]]
-    for query, why in [("DELETE FROM orders", "not allowed"), ("UPDATE orders SET total = 0", "not allowed"),
-                       ("DROP TABLE orders", "not allowed"), ("SELECT 1; DROP TABLE orders", "one statement"),
-                       ("ATTACH DATABASE '/tmp/x.db' AS x", "not allowed"), ("PRAGMA writable_schema = 1", "not allowed"),
-                       ("WITH x AS (SELECT 1) DELETE FROM orders", "sqlite")]:
+    for query, why in [
+        ("DELETE FROM orders", "not allowed"),
+        ("UPDATE orders SET total = 0", "not allowed"),
+        ("DROP TABLE orders", "not allowed"),
+        ("SELECT 1; DROP TABLE orders", "one statement"),
+        ("ATTACH DATABASE '/tmp/x.db' AS x", "not allowed"),
+        ("PRAGMA writable_schema = 1", "not allowed"),
+        ("WITH x AS (SELECT 1) DELETE FROM orders", "sqlite"),
+    ]:
         with pytest.raises(tools.ToolError, match=why):
             sql(query)
     assert sql("SELECT COUNT(*) FROM orders")["rows"] == [[500]]  # nothing was changed
@@ -69,9 +74,11 @@ def test_sql_on_postgresql_is_read_only_with_a_statement_timeout(postgres_dsn):
 
 
 def test_bm25_search_finds_the_document_about_the_query():
-    docs = [{"id": "refunds", "text": "Refunds are paid within 14 days of the return reaching the warehouse."},
-            {"id": "shipping", "text": "Orders ship from the warehouse in two working days."},
-            {"id": "privacy", "text": "We keep customer data for three years and never sell it."}]
+    docs = [
+        {"id": "refunds", "text": "Refunds are paid within 14 days of the return reaching the warehouse."},
+        {"id": "shipping", "text": "Orders ship from the warehouse in two working days."},
+        {"id": "privacy", "text": "We keep customer data for three years and never sell it."},
+    ]
     search = tools.search_tool(docs).fn
     hits = search("how many days until my refund is paid")["results"]
     assert hits[0]["id"] == "refunds" and hits[0]["score"] > hits[-1]["score"]
@@ -115,11 +122,17 @@ def test_http_reaches_only_the_allow_list_and_sends_idempotency_keys(api):
     registry.register(tool)
     ok = registry.call("http", {"method": "GET", "url": f"{api}/api/orders/7"})
     assert ok.ok and json.loads(ok.output["body"]) == {"path": "/api/orders/7"}
-    created = registry.call("http", {"method": "POST", "url": f"{api}/api/orders", "body": '{"sku": 1}'},
-                            idempotency_key="run-1-step-3")
+    created = registry.call(
+        "http", {"method": "POST", "url": f"{api}/api/orders", "body": '{"sku": 1}'}, idempotency_key="run-1-step-3"
+    )
     assert created.ok and _API.seen[-1][1] == "run-1-step-3"
-    for method, url in [("POST", f"{api}/status"), ("GET", f"{api}/admin"), ("GET", f"{api}/apiary"),
-                        ("GET", "http://169.254.169.254/latest/meta-data"), ("GET", f"http://user@{api[7:]}/api")]:
+    for method, url in [
+        ("POST", f"{api}/status"),
+        ("GET", f"{api}/admin"),
+        ("GET", f"{api}/apiary"),
+        ("GET", "http://169.254.169.254/latest/meta-data"),
+        ("GET", f"http://user@{api[7:]}/api"),
+    ]:
         refused = registry.call("http", {"method": method, "url": url})
         assert not refused.ok and "outside the allow-list" in refused.error, (method, url)
     assert not registry.call("http", {"method": "DELETE", "url": f"{api}/api"}).ok  # not in the schema's enum
@@ -136,8 +149,9 @@ def test_registry_validates_arguments_times_out_and_retries_with_backoff():
     registry = tools.ToolRegistry()
     calls = []
 
-    @registry.tool(parameters={"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}},
-                   retries=2)
+    @registry.tool(
+        parameters={"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}, retries=2
+    )
     def flaky(n):
         """Fails twice, then answers."""
         calls.append(time.perf_counter())

@@ -21,19 +21,54 @@ def ended_run(tmp_path) -> dict:
     run_id = store.create("acme", "orders", "What did acme spend?")
     store.claim("w1", 30, 4)
     time.sleep(0.25)  # each model step is written when its call returns, its seconds after it began
-    store.write_step(run_id, 0, "model", "done", {"tool": "sql", "arguments": {"query": "SELECT SUM(total) FROM orders"},
-                                                  "prompt_tokens": 120, "completion_tokens": 14}, seconds=0.25)
+    store.write_step(
+        run_id,
+        0,
+        "model",
+        "done",
+        {
+            "tool": "sql",
+            "arguments": {"query": "SELECT SUM(total) FROM orders"},
+            "prompt_tokens": 120,
+            "completion_tokens": 14,
+        },
+        seconds=0.25,
+    )
     store.write_step(run_id, 1, "tool", "started", {"tool": "sql", "arguments": {}}, key=f"{run_id}:1")
-    store.write_step(run_id, 1, "tool", "done", {"tool": "sql", "arguments": {}, "ok": True, "output": [[12.5]],
-                                                 "attempts": 1, "model_view": "[[12.5]]"}, f"{run_id}:1", 0.01)
+    store.write_step(
+        run_id,
+        1,
+        "tool",
+        "done",
+        {"tool": "sql", "arguments": {}, "ok": True, "output": [[12.5]], "attempts": 1, "model_view": "[[12.5]]"},
+        f"{run_id}:1",
+        0.01,
+    )
     time.sleep(0.2)
-    store.write_step(run_id, 2, "model", "done", {"tool": "http", "arguments": {"url": "http://evil/"},
-                                                  "prompt_tokens": 150, "completion_tokens": 9}, seconds=0.2)
-    store.write_step(run_id, 3, "tool", "done", {"tool": "http", "arguments": {}, "ok": False, "refused": "not allowed",
-                                                 "model_view": "error"})
+    store.write_step(
+        run_id,
+        2,
+        "model",
+        "done",
+        {"tool": "http", "arguments": {"url": "http://evil/"}, "prompt_tokens": 150, "completion_tokens": 9},
+        seconds=0.2,
+    )
+    store.write_step(
+        run_id,
+        3,
+        "tool",
+        "done",
+        {"tool": "http", "arguments": {}, "ok": False, "refused": "not allowed", "model_view": "error"},
+    )
     time.sleep(0.2)
-    store.write_step(run_id, 4, "model", "done", {"tool": "final_answer", "arguments": {"answer": "12.5"},
-                                                  "prompt_tokens": 170, "completion_tokens": 8}, seconds=0.2)
+    store.write_step(
+        run_id,
+        4,
+        "model",
+        "done",
+        {"tool": "final_answer", "arguments": {"answer": "12.5"}, "prompt_tokens": 170, "completion_tokens": 8},
+        seconds=0.2,
+    )
     store.set_state(run_id, "succeeded", output="12.5", release=True)
     return store.get(run_id)
 
@@ -65,9 +100,22 @@ def test_a_run_is_one_trace_in_json_lines(tmp_path):
     def ns(stamp):
         return int(datetime.fromisoformat(stamp).timestamp() * 1e6) * 1000
 
-    check_trace([{"name": s["name"], "trace": s["context"]["trace_id"], "id": s["context"]["span_id"],
-                  "parent": s["parent_id"], "start": ns(s["start_time"]), "end": ns(s["end_time"]),
-                  "attributes": s["attributes"], "status": s["status"]["status_code"]} for s in lines], run)
+    check_trace(
+        [
+            {
+                "name": s["name"],
+                "trace": s["context"]["trace_id"],
+                "id": s["context"]["span_id"],
+                "parent": s["parent_id"],
+                "start": ns(s["start_time"]),
+                "end": ns(s["end_time"]),
+                "attributes": s["attributes"],
+                "status": s["status"]["status_code"],
+            }
+            for s in lines
+        ],
+        run,
+    )
     assert lines[0]["resource"]["attributes"]["service.name"] == "lmfoundry-agents"
 
 
@@ -91,7 +139,9 @@ def test_a_run_is_one_trace_over_otlp_http(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         run = ended_run(tmp_path)
-        tracer = RunTracer(TracingConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/traces"))
+        tracer = RunTracer(
+            TracingConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/traces")
+        )
         tracer.export(run)
         tracer.shutdown()
     finally:
@@ -101,11 +151,22 @@ def test_a_run_is_one_trace_over_otlp_http(tmp_path):
     def value(v):
         return getattr(v, v.WhichOneof("value"))
 
-    spans = [{"name": s.name, "trace": s.trace_id, "id": s.span_id, "parent": s.parent_span_id,
-              "start": s.start_time_unix_nano, "end": s.end_time_unix_nano,
-              "attributes": {a.key: value(a.value) for a in s.attributes},
-              "status": "ERROR" if s.status.code == 2 else "UNSET"}
-             for _, _, request in received for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    spans = [
+        {
+            "name": s.name,
+            "trace": s.trace_id,
+            "id": s.span_id,
+            "parent": s.parent_span_id,
+            "start": s.start_time_unix_nano,
+            "end": s.end_time_unix_nano,
+            "attributes": {a.key: value(a.value) for a in s.attributes},
+            "status": "ERROR" if s.status.code == 2 else "UNSET",
+        }
+        for _, _, request in received
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for s in ss.spans
+    ]
     check_trace(spans, run)
 
 

@@ -82,16 +82,63 @@ JAPANESE = (
 
 SPAM = "\n".join(["BUY NOW cheap pills FREE casino WIN WIN click deal !!!"] * 12)
 KEYWORDS = " ".join(f"#deal{i} #cheap{i} #win{i}" for i in range(30))
-NAVIGATION = "\n".join(["Home", "About us", "Products", "Blog", "Contact", "Login", "Sign up", "FAQ", "Careers",
-                        "Press", "Terms", "Sitemap"] * 3)
+NAVIGATION = "\n".join(
+    [
+        "Home",
+        "About us",
+        "Products",
+        "Blog",
+        "Contact",
+        "Login",
+        "Sign up",
+        "FAQ",
+        "Careers",
+        "Press",
+        "Terms",
+        "Sitemap",
+    ]
+    * 3
+)
 
-_SYNONYMS = {"quick": "fast", "jumps": "leaps", "lazy": "idle", "farmer": "grower", "watches": "observes",
-             "evening": "night", "family": "household", "gathered": "met", "discuss": "talk about", "harvest": "crop",
-             "weather": "climate", "scarce": "rare", "wells": "springs", "remember": "recall", "orchard": "grove",
-             "apples": "fruit", "sweeter": "tastier", "letter": "note", "brother": "sibling", "city": "town",
-             "season": "year", "answered": "replied", "market": "bazaar", "prices": "costs", "rising": "climbing",
-             "promised": "vowed", "visit": "come by", "children": "kids", "farm": "ranch", "summer": "hot season",
-             "bed": "sleep", "years": "ages", "news": "word", "week": "few days"}
+_SYNONYMS = {
+    "quick": "fast",
+    "jumps": "leaps",
+    "lazy": "idle",
+    "farmer": "grower",
+    "watches": "observes",
+    "evening": "night",
+    "family": "household",
+    "gathered": "met",
+    "discuss": "talk about",
+    "harvest": "crop",
+    "weather": "climate",
+    "scarce": "rare",
+    "wells": "springs",
+    "remember": "recall",
+    "orchard": "grove",
+    "apples": "fruit",
+    "sweeter": "tastier",
+    "letter": "note",
+    "brother": "sibling",
+    "city": "town",
+    "season": "year",
+    "answered": "replied",
+    "market": "bazaar",
+    "prices": "costs",
+    "rising": "climbing",
+    "promised": "vowed",
+    "visit": "come by",
+    "children": "kids",
+    "farm": "ranch",
+    "summer": "hot season",
+    "bed": "sleep",
+    "years": "ages",
+    "news": "word",
+    "week": "few days",
+}
 # PROSE said again in other words: the same meaning, few shared word 5-grams.
-PARAPHRASE = " ".join(_SYNONYMS.get(w, w) for w in PROSE.replace(".", " .").replace(",", " ,").split(" ")) \
-    .replace(" .", ".").replace(" ,", ",")
+PARAPHRASE = (
+    " ".join(_SYNONYMS.get(w, w) for w in PROSE.replace(".", " .").replace(",", " ,").split(" "))
+    .replace(" .", ".")
+    .replace(" ,", ",")
+)

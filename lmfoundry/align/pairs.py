@@ -75,8 +75,9 @@ class PairsConfig(StageConfig):
     judgments: int = Field(2, ge=1, description="scorings of every reply, each with its own seed")
     min_margin: float = Field(1.0, ge=0, le=9, description="best - worst mean score below this goes to review")
     audit_rate: float = Field(0.03, ge=0, le=1)
-    held_out: list[str] = Field(["builtin"], description="JSONL files or folders of prompts never to train on; "
-                                "builtin: the evaluation suites")
+    held_out: list[str] = Field(
+        ["builtin"], description="JSONL files or folders of prompts never to train on; builtin: the evaluation suites"
+    )
     near_duplicate_jaccard: float = Field(0.6, gt=0, le=1)
     review_db: str | None = Field(None, description="the queue's DSN (default: OUTPUT/review.sqlite)")
     concurrency: int = Field(1, ge=1, description="Ray Data actors for the student and for the judge")
@@ -96,7 +97,7 @@ def normalise(text: str) -> str:
 
 def shingles(text: str, n: int = 3) -> set[str]:
     words = normalise(text).split()
-    return {" ".join(words[i:i + n]) for i in range(max(len(words) - n + 1, 1))}
+    return {" ".join(words[i : i + n]) for i in range(max(len(words) - n + 1, 1))}
 
 
 def prompt_text(prompt) -> str:
@@ -172,13 +173,25 @@ def route(record: dict, cfg: PairsConfig) -> dict:
     first, second = record["swapped"]  # (best, worst) shown in that order, then the other way round
     votes += [first == "first", second == "second"]
     agreement = sum(votes) / len(votes)
-    per_dimension = {d: statistics.fmean(s[d] for s in cands[best]["scores"])
-                     - statistics.fmean(s[d] for s in cands[worst]["scores"]) for d in DIMENSIONS}
-    pair = {"id": record["id"], "prompt": record["prompt"], "chosen": cands[best]["text"],
-            "rejected": cands[worst]["text"], "margin": margin, "agreement": agreement,
-            "confidence": margin / 9.0 * agreement, "score_margin_by_dimension": per_dimension,
-            "chosen_scores": cands[best]["scores"], "rejected_scores": cands[worst]["scores"],
-            "judge": record["judge"], "student": record["student"]}
+    per_dimension = {
+        d: statistics.fmean(s[d] for s in cands[best]["scores"])
+        - statistics.fmean(s[d] for s in cands[worst]["scores"])
+        for d in DIMENSIONS
+    }
+    pair = {
+        "id": record["id"],
+        "prompt": record["prompt"],
+        "chosen": cands[best]["text"],
+        "rejected": cands[worst]["text"],
+        "margin": margin,
+        "agreement": agreement,
+        "confidence": margin / 9.0 * agreement,
+        "score_margin_by_dimension": per_dimension,
+        "chosen_scores": cands[best]["scores"],
+        "rejected_scores": cands[worst]["scores"],
+        "judge": record["judge"],
+        "student": record["student"],
+    }
     if cands[best]["text"] == cands[worst]["text"]:
         return {"route": "tie", "reason": "the best and worst replies are the same text"}
     if agreement < 1.0:
@@ -208,13 +221,17 @@ def open_model(ref: ModelRef):
     """The student (or a solver) as an evaluation model: generation by checkpoint or endpoint."""
     from lmfoundry.eval.models import CheckpointModel, EndpointModel
 
-    return CheckpointModel(_local_checkpoint(ref)) if ref.checkpoint else EndpointModel(ref.url, ref.model, ref.api_key())
+    return (
+        CheckpointModel(_local_checkpoint(ref)) if ref.checkpoint else EndpointModel(ref.url, ref.model, ref.api_key())
+    )
 
 
 def open_judge(ref: ModelRef):
     from lmfoundry.align.judge import CheckpointJudge, EndpointJudge
 
-    return CheckpointJudge(_local_checkpoint(ref)) if ref.checkpoint else EndpointJudge(ref.url, ref.model, ref.api_key())
+    return (
+        CheckpointJudge(_local_checkpoint(ref)) if ref.checkpoint else EndpointJudge(ref.url, ref.model, ref.api_key())
+    )
 
 
 class SampleCandidates:
@@ -243,8 +260,10 @@ def judge_record(judge, row: dict, judgments: int, seed: int) -> dict:
         if len(cands) < 2:
             return {**out, "candidates": cands, "swapped": ["tie", "tie"]}
         _, best, worst = best_and_worst(cands)
-        swapped = [judge.prefer(prompt, cands[best]["text"], cands[worst]["text"], seed),
-                   judge.prefer(prompt, cands[worst]["text"], cands[best]["text"], seed + 1)]
+        swapped = [
+            judge.prefer(prompt, cands[best]["text"], cands[worst]["text"], seed),
+            judge.prefer(prompt, cands[worst]["text"], cands[best]["text"], seed + 1),
+        ]
     except JudgeError as e:
         return {**out, "error": str(e)}
     return {**out, "candidates": cands, "swapped": swapped}
@@ -277,9 +296,12 @@ def read_prompts(uri: str) -> list[dict]:
 
 def chat_form(pair: dict) -> dict:
     messages = pair["prompt"] if isinstance(pair["prompt"], list) else [{"role": "user", "content": pair["prompt"]}]
-    return {"id": pair["id"], "prompt": messages,
-            "chosen": [{"role": "assistant", "content": pair["chosen"]}],
-            "rejected": [{"role": "assistant", "content": pair["rejected"]}]}
+    return {
+        "id": pair["id"],
+        "prompt": messages,
+        "chosen": [{"role": "assistant", "content": pair["chosen"]}],
+        "rejected": [{"role": "assistant", "content": pair["rejected"]}],
+    }
 
 
 def run_pairs(cfg: PairsConfig) -> dict:
@@ -328,40 +350,64 @@ def run_pairs(cfg: PairsConfig) -> dict:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
     confidences = [p["confidence"] for p in accepted]
     card = {
-        "prompts": len(prompts), "accepted": len(accepted), "queued_for_review": queued, "queued_for_audit": audits,
-        "rejected_by_reason": reasons, "judge": records[0]["judge"] if records else None,
-        "student": records[0]["student"] if records else None, "candidates": cfg.candidates,
-        "judgments": cfg.judgments, "min_margin": cfg.min_margin, "audit_rate": cfg.audit_rate,
-        "confidence": {"min": min(confidences), "median": statistics.median(confidences),
-                       "max": max(confidences)} if confidences else None,
-        "review_db": cfg.review_db or storage.join(out, "review.sqlite"), "seconds": round(time.time() - started, 2),
+        "prompts": len(prompts),
+        "accepted": len(accepted),
+        "queued_for_review": queued,
+        "queued_for_audit": audits,
+        "rejected_by_reason": reasons,
+        "judge": records[0]["judge"] if records else None,
+        "student": records[0]["student"] if records else None,
+        "candidates": cfg.candidates,
+        "judgments": cfg.judgments,
+        "min_margin": cfg.min_margin,
+        "audit_rate": cfg.audit_rate,
+        "confidence": {"min": min(confidences), "median": statistics.median(confidences), "max": max(confidences)}
+        if confidences
+        else None,
+        "review_db": cfg.review_db or storage.join(out, "review.sqlite"),
+        "seconds": round(time.time() - started, 2),
     }
     storage.write_json_atomic(storage.join(out, "card.json"), card)
     storage.write_bytes_atomic(storage.join(out, "CARD.md"), card_markdown(card).encode())
     storage.commit(out, "pairs", {"card": "card.json", "pairs": "pairs.jsonl"})
-    logger.info("pairs: %d prompts -> %d pairs accepted, %d to review, %d to audit, rejected %s", len(prompts),
-                len(accepted), queued, audits, reasons)
+    logger.info(
+        "pairs: %d prompts -> %d pairs accepted, %d to review, %d to audit, rejected %s",
+        len(prompts),
+        len(accepted),
+        queued,
+        audits,
+        reasons,
+    )
     return card
 
 
 def card_markdown(card: dict) -> str:
     """The dataset card for people: what went in, what came out, how sure the judges were."""
-    lines = ["# Preference pairs", "",
-             f"- prompts: {card['prompts']}; accepted pairs: {card['accepted']}; sent to review: "
-             f"{card['queued_for_review']}; sampled for audit: {card['queued_for_audit']}",
-             f"- student: {card['student']}; judge: {card['judge']}; {card['candidates']} candidates a prompt, "
-             f"{card['judgments']} judgments a reply, min margin {card['min_margin']}, audit rate {card['audit_rate']}",
-             "- rejected: " + (", ".join(f"{n} {r}" for r, n in card["rejected_by_reason"].items()) or "none")]
+    lines = [
+        "# Preference pairs",
+        "",
+        f"- prompts: {card['prompts']}; accepted pairs: {card['accepted']}; sent to review: "
+        f"{card['queued_for_review']}; sampled for audit: {card['queued_for_audit']}",
+        f"- student: {card['student']}; judge: {card['judge']}; {card['candidates']} candidates a prompt, "
+        f"{card['judgments']} judgments a reply, min margin {card['min_margin']}, audit rate {card['audit_rate']}",
+        "- rejected: " + (", ".join(f"{n} {r}" for r, n in card["rejected_by_reason"].items()) or "none"),
+    ]
     if card.get("confidence"):
         c = card["confidence"]
-        lines.append(f"- confidence of accepted pairs: min {c['min']:.3f}, median {c['median']:.3f}, max {c['max']:.3f}")
+        lines.append(
+            f"- confidence of accepted pairs: min {c['min']:.3f}, median {c['median']:.3f}, max {c['max']:.3f}"
+        )
     if card.get("final"):
         f = card["final"]
-        lines += ["", "## After review", "",
-                  f"- final pairs: {f['pairs']} ({f['from_judge']} as judged, {f['from_review']} from human review)",
-                  f"- review decisions: {f['review_decisions']}; audits decided: {f['audits_decided']}",
-                  f"- audit disagreement by dimension: {f['audit_disagreement_by_dimension']}",
-                  f"- audit disagreement by judge: {f['audit_disagreement_by_judge']}"]
+        lines += [
+            "",
+            "## After review",
+            "",
+            f"- final pairs: {f['pairs']} ({f['from_judge']} as judged, {f['from_review']} from human review)",
+            f"- review decisions: {f['review_decisions']}; audits decided: {f['audits_decided']}",
+            f"- audit disagreement by dimension: {f['audit_disagreement_by_dimension']}",
+            f"- audit disagreement by judge: {f['audit_disagreement_by_judge']}",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -379,8 +425,14 @@ def finalize(output: str, review_db: str | None = None) -> dict:
     for pair in pairs:
         audit = items.get(f"audit-{pair['id']}")
         if audit and audit["status"] == "decided":
-            pair = {**pair, "audit": {"decision": audit["decision"], "reviewer": audit["decided_by"],
-                                      "dimensions": audit["dimensions"]}}
+            pair = {
+                **pair,
+                "audit": {
+                    "decision": audit["decision"],
+                    "reviewer": audit["decided_by"],
+                    "dimensions": audit["dimensions"],
+                },
+            }
             if audit["decision"] == "disagree":
                 continue
         final.append({**pair, "source": "judge"})
@@ -397,7 +449,9 @@ def finalize(output: str, review_db: str | None = None) -> dict:
             continue
         if item["decision"] == "b":
             pair = {**pair, "chosen": pair["rejected"], "rejected": pair["chosen"]}
-        final.append({**pair, "source": "human review", "reviewer": item["decided_by"], "review_reason": item["reason"]})
+        final.append(
+            {**pair, "source": "human review", "reviewer": item["decided_by"], "review_reason": item["reason"]}
+        )
     audits = [i for i in items.values() if i["kind"] == "audit" and i["status"] == "decided"]
     by_dimension = {d: [i["dimensions"][d] == "disagree" for i in audits if d in i["dimensions"]] for d in DIMENSIONS}
     by_judge: dict[str, list[bool]] = {}
@@ -405,8 +459,10 @@ def finalize(output: str, review_db: str | None = None) -> dict:
         by_judge.setdefault(i["payload"]["judge"], []).append(i["decision"] == "disagree")
     card = storage.read_json(storage.join(out, "card.json"))
     card["final"] = {
-        "pairs": len(final), "from_judge": sum(p["source"] == "judge" for p in final),
-        "from_review": sum(p["source"] == "human review" for p in final), "review_decisions": reviewed,
+        "pairs": len(final),
+        "from_judge": sum(p["source"] == "judge" for p in final),
+        "from_review": sum(p["source"] == "human review" for p in final),
+        "review_decisions": reviewed,
         "audits_decided": len(audits),
         "audit_disagreement_by_dimension": {d: (sum(v) / len(v) if v else None) for d, v in by_dimension.items()},
         "audit_disagreement_by_judge": {j: sum(v) / len(v) for j, v in by_judge.items()},

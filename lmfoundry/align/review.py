@@ -73,17 +73,25 @@ class ReviewStore:
             raise ReviewError(f"kind {kind!r}; allowed: {sorted(DECISIONS)}")
         if self._run("SELECT 1 FROM review_items WHERE id = ?", (item_id,))[0]:
             return False
-        self._run("INSERT INTO review_items (id, kind, reason, payload, created_at) VALUES (?, ?, ?, ?, ?)",
-                  (item_id, kind, reason, json.dumps(payload), time.time()))
+        self._run(
+            "INSERT INTO review_items (id, kind, reason, payload, created_at) VALUES (?, ?, ?, ?, ?)",
+            (item_id, kind, reason, json.dumps(payload), time.time()),
+        )
         return True
 
     def claim(self, item_id: str, reviewer: str) -> dict:
-        _, updated = self._run("UPDATE review_items SET status = 'claimed', claimed_by = ?, claimed_at = ? "
-                               "WHERE id = ? AND status = 'pending'", (reviewer, time.time(), item_id))
+        _, updated = self._run(
+            "UPDATE review_items SET status = 'claimed', claimed_by = ?, claimed_at = ? "
+            "WHERE id = ? AND status = 'pending'",
+            (reviewer, time.time(), item_id),
+        )
         if updated != 1:
             item = self.get(item_id)
-            raise ReviewConflict(f"item {item_id} is {item['status']}"
-                              + (f" by {item['claimed_by']}" if item["claimed_by"] else "") + ", not pending")
+            raise ReviewConflict(
+                f"item {item_id} is {item['status']}"
+                + (f" by {item['claimed_by']}" if item["claimed_by"] else "")
+                + ", not pending"
+            )
         return self.get(item_id)
 
     def claim_next(self, reviewer: str, kind: str | None = None) -> dict | None:
@@ -105,33 +113,56 @@ class ReviewStore:
         if bad:
             raise ReviewError(f"dimensions {bad}: keys from {list(DIMENSIONS)}, values agree or disagree")
         if item["status"] != "claimed" or item["claimed_by"] != reviewer:
-            raise ReviewConflict(f"item {item_id} is {item['status']}"
-                              + (f" by {item['claimed_by']}" if item["claimed_by"] else "")
-                              + f"; {reviewer} must claim it before deciding")
-        self._run("UPDATE review_items SET status = 'decided', decision = ?, dimensions = ?, decided_by = ?, "
-                  "decided_at = ? WHERE id = ?", (decision, json.dumps(dimensions), reviewer, time.time(), item_id))
+            raise ReviewConflict(
+                f"item {item_id} is {item['status']}"
+                + (f" by {item['claimed_by']}" if item["claimed_by"] else "")
+                + f"; {reviewer} must claim it before deciding"
+            )
+        self._run(
+            "UPDATE review_items SET status = 'decided', decision = ?, dimensions = ?, decided_by = ?, "
+            "decided_at = ? WHERE id = ?",
+            (decision, json.dumps(dimensions), reviewer, time.time(), item_id),
+        )
         return self.get(item_id)
 
     def comment(self, item_id: str, author: str, body: str) -> dict:
         self.get(item_id)
         if not body.strip():
             raise ReviewError("a comment needs text")
-        self._run("INSERT INTO review_comments (item_id, author, body, created_at) VALUES (?, ?, ?, ?)",
-                  (item_id, author, body, time.time()))
+        self._run(
+            "INSERT INTO review_comments (item_id, author, body, created_at) VALUES (?, ?, ?, ?)",
+            (item_id, author, body, time.time()),
+        )
         return self.get(item_id)
 
     # --- reading ---------------------------------------------------------------------------
 
-    COLUMNS = ("id", "kind", "reason", "payload", "status", "claimed_by", "claimed_at", "decision", "dimensions",
-               "decided_by", "decided_at", "created_at")
+    COLUMNS = (
+        "id",
+        "kind",
+        "reason",
+        "payload",
+        "status",
+        "claimed_by",
+        "claimed_at",
+        "decision",
+        "dimensions",
+        "decided_by",
+        "decided_at",
+        "created_at",
+    )
 
     def _item(self, row) -> dict:
         item = dict(zip(self.COLUMNS, row))
         item["payload"] = json.loads(item["payload"])
         item["dimensions"] = json.loads(item["dimensions"]) if item["dimensions"] else {}
-        item["comments"] = [{"author": a, "body": b, "at": t} for a, b, t in self._run(
-            "SELECT author, body, created_at FROM review_comments WHERE item_id = ? ORDER BY created_at",
-            (item["id"],))[0]]
+        item["comments"] = [
+            {"author": a, "body": b, "at": t}
+            for a, b, t in self._run(
+                "SELECT author, body, created_at FROM review_comments WHERE item_id = ? ORDER BY created_at",
+                (item["id"],),
+            )[0]
+        ]
         return item
 
     def get(self, item_id: str) -> dict:
@@ -185,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     store = ReviewStore(args.db)
     try:
         if args.command == "list":
-            out = [{k: i[k] for k in ("id", "kind", "reason", "status", "claimed_by", "decision")}
-                   for i in store.list(args.status, args.kind)]
+            out = [
+                {k: i[k] for k in ("id", "kind", "reason", "status", "claimed_by", "decision")}
+                for i in store.list(args.status, args.kind)
+            ]
         elif args.command == "claim":
             out = store.claim(args.item, args.reviewer) if args.item else store.claim_next(args.reviewer, args.kind)
         elif args.command == "decide":

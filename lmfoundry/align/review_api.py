@@ -10,7 +10,6 @@ key's tenant is the reviewer.
 and Serve ships this class by value, without the module's globals to resolve strings in.)
 """
 
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -112,6 +111,10 @@ def start_review_api(cfg: ReviewServeConfig) -> str:
     digests = [digest(k) for k in env_keys(cfg.api_keys_env)]
     if not digests and not cfg.keys_file:
         raise ValueError(f"the review API needs keys: a keys_file or keys in ${cfg.api_keys_env}")
-    serve.run(ReviewAPI.bind(cfg.db, cfg.keys_file, digests), name="review-queue", route_prefix=cfg.route_prefix,
-              blocking=False)
+    serve.run(
+        ReviewAPI.bind(cfg.db, cfg.keys_file, digests),
+        name="review-queue",
+        route_prefix=cfg.route_prefix,
+        blocking=False,
+    )
     return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix}"

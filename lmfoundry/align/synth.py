@@ -39,8 +39,10 @@ KINDS = ("arithmetic", "algebra", "code", "qa")
 
 class SynthConfig(StageConfig):
     output: str
-    kinds: dict[str, int] = Field({"arithmetic": 20, "algebra": 20, "code": 6},
-                                  description="samples to generate per kind: arithmetic, algebra, code, qa")
+    kinds: dict[str, int] = Field(
+        {"arithmetic": 20, "algebra": 20, "code": 6},
+        description="samples to generate per kind: arithmetic, algebra, code, qa",
+    )
     documents: str | None = Field(None, description="a curate output (kept/ Parquet) or a JSONL with 'text': qa")
     solver: ModelRef | None = Field(None, description="answers from this model instead of the generator's own")
     max_tokens: int = Field(128, ge=1)
@@ -67,7 +69,7 @@ def _final_answer(reply: str) -> str:
     for marker in ("answer:", "answer is", "="):
         at = text.lower().rfind(marker)
         if at >= 0:
-            text = text[at + len(marker):]
+            text = text[at + len(marker) :]
             break
     return text.strip().splitlines()[0].strip().rstrip(".") if text.strip() else ""
 
@@ -141,44 +143,71 @@ def gen_arithmetic(rng: random.Random) -> dict:
         expression, value = f"({a} {op} {b}) * {c}", apply(a, b) * c
     else:  # precedence: the product binds first
         expression, value = f"{a} {op} {b} * {c}", apply(a, b * c) if op != "*" else a * b * c
-    return {"kind": "arithmetic", "question": f"Compute {expression}.", "expression": expression,
-            "answer": str(value)}
+    return {"kind": "arithmetic", "question": f"Compute {expression}.", "expression": expression, "answer": str(value)}
 
 
 def gen_algebra(rng: random.Random) -> dict:
     if rng.random() < 0.5:
         a, x, b = rng.randint(2, 12), rng.randint(-10, 10), rng.randint(-20, 20)
         equation = f"{a}*x + {b} = {a * x + b}"
-        return {"kind": "algebra", "task": "solve", "question": f"Solve for x: {equation}", "equation": equation,
-                "answer": str(x)}
+        return {
+            "kind": "algebra",
+            "task": "solve",
+            "question": f"Solve for x: {equation}",
+            "equation": equation,
+            "answer": str(x),
+        }
     p, q = rng.randint(-9, 9), rng.randint(-9, 9)
     product = f"(x + {p})*(x + {q})"
-    return {"kind": "algebra", "task": "expand", "question": f"Expand {product}.", "product": product,
-            "answer": f"x**2 + {p + q}*x + {p * q}"}
+    return {
+        "kind": "algebra",
+        "task": "expand",
+        "question": f"Expand {product}.",
+        "product": product,
+        "answer": f"x**2 + {p + q}*x + {p * q}",
+    }
 
 
 CODE_TASKS = [
-    ("add_digits", "Write add_digits(n) returning the sum of the decimal digits of a non-negative integer n.",
-     "def add_digits(n):\n    return sum(int(d) for d in str(n))",
-     "assert add_digits(0) == 0\nassert add_digits(1234) == 10\nassert add_digits(99) == 18"),
-    ("is_palindrome", "Write is_palindrome(s) that says whether s reads the same backwards, ignoring case.",
-     "def is_palindrome(s):\n    s = s.lower()\n    return s == s[::-1]",
-     "assert is_palindrome('Level')\nassert not is_palindrome('lmfoundry')\nassert is_palindrome('')"),
-    ("fizzbuzz", "Write fizzbuzz(n) returning 'Fizz', 'Buzz', 'FizzBuzz' or str(n).",
-     "def fizzbuzz(n):\n    return 'FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0 else 'Buzz' if n % 5 == 0 "
-     "else str(n)",
-     "assert fizzbuzz(15) == 'FizzBuzz'\nassert fizzbuzz(9) == 'Fizz'\nassert fizzbuzz(10) == 'Buzz'\n"
-     "assert fizzbuzz(7) == '7'"),
-    ("count_vowels", "Write count_vowels(s) returning how many of a, e, i, o, u (any case) s holds.",
-     "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s.lower())",
-     "assert count_vowels('Ray Serve') == 3\nassert count_vowels('xyz') == 0"),
-    ("running_max", "Write running_max(xs) returning the list of maxima of each prefix of xs.",
-     "def running_max(xs):\n    out, best = [], None\n    for x in xs:\n        best = x if best is None or x > best "
-     "else best\n        out.append(best)\n    return out",
-     "assert running_max([3, 1, 4, 1, 5]) == [3, 3, 4, 4, 5]\nassert running_max([]) == []"),
-    ("dedupe", "Write dedupe(xs) returning xs without repeats, first occurrences kept in order.",
-     "def dedupe(xs):\n    return list(dict.fromkeys(xs))",
-     "assert dedupe([1, 2, 1, 3, 2]) == [1, 2, 3]\nassert dedupe('aba') == ['a', 'b']"),
+    (
+        "add_digits",
+        "Write add_digits(n) returning the sum of the decimal digits of a non-negative integer n.",
+        "def add_digits(n):\n    return sum(int(d) for d in str(n))",
+        "assert add_digits(0) == 0\nassert add_digits(1234) == 10\nassert add_digits(99) == 18",
+    ),
+    (
+        "is_palindrome",
+        "Write is_palindrome(s) that says whether s reads the same backwards, ignoring case.",
+        "def is_palindrome(s):\n    s = s.lower()\n    return s == s[::-1]",
+        "assert is_palindrome('Level')\nassert not is_palindrome('lmfoundry')\nassert is_palindrome('')",
+    ),
+    (
+        "fizzbuzz",
+        "Write fizzbuzz(n) returning 'Fizz', 'Buzz', 'FizzBuzz' or str(n).",
+        "def fizzbuzz(n):\n    return 'FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0 else 'Buzz' if n % 5 == 0 "
+        "else str(n)",
+        "assert fizzbuzz(15) == 'FizzBuzz'\nassert fizzbuzz(9) == 'Fizz'\nassert fizzbuzz(10) == 'Buzz'\n"
+        "assert fizzbuzz(7) == '7'",
+    ),
+    (
+        "count_vowels",
+        "Write count_vowels(s) returning how many of a, e, i, o, u (any case) s holds.",
+        "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s.lower())",
+        "assert count_vowels('Ray Serve') == 3\nassert count_vowels('xyz') == 0",
+    ),
+    (
+        "running_max",
+        "Write running_max(xs) returning the list of maxima of each prefix of xs.",
+        "def running_max(xs):\n    out, best = [], None\n    for x in xs:\n        best = x if best is None or x > best "
+        "else best\n        out.append(best)\n    return out",
+        "assert running_max([3, 1, 4, 1, 5]) == [3, 3, 4, 4, 5]\nassert running_max([]) == []",
+    ),
+    (
+        "dedupe",
+        "Write dedupe(xs) returning xs without repeats, first occurrences kept in order.",
+        "def dedupe(xs):\n    return list(dict.fromkeys(xs))",
+        "assert dedupe([1, 2, 1, 3, 2]) == [1, 2, 3]\nassert dedupe('aba') == ['a', 'b']",
+    ),
 ]
 
 
@@ -190,8 +219,29 @@ def gen_code(rng: random.Random, index: int) -> dict:
 SENTENCE = re.compile(r"(?:^|(?<=[.!?]\s))([A-Z][\w\- ]{2,40}?) (is|are) ([^.!?]{3,80})\.")
 
 
-VAGUE = {"this", "that", "it", "there", "these", "those", "then", "here", "which", "what", "one", "such", "if",
-         "when", "while", "because", "although", "so", "but", "and", "or"}
+VAGUE = {
+    "this",
+    "that",
+    "it",
+    "there",
+    "these",
+    "those",
+    "then",
+    "here",
+    "which",
+    "what",
+    "one",
+    "such",
+    "if",
+    "when",
+    "while",
+    "because",
+    "although",
+    "so",
+    "but",
+    "and",
+    "or",
+}
 
 
 def qa_candidates(texts: list[str]) -> list[dict]:
@@ -202,9 +252,14 @@ def qa_candidates(texts: list[str]) -> list[dict]:
             subject, verb, predicate = match.groups()
             if len(subject.split()) > 5 or subject.split()[0].lower() in VAGUE:  # "This is ..." asks nothing
                 continue
-            found.append({"kind": "qa", "question": f"What {verb} {subject[0].lower() + subject[1:]}?",
-                          "answer": predicate.strip(), "passage": match.group(0).strip() if len(text) > 600
-                          else text.strip()})
+            found.append(
+                {
+                    "kind": "qa",
+                    "question": f"What {verb} {subject[0].lower() + subject[1:]}?",
+                    "answer": predicate.strip(),
+                    "passage": match.group(0).strip() if len(text) > 600 else text.strip(),
+                }
+            )
     return found
 
 
@@ -215,9 +270,12 @@ def solve(samples: list[dict], ref: ModelRef, max_tokens: int) -> None:
     """Replace each sample's answer by the solver model's reply (the generator's is kept as
     `reference_answer`)."""
     model = open_model(ref)
-    instructions = {"arithmetic": "Reply with the number only.", "algebra": "Reply with the answer only.",
-                    "code": "Reply with the Python function only, no explanation.",
-                    "qa": "Answer with the words of the passage."}
+    instructions = {
+        "arithmetic": "Reply with the number only.",
+        "algebra": "Reply with the answer only.",
+        "code": "Reply with the Python function only, no explanation.",
+        "qa": "Answer with the words of the passage.",
+    }
     conversations = []
     for s in samples:
         context = f"Passage: {s['passage']}\n\n" if s["kind"] == "qa" else ""
@@ -269,15 +327,23 @@ def run_synth(cfg: SynthConfig) -> dict:
     for s in samples:
         reason = verify(s, cfg)
         (rejected if reason else kept).append({**s, "reason": reason} if reason else s)
-    counts = {k: {"generated": sum(s["kind"] == k for s in samples), "kept": sum(s["kind"] == k for s in kept)}
-              for k in cfg.kinds}
+    counts = {
+        k: {"generated": sum(s["kind"] == k for s in samples), "kept": sum(s["kind"] == k for s in kept)}
+        for k in cfg.kinds
+    }
     for name, rows in (("kept.jsonl", kept), ("rejected.jsonl", rejected)):
         storage.write_jsonl_atomic(storage.join(out, name), rows)
-    card = {"samples": len(samples), "kept": len(kept), "rejected": len(rejected), "by_kind": counts,
-            "solver": samples[0].get("solver") if samples and cfg.solver else "generator",
-            "seconds": round(time.time() - started, 2)}
+    card = {
+        "samples": len(samples),
+        "kept": len(kept),
+        "rejected": len(rejected),
+        "by_kind": counts,
+        "solver": samples[0].get("solver") if samples and cfg.solver else "generator",
+        "seconds": round(time.time() - started, 2),
+    }
     storage.write_json_atomic(storage.join(out, "card.json"), card)
     storage.commit(out, "synth", {"card": "card.json"})
-    logger.info("synth: %d generated, %d verified and kept, %d rejected (%s)", len(samples), len(kept),
-                len(rejected), counts)
+    logger.info(
+        "synth: %d generated, %d verified and kept, %d rejected (%s)", len(samples), len(kept), len(rejected), counts
+    )
     return card

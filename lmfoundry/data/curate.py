@@ -32,11 +32,10 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from lmfoundry.data.dedup import DedupConfig
-from lmfoundry.data.density import DensityConfig
 from lmfoundry.data.dedup_pipeline import run_dedup
+from lmfoundry.data.density import DensityConfig
 from lmfoundry.data.documents import INTERNAL_COLUMNS, KEPT, DocumentProcessor
 from lmfoundry.data.filters import HeuristicFilterConfig
-from lmfoundry.platform.harm import HarmConfig
 from lmfoundry.data.langid import LanguageConfig
 from lmfoundry.data.pii import PIIConfig
 from lmfoundry.data.quality import QualityConfig
@@ -45,6 +44,7 @@ from lmfoundry.data.workdir import WORK, pending, read_parquet, shard_name, work
 from lmfoundry.platform import storage
 from lmfoundry.platform.cli import StageFailed
 from lmfoundry.platform.config import StageConfig
+from lmfoundry.platform.harm import HarmConfig
 from lmfoundry.platform.log import get_logger
 
 logger = get_logger(__name__)
@@ -78,6 +78,7 @@ class CurateConfig(StageConfig):
 
 # -- input --------------------------------------------------------------------------------------
 
+
 def input_shards(cfg: CurateConfig) -> tuple[str, list[list[str]]]:
     """The input format and its shards (lists of files), in a deterministic order."""
     if not storage.exists(cfg.input):
@@ -88,7 +89,7 @@ def input_shards(cfg: CurateConfig) -> tuple[str, list[list[str]]]:
         if files:
             if fmt == "text":
                 k = cfg.text_files_per_shard
-                return fmt, [files[i:i + k] for i in range(0, len(files), k)]
+                return fmt, [files[i : i + k] for i in range(0, len(files), k)]
             return fmt, [[f] for f in files]
     allowed = ", ".join(s for f in formats for s in INPUT_SUFFIXES[f])
     raise FileNotFoundError(f"input {cfg.input!r} holds no files ending in {allowed}")
@@ -98,7 +99,7 @@ def read_shard(fmt: str, files: list[str], cfg: CurateConfig) -> pa.Table:
     if fmt == "text":
         base = storage.normalize(cfg.input).rstrip("/")
         texts = [storage.read_bytes(f).decode("utf-8", errors="replace") for f in files]
-        names = [f[len(base) + 1:] if f.startswith(base + "/") else f.rsplit("/", 1)[-1] for f in files]
+        names = [f[len(base) + 1 :] if f.startswith(base + "/") else f.rsplit("/", 1)[-1] for f in files]
         return pa.table({cfg.id_field: names, cfg.text_field: texts})
     (uri,) = files
     data = storage.read_bytes(uri)
@@ -122,6 +123,7 @@ def read_shard(fmt: str, files: list[str], cfg: CurateConfig) -> pa.Table:
 
 # -- phase 1: documents -------------------------------------------------------------------------
 
+
 class ShardWorker:
     """A Ray Data actor: curates whole shards (models loaded once per actor)."""
 
@@ -135,14 +137,17 @@ class ShardWorker:
             table = read_shard(self.fmt, self.shards[i], self.cfg)
             if i in self.limits:
                 table = table.slice(0, self.limits[i])
-            parts = [self.processor(table.slice(s, self.cfg.batch_rows), i, s, self.shards[i][0])
-                     for s in range(0, table.num_rows, self.cfg.batch_rows)]
+            parts = [
+                self.processor(table.slice(s, self.cfg.batch_rows), i, s, self.shards[i][0])
+                for s in range(0, table.num_rows, self.cfg.batch_rows)
+            ]
             base = work_path(self.out, "docs", shard_name(i))
             if parts:
                 write_parquet_atomic(base + ".parquet", pa.concat_tables(parts, promote_options="permissive"))
             kept = sum(pc.sum(pc.equal(p.column("reason"), KEPT)).as_py() or 0 for p in parts)
-            storage.write_json_atomic(base + ".json", {"shard": i, "files": self.shards[i], "documents": table.num_rows,
-                                                       "kept": kept})
+            storage.write_json_atomic(
+                base + ".json", {"shard": i, "files": self.shards[i], "documents": table.num_rows, "kept": kept}
+            )
             rows.append(table.num_rows)
         return {"shard": batch["shard"], "documents": np.array(rows)}
 
@@ -182,14 +187,20 @@ def run_documents(cfg: CurateConfig, out: str, fmt: str, shards: list[list[str]]
         return
     limits = _row_limits(fmt, shards, cfg)
     ds = ray.data.from_items([{"shard": i} for i in todo], override_num_blocks=len(todo))
-    ds = ds.map_batches(ShardWorker, fn_constructor_args=(cfg, out, fmt, shards, limits), batch_size=1,
-                        compute=ray.data.ActorPoolStrategy(size=_workers(cfg, len(todo))), num_cpus=1,
-                        num_gpus=cfg.gpus_per_worker or None)
+    ds = ds.map_batches(
+        ShardWorker,
+        fn_constructor_args=(cfg, out, fmt, shards, limits),
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=_workers(cfg, len(todo))),
+        num_cpus=1,
+        num_gpus=cfg.gpus_per_worker or None,
+    )
     done = ds.take_all()
     logger.info("curate: documents: %d shards, %d documents", len(done), sum(int(r["documents"]) for r in done))
 
 
 # -- phase 3: write kept/ and rejected/ ---------------------------------------------------------
+
 
 def finalize_shards(batch: dict, out: str, cfg_json: str) -> dict:
     cfg = CurateConfig.model_validate_json(cfg_json)
@@ -201,8 +212,12 @@ def finalize_shards(batch: dict, out: str, cfg_json: str) -> dict:
             t = read_parquet(src)
             mine = dups.filter(pc.equal(dups.column("shard"), i))
             if mine.num_rows:
-                lookup = dict(zip(mine.column("doc_key").to_pylist(),
-                                  zip(mine.column("reason").to_pylist(), mine.column("duplicate_of").to_pylist())))
+                lookup = dict(
+                    zip(
+                        mine.column("doc_key").to_pylist(),
+                        zip(mine.column("reason").to_pylist(), mine.column("duplicate_of").to_pylist()),
+                    )
+                )
                 reason, stage, dup_of = (t.column(c).to_pylist() for c in ("reason", "stage", "duplicate_of"))
                 for j, key in enumerate(t.column("doc_key").to_pylist()):
                     if key in lookup:
@@ -216,8 +231,9 @@ def finalize_shards(batch: dict, out: str, cfg_json: str) -> dict:
             write_parquet_atomic(storage.join(out, "kept", name + ".parquet"), kept.select(public))
             if cfg.write_rejected:
                 write_parquet_atomic(storage.join(out, "rejected", name + ".parquet"), rejected.select(public))
-            write_parquet_atomic(work_path(out, "signatures", name + ".parquet"),
-                                  kept.select(["doc_key", "_signature"]))
+            write_parquet_atomic(
+                work_path(out, "signatures", name + ".parquet"), kept.select(["doc_key", "_signature"])
+            )
             stats = shard_stats(t, cfg)
         else:
             stats = shard_stats(None, cfg)
@@ -231,11 +247,16 @@ def run_finalize(cfg: CurateConfig, out: str, num_shards: int) -> None:
     todo = pending(out, "final", num_shards)
     if todo:
         ray.data.from_items([{"shard": i} for i in todo], override_num_blocks=len(todo)).map_batches(
-            finalize_shards, fn_kwargs={"out": out, "cfg_json": cfg.model_dump_json()}, batch_size=1,
-            num_cpus=1, compute=ray.data.TaskPoolStrategy(size=_workers(cfg, len(todo)))).take_all()
+            finalize_shards,
+            fn_kwargs={"out": out, "cfg_json": cfg.model_dump_json()},
+            batch_size=1,
+            num_cpus=1,
+            compute=ray.data.TaskPoolStrategy(size=_workers(cfg, len(todo))),
+        ).take_all()
 
 
 # -- the stage ----------------------------------------------------------------------------------
+
 
 def _fingerprint(cfg: CurateConfig) -> dict:
     return json.loads(cfg.model_dump_json(exclude={"overwrite", "workers"}))
@@ -278,12 +299,27 @@ def run_curate(cfg: CurateConfig) -> dict:
     timings["write"] = round(time.time() - t, 2)
     stats = [storage.read_json(work_path(out, "final", shard_name(i) + ".json")) for i in range(len(shards))]
     report = build_report(cfg, out, stats, dedup_stats, timings, started)
-    storage.commit(out, "curate", {"input": cfg.input, "format": fmt, "shards": len(shards), "report": "report.json",
-                                   "kept": "kept", "rejected": "rejected" if cfg.write_rejected else None,
-                                   "text_field": cfg.text_field, "id_field": cfg.id_field})
-    logger.info("curate: kept %d of %d documents (%.1f%% of characters); rejected by reason %s",
-                report["documents_kept"], report["documents_in"], 100 * report["chars_kept_fraction"],
-                report["rejected_by_reason"])
+    storage.commit(
+        out,
+        "curate",
+        {
+            "input": cfg.input,
+            "format": fmt,
+            "shards": len(shards),
+            "report": "report.json",
+            "kept": "kept",
+            "rejected": "rejected" if cfg.write_rejected else None,
+            "text_field": cfg.text_field,
+            "id_field": cfg.id_field,
+        },
+    )
+    logger.info(
+        "curate: kept %d of %d documents (%.1f%% of characters); rejected by reason %s",
+        report["documents_kept"],
+        report["documents_in"],
+        100 * report["chars_kept_fraction"],
+        report["rejected_by_reason"],
+    )
     failed = [c["item"] for c in report["checklist"] if not c["passed"]]
     if cfg.checklist.enforce and failed:
         raise ChecklistFailed(f"the data-quality checklist failed: {', '.join(failed)} (see {out}/report.json)")

@@ -78,7 +78,7 @@ def shingle_hashes(text: str, k: int) -> np.ndarray:
     h = w[:n].copy()
     with np.errstate(over="ignore"):
         for j in range(1, min(k, len(w))):
-            h = h * _MIX + w[j:j + n]
+            h = h * _MIX + w[j : j + n]
     return np.unique(h >> np.uint64(32))
 
 
@@ -98,7 +98,7 @@ class MinHasher:
         self.a = rng.integers(1, int(_MERSENNE), size=cfg.num_perm, dtype=np.uint64)
         self.b = rng.integers(0, int(_MERSENNE), size=cfg.num_perm, dtype=np.uint64)
         # Per band, odd multipliers that fold its rows into one 64-bit bucket key.
-        self.fold = (rng.integers(1, 1 << 62, size=cfg.rows_per_band, dtype=np.uint64) | np.uint64(1))
+        self.fold = rng.integers(1, 1 << 62, size=cfg.rows_per_band, dtype=np.uint64) | np.uint64(1)
 
     def signature(self, shingles: np.ndarray) -> np.ndarray:
         if len(shingles) == 0:
@@ -116,8 +116,11 @@ class MinHasher:
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Signatures (n, num_perm) uint32 and bucket keys (n, num_bands) uint64."""
-        sigs = np.stack([self.signature(shingle_hashes(t, self.cfg.shingle_words)) for t in texts]) if texts else \
-            np.zeros((0, self.cfg.num_perm), dtype=np.uint32)
+        sigs = (
+            np.stack([self.signature(shingle_hashes(t, self.cfg.shingle_words)) for t in texts])
+            if texts
+            else np.zeros((0, self.cfg.num_perm), dtype=np.uint32)
+        )
         keys = np.stack([self.buckets(s) for s in sigs]) if texts else np.zeros((0, self.cfg.num_bands), np.uint64)
         return sigs, keys
 
@@ -132,8 +135,11 @@ def star_edges(bucket_keys: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np
     starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
     head = np.repeat(docs[starts], np.diff(np.r_[starts, len(keys)]))
     member = docs != head
-    pairs = np.unique(np.stack([head[member], docs[member]], axis=1), axis=0) if member.any() else \
-        np.zeros((0, 2), np.int64)
+    pairs = (
+        np.unique(np.stack([head[member], docs[member]], axis=1), axis=0)
+        if member.any()
+        else np.zeros((0, 2), np.int64)
+    )
     return pairs[:, 0], pairs[:, 1]
 
 
@@ -190,18 +196,24 @@ def planted_scores(texts: list[str], truth: dict[tuple[int, int], float], uf: Un
     predicted = {i for i in range(len(texts)) if sizes[cluster[i]] > 1}
     actual = {i for p in true_pairs for i in p}
     hit = len(predicted & actual)
-    return {"true_pairs": len(true_pairs), "pair_recall": sum(cluster[x] == cluster[y] for x, y in true_pairs) / max(len(true_pairs), 1),
-            "document_recall": hit / max(len(actual), 1), "document_precision": hit / max(len(predicted), 1)}
+    return {
+        "true_pairs": len(true_pairs),
+        "pair_recall": sum(cluster[x] == cluster[y] for x, y in true_pairs) / max(len(true_pairs), 1),
+        "document_recall": hit / max(len(actual), 1),
+        "document_precision": hit / max(len(predicted), 1),
+    }
 
 
-def semantic_pairs(keys: np.ndarray, embeddings: np.ndarray, similarity: float, block: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+def semantic_pairs(
+    keys: np.ndarray, embeddings: np.ndarray, similarity: float, block: int = 2048
+) -> tuple[np.ndarray, np.ndarray]:
     """Pairs (a < b) of one k-means cluster whose unit embeddings have cosine >= similarity;
     the similarity matrix is built a block of rows at a time, so memory stays block x n."""
     order = np.argsort(keys)
     keys, emb = keys[order], embeddings[order]
     out_a, out_b = [], []
     for start in range(0, len(keys), block):
-        sims = emb[start:start + block] @ emb.T
+        sims = emb[start : start + block] @ emb.T
         rows, cols = np.nonzero(sims >= similarity)
         rows += start
         upper = cols > rows

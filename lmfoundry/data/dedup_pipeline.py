@@ -13,8 +13,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lmfoundry.data.documents import KEPT, SHARD_BITS
-from lmfoundry.data.workdir import (doc_files, hash_sample, read_parquet, read_parquet_files, shard_name,
-                                    work_path, write_parquet_atomic)
+from lmfoundry.data.workdir import (
+    doc_files,
+    hash_sample,
+    read_parquet,
+    read_parquet_files,
+    shard_name,
+    work_path,
+    write_parquet_atomic,
+)
 from lmfoundry.platform import storage
 from lmfoundry.platform.log import get_logger
 
@@ -34,13 +41,21 @@ def bucket_rows(batch: pa.Table, partitions: int, exact: bool, fuzzy: bool) -> p
     keys = batch.column("doc_key")
     parts = []
     if exact:
-        parts.append(pa.table({"bucket": batch.column("_text_hash"), "doc_key": keys,
-                               "exact": pa.array(np.ones(batch.num_rows, bool))}))
+        parts.append(
+            pa.table(
+                {
+                    "bucket": batch.column("_text_hash"),
+                    "doc_key": keys,
+                    "exact": pa.array(np.ones(batch.num_rows, bool)),
+                }
+            )
+        )
     if fuzzy:
         parents = pc.list_parent_indices(batch.column("_buckets"))
         flat = pc.list_flatten(batch.column("_buckets"))
-        parts.append(pa.table({"bucket": flat, "doc_key": pc.take(keys, parents),
-                               "exact": pa.array(np.zeros(len(flat), bool))}))
+        parts.append(
+            pa.table({"bucket": flat, "doc_key": pc.take(keys, parents), "exact": pa.array(np.zeros(len(flat), bool))})
+        )
     rows = pa.concat_tables(parts)
     part = np.asarray(rows.column("bucket")) % np.uint64(partitions)
     return rows.append_column("part", pa.array(part.astype(np.int64)))
@@ -74,8 +89,10 @@ def verification_plan(a: np.ndarray, b: np.ndarray) -> tuple[pa.Table, list[dict
     pairs = pa.table({"part": part, "a": a, "b": b, "text": pa.nulls(len(a), pa.string())})
     sends = np.unique(np.stack([np.concatenate([a, b]), np.concatenate([part, part])], axis=1), axis=0)
     shards = sends[:, 0] >> SHARD_BITS
-    items = [{"shard": int(s), "keys": sends[shards == s, 0].tolist(), "parts": sends[shards == s, 1].tolist()}
-             for s in np.unique(shards)]
+    items = [
+        {"shard": int(s), "keys": sends[shards == s, 0].tolist(), "parts": sends[shards == s, 1].tolist()}
+        for s in np.unique(shards)
+    ]
     return pairs, items, parts
 
 
@@ -86,8 +103,14 @@ def candidate_texts(batch: dict, out: str, text_field: str) -> pa.Table:
     t = read_parquet(work_path(out, "docs", shard_name(shard) + ".parquet"), ["doc_key", text_field])
     t = t.filter(pc.is_in(t.column("doc_key"), pa.array(np.unique(keys))))
     texts = pc.take(t.column(text_field), pc.index_in(pa.array(keys), t.column("doc_key")))
-    return pa.table({"part": pa.array(parts, pa.int64()), "a": pa.array(keys), "b": pa.array(np.full(len(keys), -1)),
-                     "text": texts.cast(pa.string())})
+    return pa.table(
+        {
+            "part": pa.array(parts, pa.int64()),
+            "a": pa.array(keys),
+            "b": pa.array(np.full(len(keys), -1)),
+            "text": texts.cast(pa.string()),
+        }
+    )
 
 
 def verify_group(group: pa.Table, shingle_words: int, threshold: float) -> dict:
@@ -97,8 +120,10 @@ def verify_group(group: pa.Table, shingle_words: int, threshold: float) -> dict:
 
     is_text = pc.equal(group.column("b"), -1)
     texts, pairs = group.filter(is_text), group.filter(pc.invert(is_text))
-    shingles = {k: shingle_hashes(v, shingle_words)
-                for k, v in zip(texts.column("a").to_pylist(), texts.column("text").to_pylist())}
+    shingles = {
+        k: shingle_hashes(v, shingle_words)
+        for k, v in zip(texts.column("a").to_pylist(), texts.column("text").to_pylist())
+    }
     a, b = np.asarray(pairs.column("a")), np.asarray(pairs.column("b"))
     ok = np.array([jaccard(shingles[x], shingles[y]) >= threshold for x, y in zip(a.tolist(), b.tolist())], bool)
     return {"a": a[ok], "b": b[ok]}
@@ -111,11 +136,18 @@ def verified_pairs(cfg: CurateConfig, out: str, a: np.ndarray, b: np.ndarray):
 
     pairs, items, parts = verification_plan(a, b)
     texts = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        candidate_texts, fn_kwargs={"out": out, "text_field": cfg.text_field}, batch_size=1, batch_format="numpy")
+        candidate_texts, fn_kwargs={"out": out, "text_field": cfg.text_field}, batch_size=1, batch_format="numpy"
+    )
     chunks = [pairs.slice(i, PAIRS_PER_PARTITION) for i in range(0, pairs.num_rows, PAIRS_PER_PARTITION)]
-    grouped = texts.union(ray.data.from_arrow(chunks)).groupby("part", num_partitions=parts).map_groups(
-        verify_group, fn_kwargs={"shingle_words": cfg.dedup.shingle_words, "threshold": cfg.dedup.jaccard_threshold},
-        batch_format="pyarrow")
+    grouped = (
+        texts.union(ray.data.from_arrow(chunks))
+        .groupby("part", num_partitions=parts)
+        .map_groups(
+            verify_group,
+            fn_kwargs={"shingle_words": cfg.dedup.shingle_words, "threshold": cfg.dedup.jaccard_threshold},
+            batch_format="pyarrow",
+        )
+    )
     return grouped.iter_batches(batch_format="numpy")
 
 
@@ -136,19 +168,31 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
         return storage.read_json(marker)
     started = time.time()
     files = doc_files(out, num_shards)
-    num_kept = sum(storage.read_json(work_path(out, "docs", shard_name(i) + ".json")).get("kept", 0)
-                   for i in range(num_shards))
+    num_kept = sum(
+        storage.read_json(work_path(out, "docs", shard_name(i) + ".json")).get("kept", 0) for i in range(num_shards)
+    )
     parts = _partitions(num_kept, cfg.dedup.partitions_per_million)
-    stats = {"kept_before_dedup": num_kept, "partitions": parts, "exact_duplicates": 0, "candidate_pairs": 0,
-             "verified_pairs": 0, "near_duplicates": 0}
+    stats = {
+        "kept_before_dedup": num_kept,
+        "partitions": parts,
+        "exact_duplicates": 0,
+        "candidate_pairs": 0,
+        "verified_pairs": 0,
+        "near_duplicates": 0,
+    }
     uf, exact_dups, near_linked = UnionFind(), set(), set()
     if files and num_kept and (cfg.dedup.exact or cfg.dedup.fuzzy):
         # The sort-based shuffle runs on tasks, which reuse warm workers; the hash shuffle starts
         # a set of aggregator actors for every groupby (seconds each on a small cluster).
         ray.data.DataContext.get_current().shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
-        kept = read_parquet_files(files, ["doc_key", "reason", "_text_hash", "_buckets"]).filter(expr=col("reason") == KEPT)
-        rows = kept.map_batches(bucket_rows, fn_kwargs={"partitions": parts, "exact": cfg.dedup.exact,
-                                                        "fuzzy": cfg.dedup.fuzzy}, batch_format="pyarrow")
+        kept = read_parquet_files(files, ["doc_key", "reason", "_text_hash", "_buckets"]).filter(
+            expr=col("reason") == KEPT
+        )
+        rows = kept.map_batches(
+            bucket_rows,
+            fn_kwargs={"partitions": parts, "exact": cfg.dedup.exact, "fuzzy": cfg.dedup.fuzzy},
+            batch_format="pyarrow",
+        )
         fuzzy_pairs: set[tuple[int, int]] = set()
         grouped = rows.groupby("part", num_partitions=parts).map_groups(bucket_group, batch_format="numpy")
         for batch in grouped.iter_batches(batch_format="numpy"):
@@ -177,13 +221,20 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
     dups = uf.duplicates()
     names = _ids_of(out, {rep for rep in dups.values()}, cfg.id_field) if dups else {}
     keys = np.array(sorted(dups), dtype=np.int64)
-    reasons = ["exact_duplicate" if k in exact_dups else "near_duplicate" if k in near_linked else "semantic_duplicate"
-               for k in keys.tolist()]
+    reasons = [
+        "exact_duplicate" if k in exact_dups else "near_duplicate" if k in near_linked else "semantic_duplicate"
+        for k in keys.tolist()
+    ]
     for kind in ("exact", "near", "semantic"):
         stats[f"{kind}_duplicates"] = reasons.count(f"{kind}_duplicate")
-    table = pa.table({"shard": pa.array(keys >> SHARD_BITS, pa.int64()), "doc_key": pa.array(keys, pa.int64()),
-                      "reason": pa.array(reasons, pa.string()),
-                      "duplicate_of": pa.array([names[dups[k]] for k in keys.tolist()], pa.string())})
+    table = pa.table(
+        {
+            "shard": pa.array(keys >> SHARD_BITS, pa.int64()),
+            "doc_key": pa.array(keys, pa.int64()),
+            "reason": pa.array(reasons, pa.string()),
+            "duplicate_of": pa.array([names[dups[k]] for k in keys.tolist()], pa.string()),
+        }
+    )
     write_parquet_atomic(work_path(out, "dedup", "duplicates.parquet"), table)
     stats["seconds"] = round(time.time() - started, 2)
     storage.write_json_atomic(marker, stats)
@@ -193,8 +244,11 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
 
 def _assign_cluster(batch: dict, centroids: np.ndarray) -> dict:
     emb = np.stack(batch["_embedding"]).astype(np.float32)
-    return {"doc_key": batch["doc_key"], "_embedding": batch["_embedding"],
-            "cluster": np.argmax(emb @ centroids.T, axis=1).astype(np.int64)}
+    return {
+        "doc_key": batch["doc_key"],
+        "_embedding": batch["_embedding"],
+        "cluster": np.argmax(emb @ centroids.T, axis=1).astype(np.int64),
+    }
 
 
 def _cluster_pairs(group: dict, similarity: float) -> dict:
@@ -212,18 +266,24 @@ def semantic_edges(cfg: CurateConfig, files: list[str], num_kept: int):
     from sklearn.cluster import KMeans
 
     sem = cfg.dedup.semantic
-    docs = read_parquet_files(files, ["doc_key", "reason", "_embedding"]).filter(expr=col("reason") == KEPT) \
+    docs = (
+        read_parquet_files(files, ["doc_key", "reason", "_embedding"])
+        .filter(expr=col("reason") == KEPT)
         .select_columns(["doc_key", "_embedding"])
-    sample = docs.map_batches(hash_sample, fn_kwargs={"rate": min(1.0, sem.kmeans_sample / num_kept)},
-                              batch_format="pyarrow").take_all()
+    )
+    sample = docs.map_batches(
+        hash_sample, fn_kwargs={"rate": min(1.0, sem.kmeans_sample / num_kept)}, batch_format="pyarrow"
+    ).take_all()
     emb = np.stack([np.asarray(r["_embedding"], np.float32) for r in sample])
     k = min(sem.clusters, len(emb))
     centroids = KMeans(n_clusters=k, n_init=1, random_state=cfg.dedup.seed).fit(emb).cluster_centers_
     centroids /= np.linalg.norm(centroids, axis=1, keepdims=True) + 1e-12
-    assigned = docs.map_batches(_assign_cluster, fn_kwargs={"centroids": centroids.astype(np.float32)},
-                                batch_format="numpy")
+    assigned = docs.map_batches(
+        _assign_cluster, fn_kwargs={"centroids": centroids.astype(np.float32)}, batch_format="numpy"
+    )
     edges = assigned.groupby("cluster", num_partitions=max(1, min(k, 64))).map_groups(
-        _cluster_pairs, fn_kwargs={"similarity": sem.similarity}, batch_format="numpy")
+        _cluster_pairs, fn_kwargs={"similarity": sem.similarity}, batch_format="numpy"
+    )
     for batch in edges.iter_batches(batch_format="numpy"):
         yield from zip(batch["a"].tolist(), batch["b"].tolist())
 

@@ -51,11 +51,7 @@ def knowledge_density(text: str, lang: str = "") -> float | None:
             if word.isalpha():
                 if len(word) >= 8 or (not sentence_start and word[0].isupper()):
                     specific.add(word.lower())
-            elif (
-                _DIGIT.search(word)
-                or (not sentence_start and word[0].isupper())
-                or len(_LETTERS.findall(word)) >= 8
-            ):
+            elif _DIGIT.search(word) or (not sentence_start and word[0].isupper()) or len(_LETTERS.findall(word)) >= 8:
                 specific.add(word.lower())
         sentence_start = token.endswith(_SENTENCE_END)
     return len(specific) / len(raw)

@@ -19,11 +19,11 @@ import xxhash
 from lmfoundry.data.dedup import MinHasher
 from lmfoundry.data.density import knowledge_density
 from lmfoundry.data.filters import HeuristicFilter
-from lmfoundry.platform.harm import HarmScorer
 from lmfoundry.data.langid import UNKNOWN, LanguageIdentifier
 from lmfoundry.data.normalize import normalize_text
 from lmfoundry.data.pii import PIIRedactor
 from lmfoundry.data.quality import QualityModel
+from lmfoundry.platform.harm import HarmScorer
 
 KEPT = ""  # the `reason` of a kept document
 SHARD_BITS = 32  # doc_key = shard index << 32 | row in shard: unique, ordered like the input
@@ -56,8 +56,10 @@ class DocumentProcessor:
     def __call__(self, batch: pa.Table, shard: int, first_row: int, path: str) -> pa.Table:
         cfg = self.cfg
         if cfg.text_field not in batch.column_names:
-            raise ValueError(f"{path}: no text field {cfg.text_field!r}; its fields are {batch.column_names} "
-                             "(set text_field in the curate config)")
+            raise ValueError(
+                f"{path}: no text field {cfg.text_field!r}; its fields are {batch.column_names} "
+                "(set text_field in the curate config)"
+            )
         n = batch.num_rows
         raw = batch.column(cfg.text_field).to_pylist()
         reason = [KEPT] * n
@@ -119,8 +121,11 @@ class DocumentProcessor:
                 if s < cfg.quality.threshold:
                     reject(i, "low_quality_score", "quality")
 
-        density = [knowledge_density(texts[i], langs[i]) if reason[i] == KEPT else None for i in range(n)] \
-            if cfg.density.enabled else [None] * n
+        density = (
+            [knowledge_density(texts[i], langs[i]) if reason[i] == KEPT else None for i in range(n)]
+            if cfg.density.enabled
+            else [None] * n
+        )
 
         kept_idx = [i for i in range(n) if reason[i] == KEPT]
         hashes = [xxhash.xxh3_64_intdigest(texts[i].encode()) if reason[i] == KEPT else None for i in range(n)]

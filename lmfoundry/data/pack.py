@@ -70,11 +70,13 @@ class Tokenize:
         encodings = self.tok.encode_batch(texts, add_special_tokens=False)
         ids = [np.append(np.asarray(e.ids, dtype=np.int32), np.int32(self.eos)) for e in encodings]
         val = [is_val(str(i), self.cfg.val_fraction) for i in batch.column(self.cfg.id_field).to_pylist()]
-        return pa.table({
-            "ids": pa.array(ids, pa.list_(pa.int32())),
-            "n_tokens": pa.array([len(x) for x in ids], pa.int64()),
-            "val": pa.array(val, pa.bool_()),
-        })
+        return pa.table(
+            {
+                "ids": pa.array(ids, pa.list_(pa.int32())),
+                "n_tokens": pa.array([len(x) for x in ids], pa.int64()),
+                "val": pa.array(val, pa.bool_()),
+            }
+        )
 
 
 def pack_sequences(batch: pa.Table, sample_len: int) -> pa.Table:
@@ -100,11 +102,15 @@ def run_pack(cfg: PackConfig) -> dict:
     started = time.time()
     docs = ray.data.read_parquet(files, columns=[cfg.id_field, cfg.text_field])
 
-    logger.info("pack: training a byte-level BPE (vocab %d) on up to %d documents",
-                cfg.vocab_size, cfg.tokenizer_train_docs)
+    logger.info(
+        "pack: training a byte-level BPE (vocab %d) on up to %d documents", cfg.vocab_size, cfg.tokenizer_train_docs
+    )
     sample = docs.limit(cfg.tokenizer_train_docs).select_columns([cfg.text_field])
-    texts = (t for b in sample.iter_batches(batch_format="pyarrow", batch_size=1024)
-             for t in b.column(cfg.text_field).to_pylist())
+    texts = (
+        t
+        for b in sample.iter_batches(batch_format="pyarrow", batch_size=1024)
+        for t in b.column(cfg.text_field).to_pylist()
+    )
     tok = train_bpe(texts, cfg.vocab_size)
     tokenizer_json = tok.to_str()
     storage.write_bytes_atomic(storage.join(out, "tokenizer.json"), tokenizer_json.encode())
@@ -117,21 +123,31 @@ def run_pack(cfg: PackConfig) -> dict:
     for name, is_val_split in (("train", False), ("val", True)):
         part = tokenized.filter(expr=f"val == {is_val_split}")
         n_tokens = part.sum("n_tokens") or 0
-        seqs = part.map_batches(pack_sequences, fn_kwargs={"sample_len": sample_len},
-                                batch_format="pyarrow", batch_size=512)
+        seqs = part.map_batches(
+            pack_sequences, fn_kwargs={"sample_len": sample_len}, batch_format="pyarrow", batch_size=512
+        )
         seqs = seqs.materialize()
         n_seqs = seqs.count()
         if n_seqs:
             seqs.write_parquet(storage.join(out, name))
-        splits[name] = {"sequences": n_seqs, "tokens_in": n_tokens,
-                        "tokens_dropped": n_tokens - n_seqs * sample_len}
+        splits[name] = {"sequences": n_seqs, "tokens_in": n_tokens, "tokens_dropped": n_tokens - n_seqs * sample_len}
     if splits["train"]["sequences"] == 0:
-        raise ValueError(f"pack: the corpus yields no training sequence of {sample_len} tokens; "
-                         "lower seq_len or provide more text")
-    manifest = storage.commit(out, "pack", {
-        "input": source, "tokenizer": "tokenizer.json", "vocab_size": tok.get_vocab_size(),
-        "seq_len": cfg.seq_len, "sample_len": sample_len, "eos_id": eos_id(tok),
-        "splits": splits, "seconds": round(time.time() - started, 2),
-    })
+        raise ValueError(
+            f"pack: the corpus yields no training sequence of {sample_len} tokens; lower seq_len or provide more text"
+        )
+    manifest = storage.commit(
+        out,
+        "pack",
+        {
+            "input": source,
+            "tokenizer": "tokenizer.json",
+            "vocab_size": tok.get_vocab_size(),
+            "seq_len": cfg.seq_len,
+            "sample_len": sample_len,
+            "eos_id": eos_id(tok),
+            "splits": splits,
+            "seconds": round(time.time() - started, 2),
+        },
+    )
     logger.info("pack: %s", {k: v["sequences"] for k, v in splits.items()})
     return manifest

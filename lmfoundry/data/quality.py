@@ -51,15 +51,26 @@ class QualityTrainConfig(StageConfig):
 def _hasher():
     from sklearn.feature_extraction.text import HashingVectorizer
 
-    return HashingVectorizer(n_features=HASH_FEATURES, ngram_range=(1, 2), alternate_sign=False,
-                             norm="l2", lowercase=True, token_pattern=r"(?u)\b\w+\b")
+    return HashingVectorizer(
+        n_features=HASH_FEATURES,
+        ngram_range=(1, 2),
+        alternate_sign=False,
+        norm="l2",
+        lowercase=True,
+        token_pattern=r"(?u)\b\w+\b",
+    )
 
 
 class QualityModel:
     """Scores texts in [0, 1]: the classifier's probability that a text is reference-like."""
 
     def __init__(self, features: str, coef: np.ndarray, intercept: float, info: dict | None = None):
-        self.features, self.coef, self.intercept, self.info = features, coef.astype(np.float32), float(intercept), info or {}
+        self.features, self.coef, self.intercept, self.info = (
+            features,
+            coef.astype(np.float32),
+            float(intercept),
+            info or {},
+        )
         self._featurize = None
 
     def featurize(self, texts: list[str]):
@@ -84,11 +95,13 @@ class QualityModel:
         buf = io.BytesIO()
         np.savez_compressed(buf, coef=self.coef)
         storage.write_bytes_atomic(storage.join(out, "quality_model.npz"), buf.getvalue())
-        storage.write_json_atomic(storage.join(out, "quality_model.json"),
-                                  {"features": self.features, "intercept": self.intercept, **self.info})
+        storage.write_json_atomic(
+            storage.join(out, "quality_model.json"),
+            {"features": self.features, "intercept": self.intercept, **self.info},
+        )
 
     @classmethod
-    def load(cls, path: str) -> "QualityModel":
+    def load(cls, path: str) -> QualityModel:
         meta_uri = storage.join(path, "quality_model.json")
         if not storage.exists(meta_uri):
             raise FileNotFoundError(f"{path} holds no quality_model.json; train one with `lmfoundry quality-model`")
@@ -154,11 +167,17 @@ def train_quality_model(cfg: QualityTrainConfig) -> dict:
     metrics = {
         "validation_accuracy": float(((scores >= 0.5) == labels[val]).mean()),
         "validation_auc": float(roc_auc_score(labels[val], scores)) if len(set(labels[val])) == 2 else None,
-        "positive_documents": len(pos), "negative_documents": len(neg),
+        "positive_documents": len(pos),
+        "negative_documents": len(neg),
         "seconds": round(time.time() - started, 2),
     }
     model.info = {"features": cfg.features, "positive": cfg.positive, "negative": cfg.negative, **metrics}
     model.save(out)
-    logger.info("quality model (%s features): validation accuracy %.3f, AUC %s -> %s", cfg.features,
-                metrics["validation_accuracy"], metrics["validation_auc"], out)
+    logger.info(
+        "quality model (%s features): validation accuracy %.3f, AUC %s -> %s",
+        cfg.features,
+        metrics["validation_accuracy"],
+        metrics["validation_auc"],
+        out,
+    )
     return metrics

@@ -30,7 +30,9 @@ class ChecklistConfig(StageConfig):
     max_harm_violation_rate: float = Field(0.0001, ge=0, le=1)
     min_high_density_share: float = Field(0.30, ge=0, le=1)
     min_non_english_share: float = Field(0.20, ge=0, le=1)
-    duplicate_sample_size: int = Field(1000, ge=10, description="kept documents sampled for the residual duplicate rate")
+    duplicate_sample_size: int = Field(
+        1000, ge=10, description="kept documents sampled for the residual duplicate rate"
+    )
 
 
 def _hist(values: pa.ChunkedArray) -> list[int]:
@@ -48,9 +50,22 @@ def _counts(values) -> dict[str, int]:
 def shard_stats(t: pa.Table | None, cfg) -> dict:
     """What the report needs from one shard, small enough to keep per shard."""
     if t is None or t.num_rows == 0:
-        return {"documents": 0, "kept": 0, "chars_in": 0, "chars_kept": 0, "by_reason": {}, "by_stage": {},
-                "kept_languages": {}, "pii": {}, "hist": {}, "harm_violations_kept": 0, "high_density_kept": 0,
-                "density_scored_kept": 0, "boilerplate_lines_removed": 0, "c4_lines_removed": 0}
+        return {
+            "documents": 0,
+            "kept": 0,
+            "chars_in": 0,
+            "chars_kept": 0,
+            "by_reason": {},
+            "by_stage": {},
+            "kept_languages": {},
+            "pii": {},
+            "hist": {},
+            "harm_violations_kept": 0,
+            "high_density_kept": 0,
+            "density_scored_kept": 0,
+            "boilerplate_lines_removed": 0,
+            "c4_lines_removed": 0,
+        }
     kept_mask = pc.equal(t.column("reason"), "")
     kept = t.filter(kept_mask)
     rejected = t.filter(pc.invert(kept_mask))
@@ -65,9 +80,15 @@ def shard_stats(t: pa.Table | None, cfg) -> dict:
         "by_stage": _counts(rejected.column("stage").to_pylist()),
         "kept_languages": _counts(kept.column("lang").to_pylist()),
         "pii": {c[4:]: pc.sum(t.column(c)).as_py() or 0 for c in t.column_names if c.startswith("pii_")},
-        "hist": {name: _hist(t.column(col)) for name, col in
-                 (("quality", "quality_score"), ("harm", "harm_score"), ("density", "knowledge_density"),
-                  ("language_confidence", "lang_confidence"))},
+        "hist": {
+            name: _hist(t.column(col))
+            for name, col in (
+                ("quality", "quality_score"),
+                ("harm", "harm_score"),
+                ("density", "knowledge_density"),
+                ("language_confidence", "lang_confidence"),
+            )
+        },
         # A violation: a kept document in which the harm scorer found anything at all.
         "harm_violations_kept": pc.sum(pc.greater(harm, 0)).as_py() or 0,
         "high_density_kept": pc.sum(pc.greater_equal(density, cfg.density.high_density_threshold)).as_py() or 0,
@@ -116,14 +137,21 @@ def residual_duplicate_rate(cfg, out: str, kept_total: int) -> dict:
     def band_keys(sigs: np.ndarray) -> np.ndarray:
         b = sigs[:, : bands * rows].astype(np.uint64).reshape(len(sigs), bands, rows)
         with np.errstate(over="ignore"):
-            return (b[..., 0] * np.uint64(1_000_003) + b[..., 1]) * np.uint64(1_000_033) + b[..., 2] \
+            return (
+                (b[..., 0] * np.uint64(1_000_003) + b[..., 1]) * np.uint64(1_000_033)
+                + b[..., 2]
                 + np.arange(bands, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            )
 
     s_bands = band_keys(s_sigs)
     threshold = cfg.dedup.jaccard_threshold
 
     def match(batch: dict) -> dict:
-        sigs = np.stack(batch["_signature"]).astype(np.uint32) if len(batch["doc_key"]) else np.zeros((0, n_perm), np.uint32)
+        sigs = (
+            np.stack(batch["_signature"]).astype(np.uint32)
+            if len(batch["doc_key"])
+            else np.zeros((0, n_perm), np.uint32)
+        )
         found = []
         if len(sigs):
             kb = band_keys(sigs)
@@ -146,21 +174,49 @@ def checklist(cfg, merged: dict, residual: dict) -> list[dict]:
     langs = merged.get("kept_languages", {})
     identified = sum(n for lang, n in langs.items() if lang)
     items = [
-        ("residual duplicate rate", residual["rate"], "<=", c.max_residual_duplicate_rate,
-         f"near duplicates among a sample of {residual['sample']} kept documents"),
-        ("harmful-content violation rate", merged.get("harm_violations_kept", 0) / kept if kept else None, "<",
-         c.max_harm_violation_rate, "kept documents in which the harm scorer found anything"),
-        ("high-density share", merged.get("high_density_kept", 0) / merged["density_scored_kept"]
-         if merged.get("density_scored_kept") else None, ">=", c.min_high_density_share,
-         f"kept documents with knowledge density >= {cfg.density.high_density_threshold}"),
-        ("non-English share", (identified - langs.get("en", 0)) / identified if identified else None, ">=",
-         c.min_non_english_share, "kept documents whose identified language is not English"),
+        (
+            "residual duplicate rate",
+            residual["rate"],
+            "<=",
+            c.max_residual_duplicate_rate,
+            f"near duplicates among a sample of {residual['sample']} kept documents",
+        ),
+        (
+            "harmful-content violation rate",
+            merged.get("harm_violations_kept", 0) / kept if kept else None,
+            "<",
+            c.max_harm_violation_rate,
+            "kept documents in which the harm scorer found anything",
+        ),
+        (
+            "high-density share",
+            merged.get("high_density_kept", 0) / merged["density_scored_kept"]
+            if merged.get("density_scored_kept")
+            else None,
+            ">=",
+            c.min_high_density_share,
+            f"kept documents with knowledge density >= {cfg.density.high_density_threshold}",
+        ),
+        (
+            "non-English share",
+            (identified - langs.get("en", 0)) / identified if identified else None,
+            ">=",
+            c.min_non_english_share,
+            "kept documents whose identified language is not English",
+        ),
     ]
     out = []
     for name, value, op, threshold, what in items:
         passed = value is not None and {"<=": value <= threshold, "<": value < threshold, ">=": value >= threshold}[op]
-        out.append({"item": name, "value": value, "threshold": f"{op} {threshold}", "passed": bool(passed),
-                    "measures": what if value is not None else what + " (not measured: stage disabled or no data)"})
+        out.append(
+            {
+                "item": name,
+                "value": value,
+                "threshold": f"{op} {threshold}",
+                "passed": bool(passed),
+                "measures": what if value is not None else what + " (not measured: stage disabled or no data)",
+            }
+        )
     return out
 
 
@@ -237,6 +293,7 @@ def render_html(report: dict) -> str:
             h = report["histograms"].get(name, [0] * BINS)
             ax.bar(np.linspace(0, 1, BINS, endpoint=False), h, width=1 / BINS, align="edge", color="#228833")
             ax.set_title(f"{name} score (all documents scored)")
+
         return draw
 
     def languages(ax):
@@ -251,16 +308,17 @@ def render_html(report: dict) -> str:
         f"<tr class={'pass' if c['passed'] else 'fail'}><td>{html.escape(c['item'])}</td>"
         f"<td>{value(c['value'])}</td><td>{html.escape(c['threshold'])}</td>"
         f"<td>{'pass' if c['passed'] else 'FAIL'}</td><td>{html.escape(c['measures'])}</td></tr>"
-        for c in report["checklist"])
+        for c in report["checklist"]
+    )
     figures = [funnel, reasons, histogram("quality"), histogram("harm"), histogram("density"), languages]
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>lmfoundry curation report</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td,th{{padding:.2em .6em;text-align:left}}
 .pass td:nth-child(4){{color:#228833}}.fail td:nth-child(4){{color:#cc3311;font-weight:bold}}</style></head><body>
 <h1>Curation report</h1>
-<p>{report['documents_in']} documents in, {report['documents_kept']} kept, {report['documents_rejected']} rejected
-({100 * report['chars_kept_fraction']:.1f}% of characters kept) in {report['seconds']} s.</p>
+<p>{report["documents_in"]} documents in, {report["documents_kept"]} kept, {report["documents_rejected"]} rejected
+({100 * report["chars_kept_fraction"]:.1f}% of characters kept) in {report["seconds"]} s.</p>
 <h2>Data-quality checklist</h2>
 <table><tr><th>item</th><th>value</th><th>threshold</th><th>result</th><th>what it measures</th></tr>{rows}</table>
-<h2>Figures</h2>{''.join(_figure_png(f) for f in figures)}
-<h2>PII redacted</h2><p>{html.escape(str(report['pii_redacted']))}</p>
+<h2>Figures</h2>{"".join(_figure_png(f) for f in figures)}
+<h2>PII redacted</h2><p>{html.escape(str(report["pii_redacted"]))}</p>
 </body></html>"""

@@ -86,8 +86,10 @@ def _keyword_list(rng: random.Random) -> str:
     return " ".join(f"#{rng.choice(_SPAM_WORDS).strip('$!')}{rng.randint(0, 99)}" for _ in range(60))
 
 
-_SEO = ("Best {x} deals {y}! Top 10 {x} reviews. Cheap {x} online, free shipping. Buy {x} now and save. "
-        "Compare {x} prices. {x} near me. {x} {y} sale today only. Click for the best {x} offers!")
+_SEO = (
+    "Best {x} deals {y}! Top 10 {x} reviews. Cheap {x} online, free shipping. Buy {x} now and save. "
+    "Compare {x} prices. {x} near me. {x} {y} sale today only. Click for the best {x} offers!"
+)
 _TOPICS = ["shoes", "phones", "loans", "hotels", "watches", "casino", "diet pills", "crypto", "flights", "insurance"]
 
 
@@ -118,8 +120,13 @@ def web_like_documents(n: int, seed: int = 0) -> list[str]:
     return out
 
 
-def planted_duplicates(num_groups: int, copies: int = 3, seed: int = 0, words: int = 300,
-                       levels: tuple[float, ...] = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)):
+def planted_duplicates(
+    num_groups: int,
+    copies: int = 3,
+    seed: int = 0,
+    words: int = 300,
+    levels: tuple[float, ...] = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0),
+):
     """A corpus with planted near duplicates at known Jaccard levels, for measuring dedup.
 
     Each group is an original document (words drawn from a Zipf-like vocabulary, so unrelated
@@ -150,8 +157,8 @@ def planted_duplicates(num_groups: int, copies: int = 3, seed: int = 0, words: i
             del doc[i]
         else:  # move a 12-word "sentence" elsewhere
             j = rng.randrange(max(1, len(doc) - 12))
-            chunk = doc[j:j + 12]
-            del doc[j:j + 12]
+            chunk = doc[j : j + 12]
+            del doc[j : j + 12]
             k = rng.randrange(len(doc) + 1)
             doc[k:k] = chunk
 

@@ -15,8 +15,10 @@ from lmfoundry.model.tokenizer import SPECIAL_TOKENS
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
-                         f"{256 + len(SPECIAL_TOKENS)} (256 bytes and the special tokens)")
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
+            f"{256 + len(SPECIAL_TOKENS)} (256 bytes and the special tokens)"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

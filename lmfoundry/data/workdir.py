@@ -53,7 +53,8 @@ def read_parquet_files(files: list[str], columns: list[str] | None = None):
     import ray
 
     return ray.data.from_items([{"file": f} for f in files], override_num_blocks=len(files)).map_batches(
-        _read_files, fn_kwargs={"columns": columns}, batch_size=1, batch_format="numpy")
+        _read_files, fn_kwargs={"columns": columns}, batch_size=1, batch_format="numpy"
+    )
 
 
 def hash_sample(batch: pa.Table, rate: float) -> pa.Table:

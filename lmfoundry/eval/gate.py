@@ -44,8 +44,7 @@ def rule(metric: str) -> tuple[str, str, float]:
     for pattern, direction, kind, tolerance in RULES:
         if fnmatch.fnmatchcase(metric, pattern):
             return direction, kind, tolerance
-    raise ValueError(f"metric {metric!r} has no gate rule (direction and tolerance); known: "
-                     f"{[r[0] for r in RULES]}")
+    raise ValueError(f"metric {metric!r} has no gate rule (direction and tolerance); known: {[r[0] for r in RULES]}")
 
 
 def compare(metrics: dict[str, float], baseline: dict[str, float], cfg: GateConfig) -> dict:
@@ -54,8 +53,10 @@ def compare(metrics: dict[str, float], baseline: dict[str, float], cfg: GateConf
     that stopped running must not pass by silence."""
     unknown = sorted(set(cfg.tolerances) - set(baseline) - set(metrics))
     if unknown:
-        raise ValueError(f"gate.tolerances names metrics {unknown} that neither report has; metrics: "
-                         f"{sorted(set(baseline) | set(metrics))}")
+        raise ValueError(
+            f"gate.tolerances names metrics {unknown} that neither report has; metrics: "
+            f"{sorted(set(baseline) | set(metrics))}"
+        )
     checked, regressions, missing = [], [], []
     for name in sorted(baseline):
         if not any(fnmatch.fnmatchcase(name, p) for p in cfg.track):
@@ -68,10 +69,20 @@ def compare(metrics: dict[str, float], baseline: dict[str, float], cfg: GateConf
         old, new = baseline[name], metrics[name]
         worse_by = (old - new) if direction == "higher" else (new - old)
         allowed = tolerance * abs(old) if kind == "relative" else tolerance
-        entry = {"metric": name, "baseline": old, "value": new, "direction": direction,
-                 "worse_by": worse_by, "allowed": allowed}
+        entry = {
+            "metric": name,
+            "baseline": old,
+            "value": new,
+            "direction": direction,
+            "worse_by": worse_by,
+            "allowed": allowed,
+        }
         checked.append(entry)
         if worse_by > allowed + 1e-12:
             regressions.append(entry)
-    return {"passed": not regressions and not missing, "checked": checked, "regressions": regressions,
-            "missing": missing}
+    return {
+        "passed": not regressions and not missing,
+        "checked": checked,
+        "regressions": regressions,
+        "missing": missing,
+    }

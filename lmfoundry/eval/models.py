@@ -50,7 +50,7 @@ class Blocked(str):
 
 def cut_at_stop(text: str, stop: list[str]) -> str:
     cuts = [text.index(s) for s in stop if s and s in text]
-    return text[:min(cuts)] if cuts else text
+    return text[: min(cuts)] if cuts else text
 
 
 class CheckpointModel:
@@ -87,7 +87,7 @@ class CheckpointModel:
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole, head = self.encode(context + continuation), self.encode(context)
-        return head, whole[len(head):]
+        return head, whole[len(head) :]
 
     @torch.no_grad()
     def loglikelihood(self, requests: list[tuple[str, str]]) -> list[tuple[float, bool]]:
@@ -95,18 +95,18 @@ class CheckpointModel:
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]) - len(encoded[i][1]))
         for start in range(0, len(order), self.batch_size):
-            rows = order[start:start + self.batch_size]
+            rows = order[start : start + self.batch_size]
             inputs, spans = [], []
             for i in rows:
                 context, continuation = encoded[i]
                 if not continuation:
                     raise ValueError(f"request {i}: the continuation {requests[i][1]!r} has no tokens to score")
-                sequence = (context + continuation)[-(self.max_length + 1):][:-1]
+                sequence = (context + continuation)[-(self.max_length + 1) :][:-1]
                 inputs.append(sequence)
                 spans.append((len(sequence) - len(continuation), continuation))
             logprobs = self._logprobs(inputs)
             for r, (i, (begin, continuation)) in enumerate(zip(rows, spans)):
-                scored = logprobs[r, begin:begin + len(continuation)]
+                scored = logprobs[r, begin : begin + len(continuation)]
                 target = torch.tensor(continuation)
                 total = float(scored.gather(1, target[:, None]).sum())
                 results[i] = (total, bool((scored.argmax(dim=-1) == target).all()))
@@ -117,11 +117,11 @@ class CheckpointModel:
         """Summed negative log-likelihood of every token but the first of each sequence."""
         total = 0.0
         for start in range(0, len(sequences), self.batch_size):
-            rows = sequences[start:start + self.batch_size]
+            rows = sequences[start : start + self.batch_size]
             logprobs = self._logprobs([ids[:-1] for ids in rows])
             for r, ids in enumerate(rows):
                 targets = torch.tensor(ids[1:])
-                total -= float(logprobs[r, :len(targets)].gather(1, targets[:, None]).sum())
+                total -= float(logprobs[r, : len(targets)].gather(1, targets[:, None]).sum())
         return total
 
     def _logprobs(self, inputs: list[list[int]]) -> torch.Tensor:
@@ -129,37 +129,48 @@ class CheckpointModel:
         (causal attention: padding after a row never changes what comes before it)."""
         batch = torch.full((len(inputs), max(len(s) for s in inputs)), self.eos, dtype=torch.long)
         for r, s in enumerate(inputs):
-            batch[r, :len(s)] = torch.tensor(s)
+            batch[r, : len(s)] = torch.tensor(s)
         logits, _ = self.model(batch.to(self.device))
         return torch.log_softmax(logits.float(), dim=-1).cpu()
 
-    def _generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
-                  seed: int | None = None) -> tuple[str, bool]:
+    def _generate(
+        self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None
+    ) -> tuple[str, bool]:
         """Greedy text after `prompt`, which is cut from the left when prompt and reply would not
         fit in the context (the returned flag says so)."""
         from lmfoundry.model.generate import generate
 
         if max_tokens > self.max_length // 2:  # a reply may take at most half the context
-            logger.warning("max_tokens=%d is cut to %d: half of %s's context of %d", max_tokens,
-                           self.max_length // 2, self.name, self.max_length)
+            logger.warning(
+                "max_tokens=%d is cut to %d: half of %s's context of %d",
+                max_tokens,
+                self.max_length // 2,
+                self.name,
+                self.max_length,
+            )
             max_tokens = self.max_length // 2
         room = self.max_length - max_tokens
         truncated = len(prompt) > room
-        out = generate(self.model, prompt[-room:], max_tokens, temperature=temperature, stop_tokens=self.stop_tokens,
-                       seed=seed)
+        out = generate(
+            self.model, prompt[-room:], max_tokens, temperature=temperature, stop_tokens=self.stop_tokens, seed=seed
+        )
         return self.tokenizer.decode(out.tokens), truncated
 
     def complete(self, prompts: list[str], max_tokens: int, stop: list[str] = ()) -> list[str]:
         return [cut_at_stop(self._generate(self.encode(p) or [self.eos], max_tokens)[0], list(stop)) for p in prompts]
 
     def chat(self, conversations: list[list[dict]], max_tokens: int) -> list[str]:
-        return [self._generate(self.encode(self.template.render(messages)), max_tokens)[0].strip()
-                for messages in conversations]
+        return [
+            self._generate(self.encode(self.template.render(messages)), max_tokens)[0].strip()
+            for messages in conversations
+        ]
 
     def sample(self, conversations: list[list[dict]], max_tokens: int, temperature: float, seed: int) -> list[str]:
         """Sampled replies (the same seed, the same reply)."""
-        return [self._generate(self.encode(self.template.render(m)), max_tokens, temperature, seed + i)[0].strip()
-                for i, m in enumerate(conversations)]
+        return [
+            self._generate(self.encode(self.template.render(m)), max_tokens, temperature, seed + i)[0].strip()
+            for i, m in enumerate(conversations)
+        ]
 
 
 class EndpointModel:
@@ -167,8 +178,15 @@ class EndpointModel:
     completions over HTTP, greedy, several requests in flight so a batching server batches them.
     Context lengths are counted with a local tokenizer file when one is given, else in words."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, concurrency: int = 8,
-                 timeout_s: float = 120.0, tokenizer: str | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        concurrency: int = 8,
+        timeout_s: float = 120.0,
+        tokenizer: str | None = None,
+    ):
         import httpx
 
         self.name = f"{base_url} ({model})"
@@ -190,8 +208,10 @@ class EndpointModel:
         return len(text.split())
 
     def loglikelihood(self, requests: list[tuple[str, str]]) -> list[tuple[float, bool]]:
-        raise ValueError(f"{self.name}: log-likelihood suites (multiple choice, calibration) need a checkpoint; "
-                         "an OpenAI-compatible endpoint does not return the log-probabilities of a given text")
+        raise ValueError(
+            f"{self.name}: log-likelihood suites (multiple choice, calibration) need a checkpoint; "
+            "an OpenAI-compatible endpoint does not return the log-probabilities of a given text"
+        )
 
     def _post(self, path: str, body: dict) -> dict:
         response = self.client.post(path, json={"model": self.model, "temperature": 0.0, **body})  # greedy unless told
@@ -201,8 +221,9 @@ class EndpointModel:
             # this request cannot be served (e.g. longer than the context): an empty reply, counted;
             # a suite goes on with the rest
             with self._lock:
-                self.errors[f"{response.status_code}: {response.text[:120]}"] = \
+                self.errors[f"{response.status_code}: {response.text[:120]}"] = (
                     self.errors.get(f"{response.status_code}: {response.text[:120]}", 0) + 1
+                )
             return {"choices": [{"text": "", "message": {"content": ""}, "finish_reason": "error"}]}
         if response.status_code >= 400:
             raise RuntimeError(f"{self.name}{path} answered {response.status_code}: {response.text[:300]}")
@@ -217,19 +238,26 @@ class EndpointModel:
             body = {"prompt": prompt, "max_tokens": max_tokens, **({"stop": list(stop)[:4]} if stop else {})}
             choice = self._post("/v1/completions", body)["choices"][0]
             return _reply(cut_at_stop(choice["text"], list(stop)), choice)
+
         return self._map(one, prompts)
 
     def chat(self, conversations: list[list[dict]], max_tokens: int) -> list[str]:
         return self.sample(conversations, max_tokens, 0.0, None)
 
-    def sample(self, conversations: list[list[dict]], max_tokens: int, temperature: float,
-               seed: int | None) -> list[str]:
+    def sample(
+        self, conversations: list[list[dict]], max_tokens: int, temperature: float, seed: int | None
+    ) -> list[str]:
         def one(item: tuple[int, list[dict]]) -> str:
             i, messages = item
-            body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-                    **({"seed": seed + i} if seed is not None else {})}
+            body = {
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                **({"seed": seed + i} if seed is not None else {}),
+            }
             choice = self._post("/v1/chat/completions", body)["choices"][0]
             return _reply((choice["message"].get("content") or "").strip(), choice)
+
         return self._map(one, list(enumerate(conversations)))
 
 

@@ -24,17 +24,77 @@ from pydantic import Field
 from lmfoundry.eval.models import EvalModel
 from lmfoundry.platform.config import StageConfig
 
-CITIES = ["Lisbon", "Nairobi", "Osaka", "Quito", "Tromso", "Hanoi", "Accra", "Tbilisi", "Perth", "Bergen",
-          "Cusco", "Dakar", "Lyon", "Porto", "Riga", "Sapporo", "Tunis", "Utrecht", "Valencia", "Windhoek"]
+CITIES = [
+    "Lisbon",
+    "Nairobi",
+    "Osaka",
+    "Quito",
+    "Tromso",
+    "Hanoi",
+    "Accra",
+    "Tbilisi",
+    "Perth",
+    "Bergen",
+    "Cusco",
+    "Dakar",
+    "Lyon",
+    "Porto",
+    "Riga",
+    "Sapporo",
+    "Tunis",
+    "Utrecht",
+    "Valencia",
+    "Windhoek",
+]
 # filler in the spirit of the essays the original test used: plain, on-topic for nothing
-SUBJECTS = ["The committee", "A farmer", "The old library", "Our neighbour", "The river", "A small company",
-            "The museum", "The orchestra", "A traveller", "The school"]
-VERBS = ["opened", "painted", "described", "repaired", "visited", "measured", "planned", "studied", "counted",
-         "photographed"]
-OBJECTS = ["the northern bridge", "a wooden boat", "the winter garden", "an empty warehouse", "the harbour wall",
-           "a long letter", "the village square", "a stone tower", "the morning market", "a quiet street"]
-TIMES = ["last spring", "after lunch", "before the storm", "every Tuesday", "in the evening", "during the festival",
-         "at dawn", "over the summer", "once a year", "the day before"]
+SUBJECTS = [
+    "The committee",
+    "A farmer",
+    "The old library",
+    "Our neighbour",
+    "The river",
+    "A small company",
+    "The museum",
+    "The orchestra",
+    "A traveller",
+    "The school",
+]
+VERBS = [
+    "opened",
+    "painted",
+    "described",
+    "repaired",
+    "visited",
+    "measured",
+    "planned",
+    "studied",
+    "counted",
+    "photographed",
+]
+OBJECTS = [
+    "the northern bridge",
+    "a wooden boat",
+    "the winter garden",
+    "an empty warehouse",
+    "the harbour wall",
+    "a long letter",
+    "the village square",
+    "a stone tower",
+    "the morning market",
+    "a quiet street",
+]
+TIMES = [
+    "last spring",
+    "after lunch",
+    "before the storm",
+    "every Tuesday",
+    "in the evening",
+    "during the festival",
+    "at dawn",
+    "over the summer",
+    "once a year",
+    "the day before",
+]
 
 
 class NeedleConfig(StageConfig):
@@ -56,12 +116,14 @@ def filler_sentences(cfg: NeedleConfig, rng: random.Random) -> list[str]:
         if not sentences:
             raise ValueError(f"needle haystack {cfg.haystack} holds no sentences")
         return sentences
-    return [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(TIMES)}."
-            for _ in range(2000)]
+    return [
+        f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(TIMES)}." for _ in range(2000)
+    ]
 
 
-def build_haystack(model: EvalModel, sentences: list[str], length: int, depth: float, needle: str,
-                   question: str, rng: random.Random) -> str:
+def build_haystack(
+    model: EvalModel, sentences: list[str], length: int, depth: float, needle: str, question: str, rng: random.Random
+) -> str:
     """Filler around the needle, `depth` of the way in, so that filler, needle and question make
     about `length` tokens."""
     budget = length - model.count_tokens(needle) - model.count_tokens(question)
@@ -103,7 +165,7 @@ def run_needle(model: EvalModel, cfg: NeedleConfig) -> dict:
         flat = model.loglikelihood([r for group in requests for r in group])
         found, i = [], 0
         for group in requests:
-            lls = [ll for ll, _ in flat[i:i + len(group)]]
+            lls = [ll for ll, _ in flat[i : i + len(group)]]
             found.append(lls[0] > max(lls[1:]))
             i += len(group)
     grid: dict[int, dict[float, list[bool]]] = {}
@@ -116,7 +178,14 @@ def run_needle(model: EvalModel, cfg: NeedleConfig) -> dict:
         if by_length[L] < cfg.threshold:
             break
         effective = L
-    return {"mode": cfg.mode, "lengths": cfg.lengths, "depths": cfg.depths, "trials": cfg.trials,
-            "heatmap": heatmap, "retrieval_by_length": {str(L): r for L, r in by_length.items()},
-            "threshold": cfg.threshold, "effective_context_length": effective,
-            "chance": 1 / (cfg.distractors + 1) if cfg.mode == "loglikelihood" else 0.0}
+    return {
+        "mode": cfg.mode,
+        "lengths": cfg.lengths,
+        "depths": cfg.depths,
+        "trials": cfg.trials,
+        "heatmap": heatmap,
+        "retrieval_by_length": {str(L): r for L, r in by_length.items()},
+        "threshold": cfg.threshold,
+        "effective_context_length": effective,
+        "chance": 1 / (cfg.distractors + 1) if cfg.mode == "loglikelihood" else 0.0,
+    }

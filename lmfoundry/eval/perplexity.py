@@ -37,13 +37,17 @@ class SequenceNLL:
     def __call__(self, batch: pa.Table) -> pa.Table:
         tokens = torch.from_numpy(np.stack(batch.column("tokens").to_numpy(zero_copy_only=False)).astype(np.int64))
         logits, _ = self.model(tokens[:, :-1])
-        nll = torch.nn.functional.cross_entropy(
-            logits.float().transpose(1, 2), tokens[:, 1:], reduction="none"
-        ).sum(dim=1)
+        nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), tokens[:, 1:], reduction="none").sum(
+            dim=1
+        )
         targets = tokens[:, 1:].numpy()
-        return pa.table({"nll": pa.array(nll.double().numpy()),
-                         "tokens": pa.array(np.full(len(nll), targets.shape[1], dtype=np.int64)),
-                         "bytes": pa.array(self.byte_lengths[targets].sum(axis=1))})
+        return pa.table(
+            {
+                "nll": pa.array(nll.double().numpy()),
+                "tokens": pa.array(np.full(len(nll), targets.shape[1], dtype=np.int64)),
+                "bytes": pa.array(self.byte_lengths[targets].sum(axis=1)),
+            }
+        )
 
 
 def _shards(data: str, split: str) -> list[str]:
@@ -53,8 +57,9 @@ def _shards(data: str, split: str) -> list[str]:
     return files
 
 
-def perplexity(ckpt_dir: str, data: str, split: str, batch_size: int = 16, max_sequences: int | None = None,
-               use_ray: bool = True) -> dict:
+def perplexity(
+    ckpt_dir: str, data: str, split: str, batch_size: int = 16, max_sequences: int | None = None, use_ray: bool = True
+) -> dict:
     """Over Ray Data actors (`use_ray`), or in this process (the fast suite that pretraining
     runs on each checkpoint, a few batches)."""
     files = _shards(data, split)
@@ -64,8 +69,13 @@ def perplexity(ckpt_dir: str, data: str, split: str, batch_size: int = 16, max_s
         ds = ray.data.read_parquet(files, columns=["tokens"])
         if max_sequences:
             ds = ds.limit(max_sequences)
-        scored = ds.map_batches(SequenceNLL, fn_constructor_args=(ckpt_dir,), batch_size=batch_size,
-                                batch_format="pyarrow", concurrency=(1, 2)).iter_batches(batch_format="pyarrow")
+        scored = ds.map_batches(
+            SequenceNLL,
+            fn_constructor_args=(ckpt_dir,),
+            batch_size=batch_size,
+            batch_format="pyarrow",
+            concurrency=(1, 2),
+        ).iter_batches(batch_format="pyarrow")
     else:
         scored = _local_batches(SequenceNLL(ckpt_dir, single_thread=False), files, batch_size, max_sequences)
     total_nll, total_tokens, total_bytes, n_seqs = 0.0, 0, 0, 0
@@ -76,8 +86,15 @@ def perplexity(ckpt_dir: str, data: str, split: str, batch_size: int = 16, max_s
         n_seqs += b.num_rows
     mean_nll = total_nll / max(total_tokens, 1)
     # bits per byte of the text the tokens stand for: comparable across tokenizers, unlike perplexity
-    return {"split": split, "sequences": n_seqs, "tokens": total_tokens, "bytes": total_bytes, "loss": mean_nll,
-            "perplexity": math.exp(mean_nll), "bits_per_byte": total_nll / math.log(2) / max(total_bytes, 1)}
+    return {
+        "split": split,
+        "sequences": n_seqs,
+        "tokens": total_tokens,
+        "bytes": total_bytes,
+        "loss": mean_nll,
+        "perplexity": math.exp(mean_nll),
+        "bits_per_byte": total_nll / math.log(2) / max(total_bytes, 1),
+    }
 
 
 def _local_batches(score: SequenceNLL, files: list[str], batch_size: int, max_sequences: int | None):
@@ -119,6 +136,6 @@ def text_bits_per_byte(model, files: list[str], text_field: str = "text", max_do
         # the end-of-text token opens every document, so its first token is predicted too
         ids = [model.eos] + ids
         for start in range(0, len(ids) - 1, window):
-            requests.append(ids[start:start + window + 1])
+            requests.append(ids[start : start + window + 1])
     total = model.sequence_nll(requests)
     return {"documents": len(docs), "bytes": n_bytes, "bits_per_byte": total / math.log(2) / max(n_bytes, 1)}

@@ -17,9 +17,9 @@ from pydantic import Field, model_validator
 from lmfoundry.eval import gate, hhh, needle, perplexity, redteam, tasks
 from lmfoundry.eval.gate import GateConfig
 from lmfoundry.eval.hhh import HHHConfig
+from lmfoundry.eval.models import CheckpointModel, EndpointModel, EvalModel
 from lmfoundry.eval.needle import NeedleConfig
 from lmfoundry.eval.redteam import RedTeamConfig
-from lmfoundry.eval.models import CheckpointModel, EndpointModel, EvalModel
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
@@ -62,8 +62,9 @@ class EvaluateConfig(EvalSuites):
     @model_validator(mode="after")
     def _one_model(self):
         if (self.checkpoint is None) == (self.endpoint is None):
-            raise ValueError("set exactly one of checkpoint (a local checkpoint) and endpoint (an OpenAI-compatible "
-                             "server)")
+            raise ValueError(
+                "set exactly one of checkpoint (a local checkpoint) and endpoint (an OpenAI-compatible server)"
+            )
         if self.endpoint is not None and self.data:
             raise ValueError("data (token-shard perplexity) needs a checkpoint, not an endpoint")
         return self
@@ -108,8 +109,13 @@ def flatten(report: dict) -> dict[str, float]:
     return m
 
 
-def evaluate(model: EvalModel, suites: EvalSuites, checkpoint_dir: str | None = None, out_dir: str | None = None,
-             use_ray: bool = True) -> dict:
+def evaluate(
+    model: EvalModel,
+    suites: EvalSuites,
+    checkpoint_dir: str | None = None,
+    out_dir: str | None = None,
+    use_ray: bool = True,
+) -> dict:
     """Run the suites `suites` turns on; the report (without gate or timing)."""
     report: dict = {"model": model.name, "suites": {}}
 
@@ -122,8 +128,12 @@ def evaluate(model: EvalModel, suites: EvalSuites, checkpoint_dir: str | None = 
 
     lm = {}
     if suites.data:
-        lm["token_shards"] = timed("perplexity", lambda: perplexity.perplexity(
-            checkpoint_dir, suites.data, suites.split, suites.batch_size, suites.max_sequences, use_ray=use_ray))
+        lm["token_shards"] = timed(
+            "perplexity",
+            lambda: perplexity.perplexity(
+                checkpoint_dir, suites.data, suites.split, suites.batch_size, suites.max_sequences, use_ray=use_ray
+            ),
+        )
         lm["token_shards"]["uniform_perplexity"] = model.model.cfg.vocab_size
     if suites.text:
         lm["text"] = timed("text", lambda: perplexity.text_bits_per_byte(model, suites.text))
@@ -133,7 +143,7 @@ def evaluate(model: EvalModel, suites: EvalSuites, checkpoint_dir: str | None = 
         loaded = tasks.load_tasks(task_files(suites.tasks))
         report["tasks"] = {}
         for task in loaded:
-            result = timed(f"task:{task.name}", lambda: tasks.run_task(task, model, suites.task_limit))
+            result = timed(f"task:{task.name}", lambda task=task: tasks.run_task(task, model, suites.task_limit))
             report["tasks"][task.name] = {k: v for k, v in result.items() if k != "samples"}
     if suites.hhh is not None:
         report.update(timed("hhh", lambda: hhh.run_hhh(model, suites.hhh)))
@@ -197,8 +207,12 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
         for name, value in sorted(report["metrics"].items()):
             logger.info("evaluate: %-45s %.4g", name, value)
     if report["gate"] and not report["gate"]["passed"]:
-        worse = ", ".join(f"{r['metric']} {r['baseline']:.4g} -> {r['value']:.4g}" for r in report["gate"]["regressions"])
+        worse = ", ".join(
+            f"{r['metric']} {r['baseline']:.4g} -> {r['value']:.4g}" for r in report["gate"]["regressions"]
+        )
         gone = ", ".join(report["gate"]["missing"])
-        raise StageFailed(f"the gate failed against {cfg.gate.baseline}: regressed: {worse or 'none'}"
-                          f"{'; missing: ' + gone if gone else ''} (report in {out})")
+        raise StageFailed(
+            f"the gate failed against {cfg.gate.baseline}: regressed: {worse or 'none'}"
+            f"{'; missing: ' + gone if gone else ''} (report in {out})"
+        )
     return report

@@ -34,13 +34,37 @@ from lmfoundry.platform.log import get_logger
 logger = get_logger(__name__)
 
 OUTPUT_TYPES = ("multiple_choice", "generate_until", "loglikelihood")
-METRICS = {"multiple_choice": ("acc", "acc_norm"), "generate_until": ("exact_match",),
-           "loglikelihood": ("acc", "perplexity")}
+METRICS = {
+    "multiple_choice": ("acc", "acc_norm"),
+    "generate_until": ("exact_match",),
+    "loglikelihood": ("acc", "perplexity"),
+}
 SUPPORTED_KEYS = {
-    "task", "tag", "group", "dataset_path", "dataset_name", "dataset_kwargs", "test_split", "validation_split",
-    "training_split", "fewshot_split", "output_type", "doc_to_text", "doc_to_target", "doc_to_choice",
-    "target_delimiter", "fewshot_delimiter", "description", "num_fewshot", "fewshot_config", "generation_kwargs",
-    "metric_list", "metadata", "should_decontaminate", "doc_to_decontamination_query", "repeats",
+    "task",
+    "tag",
+    "group",
+    "dataset_path",
+    "dataset_name",
+    "dataset_kwargs",
+    "test_split",
+    "validation_split",
+    "training_split",
+    "fewshot_split",
+    "output_type",
+    "doc_to_text",
+    "doc_to_target",
+    "doc_to_choice",
+    "target_delimiter",
+    "fewshot_delimiter",
+    "description",
+    "num_fewshot",
+    "fewshot_config",
+    "generation_kwargs",
+    "metric_list",
+    "metadata",
+    "should_decontaminate",
+    "doc_to_decontamination_query",
+    "repeats",
 }
 LOCAL_FORMATS = ("json", "csv", "parquet")
 
@@ -50,8 +74,10 @@ class _HarnessLoader(yaml.SafeLoader):
 
 
 def _refuse_function(loader, node):
-    raise ValueError(f"'!function {loader.construct_scalar(node)}': Python hooks in task files are not supported "
-                     "(write the prompt as a Jinja template or a field name)")
+    raise ValueError(
+        f"'!function {loader.construct_scalar(node)}': Python hooks in task files are not supported "
+        "(write the prompt as a Jinja template or a field name)"
+    )
 
 
 _HarnessLoader.add_constructor("!function", _refuse_function)
@@ -142,9 +168,10 @@ class Task:
         return str(target[0] if isinstance(target, list) else target)
 
     def context(self, doc: dict) -> str:
-        shots = [d for d in self.fewshot_docs if d is not doc][:self.num_fewshot]
-        examples = "".join(self.text(d) + self.target_delimiter + self.target_text(d) + self.fewshot_delimiter
-                           for d in shots)
+        shots = [d for d in self.fewshot_docs if d is not doc][: self.num_fewshot]
+        examples = "".join(
+            self.text(d) + self.target_delimiter + self.target_text(d) + self.fewshot_delimiter for d in shots
+        )
         return self.description + examples + self.text(doc)
 
 
@@ -169,15 +196,18 @@ def _read_records(path: Path) -> list[dict]:
 def _split_files(spec: dict, base: Path) -> dict[str, list[Path]]:
     files = (spec.get("dataset_kwargs") or {}).get("data_files")
     if files is None:
-        raise ValueError(f"task {spec.get('task')}: dataset_kwargs.data_files is required (local files only; "
-                         "hub datasets cannot be fetched offline)")
+        raise ValueError(
+            f"task {spec.get('task')}: dataset_kwargs.data_files is required (local files only; "
+            "hub datasets cannot be fetched offline)"
+        )
     if isinstance(files, (str, list)):
         files = {"train": files}
     resolved = {}
     for split, names in files.items():
         names = [names] if isinstance(names, str) else names
-        resolved[split] = [p if p.is_absolute() else (base / p if (base / p).exists() else Path.cwd() / p)
-                           for p in map(Path, names)]
+        resolved[split] = [
+            p if p.is_absolute() else (base / p if (base / p).exists() else Path.cwd() / p) for p in map(Path, names)
+        ]
     return resolved
 
 
@@ -194,8 +224,9 @@ def load_task(path: str | Path) -> Task:
     if output_type not in OUTPUT_TYPES:
         raise ValueError(f"{path}: output_type {output_type!r}; allowed: {list(OUTPUT_TYPES)}")
     if spec.get("dataset_path") not in LOCAL_FORMATS:
-        raise ValueError(f"{path}: dataset_path {spec.get('dataset_path')!r}; allowed (local files): "
-                         f"{list(LOCAL_FORMATS)}")
+        raise ValueError(
+            f"{path}: dataset_path {spec.get('dataset_path')!r}; allowed (local files): {list(LOCAL_FORMATS)}"
+        )
     if spec.get("dataset_name"):
         raise ValueError(f"{path}: dataset_name is for hub datasets; local files need none")
     if (spec.get("repeats") or 1) != 1:
@@ -205,12 +236,15 @@ def load_task(path: str | Path) -> Task:
         raise ValueError(f"{path}: fewshot_config.sampler {sampler!r} is not supported; allowed: ['first_n']")
     if output_type == "multiple_choice" and spec.get("doc_to_choice") is None:
         raise ValueError(f"{path}: a multiple_choice task needs doc_to_choice")
-    splits = {split: [r for f in files for r in _read_records(f)]
-              for split, files in _split_files(spec, path.parent).items()}
+    splits = {
+        split: [r for f in files for r in _read_records(f)] for split, files in _split_files(spec, path.parent).items()
+    }
     eval_split = spec.get("test_split") or spec.get("validation_split")
     if eval_split not in splits:
-        raise ValueError(f"{path}: split {eval_split!r} (test_split or validation_split) is not among the data "
-                         f"files' splits {sorted(splits)}")
+        raise ValueError(
+            f"{path}: split {eval_split!r} (test_split or validation_split) is not among the data "
+            f"files' splits {sorted(splits)}"
+        )
     fewshot_split = spec.get("fewshot_split") or spec.get("training_split") or spec.get("validation_split")
     num_fewshot = int(spec.get("num_fewshot") or 0)
     if num_fewshot and fewshot_split not in splits:
@@ -226,13 +260,20 @@ def load_task(path: str | Path) -> Task:
     fewshot_delimiter = spec.get("fewshot_delimiter", "\n\n")
     until = gen.get("until", [fewshot_delimiter])
     return Task(
-        name=name, output_type=output_type, docs=splits[eval_split],
+        name=name,
+        output_type=output_type,
+        docs=splits[eval_split],
         fewshot_docs=splits.get(fewshot_split, []),
-        doc_to_text=spec["doc_to_text"], doc_to_target=spec.get("doc_to_target", ""),
-        doc_to_choice=spec.get("doc_to_choice"), metrics=metrics,
-        target_delimiter=spec.get("target_delimiter", " "), fewshot_delimiter=fewshot_delimiter,
-        description=spec.get("description") or "", num_fewshot=num_fewshot,
-        until=[until] if isinstance(until, str) else list(until), max_gen_toks=int(gen.get("max_gen_toks", 32)),
+        doc_to_text=spec["doc_to_text"],
+        doc_to_target=spec.get("doc_to_target", ""),
+        doc_to_choice=spec.get("doc_to_choice"),
+        metrics=metrics,
+        target_delimiter=spec.get("target_delimiter", " "),
+        fewshot_delimiter=fewshot_delimiter,
+        description=spec.get("description") or "",
+        num_fewshot=num_fewshot,
+        until=[until] if isinstance(until, str) else list(until),
+        max_gen_toks=int(gen.get("max_gen_toks", 32)),
         source=str(path),
     )
 
@@ -271,12 +312,17 @@ def run_task(task: Task, model: EvalModel, limit: int | None = None) -> dict:
             lls = [scored[start + k][0] for k in range(len(choices))]
             gold = task.gold_index(doc)
             normed = [ll / max(len(c), 1) for ll, c in zip(lls, choices)]
-            samples.append({"loglikelihoods": lls, "gold": gold,
-                            "acc": float(max(range(len(lls)), key=lls.__getitem__) == gold),
-                            "acc_norm": float(max(range(len(normed)), key=normed.__getitem__) == gold)})
+            samples.append(
+                {
+                    "loglikelihoods": lls,
+                    "gold": gold,
+                    "acc": float(max(range(len(lls)), key=lls.__getitem__) == gold),
+                    "acc_norm": float(max(range(len(normed)), key=normed.__getitem__) == gold),
+                }
+            )
     elif task.output_type == "loglikelihood":
         scored = model.loglikelihood([(task.context(d), task.target_text(d)) for d in docs])
-        for doc, (ll, greedy) in zip(docs, scored):
+        for ll, greedy in scored:
             samples.append({"loglikelihood": ll, "acc": float(greedy)})
     else:
         outputs = model.complete([task.context(d) for d in docs], task.max_gen_toks, task.until)
@@ -292,8 +338,13 @@ def run_task(task: Task, model: EvalModel, limit: int | None = None) -> dict:
             metrics[name] = math.exp(-sum(s["loglikelihood"] for s in samples) / max(len(samples), 1))
         else:
             metrics[name] = sum(s[name] for s in samples) / max(len(samples), 1)
-    return {"task": task.name, "output_type": task.output_type, "documents": len(docs), "metrics": metrics,
-            "samples": samples}
+    return {
+        "task": task.name,
+        "output_type": task.output_type,
+        "documents": len(docs),
+        "metrics": metrics,
+        "samples": samples,
+    }
 
 
 def harness_copy(task_files: list[str], directory: str | Path) -> Path:
@@ -304,7 +355,8 @@ def harness_copy(task_files: list[str], directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for f in map(Path, task_files):
         spec = yaml.safe_load(f.read_text(encoding="utf-8"))
-        spec["dataset_kwargs"]["data_files"] = {split: [str(p.resolve()) for p in paths] for split, paths in
-                                                _split_files(spec, f.parent).items()}
+        spec["dataset_kwargs"]["data_files"] = {
+            split: [str(p.resolve()) for p in paths] for split, paths in _split_files(spec, f.parent).items()
+        }
         (directory / f.name).write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
     return directory

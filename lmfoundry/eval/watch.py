@@ -92,8 +92,13 @@ class CheckpointEvaluator:
                 logger.warning("evaluation of checkpoint %d failed: %s", step, record["error"])
             else:
                 shown = {k: round(v, 4) for k, v in list(record["metrics"].items())[:4]}
-                logger.info("checkpoint %d evaluated in %.1f s: %s%s", step, record["seconds"], shown,
-                            "" if record.get("gate_passed", True) else " (the gate FAILED)")
+                logger.info(
+                    "checkpoint %d evaluated in %.1f s: %s%s",
+                    step,
+                    record["seconds"],
+                    shown,
+                    "" if record.get("gate_passed", True) else " (the gate FAILED)",
+                )
 
     def _watch(self) -> None:
         while not self._stop.is_set():

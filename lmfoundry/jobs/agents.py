@@ -1,7 +1,7 @@
 """Serve agent workflows (and, with a `model` section, the model they call) on Ray Serve.
 
-    lmfoundry agents demo-data --out work/agents
-    LMFOUNDRY_AGENT_KEY=sk-... lmfoundry agents configs/agents.yaml
+lmfoundry agents demo-data --out work/agents
+LMFOUNDRY_AGENT_KEY=sk-... lmfoundry agents configs/agents.yaml
 """
 
 import argparse
@@ -53,15 +53,20 @@ def demo_data(out: str) -> dict:
     db.unlink(missing_ok=True)
     conn = sqlite3.connect(db)
     conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, customer TEXT, item TEXT, total REAL, status TEXT)")
-    rows = [(c, item, round(9.5 + 7.25 * i, 2), "shipped" if i % 3 else "returned")
-            for i, (c, item) in enumerate([(c, it) for c in ("acme", "globex", "initech") for it in
-                                           ("kettle", "lamp", "desk", "chair")])]
+    rows = [
+        (c, item, round(9.5 + 7.25 * i, 2), "shipped" if i % 3 else "returned")
+        for i, (c, item) in enumerate(
+            [(c, it) for c in ("acme", "globex", "initech") for it in ("kettle", "lamp", "desk", "chair")]
+        )
+    ]
     conn.executemany("INSERT INTO orders (customer, item, total, status) VALUES (?, ?, ?, ?)", rows)
     conn.commit()
     conn.close()
-    docs = [{"id": "refunds", "text": "Refunds are paid within 14 days of the return reaching the warehouse."},
-            {"id": "shipping", "text": "Orders ship in two working days; orders over 50 euros ship free."},
-            {"id": "warranty", "text": "Furniture carries a two-year warranty; lamps and kettles one year."}]
+    docs = [
+        {"id": "refunds", "text": "Refunds are paid within 14 days of the return reaching the warehouse."},
+        {"id": "shipping", "text": "Orders ship in two working days; orders over 50 euros ship free."},
+        {"id": "warranty", "text": "Furniture carries a two-year warranty; lamps and kettles one year."},
+    ]
     (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     return {"orders": str(db), "orders_rows": len(rows), "docs": str(root / "docs.jsonl")}
 
@@ -73,8 +78,9 @@ def main(argv=None) -> int:
         p.add_argument("--out", default="work/agents")
         print(json.dumps(demo_data(p.parse_args(argv[1:]).out), indent=2))
         return 0
-    return run_stage("agents", AgentsJobConfig, run_agents, argv, input_field=None, output_field=None,
-                     description=__doc__)
+    return run_stage(
+        "agents", AgentsJobConfig, run_agents, argv, input_field=None, output_field=None, description=__doc__
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ from lmfoundry.train.dpo import DPOConfig, run_dpo
 
 
 class AlignJobConfig(DPOConfig):
-    eval: EvalSuites | None = Field(None, description="suites run before and after; the result is gated "
-                                                      "against the starting checkpoint's report")
+    eval: EvalSuites | None = Field(
+        None, description="suites run before and after; the result is gated against the starting checkpoint's report"
+    )
 
 
 def _evaluate(uri: str, suites: EvalSuites) -> dict:

@@ -1,6 +1,6 @@
 """Curate a raw corpus with Ray Data.
 
-    python -m lmfoundry.jobs.curate configs/curate.yaml --input data/raw --output work/curated
+python -m lmfoundry.jobs.curate configs/curate.yaml --input data/raw --output work/curated
 """
 
 import sys

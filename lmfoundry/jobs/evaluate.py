@@ -18,7 +18,7 @@ def main(argv=None) -> int:
         if at + 1 >= len(argv):
             print("error: --baseline needs a path to an earlier eval.json", file=sys.stderr)
             return 2
-        argv[at:at + 2] = ["--set", f"gate.baseline={argv[at + 1]}"]
+        argv[at : at + 2] = ["--set", f"gate.baseline={argv[at + 1]}"]
     return run_stage("evaluate", EvaluateConfig, run_evaluate, argv, input_field="checkpoint", description=__doc__)
 
 

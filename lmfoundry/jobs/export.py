@@ -1,6 +1,6 @@
 """Export a checkpoint (or a pretrain run's final checkpoint) for Hugging Face `transformers` and vLLM.
 
-    lmfoundry export work/quickstart/pretrain --format hf work/hf
+lmfoundry export work/quickstart/pretrain --format hf work/hf
 """
 
 import argparse
@@ -11,8 +11,9 @@ from lmfoundry.platform import checkpoint
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="lmfoundry export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="lmfoundry export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("checkpoint", help="a checkpoint directory or a pretrain run directory")
     p.add_argument("output", help="directory to write the exported model to")
     p.add_argument("--format", choices=["hf"], default="hf", help="hf: Llama architecture, safetensors")

@@ -1,6 +1,6 @@
 """Train the tokenizer on curated text and pack it into fixed-length token sequences.
 
-    python -m lmfoundry.jobs.pack configs/pack.yaml --input work/curated --output work/packed
+python -m lmfoundry.jobs.pack configs/pack.yaml --input work/curated --output work/packed
 """
 
 import sys

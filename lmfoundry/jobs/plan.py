@@ -26,16 +26,22 @@ from lmfoundry.train.config import PretrainConfig, deepspeed_config
 
 def recipe_model(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelConfig:
     """The recipe's model with vocab_size and max_seq_len filled where it leaves them to the data."""
-    return cfg.model.model_copy(update={"vocab_size": cfg.model.vocab_size or vocab_size,
-                                        "max_seq_len": cfg.model.max_seq_len or seq_len})
+    return cfg.model.model_copy(
+        update={"vocab_size": cfg.model.vocab_size or vocab_size, "max_seq_len": cfg.model.max_seq_len or seq_len}
+    )
 
 
 def recipe_for(cfg: PretrainConfig, plan, path: str) -> dict:
     """The recipe with the chosen data/expert-parallel layout filled in."""
     with open(path) as f:
         out = yaml.safe_load(f)
-    out.update(num_workers=plan.layout.dp, expert_parallel_size=plan.layout.ep, micro_batch_size=plan.micro_batch_size,
-               use_gpu=True, precision="bf16")
+    out.update(
+        num_workers=plan.layout.dp,
+        expert_parallel_size=plan.layout.ep,
+        micro_batch_size=plan.micro_batch_size,
+        use_gpu=True,
+        precision="bf16",
+    )
     return out
 
 
@@ -48,12 +54,19 @@ def plot_layouts(plans, cluster: Cluster, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for fits, color in ((True, "tab:blue"), (False, "tab:red")):
         chosen = [pl for pl in plans if pl.fits == fits]
-        ax.scatter([pl.memory_gb["total"] for pl in chosen], [pl.tokens_per_s for pl in chosen], s=14, c=color,
-                   label="fits" if fits else "does not fit")
+        ax.scatter(
+            [pl.memory_gb["total"] for pl in chosen],
+            [pl.tokens_per_s for pl in chosen],
+            s=14,
+            c=color,
+            label="fits" if fits else "does not fit",
+        )
     ax.axvline(cluster.gpu.memory_gb, color="gray", linestyle="--", label=f"{cluster.gpu.name} memory")
     best = plans[0].layout
-    ax.annotate(f"tp{best.tp} pp{best.pp} dp{best.dp} ep{best.ep} v{best.virtual_stages}",
-                (plans[0].memory_gb["total"], plans[0].tokens_per_s))
+    ax.annotate(
+        f"tp{best.tp} pp{best.pp} dp{best.dp} ep{best.ep} v{best.virtual_stages}",
+        (plans[0].memory_gb["total"], plans[0].tokens_per_s),
+    )
     ax.set_xlabel("per-GPU memory, GB")
     ax.set_ylabel("tokens/s")
     ax.legend()
@@ -64,8 +77,9 @@ def plot_layouts(plans, cluster: Cluster, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="lmfoundry plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="lmfoundry plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config", help="a pretrain recipe")
     p.add_argument("--gpu", default="H100")
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -84,54 +98,82 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_config(PretrainConfig, args.config)
-        cluster = Cluster(gpu(args.gpu), args.gpus_per_node, args.nodes, args.price, args.failures_per_gpu_day,
-                          args.storage_gbs)
+        cluster = Cluster(
+            gpu(args.gpu), args.gpus_per_node, args.nodes, args.price, args.failures_per_gpu_day, args.storage_gbs
+        )
         model_cfg = recipe_model(cfg, args.vocab_size, args.seq_len)
         shape = model_shape(model_cfg)
         seq = model_cfg.max_seq_len
         # GPUs train in bf16 unless the recipe insists on fp32
-        recipe = Recipe(seq_len=seq, global_batch_tokens=cfg.global_batch_tokens, token_budget=args.token_budget,
-                        zero_stage=cfg.zero_stage, activation_checkpointing=cfg.model.activation_checkpointing,
-                        precision="fp32" if cfg.precision == "fp32" else "bf16",
-                        reduce_bucket_size=cfg.reduce_bucket_size, offload_optimizer=cfg.offload_optimizer)
+        recipe = Recipe(
+            seq_len=seq,
+            global_batch_tokens=cfg.global_batch_tokens,
+            token_budget=args.token_budget,
+            zero_stage=cfg.zero_stage,
+            activation_checkpointing=cfg.model.activation_checkpointing,
+            precision="fp32" if cfg.precision == "fp32" else "bf16",
+            reduce_bucket_size=cfg.reduce_bucket_size,
+            offload_optimizer=cfg.offload_optimizer,
+        )
     except (ConfigError, ValueError) as e:
         print(f"error: plan: {e}", file=sys.stderr)
         return 2
     sizes = (args.micro_batch_size,) if args.micro_batch_size else (1, 2, 4, 8)
     plans = search(shape, recipe, cluster, micro_batch_sizes=sizes)
     if not plans:
-        print(f"error: plan: no layout divides {cluster.gpus} GPUs, {shape.n_layer} layers and a global batch "
-              f"of {recipe.global_batch_tokens} tokens", file=sys.stderr)
+        print(
+            f"error: plan: no layout divides {cluster.gpus} GPUs, {shape.n_layer} layers and a global batch "
+            f"of {recipe.global_batch_tokens} tokens",
+            file=sys.stderr,
+        )
         return 2
-    print(f"{args.config}: {shape.total_params / 1e9:.2f}B parameters ({shape.expert_params / 1e9:.2f}B in routed "
-          f"experts), {shape.train_flops_per_token / 1e9:.1f} GFLOP per token; {cluster.gpus} x {cluster.gpu.name}; "
-          f"ZeRO-{recipe.zero_stage}, {recipe.global_batch_tokens} tokens a step, budget {recipe.token_budget:.3g} tokens")
-    print(f"{'tp':>3} {'pp':>3} {'dp':>4} {'ep':>3} {'v':>2} {'mbs':>3} {'m':>4} {'mem GB':>7} {'fits':>4} {'bubble':>7} "
-          f"{'step s':>7} {'tokens/s':>10} {'MFU':>6} {'days':>7} {'cost $':>11} {'ckpt every':>10}")
+    print(
+        f"{args.config}: {shape.total_params / 1e9:.2f}B parameters ({shape.expert_params / 1e9:.2f}B in routed "
+        f"experts), {shape.train_flops_per_token / 1e9:.1f} GFLOP per token; {cluster.gpus} x {cluster.gpu.name}; "
+        f"ZeRO-{recipe.zero_stage}, {recipe.global_batch_tokens} tokens a step, budget {recipe.token_budget:.3g} tokens"
+    )
+    print(
+        f"{'tp':>3} {'pp':>3} {'dp':>4} {'ep':>3} {'v':>2} {'mbs':>3} {'m':>4} {'mem GB':>7} {'fits':>4} {'bubble':>7} "
+        f"{'step s':>7} {'tokens/s':>10} {'MFU':>6} {'days':>7} {'cost $':>11} {'ckpt every':>10}"
+    )
     best_per_layout: dict = {}  # plans are ranked: the first of a layout has its best micro-batch size
     for pl in plans:
         best_per_layout.setdefault(pl.layout, pl)
     for pl in list(best_per_layout.values())[: args.top]:
         lo = pl.layout
-        print(f"{lo.tp:>3} {lo.pp:>3} {lo.dp:>4} {lo.ep:>3} {lo.virtual_stages:>2} {pl.micro_batch_size:>3} "
-              f"{pl.micro_batches:>4} "
-              f"{pl.memory_gb['total']:7.1f} {'yes' if pl.fits else 'no':>4} {pl.bubble:7.1%} {pl.step_s:7.2f} "
-              f"{pl.tokens_per_s:10.0f} {pl.mfu:6.1%} {pl.days:7.1f} {pl.cost:11,.0f} "
-              f"{pl.checkpoint_interval_s / 60:8.0f} m")
+        print(
+            f"{lo.tp:>3} {lo.pp:>3} {lo.dp:>4} {lo.ep:>3} {lo.virtual_stages:>2} {pl.micro_batch_size:>3} "
+            f"{pl.micro_batches:>4} "
+            f"{pl.memory_gb['total']:7.1f} {'yes' if pl.fits else 'no':>4} {pl.bubble:7.1%} {pl.step_s:7.2f} "
+            f"{pl.tokens_per_s:10.0f} {pl.mfu:6.1%} {pl.days:7.1f} {pl.cost:11,.0f} "
+            f"{pl.checkpoint_interval_s / 60:8.0f} m"
+        )
     best = plans[0]
-    print(f"failures: {best.failures_per_day:.2f} a day at this scale; checkpoint write {best.checkpoint_write_s:.0f} s; "
-          f"Young-Daly interval {best.checkpoint_interval_s / 60:.0f} min; expected time lost {best.failure_overhead:.1%}")
+    print(
+        f"failures: {best.failures_per_day:.2f} a day at this scale; checkpoint write {best.checkpoint_write_s:.0f} s; "
+        f"Young-Daly interval {best.checkpoint_interval_s / 60:.0f} min; expected time lost {best.failure_overhead:.1%}"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": shape.__dict__, "cluster": {"gpu": cluster.gpu.name, "gpus": cluster.gpus},
-                       "plans": [pl.as_dict() for pl in plans]}, f, indent=2)
+            json.dump(
+                {
+                    "model": shape.__dict__,
+                    "cluster": {"gpu": cluster.gpu.name, "gpus": cluster.gpus},
+                    "plans": [pl.as_dict() for pl in plans],
+                },
+                f,
+                indent=2,
+            )
     if args.plot:
         plot_layouts(plans, cluster, args.plot)
     if args.write_config:
         runnable = [pl for pl in plans if pl.fits and pl.layout.tp == 1 and pl.layout.pp == 1]
         if not runnable:
-            print("error: plan: no fitting layout without tensor or pipeline parallelism, which lmfoundry "
-                  "pretrain does not run yet", file=sys.stderr)
+            print(
+                "error: plan: no fitting layout without tensor or pipeline parallelism, which lmfoundry "
+                "pretrain does not run yet",
+                file=sys.stderr,
+            )
             return 2
         chosen = recipe_for(cfg, runnable[0], args.config)
         with open(args.write_config, "w") as f:
@@ -140,11 +182,22 @@ def main(argv=None) -> int:
         derived = PretrainConfig.model_validate(chosen)
         ds_path = args.write_config.rsplit(".", 1)[0] + ".deepspeed.json"
         with open(ds_path, "w") as f:
-            json.dump({"scaling_config": {"num_workers": derived.num_workers, "use_gpu": derived.use_gpu,
-                                          "resources_per_worker": {"CPU": derived.cpus_per_worker, "GPU": 1}},
-                       "deepspeed": deepspeed_config(derived, derived.num_workers, seq, shape.total_params)}, f, indent=2)
-        print(f"wrote {args.write_config} (dp={runnable[0].layout.dp}, ep={runnable[0].layout.ep}, micro batch "
-              f"{runnable[0].micro_batch_size}) and {ds_path}")
+            json.dump(
+                {
+                    "scaling_config": {
+                        "num_workers": derived.num_workers,
+                        "use_gpu": derived.use_gpu,
+                        "resources_per_worker": {"CPU": derived.cpus_per_worker, "GPU": 1},
+                    },
+                    "deepspeed": deepspeed_config(derived, derived.num_workers, seq, shape.total_params),
+                },
+                f,
+                indent=2,
+            )
+        print(
+            f"wrote {args.write_config} (dp={runnable[0].layout.dp}, ep={runnable[0].layout.ep}, micro batch "
+            f"{runnable[0].micro_batch_size}) and {ds_path}"
+        )
     return 0
 
 

@@ -18,9 +18,12 @@ from lmfoundry.train.pretrain import run_pretrain
 
 
 class PretrainJobConfig(PretrainConfig):
-    eval: EvalSuites | None = Field(None, description="the fast suite run on each checkpoint as it is committed "
-                                                      "(the keys of configs/evaluate.yaml but the model's; "
-                                                      "perplexity on this run's val/ shards unless data is set)")
+    eval: EvalSuites | None = Field(
+        None,
+        description="the fast suite run on each checkpoint as it is committed "
+        "(the keys of configs/evaluate.yaml but the model's; "
+        "perplexity on this run's val/ shards unless data is set)",
+    )
     eval_cpus: float = Field(1.0, gt=0, description="CPUs of the Ray task that evaluates a checkpoint")
 
 
@@ -36,8 +39,10 @@ def run_pretrain_job(cfg: PretrainJobConfig) -> dict:
     # the last checkpoints' evaluations end after training did: merge them into metrics.jsonl now
     write_metrics(run_dir, storage.read_jsonl(storage.join(run_dir, "metrics.jsonl")))
     TENSORBOARD.wait()
-    return {**manifest, "evaluations": [{k: r.get(k) for k in ("step", "metrics", "gate_passed", "error") if k in r}
-                                        for r in records]}
+    return {
+        **manifest,
+        "evaluations": [{k: r.get(k) for k in ("step", "metrics", "gate_passed", "error") if k in r} for r in records],
+    }
 
 
 def main(argv=None) -> int:

@@ -79,8 +79,7 @@ def load_quickstart_config(path: str | None, workdir: str | None, overrides: lis
 
 
 def ask(url: str, key: str, model: str, prompt: str) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 48,
-            "temperature": 0.0}
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 48, "temperature": 0.0}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     r.raise_for_status()
     return r.json()
@@ -114,18 +113,33 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False) -> dict:
 
     stage(1, "sample corpus", corpus)
     rep = stage(2, "curate", lambda: run_curate(cfg.curate))
-    figures["curate"] = {"seconds": figures["curate"]["seconds"], "documents_in": rep["documents_in"],
-                         "documents_kept": rep["documents_kept"], "rejected_by_reason": rep["rejected_by_reason"]}
+    figures["curate"] = {
+        "seconds": figures["curate"]["seconds"],
+        "documents_in": rep["documents_in"],
+        "documents_kept": rep["documents_kept"],
+        "rejected_by_reason": rep["rejected_by_reason"],
+    }
     man = stage(3, "pack", lambda: run_pack(cfg.pack))
-    figures["pack"] = {"seconds": figures["pack"]["seconds"], "vocab_size": man["vocab_size"],
-                       "train_sequences": man["splits"]["train"]["sequences"], "seq_len": man["seq_len"]}
+    figures["pack"] = {
+        "seconds": figures["pack"]["seconds"],
+        "vocab_size": man["vocab_size"],
+        "train_sequences": man["splits"]["train"]["sequences"],
+        "seq_len": man["seq_len"],
+    }
     run = stage(4, "pretrain", lambda: run_pretrain(cfg.pretrain))
-    figures["pretrain"] = {"seconds": figures["pretrain"]["seconds"], "steps": run["steps"],
-                           "first_loss": round(run["first_loss"], 3), "final_loss": round(run["final_loss"], 3)}
+    figures["pretrain"] = {
+        "seconds": figures["pretrain"]["seconds"],
+        "steps": run["steps"],
+        "first_loss": round(run["first_loss"], 3),
+        "final_loss": round(run["final_loss"], 3),
+    }
     ev = stage(5, "evaluate", lambda: run_evaluate(cfg.evaluate))
     shards = ev["language_modelling"]["token_shards"]
-    figures["evaluate"] = {"seconds": figures["evaluate"]["seconds"], "val_perplexity": round(shards["perplexity"], 2),
-                           "uniform_perplexity": shards["uniform_perplexity"]}
+    figures["evaluate"] = {
+        "seconds": figures["evaluate"]["seconds"],
+        "val_perplexity": round(shards["perplexity"], 2),
+        "uniform_perplexity": shards["uniform_perplexity"],
+    }
 
     def serve_and_ask() -> dict:
         key = (env_keys(cfg.serve.api_keys_env) or [None])[0]
@@ -156,8 +170,9 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="lmfoundry quickstart", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="lmfoundry quickstart", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config", nargs="?", help=f"quickstart recipe (default {DEFAULT_CONFIG.name})")
     p.add_argument("--workdir", help="where every stage writes (default work/quickstart)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -1,6 +1,6 @@
 """The human review queue of preference pairs: list, claim, decide, comment.
 
-    lmfoundry review --db work/pairs/review.sqlite list --status pending
+lmfoundry review --db work/pairs/review.sqlite list --status pending
 """
 
 import sys

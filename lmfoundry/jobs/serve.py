@@ -1,6 +1,6 @@
 """Serve a checkpoint behind the OpenAI-compatible API on Ray Serve, until interrupted.
 
-    LMFOUNDRY_API_KEYS=my-key python -m lmfoundry.jobs.serve configs/serve.yaml --input work/pretrain
+LMFOUNDRY_API_KEYS=my-key python -m lmfoundry.jobs.serve configs/serve.yaml --input work/pretrain
 """
 
 import sys
@@ -29,8 +29,9 @@ def serve_forever(cfg: ServeConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    return run_stage("serve", ServeConfig, serve_forever, argv, input_field="checkpoint", output_field=None,
-                     description=__doc__)
+    return run_stage(
+        "serve", ServeConfig, serve_forever, argv, input_field="checkpoint", output_field=None, description=__doc__
+    )
 
 
 if __name__ == "__main__":

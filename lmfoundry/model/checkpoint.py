@@ -40,6 +40,8 @@ def load_model_files(directory: str | Path, device: str | torch.device = "cpu") 
     missing, unexpected = model.load_state_dict(load_file(str(directory / WEIGHTS)), strict=False)
     allowed_missing = {_TIED} if cfg.tie_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
-        raise ValueError(f"checkpoint {directory} does not fit its model config: missing "
-                         f"{sorted(set(missing) - allowed_missing)}, unexpected {sorted(unexpected)}")
+        raise ValueError(
+            f"checkpoint {directory} does not fit its model config: missing "
+            f"{sorted(set(missing) - allowed_missing)}, unexpected {sorted(unexpected)}"
+        )
     return model.to(device).eval()

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lmfoundry.model.tokenizer import EOS
 from lmfoundry.model.chat_template import ChatTemplate
 from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
 from lmfoundry.model.moe import MoE
+from lmfoundry.model.tokenizer import EOS
 from lmfoundry.model.transformer import Transformer
 
 
@@ -73,10 +73,17 @@ def mixtral_constraints(model: Transformer) -> list[str]:
 
 def mixtral_config(model: Transformer, eos_id: int | None) -> dict:
     m = model.cfg.moe
-    return {**llama_config(model, eos_id), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-            "intermediate_size": model.moe_layers()[0].expert_hidden, "num_local_experts": m.num_experts,
-            "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
-            "output_router_logits": False, "sliding_window": None}
+    return {
+        **llama_config(model, eos_id),
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": model.moe_layers()[0].expert_hidden,
+        "num_local_experts": m.num_experts,
+        "num_experts_per_tok": m.top_k,
+        "router_aux_loss_coef": m.aux_loss_coef,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
 
 
 def llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
@@ -106,8 +113,11 @@ def llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
                 out[q + f"experts.{e}.w2.weight"] = b.mlp.w_down[e].T
         else:
             gate, up = b.mlp.w_gate_up.weight.chunk(2, dim=0)
-            out |= {p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                    p + "mlp.down_proj.weight": b.mlp.w_down.weight}
+            out |= {
+                p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": b.mlp.w_down.weight,
+            }
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
@@ -116,8 +126,9 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     checkpoint_dir, out = Path(checkpoint_dir), Path(out_dir)
     model = load_model_files(checkpoint_dir)
     if model.cfg.moe is not None and (problems := mixtral_constraints(model)):
-        raise ValueError("this MoE checkpoint cannot be exported as Mixtral without changing its outputs: "
-                         + "; ".join(problems))
+        raise ValueError(
+            "this MoE checkpoint cannot be exported as Mixtral without changing its outputs: " + "; ".join(problems)
+        )
     out.mkdir(parents=True, exist_ok=True)
     tok_json = json.loads((checkpoint_dir / TOKENIZER).read_text())
     eos_id = next((t["id"] for t in tok_json.get("added_tokens", []) if t["content"] == EOS), None)
@@ -125,10 +136,18 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(llama_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(checkpoint_dir / TOKENIZER, out / "tokenizer.json")
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
-        "model_max_length": model.cfg.max_seq_len, "clean_up_tokenization_spaces": False,
-        "chat_template": ChatTemplate.from_checkpoint(checkpoint_dir).source,
-    }, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "bos_token": EOS,
+                "model_max_length": model.cfg.max_seq_len,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": ChatTemplate.from_checkpoint(checkpoint_dir).source,
+            },
+            indent=2,
+        )
+    )
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "bos_token_id": eos_id}))
     return out

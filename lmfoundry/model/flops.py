@@ -53,10 +53,19 @@ def model_shape(model_cfg: ModelConfig) -> ModelShape:
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     moe = model_cfg.moe
     expert_hidden = moe_layers[0].expert_hidden if moe_layers else 0
-    return ModelShape(total_params=model.num_params(), expert_params=experts, largest_layer_params=largest,
-                      train_flops_per_token=train_flops_per_token(model, model_cfg.max_seq_len),
-                      n_layer=model_cfg.n_layer, d_model=model_cfg.d_model, n_head=model_cfg.n_head,
-                      top_k=moe.top_k if moe else 0, num_experts=moe.num_experts if moe else 0,
-                      vocab_size=model_cfg.vocab_size, ffn_hidden=model_cfg.ffn_hidden, moe_layers=len(moe_layers),
-                      expert_hidden=expert_hidden,
-                      shared_hidden=moe.num_shared_experts * expert_hidden if moe else 0)
+    return ModelShape(
+        total_params=model.num_params(),
+        expert_params=experts,
+        largest_layer_params=largest,
+        train_flops_per_token=train_flops_per_token(model, model_cfg.max_seq_len),
+        n_layer=model_cfg.n_layer,
+        d_model=model_cfg.d_model,
+        n_head=model_cfg.n_head,
+        top_k=moe.top_k if moe else 0,
+        num_experts=moe.num_experts if moe else 0,
+        vocab_size=model_cfg.vocab_size,
+        ffn_hidden=model_cfg.ffn_hidden,
+        moe_layers=len(moe_layers),
+        expert_hidden=expert_hidden,
+        shared_hidden=moe.num_shared_experts * expert_hidden if moe else 0,
+    )

@@ -55,8 +55,9 @@ def stream_tokens(
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
     cache = KVCache(model.cfg, 1, len(prompt) + max_new_tokens, device, next(model.parameters()).dtype)
-    logits, _ = model(torch.tensor([prompt], device=device), cache=cache,
-                      logits_at=torch.tensor([len(prompt) - 1], device=device))
+    logits, _ = model(
+        torch.tensor([prompt], device=device), cache=cache, logits_at=torch.tensor([len(prompt) - 1], device=device)
+    )
     for produced in range(1, max_new_tokens + 1):
         token = sample_next(logits[0, -1], temperature, top_p, gen)
         if token in stop_tokens:

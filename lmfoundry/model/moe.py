@@ -45,7 +45,7 @@ class MoEConfig(StageConfig):
     dispatch: Dispatch = "auto"
 
     @model_validator(mode="after")
-    def _check(self) -> "MoEConfig":
+    def _check(self) -> MoEConfig:
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
         return self
@@ -137,8 +137,9 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, C)
         N, K, E = x.shape[0], self.cfg.top_k, self.cfg.num_experts
         ids, weights, scores = self.route(x)
-        self.aux_loss = (self._balance_loss(ids, scores) if self.training and self.cfg.balance == "aux_loss"
-                         else x.new_zeros(()))
+        self.aux_loss = (
+            self._balance_loss(ids, scores) if self.training and self.cfg.balance == "aux_loss" else x.new_zeros(())
+        )
 
         flat_ids = ids.flatten()  # (N*K,) assignment a = token a//K to expert flat_ids[a]
         order = flat_ids.argsort(stable=True)
@@ -193,8 +194,9 @@ class MoE(nn.Module):
         recv_splits = recv_per_expert.sum(1).tolist()
         # the routing weight travels with its row, as one extra column
         rows = torch.cat([xs, row_weights], dim=1)
-        recv = all_to_all_single(rows.new_empty(sum(recv_splits), rows.shape[1]), rows,
-                                 recv_splits, send_splits, group=self.ep_group)  # grouped by source rank
+        recv = all_to_all_single(
+            rows.new_empty(sum(recv_splits), rows.shape[1]), rows, recv_splits, send_splits, group=self.ep_group
+        )  # grouped by source rank
         # regroup the received rows by local expert (stable, so rows keep their source order)
         local_expert = torch.arange(El, device=xs.device).repeat(P).repeat_interleave(recv_per_expert.flatten())
         perm = local_expert.argsort(stable=True)

@@ -36,7 +36,7 @@ class ModelConfig(StageConfig):
     moe: MoEConfig | None = None  # None: every block has a dense SwiGLU MLP
 
     @model_validator(mode="after")
-    def _check_heads(self) -> "ModelConfig":
+    def _check_heads(self) -> ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -109,8 +109,15 @@ class KVCache:
             return slice(first, first + n)
         return slots
 
-    def update(self, layer: int, slots: torch.Tensor, rows: torch.Tensor | slice, positions: torch.Tensor,
-               k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        rows: torch.Tensor | slice,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, K, T, D) at `positions` (B, T) of `slots` (B,); return each row's keys
         and values (B, K, L, D) up to the longest row's last position L - 1."""
         # Two advanced indices around a slice put their (B, T) dims first: (B, T, K, D).
@@ -136,7 +143,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     faster."""
     B, H, _, D = q.shape
     K = k.shape[1]
-    scores = q.reshape(B, K, H // K, D) @ k.transpose(-1, -2) * D ** -0.5  # (B, K, G, L)
+    scores = q.reshape(B, K, H // K, D) @ k.transpose(-1, -2) * D**-0.5  # (B, K, G, L)
     scores = scores.masked_fill(~mask, float("-inf"))  # (B, 1, 1, L) broadcasts over K and G
     return (scores.softmax(-1) @ v).reshape(B, H, 1, D)
 
@@ -164,8 +171,12 @@ class Attention(nn.Module):
         else:
             cache, slots, rows, positions, mask = cached
             k, v = cache.update(self.layer, slots, rows, positions, k, v)  # (B, K, L, D)
-            if T == 1 and x.device.type == "cpu" and x.dtype == torch.float32 \
-                    and B * k.shape[2] >= DECODE_ATTENTION_MIN_WORK:
+            if (
+                T == 1
+                and x.device.type == "cpu"
+                and x.dtype == torch.float32
+                and B * k.shape[2] >= DECODE_ATTENTION_MIN_WORK
+            ):
                 y = decode_attention(q, k, v, mask)
             else:
                 # the whole cache is read: share key/value heads rather than copy them
@@ -256,8 +267,10 @@ class Transformer(nn.Module):
             positions = cache.lengths[slots][:, None] + torch.arange(T, device=idx.device)  # (B, T)
             end = int(positions.max()) + 1
             if end > min(self.cfg.max_seq_len, cache.max_len):
-                raise ValueError(f"sequence of {end} tokens exceeds max_seq_len={self.cfg.max_seq_len} "
-                                 f"or the cache's {cache.max_len}")
+                raise ValueError(
+                    f"sequence of {end} tokens exceeds max_seq_len={self.cfg.max_seq_len} "
+                    f"or the cache's {cache.max_len}"
+                )
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
             # Each query sees the keys of its own slot up to its own position.
             mask = torch.arange(end, device=idx.device)[None, None, None, :] <= positions[:, None, :, None]

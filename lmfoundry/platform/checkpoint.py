@@ -98,8 +98,12 @@ def local_copy(uri: str, model_only: bool = False) -> str:
         if model_only and name.startswith(TRAINING_STATE):
             continue
         Path(target, name).parent.mkdir(parents=True, exist_ok=True)
-        pafs.copy_files(f"{path}/{name}", str(Path(target, name)), source_filesystem=fs,
-                        destination_filesystem=pafs.LocalFileSystem())
+        pafs.copy_files(
+            f"{path}/{name}",
+            str(Path(target, name)),
+            source_filesystem=fs,
+            destination_filesystem=pafs.LocalFileSystem(),
+        )
     return target
 
 
@@ -176,8 +180,16 @@ class AsyncCheckpointer:
     its error. `before_commit` is a hook for fault drills: it runs in the thread after this
     rank's first file is uploaded."""
 
-    def __init__(self, run_dir: str, rank: int, world_size: int, keep_last: int, keep_every: int = 0,
-                 commit_timeout_s: float = 600.0, before_commit: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        keep_every: int = 0,
+        commit_timeout_s: float = 600.0,
+        before_commit: Callable[[int], None] | None = None,
+    ):
         self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
         self.keep_last, self.keep_every = keep_last, keep_every
         self.commit_timeout_s = commit_timeout_s
@@ -190,8 +202,9 @@ class AsyncCheckpointer:
         """Persist checkpoint `step` from the local directory `staged`, after `write` (which
         serialises an in-memory snapshot into it) has run, in the background."""
         self.wait()
-        self._thread = threading.Thread(target=self._persist, args=(step, Path(staged), details, write),
-                                        name=f"checkpoint-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._persist, args=(step, Path(staged), details, write), name=f"checkpoint-{step}", daemon=True
+        )
         self._thread.start()
 
     def wait(self) -> None:
@@ -231,14 +244,16 @@ class AsyncCheckpointer:
         deadline = time.monotonic() + self.commit_timeout_s
         while not all(storage.exists(p) for p in parts):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"checkpoint {target}: not every rank wrote its part within "
-                                   f"{self.commit_timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"checkpoint {target}: not every rank wrote its part within {self.commit_timeout_s:.0f} s"
+                )
             time.sleep(0.05)
         files = {}
         for p in parts:
             files.update(storage.read_json(p))
-        storage.write_json_atomic(storage.join(target, CHECKPOINT_MANIFEST),
-                                  {"format_version": 1, "files": files, **details})
+        storage.write_json_atomic(
+            storage.join(target, CHECKPOINT_MANIFEST), {"format_version": 1, "files": files, **details}
+        )
         committed = committed_checkpoints(self.run_dir)
         for old in to_delete([s for s, _ in committed], self.keep_last, self.keep_every):
             storage.remove_dir(storage.join(self.run_dir, CHECKPOINTS, step_name(old)))

@@ -1,17 +1,17 @@
 """The `lmfoundry` command: one subcommand per stage, each a thin job in `lmfoundry.jobs`.
 
-    lmfoundry curate|pack|pretrain|evaluate|serve CONFIG [--input URI] [--output URI] [--set k=v ...]
-    lmfoundry align CONFIG [--input CHECKPOINT] [--output RUN] [--set pairs=PAIRS.jsonl]
-    lmfoundry pairs CONFIG [--output DIR]      (teacher-judged preference pairs)
-    lmfoundry synth CONFIG [--output DIR]      (verified synthetic data)
-    lmfoundry review --db DSN list|claim|decide|comment|serve ...
-    lmfoundry agents CONFIG | agents demo-data [--out DIR]
-    lmfoundry quickstart [--workdir DIR] [--keep-serving]
-    lmfoundry export CHECKPOINT OUTPUT [--format hf]
-    lmfoundry plan PRETRAIN_CONFIG [--gpu H200] [--nodes N] [--token-budget T]
-    lmfoundry quality-model CONFIG [--output DIR] [--set positive=URI --set negative=URI]
-    lmfoundry keys create --tenant NAME | list | revoke KEY_ID [--file KEYS]
-    lmfoundry traffic show | set V1=90 V2=10 | rollback --file SPLIT
+lmfoundry curate|pack|pretrain|evaluate|serve CONFIG [--input URI] [--output URI] [--set k=v ...]
+lmfoundry align CONFIG [--input CHECKPOINT] [--output RUN] [--set pairs=PAIRS.jsonl]
+lmfoundry pairs CONFIG [--output DIR]      (teacher-judged preference pairs)
+lmfoundry synth CONFIG [--output DIR]      (verified synthetic data)
+lmfoundry review --db DSN list|claim|decide|comment|serve ...
+lmfoundry agents CONFIG | agents demo-data [--out DIR]
+lmfoundry quickstart [--workdir DIR] [--keep-serving]
+lmfoundry export CHECKPOINT OUTPUT [--format hf]
+lmfoundry plan PRETRAIN_CONFIG [--gpu H200] [--nodes N] [--token-budget T]
+lmfoundry quality-model CONFIG [--output DIR] [--set positive=URI --set negative=URI]
+lmfoundry keys create --tenant NAME | list | revoke KEY_ID [--file KEYS]
+lmfoundry traffic show | set V1=90 V2=10 | rollback --file SPLIT
 """
 
 from __future__ import annotations
@@ -26,24 +26,47 @@ from lmfoundry.platform import storage
 from lmfoundry.platform.config import ConfigError, StageConfig, load_config
 from lmfoundry.platform.log import get_logger
 
-STAGES = ("curate", "pack", "pretrain", "evaluate", "align", "serve", "quickstart", "export", "plan", "quality-model", "keys",
-          "traffic", "pairs", "synth", "review", "agents")
+STAGES = (
+    "curate",
+    "pack",
+    "pretrain",
+    "evaluate",
+    "align",
+    "serve",
+    "quickstart",
+    "export",
+    "plan",
+    "quality-model",
+    "keys",
+    "traffic",
+    "pairs",
+    "synth",
+    "review",
+    "agents",
+)
 logger = get_logger(__name__)
 
 
 def stage_parser(stage: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"lmfoundry {stage}", description=description)
-    p.add_argument("config", help="YAML recipe, e.g. configs/%s.yaml" % stage)
+    p.add_argument("config", help=f"YAML recipe, e.g. configs/{stage}.yaml")
     p.add_argument("--input", help="overrides the config's input URI")
     p.add_argument("--output", help="overrides the config's output URI")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set filters.gopher_quality.min_words=20 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set filters.gopher_quality.min_words=20 (repeatable)",
+    )
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
     return p
 
 
-def load_stage_config(args: argparse.Namespace, cls: type[StageConfig], input_field: str | None,
-                      output_field: str | None) -> StageConfig:
+def load_stage_config(
+    args: argparse.Namespace, cls: type[StageConfig], input_field: str | None, output_field: str | None
+) -> StageConfig:
     """The config with --input/--output applied, its input checked to exist: all before Ray starts."""
     overrides = list(args.overrides)
     if args.input is not None:
@@ -66,9 +89,16 @@ class StageFailed(RuntimeError):
     """The stage ran to the end and judged its own result a failure (e.g. a failed checklist)."""
 
 
-def run_stage(stage: str, cls: type[StageConfig], fn: Callable[[StageConfig], dict], argv: list[str] | None,
-              input_field: str | None = "input", output_field: str | None = "output", description: str = "",
-              needs_ray: bool = True) -> int:
+def run_stage(
+    stage: str,
+    cls: type[StageConfig],
+    fn: Callable[[StageConfig], dict],
+    argv: list[str] | None,
+    input_field: str | None = "input",
+    output_field: str | None = "output",
+    description: str = "",
+    needs_ray: bool = True,
+) -> int:
     """Parse, validate, connect to Ray, run the stage, print its result as JSON; exit 2 on bad
     input, 1 on a failure during the run."""
     args = stage_parser(stage, description).parse_args(argv)

@@ -86,8 +86,10 @@ class HarmScorer:
         labels = self.model.config.id2label
         self.harm_ids = [i for i, name in labels.items() if name in self.cfg.harmful_labels]
         if not self.harm_ids:
-            raise ValueError(f"harm model {self.cfg.model} has labels {list(labels.values())}; none is in "
-                             f"harmful_labels {self.cfg.harmful_labels}")
+            raise ValueError(
+                f"harm model {self.cfg.model} has labels {list(labels.values())}; none is in "
+                f"harmful_labels {self.cfg.harmful_labels}"
+            )
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model.to(self.device)
 
@@ -103,8 +105,9 @@ class HarmScorer:
         if self.model is not None and texts:
             import torch
 
-            enc = self.tokenizer(texts, truncation=True, max_length=self.cfg.model_max_tokens, padding=True,
-                                 return_tensors="pt").to(self.device)
+            enc = self.tokenizer(
+                texts, truncation=True, max_length=self.cfg.model_max_tokens, padding=True, return_tensors="pt"
+            ).to(self.device)
             with torch.no_grad():
                 probs = self.model(**enc).logits.softmax(-1)[:, self.harm_ids].sum(-1).tolist()
             scores = [max(a, b) for a, b in zip(scores, probs)]

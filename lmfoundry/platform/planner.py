@@ -212,8 +212,10 @@ def activation_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_ba
     h, t, p, v = shape.d_model, layout.tp, layout.pp, layout.virtual_stages
     attention_side = 6 * h + 5 * h / t  # per token, elements
     dense_layer = attention_side + 4 * shape.dense_ffn / t
-    moe_layer = attention_side + (shape.top_k * (2 * h + 5 * shape.expert_hidden) + 4 * shape.shared_hidden
-                                  + shape.num_experts) / t
+    moe_layer = (
+        attention_side
+        + (shape.top_k * (2 * h + 5 * shape.expert_hidden) + 4 * shape.shared_hidden + shape.num_experts) / t
+    )
     layers = (shape.n_layer - shape.moe_layers) * dense_layer + shape.moe_layers * moe_layer
     biggest_layer = moe_layer if shape.moe_layers else dense_layer
     output = 3 * h + shape.vocab_size / t
@@ -240,15 +242,24 @@ def training_memory_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, mic
         kept_grads = states["gradients"]
     backward_start = states["weights"] + states["optimizer"] + kept_grads + sum(acts.values())
     optimizer_step = sum(states.values())
-    return {**states, **acts, "at_backward_start": backward_start, "at_optimizer_step": optimizer_step,
-            "total": max(backward_start, optimizer_step)}
+    return {
+        **states,
+        **acts,
+        "at_backward_start": backward_start,
+        "at_optimizer_step": optimizer_step,
+        "total": max(backward_start, optimizer_step),
+    }
 
 
 def _ring(kind: str, n: int) -> float:
     if n <= 1:
         return 0.0
-    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-            "all_to_all": (n - 1) / n}[kind]
+    return {
+        "all_reduce": 2 * (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+    }[kind]
 
 
 def _bandwidth(cluster: Cluster, span: int) -> float:
@@ -258,18 +269,23 @@ def _bandwidth(cluster: Cluster, span: int) -> float:
 
 def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) -> Plan:
     if layout.tp * layout.pp * layout.dp != cluster.gpus:
-        raise ValueError(f"layout tp={layout.tp} x pp={layout.pp} x dp={layout.dp} = "
-                         f"{layout.tp * layout.pp * layout.dp} does not use the cluster's {cluster.gpus} GPUs")
+        raise ValueError(
+            f"layout tp={layout.tp} x pp={layout.pp} x dp={layout.dp} = "
+            f"{layout.tp * layout.pp * layout.dp} does not use the cluster's {cluster.gpus} GPUs"
+        )
     if layout.ep > 1 and (layout.dp % layout.ep or shape.num_experts % layout.ep):
         raise ValueError(f"ep={layout.ep} must divide dp={layout.dp} and the {shape.num_experts} experts")
     if shape.n_layer % (layout.pp * layout.virtual_stages):
-        raise ValueError(f"{shape.n_layer} layers do not split into pp={layout.pp} x virtual "
-                         f"{layout.virtual_stages} stages")
+        raise ValueError(
+            f"{shape.n_layer} layers do not split into pp={layout.pp} x virtual {layout.virtual_stages} stages"
+        )
     tokens_per_micro = recipe.seq_len * recipe.micro_batch_size
     per_replica = recipe.global_batch_tokens / layout.dp
     if per_replica % tokens_per_micro:
-        raise ValueError(f"global_batch_tokens={recipe.global_batch_tokens} is not a whole number of "
-                         f"micro-batches ({tokens_per_micro} tokens) per data-parallel replica (dp={layout.dp})")
+        raise ValueError(
+            f"global_batch_tokens={recipe.global_batch_tokens} is not a whole number of "
+            f"micro-batches ({tokens_per_micro} tokens) per data-parallel replica (dp={layout.dp})"
+        )
     m = int(per_replica // tokens_per_micro)
     result = Plan(layout=layout, micro_batches=m, micro_batch_size=recipe.micro_batch_size)
 
@@ -295,28 +311,42 @@ def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) ->
     dense_local = (shape.total_params - shape.expert_params) / (layout.tp * layout.pp)
     expert_local = shape.expert_params / (layout.ep * layout.pp * layout.tp)
     grad_kind = "all_reduce" if recipe.zero_stage <= 1 else "reduce_scatter"
-    dp_gb = BYTES_BF16 * (dense_local * _ring(grad_kind, layout.dp)
-                          + expert_local * _ring(grad_kind, max(layout.dp // layout.ep, 1))) / 1e9
+    dp_gb = (
+        BYTES_BF16
+        * (dense_local * _ring(grad_kind, layout.dp) + expert_local * _ring(grad_kind, max(layout.dp // layout.ep, 1)))
+        / 1e9
+    )
     if recipe.zero_stage >= 2:  # updated weights gathered back (stage 2), or gathered per use (stage 3)
         gathers = 1 if recipe.zero_stage == 2 else 2
         dp_gb += gathers * BYTES_BF16 * dense_local * _ring("all_gather", layout.dp) / 1e9
     layers_local = shape.n_layer / layout.pp
     tp_gb = 4 * layers_local * m * BYTES_BF16 * s * b * h * _ring("all_reduce", layout.tp) / 1e9
     pp_gb = 2 * m * BYTES_BF16 * s * b * h / layout.tp / 1e9 if layout.pp > 1 else 0.0
-    a2a_gb = (4 * layers_local * m * BYTES_BF16 * s * b * h * shape.top_k * _ring("all_to_all", layout.ep) / 1e9
-              if shape.num_experts else 0.0)
-    result.comm_gb_per_step = {"data_parallel": dp_gb, "tensor_parallel": tp_gb, "pipeline": pp_gb,
-                               "expert_all_to_all": a2a_gb}
+    a2a_gb = (
+        4 * layers_local * m * BYTES_BF16 * s * b * h * shape.top_k * _ring("all_to_all", layout.ep) / 1e9
+        if shape.num_experts
+        else 0.0
+    )
+    result.comm_gb_per_step = {
+        "data_parallel": dp_gb,
+        "tensor_parallel": tp_gb,
+        "pipeline": pp_gb,
+        "expert_all_to_all": a2a_gb,
+    }
     # groups are laid out tp innermost, then ep within dp, then pp: a group spans its size times
     # the product of the inner dimensions' sizes
-    bw = {"data_parallel": _bandwidth(cluster, layout.tp * layout.dp), "tensor_parallel": _bandwidth(cluster, layout.tp),
-          "pipeline": _bandwidth(cluster, layout.tp * layout.dp * layout.pp), "expert_all_to_all":
-          _bandwidth(cluster, layout.tp * layout.ep)}
+    bw = {
+        "data_parallel": _bandwidth(cluster, layout.tp * layout.dp),
+        "tensor_parallel": _bandwidth(cluster, layout.tp),
+        "pipeline": _bandwidth(cluster, layout.tp * layout.dp * layout.pp),
+        "expert_all_to_all": _bandwidth(cluster, layout.tp * layout.ep),
+    }
     result.comm_s = {k: gb / bw[k] for k, gb in result.comm_gb_per_step.items()}
     # gradient reduction overlaps the backward pass (2/3 of compute); the rest is on the critical path
     exposed_dp = max(0.0, result.comm_s["data_parallel"] - (2 / 3) * compute_s)
-    result.exposed_comm_s = exposed_dp + result.comm_s["tensor_parallel"] + result.comm_s["pipeline"] \
-        + result.comm_s["expert_all_to_all"]
+    result.exposed_comm_s = (
+        exposed_dp + result.comm_s["tensor_parallel"] + result.comm_s["pipeline"] + result.comm_s["expert_all_to_all"]
+    )
     result.step_s = pipelined_s + result.exposed_comm_s
     result.tokens_per_s = recipe.global_batch_tokens / result.step_s
     model_flops = shape.train_flops_per_token * recipe.global_batch_tokens
@@ -342,8 +372,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search(shape: ModelShape, recipe: Recipe, cluster: Cluster, max_virtual_stages: int = 4,
-           micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> list[Plan]:
+def search(
+    shape: ModelShape,
+    recipe: Recipe,
+    cluster: Cluster,
+    max_virtual_stages: int = 4,
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+) -> list[Plan]:
     """Every layout and micro-batch size that divides the cluster, the model and the batch:
     fitting ones first, fastest first, and of equally fast ones the largest micro-batch (this
     model of step time does not see that bigger matmuls run closer to the peak; kernels do)."""

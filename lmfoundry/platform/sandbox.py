@@ -86,8 +86,14 @@ def _namespace_available() -> bool:
 _NAMESPACE = None
 
 
-def run_python(code: str, timeout_s: float = 10.0, cpu_s: int = 10, memory_mb: int = 512, max_output: int = 1 << 16,
-               files: dict[str, str] | None = None) -> SandboxResult:
+def run_python(
+    code: str,
+    timeout_s: float = 10.0,
+    cpu_s: int = 10,
+    memory_mb: int = 512,
+    max_output: int = 1 << 16,
+    files: dict[str, str] | None = None,
+) -> SandboxResult:
     """Run `code` as a script in the sandbox; `files` are written into the scratch directory first."""
     global _NAMESPACE
     if _NAMESPACE is None:
@@ -115,8 +121,14 @@ def run_python(code: str, timeout_s: float = 10.0, cpu_s: int = 10, memory_mb: i
         if _NAMESPACE:
             command = [shutil.which("unshare"), "-n", *command]
         started = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=scratch, env={"PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, preexec_fn=limits)
+        proc = subprocess.Popen(
+            command,
+            cwd=scratch,
+            env={"PATH": "/usr/bin:/bin"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=limits,
+        )
         killed = None
         try:
             out, err = proc.communicate(timeout=timeout_s)
@@ -130,7 +142,8 @@ def run_python(code: str, timeout_s: float = 10.0, cpu_s: int = 10, memory_mb: i
         stderr = err[:max_output].decode("utf-8", "replace")
         if killed is None and "MemoryError" in stderr:
             killed = "memory"
-        return SandboxResult(proc.returncode, out[:max_output].decode("utf-8", "replace"), stderr,
-                             round(seconds, 3), killed, isolation)
+        return SandboxResult(
+            proc.returncode, out[:max_output].decode("utf-8", "replace"), stderr, round(seconds, 3), killed, isolation
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -28,7 +28,7 @@ def normalize(uri: str) -> str:
     if is_remote(uri):
         return uri.rstrip("/")
     if uri.startswith("file://"):
-        uri = uri[len("file://"):]
+        uri = uri[len("file://") :]
     return str(Path(uri).expanduser().resolve())
 
 

@@ -38,11 +38,17 @@ class AgentServeConfig(StageConfig):
     per_tenant_active: int = Field(200, ge=1, description="queued + running runs of one tenant before 429")
     lease_s: float = Field(15.0, gt=0, description="a dead worker's runs resume elsewhere after this")
     route_prefix: str = "/agents"
-    py_modules: list[str] = Field([], description="local packages (folders) or .py files with custom tools, "
-                                  "shipped to the worker replicas (Ray runtime_env py_modules)")
+    py_modules: list[str] = Field(
+        [],
+        description="local packages (folders) or .py files with custom tools, "
+        "shipped to the worker replicas (Ray runtime_env py_modules)",
+    )
     tracing: TracingConfig = Field(TracingConfig(), description="where ended runs' spans go (OTLP, JSON lines)")
-    env_from_driver: list[str] = Field([], description="environment variables copied from the launching process "
-                                       "into the replicas (the model endpoint's API key, the workflows' secrets)")
+    env_from_driver: list[str] = Field(
+        [],
+        description="environment variables copied from the launching process "
+        "into the replicas (the model endpoint's API key, the workflows' secrets)",
+    )
 
 
 class StartRun(BaseModel):
@@ -52,16 +58,26 @@ class StartRun(BaseModel):
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"error": {"message": message, "type": "invalid_request_error", "code": status}})
+    return JSONResponse(
+        status_code=status,
+        headers=headers,
+        content={"error": {"message": message, "type": "invalid_request_error", "code": status}},
+    )
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 class AgentWorkers:
-    def __init__(self, store: str, workflows: str, runs_per_worker: int, per_tenant_running: int, lease_s: float,
-                 tracing: dict):
-        self.worker = AgentWorker(store, load_workflows(workflows), runs_per_worker, per_tenant_running, lease_s,
-                                  tracing=TracingConfig.model_validate(tracing))
+    def __init__(
+        self, store: str, workflows: str, runs_per_worker: int, per_tenant_running: int, lease_s: float, tracing: dict
+    ):
+        self.worker = AgentWorker(
+            store,
+            load_workflows(workflows),
+            runs_per_worker,
+            per_tenant_running,
+            lease_s,
+            tracing=TracingConfig.model_validate(tracing),
+        )
 
     def check_health(self):
         if not self.worker.thread.is_alive():
@@ -106,8 +122,11 @@ class AgentAPI:
         if body.workflow not in self.workflows:
             return _error(400, f"workflow {body.workflow!r} is unknown; known: {sorted(self.workflows)}")
         if self.store.active_count(tenant) >= self.per_tenant_active:
-            return _error(429, f"tenant {tenant} has {self.per_tenant_active} runs queued or running; retry later",
-                          {"Retry-After": "5"})
+            return _error(
+                429,
+                f"tenant {tenant} has {self.per_tenant_active} runs queued or running; retry later",
+                {"Retry-After": "5"},
+            )
         return {"id": self.store.create(tenant, body.workflow, body.input), "state": "queued"}
 
     @app.get("/v1/agents/runs/{run_id}")
@@ -181,10 +200,10 @@ def build_agent_app(cfg: AgentServeConfig, env_digests: list[str]):
         # does for a job's py_modules (local folder or .py file -> a gcs:// package).
         from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
 
-        runtime_env = upload_py_modules_if_needed({**runtime_env, "py_modules": [os.path.abspath(m) for m in
-                                                                               cfg.py_modules]}, include_gitignore=True)
-    workers = AgentWorkers.options(num_replicas=cfg.workers, ray_actor_options={
-        "num_cpus": 0.1, "runtime_env": runtime_env}).bind(cfg.store, cfg.workflows, cfg.runs_per_worker,
-                                                                 cfg.per_tenant_running, cfg.lease_s,
-                                                                 cfg.tracing.model_dump())
+        runtime_env = upload_py_modules_if_needed(
+            {**runtime_env, "py_modules": [os.path.abspath(m) for m in cfg.py_modules]}, include_gitignore=True
+        )
+    workers = AgentWorkers.options(
+        num_replicas=cfg.workers, ray_actor_options={"num_cpus": 0.1, "runtime_env": runtime_env}
+    ).bind(cfg.store, cfg.workflows, cfg.runs_per_worker, cfg.per_tenant_running, cfg.lease_s, cfg.tracing.model_dump())
     return AgentAPI.bind(cfg.store, cfg.workflows, cfg.keys_file, env_digests, cfg.per_tenant_active, workers)

@@ -10,7 +10,6 @@ refusal is an OpenAI-shaped error object with a 4xx status (503 when the server 
 a 5xx for the client's mistake, and is counted in the Prometheus metrics at /metrics.
 """
 
-
 import asyncio
 import json
 import math
@@ -49,13 +48,21 @@ from lmfoundry.serving.traffic import SplitSource
 logger = get_logger(__name__)
 
 # No public /docs: every route but /health needs a key, the OpenAPI schema's too (GET /openapi.json below).
-app = FastAPI(title="lmfoundry", description="OpenAI-compatible inference", docs_url=None, redoc_url=None,
-              openapi_url=None)
+app = FastAPI(
+    title="lmfoundry", description="OpenAI-compatible inference", docs_url=None, redoc_url=None, openapi_url=None
+)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
         self.headers = headers or {}
@@ -71,8 +78,9 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
     first = exc.errors()[0] if exc.errors() else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    messages = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-                         for e in exc.errors())
+    messages = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
+    )
     return error(400, f"invalid request: {messages}", param=param)
 
 
@@ -83,8 +91,12 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-            413: "invalid_request_error"}.get(exc.status_code, "api_error")
+    kind = {
+        401: "authentication_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+    }.get(exc.status_code, "api_error")
     return error(exc.status_code, str(exc.detail), kind)
 
 
@@ -98,19 +110,33 @@ def _sse(obj: dict) -> str:
 def chat_choice(index: int, text: str, finish_reason: str, tools: list[dict], forced: bool) -> ChatChoice:
     """The assistant's message: a tool call when the reply is one (always, when one was forced
     and the JSON was completed), else text."""
-    call = parse_tool_call(text, [t["name"] for t in tools], forced) if tools and finish_reason != "content_filter" else None
+    call = (
+        parse_tool_call(text, [t["name"] for t in tools], forced)
+        if tools and finish_reason != "content_filter"
+        else None
+    )
     if call is None:
         return ChatChoice(index=index, message=AssistantMessage(content=text), finish_reason=finish_reason)
     name, arguments, before = call
-    tool_call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=json.dumps(arguments)))
-    return ChatChoice(index=index, message=AssistantMessage(content=before or None, tool_calls=[tool_call]),
-                      finish_reason="tool_calls")
+    tool_call = ToolCall(
+        id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=json.dumps(arguments))
+    )
+    return ChatChoice(
+        index=index,
+        message=AssistantMessage(content=before or None, tool_calls=[tool_call]),
+        finish_reason="tool_calls",
+    )
 
 
 def whole_reply_events(reply: ChatCompletionResponse, req):
     """A finished chat reply as server-sent chunks: role, content or tool calls, finish, usage."""
-    head = {"id": reply.id, "object": "chat.completion.chunk", "created": reply.created, "model": reply.model,
-            "system_fingerprint": reply.system_fingerprint}
+    head = {
+        "id": reply.id,
+        "object": "chat.completion.chunk",
+        "created": reply.created,
+        "model": reply.model,
+        "system_fingerprint": reply.system_fingerprint,
+    }
     for c in reply.choices:
         delta: dict = {"role": "assistant", "content": c.message.content}
         if c.message.tool_calls:
@@ -126,12 +152,23 @@ def whole_reply_events(reply: ChatCompletionResponse, req):
 @serve.deployment(name="LLMServer")
 @serve.ingress(app)
 class LLMServer:
-    def __init__(self, versions: list[dict], model_name: str, keys_file: str | None, env_key_digests: list[str],
-                 engine: dict, limits: dict, guardrails: dict | None, traffic_file: str | None = None,
-                 limiter=None, device: str = "auto"):
+    def __init__(
+        self,
+        versions: list[dict],
+        model_name: str,
+        keys_file: str | None,
+        env_key_digests: list[str],
+        engine: dict,
+        limits: dict,
+        guardrails: dict | None,
+        traffic_file: str | None = None,
+        limiter=None,
+        device: str = "auto",
+    ):
         self.engines = {v["name"]: InferenceEngine(v["checkpoint"], device, **engine) for v in versions}
-        self.split = SplitSource(list(self.engines), {v["name"]: v["weight"] for v in versions}, traffic_file,
-                                 log=logger)
+        self.split = SplitSource(
+            list(self.engines), {v["name"]: v["weight"] for v in versions}, traffic_file, log=logger
+        )
         self.model_name = model_name
         self.max_n = limits["max_n"]
         self.timeout_s = limits["request_timeout_s"]
@@ -159,8 +196,13 @@ class LLMServer:
         if name == self.model_name and version in self.engines:
             return version
         available = [self.model_name] + [f"{self.model_name}:{v}" for v in self.engines]
-        raise ApiError(404, f"model {req.model!r} is not served here; available: {available}",
-                       "not_found_error", "model", "model_not_found")
+        raise ApiError(
+            404,
+            f"model {req.model!r} is not served here; available: {available}",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
 
     def _check_fields(self, req) -> list[str]:
         if req.n > self.max_n:
@@ -176,9 +218,13 @@ class LLMServer:
         score = self.guard([text])[0]
         if self.guard.harmful(score):
             self.metrics.guardrail_blocks.labels(direction="input").inc()
-            raise ApiError(400, f"the request was refused by the content policy: its harm score {score:.2f} is at "
-                           f"or above the threshold {self.guard.cfg.threshold}", param="messages" if route == "chat"
-                           else "prompt", code="content_policy_violation")
+            raise ApiError(
+                400,
+                f"the request was refused by the content policy: its harm score {score:.2f} is at "
+                f"or above the threshold {self.guard.cfg.threshold}",
+                param="messages" if route == "chat" else "prompt",
+                code="content_policy_violation",
+            )
 
     def _output_blocked(self, text: str) -> bool:
         if self.guard is None or not text:
@@ -196,8 +242,13 @@ class LLMServer:
             self.metrics.rate_limited.labels(tenant=tenant).inc()
             if math.isinf(wait):
                 raise ApiError(429, why, "rate_limit_error", code="request_over_limit")
-            raise ApiError(429, f"{why}; retry in {math.ceil(wait)} s", "rate_limit_error",
-                           code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(wait))})
+            raise ApiError(
+                429,
+                f"{why}; retry in {math.ceil(wait)} s",
+                "rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(math.ceil(wait))},
+            )
 
     def _refund(self, tenant: str, unused: int) -> None:
         if self.limiter is not None and unused > 0:
@@ -225,8 +276,13 @@ class LLMServer:
                 s.cancel()
             if isinstance(e, ValueError):  # a tool's parameters that are no usable JSON schema
                 raise ApiError(400, f"tools: {e}", param="tools") from None
-            raise ApiError(503, f"the server is at capacity ({e}); retry shortly", "server_overloaded",
-                           code="overloaded", headers={"Retry-After": "1"}) from None
+            raise ApiError(
+                503,
+                f"the server is at capacity ({e}); retry shortly",
+                "server_overloaded",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            ) from None
         return streams
 
     # ---- routes ----
@@ -249,11 +305,20 @@ class LLMServer:
     @app.get("/v1/models")
     async def models(self, request: Request):
         context = min(e.context for e in self.engines.values())
-        data = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "lmfoundry",
-                 "max_model_len": context}]
+        data = [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "lmfoundry", "max_model_len": context}
+        ]
         if len(self.engines) > 1:  # each version can be asked for by name
-            data += [{"id": f"{self.model_name}:{v}", "object": "model", "created": 0, "owned_by": "lmfoundry",
-                      "max_model_len": e.context} for v, e in self.engines.items()]
+            data += [
+                {
+                    "id": f"{self.model_name}:{v}",
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "lmfoundry",
+                    "max_model_len": e.context,
+                }
+                for v, e in self.engines.items()
+            ]
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
@@ -269,18 +334,21 @@ class LLMServer:
 
         def prompt(engine) -> str:
             return engine.chat_template.render(messages, offered, forced)
+
         schema = tool_call_schema(tools, name) if forced else None
         return await self._serve("chat", request, req, prompt, tools, schema)
 
-    async def _serve(self, route: str, request: Request, req, prompt, tools: list[dict] = (),
-                     schema: dict | None = None):
+    async def _serve(
+        self, route: str, request: Request, req, prompt, tools: list[dict] = (), schema: dict | None = None
+    ):
         """`prompt(engine)` renders the request for the version that answers it."""
         started = time.perf_counter()
         status, version = 500, "none"
         try:
             version = self._version(req)
-            response = await self._respond(route, request, req, prompt(self.engines[version]), tools, schema,
-                                           started, version)
+            response = await self._respond(
+                route, request, req, prompt(self.engines[version]), tools, schema, started, version
+            )
             status = response.status_code
             response.headers["x-lmfoundry-version"] = version
             return response
@@ -291,8 +359,17 @@ class LLMServer:
             self.metrics.requests.labels(route=route, status=str(status), version=version).inc()
             self.metrics.latency.labels(route=route, version=version).observe(time.perf_counter() - started)
 
-    async def _respond(self, route: str, request: Request, req, prompt: str, tools: list[dict],
-                       schema: dict | None, started: float, version: str):
+    async def _respond(
+        self,
+        route: str,
+        request: Request,
+        req,
+        prompt: str,
+        tools: list[dict],
+        schema: dict | None,
+        started: float,
+        version: str,
+    ):
         tenant = self._tenant(request)
         stop = self._check_fields(req)
         engine = self.engines[version]
@@ -311,10 +388,16 @@ class LLMServer:
         chat = route == "chat"
         if req.stream and not tools:  # a reply that may be a tool call is sent whole, once parsed
             return await self._stream_response(streams, req, chat, tenant, charged, started, version)
-        outs = await self._in_time([s.collect() for s in streams], streams, tenant, charged,
-                                   f"the request took longer than {self.timeout_s} s (request_timeout_s)")
+        outs = await self._in_time(
+            [s.collect() for s in streams],
+            streams,
+            tenant,
+            charged,
+            f"the request took longer than {self.timeout_s} s (request_timeout_s)",
+        )
         self.metrics.time_to_first_token.labels(version=version).observe(
-            min(s.first_delta_at or time.perf_counter() for s in streams) - started)
+            min(s.first_delta_at or time.perf_counter() for s in streams) - started
+        )
         for o in outs:
             if self._output_blocked(o.text):
                 o.text, o.finish_reason = "", "content_filter"
@@ -325,36 +408,63 @@ class LLMServer:
         created = int(time.time())
         if chat:
             reply = ChatCompletionResponse(
-                id=f"chatcmpl-{uuid.uuid4().hex}", created=created, model=self.model_name, usage=usage,
+                id=f"chatcmpl-{uuid.uuid4().hex}",
+                created=created,
+                model=self.model_name,
+                usage=usage,
                 system_fingerprint=version,
-                choices=[chat_choice(i, o.text, o.finish_reason, tools, schema is not None)
-                         for i, o in enumerate(outs)])
+                choices=[
+                    chat_choice(i, o.text, o.finish_reason, tools, schema is not None) for i, o in enumerate(outs)
+                ],
+            )
             if req.stream:
                 return StreamingResponse(whole_reply_events(reply, req), media_type="text/event-stream")
             return JSONResponse(reply.model_dump())
-        return JSONResponse(CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", created=created, model=self.model_name, usage=usage,
-            system_fingerprint=version,
-            choices=[CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
-                     for i, o in enumerate(outs)]).model_dump())
+        return JSONResponse(
+            CompletionResponse(
+                id=f"cmpl-{uuid.uuid4().hex}",
+                created=created,
+                model=self.model_name,
+                usage=usage,
+                system_fingerprint=version,
+                choices=[
+                    CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason) for i, o in enumerate(outs)
+                ],
+            ).model_dump()
+        )
 
-    async def _stream_response(self, streams, req, chat: bool, tenant: str, charged: int, started: float,
-                               version: str):
+    async def _stream_response(self, streams, req, chat: bool, tenant: str, charged: int, started: float, version: str):
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. The first
         delta of every choice is awaited before the response starts, so a timeout is still a 408."""
-        firsts = await self._in_time([s.next_delta() for s in streams], streams, tenant, charged,
-                                     f"no token within {self.timeout_s} s (request_timeout_s)")
+        firsts = await self._in_time(
+            [s.next_delta() for s in streams],
+            streams,
+            tenant,
+            charged,
+            f"no token within {self.timeout_s} s (request_timeout_s)",
+        )
         self.metrics.time_to_first_token.labels(version=version).observe(time.perf_counter() - started)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "system_fingerprint": version}
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "system_fingerprint": version,
+        }
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_tokens = firsts[0].prompt_tokens
 
         def chunk(index: int, text: str, finish: str | None) -> str:
             if chat:
-                return _sse({**head, "choices": [{"index": index, "delta": {"content": text} if text else {},
-                                                  "finish_reason": finish}]})
+                return _sse(
+                    {
+                        **head,
+                        "choices": [
+                            {"index": index, "delta": {"content": text} if text else {}, "finish_reason": finish}
+                        ],
+                    }
+                )
             return _sse({**head, "choices": [{"index": index, "text": text, "finish_reason": finish}]})
 
         async def events():
@@ -382,15 +492,33 @@ class LLMServer:
 
                 if chat:
                     for index in range(len(streams)):
-                        yield _sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                         "finish_reason": None}]})
+                        yield _sse(
+                            {
+                                **head,
+                                "choices": [
+                                    {
+                                        "index": index,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None,
+                                    }
+                                ],
+                            }
+                        )
                 tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
                 done = 0
                 while done < len(streams):
                     index, text, finish = await merged.get()
                     if isinstance(text, GenerationFailed):
-                        yield _sse({"error": {"message": f"choice {index}: {text}", "type": "api_error",
-                                              "param": None, "code": "generation_failed"}})
+                        yield _sse(
+                            {
+                                "error": {
+                                    "message": f"choice {index}: {text}",
+                                    "type": "api_error",
+                                    "param": None,
+                                    "code": "generation_failed",
+                                }
+                            }
+                        )
                         done += 1
                         continue
                     if text or finish:
@@ -401,9 +529,17 @@ class LLMServer:
                 self.metrics.generated_tokens.labels(version=version).inc(total)
                 self._refund(tenant, charged - prompt_tokens - total)
                 if include_usage:
-                    yield _sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                                 "completion_tokens": total,
-                                                                 "total_tokens": prompt_tokens + total}})
+                    yield _sse(
+                        {
+                            **head,
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": prompt_tokens,
+                                "completion_tokens": total,
+                                "total_tokens": prompt_tokens + total,
+                            },
+                        }
+                    )
                 yield "data: [DONE]\n\n"
             finally:  # also when the client goes away mid-stream: free the batch slots
                 for s in streams:

@@ -13,8 +13,10 @@ from lmfoundry.serving.ratelimit import RateLimits
 
 class EngineConfig(StageConfig):
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="weights and KV cache; bfloat16 halves both and runs faster on GPUs and on CPUs "
-                               "with AMX (benchmarks/serving.py), slower on CPUs without bfloat16 instructions")
+        "float32",
+        description="weights and KV cache; bfloat16 halves both and runs faster on GPUs and on CPUs "
+        "with AMX (benchmarks/serving.py), slower on CPUs without bfloat16 instructions",
+    )
     max_batch_size: int = Field(16, ge=1, description="requests decoded together (KV-cache slots)")
     max_waiting: int = Field(64, ge=0, description="requests queued for a slot; beyond it: 503")
     max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens admitted per scheduler step")
@@ -43,7 +45,7 @@ class AutoscalingConfig(StageConfig):
     target_ongoing_requests: float = Field(8.0, gt=0, description="per replica; keep it near engine.max_batch_size")
 
     @model_validator(mode="after")
-    def _ordered(self) -> "AutoscalingConfig":
+    def _ordered(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas={self.min_replicas} is above max_replicas={self.max_replicas}")
         return self
@@ -70,7 +72,7 @@ class ServeConfig(StageConfig):
     api_keys_env: str = Field("LMFOUNDRY_API_KEYS", description="env var with comma-separated keys (tenant 'default')")
 
     @model_validator(mode="after")
-    def _one_source_of_weights(self) -> "ServeConfig":
+    def _one_source_of_weights(self) -> ServeConfig:
         if (self.checkpoint is None) == (not self.versions):
             raise ValueError("give either checkpoint (one version) or versions (several), not both or neither")
         names = [v.name for v in self.versions]
@@ -89,19 +91,31 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
     from lmfoundry.serving.api import LLMServer
     from lmfoundry.serving.ratelimit import limiter_deployment
 
-    versions = [{"name": v.name, "checkpoint": checkpoint.resolve(v.checkpoint), "weight": v.weight}
-                for v in cfg.served_versions()]  # a missing checkpoint fails here, not inside a replica
+    versions = [
+        {"name": v.name, "checkpoint": checkpoint.resolve(v.checkpoint), "weight": v.weight}
+        for v in cfg.served_versions()
+    ]  # a missing checkpoint fails here, not inside a replica
     limiter = limiter_deployment().bind(cfg.rate_limits.model_dump()) if cfg.rate_limits.limited() else None
     guardrails = cfg.guardrails.harm.model_dump() if cfg.guardrails.enabled else None
-    scale = ({"autoscaling_config": cfg.autoscaling.model_dump()} if cfg.autoscaling
-             else {"num_replicas": cfg.num_replicas})
+    scale = (
+        {"autoscaling_config": cfg.autoscaling.model_dump()} if cfg.autoscaling else {"num_replicas": cfg.num_replicas}
+    )
     return LLMServer.options(
         **scale,
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
         ray_actor_options={"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica},
-    ).bind(versions, cfg.model_name, cfg.keys_file, env_key_digests, cfg.engine.model_dump(), cfg.limits.model_dump(),
-           guardrails, cfg.traffic_file, limiter)
+    ).bind(
+        versions,
+        cfg.model_name,
+        cfg.keys_file,
+        env_key_digests,
+        cfg.engine.model_dump(),
+        cfg.limits.model_dump(),
+        guardrails,
+        cfg.traffic_file,
+        limiter,
+    )
 
 
 def start(cfg: ServeConfig) -> tuple[str, str | None]:

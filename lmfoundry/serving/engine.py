@@ -53,7 +53,7 @@ def parse_tool_call(text: str, tool_names: list[str], forced: bool) -> tuple[str
         if start < 0:
             return None
         end = text.find(TOOL_CALL_CLOSE, start)
-        body, before = text[start + len(TOOL_CALL_OPEN): end if end >= 0 else len(text)], text[:start]
+        body, before = text[start + len(TOOL_CALL_OPEN) : end if end >= 0 else len(text)], text[:start]
     try:
         call = json.loads(body)
     except json.JSONDecodeError:
@@ -68,8 +68,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class InferenceEngine:
-    def __init__(self, checkpoint_uri: str, device: str = "auto", max_batch_size: int = 16,
-                 max_waiting: int = 256, max_prefill_tokens: int = 2048, dtype: str = "float32"):
+    def __init__(
+        self,
+        checkpoint_uri: str,
+        device: str = "auto",
+        max_batch_size: int = 16,
+        max_waiting: int = 256,
+        max_prefill_tokens: int = 2048,
+        dtype: str = "float32",
+    ):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype not in DTYPES:
@@ -78,10 +85,16 @@ class InferenceEngine:
         self.manifest = checkpoint.verify(local, model_only=True)
         self.tokenizer = Tokenizer.from_file(f"{local}/{TOKENIZER}")
         self.chat_template = ChatTemplate.from_checkpoint(local)
-        self.stop_ids = frozenset(self.tokenizer.token_to_id(t) for t in (EOS, IM_END)
-                                  if self.tokenizer.token_to_id(t) is not None)
-        self.batcher = ContinuousBatcher(lambda: load_model_files(local, device).to(DTYPES[dtype]),
-                                         self.stop_ids, max_batch_size, max_waiting, max_prefill_tokens)
+        self.stop_ids = frozenset(
+            self.tokenizer.token_to_id(t) for t in (EOS, IM_END) if self.tokenizer.token_to_id(t) is not None
+        )
+        self.batcher = ContinuousBatcher(
+            lambda: load_model_files(local, device).to(DTYPES[dtype]),
+            self.stop_ids,
+            max_batch_size,
+            max_waiting,
+            max_prefill_tokens,
+        )
         self.context = self.batcher.context
 
     def encode(self, text: str) -> list[int]:
@@ -97,8 +110,10 @@ class InferenceEngine:
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.context}")
         if max_tokens is not None and max_tokens > room:
-            raise ValueError(f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens "
-                             f"and the context is {self.context}, so at most {room}")
+            raise ValueError(
+                f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens "
+                f"and the context is {self.context}, so at most {room}"
+            )
         return ids, max_tokens if max_tokens is not None else room
 
     @functools.cached_property
@@ -107,8 +122,16 @@ class InferenceEngine:
 
         return Grammars(self.tokenizer, eos_id(self.tokenizer))
 
-    def stream(self, ids: list[int], budget: int, temperature: float, top_p: float, stop: list[str],
-               seed: int | None, schema: dict | None = None) -> TextStream:
+    def stream(
+        self,
+        ids: list[int],
+        budget: int,
+        temperature: float,
+        top_p: float,
+        stop: list[str],
+        seed: int | None,
+        schema: dict | None = None,
+    ) -> TextStream:
         """Queue a generation now (raises Overloaded at once when the queue is full) and return
         its text stream; with `schema`, the text is JSON that the schema accepts. Must be called
         on the event loop that will read the stream."""
@@ -121,8 +144,17 @@ class TextStream:
     could still become a stop string, or is half a UTF-8 character, is held back until it is
     clear. `cancel()` (a client that went away) frees the batch slot at the next token."""
 
-    def __init__(self, engine: InferenceEngine, ids: list[int], budget: int, temperature: float, top_p: float,
-                 stop: list[str], seed: int | None, constraint=None):
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        ids: list[int],
+        budget: int,
+        temperature: float,
+        top_p: float,
+        stop: list[str],
+        seed: int | None,
+        constraint=None,
+    ):
         self.tokenizer = engine.tokenizer
         self.prompt_tokens = len(ids)
         self.stop = stop
@@ -162,12 +194,12 @@ class TextStream:
                 self.finished = True
                 raise GenerationFailed(f"generation failed: {type(item).__name__}: {item}") from item
             if isinstance(item, str):
-                return self._delta(self.tokenizer.decode(self.tokens)[self.sent:], item)
+                return self._delta(self.tokenizer.decode(self.tokens)[self.sent :], item)
             self.tokens.append(item)
             text = self.tokenizer.decode(self.tokens)
             hit = min((text.index(s) for s in self.stop if s in text), default=-1)
             if hit >= 0:
-                return self._delta(text[self.sent:hit], "stop")
+                return self._delta(text[self.sent : hit], "stop")
             ready = len(text) - self.hold
             while ready > self.sent and text[ready - 1] == "\ufffd":
                 ready -= 1
@@ -184,5 +216,6 @@ class TextStream:
     async def collect(self) -> Completion:
         parts = [d async for d in self]
         last = parts[-1]
-        return Completion("".join(p.text for p in parts), last.prompt_tokens, last.completion_tokens,
-                          last.finish_reason)
+        return Completion(
+            "".join(p.text for p in parts), last.prompt_tokens, last.completion_tokens, last.finish_reason
+        )

@@ -20,16 +20,25 @@ def configure(auth: Authenticator, max_body_bytes: int) -> None:
     _STATE["auth"], _STATE["max_body_bytes"] = auth, max_body_bytes
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+def error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        headers=headers,
+        content={"error": {"message": message, "type": kind, "param": param, "code": code}},
+    )
 
 
 def _route(scope) -> str:
     """The path inside the app: Serve mounts an app under its route prefix (the root_path)."""
     path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -54,15 +63,22 @@ class Gate:
         headers = dict(scope["headers"])
         who = _STATE["auth"].principal(headers.get(b"authorization", b"").decode("latin-1") or None)
         if who is None:
-            reply = error(401, "missing, invalid or revoked API key: send 'Authorization: Bearer <key>'",
-                          "authentication_error", code="invalid_api_key")
+            reply = error(
+                401,
+                "missing, invalid or revoked API key: send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                code="invalid_api_key",
+            )
             return await reply(scope, receive, send)
         scope.setdefault("state", {})["tenant"] = who.tenant
         limit = _STATE["max_body_bytes"]
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            reply = (error(413, str(BodyTooLarge(limit).detail), code="request_too_large") if declared.isdigit()
-                     else error(400, f"invalid Content-Length {declared.decode(errors='replace')!r}"))
+            reply = (
+                error(413, str(BodyTooLarge(limit).detail), code="request_too_large")
+                if declared.isdigit()
+                else error(400, f"invalid Content-Length {declared.decode(errors='replace')!r}")
+            )
             return await reply(scope, receive, send)
         received = 0
 
@@ -75,5 +91,3 @@ class Gate:
             return message
 
         await self.asgi(scope, counted, send)
-
-

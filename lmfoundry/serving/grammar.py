@@ -108,7 +108,12 @@ def tool_call_schema(tools: list[dict], name: str | None) -> dict:
     """The JSON a tool call must be: {"name": <one of the tools, or `name`>, "arguments": <that
     tool's parameters>}."""
     chosen = [t for t in tools if name is None or t["name"] == name]
-    options = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                                 "arguments": t.get("parameters") or {"type": "object"}},
-                "required": ["name", "arguments"]} for t in chosen]
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["name"]}, "arguments": t.get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"],
+        }
+        for t in chosen
+    ]
     return options[0] if len(options) == 1 else {"anyOf": options}

@@ -59,8 +59,13 @@ def create_key(uri: str, tenant: str) -> tuple[str, dict]:
         raise ValueError(f"tenant {tenant!r}: use letters, digits, '-' and '_'")
     keys = read_store(uri)
     key = "sk-lmf-" + secrets.token_urlsafe(32)
-    record = {"id": "key_" + secrets.token_hex(6), "tenant": tenant, "sha256": digest(key),
-              "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "revoked": None}
+    record = {
+        "id": "key_" + secrets.token_hex(6),
+        "tenant": tenant,
+        "sha256": digest(key),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "revoked": None,
+    }
     _write_store(uri, keys + [record])
     return key, record
 
@@ -115,7 +120,7 @@ class Authenticator:
                     self._refresh()
         if not header or not header.startswith("Bearer "):
             return None
-        given = digest(header[len("Bearer "):].strip())
+        given = digest(header[len("Bearer ") :].strip())
         found = None
         for d, who in self._by_digest.items():  # every entry compared: timing does not reveal a match
             if hmac.compare_digest(given, d):
@@ -124,8 +129,9 @@ class Authenticator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lmfoundry keys", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lmfoundry keys", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="action", required=True)
     for name in ("create", "list", "revoke"):
         p = sub.add_parser(name)
@@ -147,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"revoked {record['id']} (tenant {record['tenant']}) at {record['revoked']}")
         else:
             for r in read_store(uri):
-                print(f"{r['id']}\t{r['tenant']}\tcreated {r['created']}\t"
-                      f"{'revoked ' + r['revoked'] if r['revoked'] else 'active'}")
+                print(
+                    f"{r['id']}\t{r['tenant']}\tcreated {r['created']}\t"
+                    f"{'revoked ' + r['revoked'] if r['revoked'] else 'active'}"
+                )
     except ValueError as e:
         print(f"error: keys {args.action}: {e}", file=sys.stderr)
         return 2

@@ -6,8 +6,15 @@ carries the replica's id so that series from different replicas never mix).
 
 from __future__ import annotations
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 disable_created_metrics()  # the *_created series double a scrape's size and say nothing here
 
@@ -30,15 +37,33 @@ class ServingMetrics:
             made = kind(name, doc, ["model", "replica", *labels], registry=self.registry, namespace="lmfoundry", **kw)
             return _Labelled(made, const)
 
-        self.requests = metric(Counter, "requests", "requests answered, by route, status code and model version",
-                               "route", "status", "version")
-        self.latency = metric(Histogram, "request_seconds", "time from request to full response (streams: to first byte)",
-                              "route", "version", buckets=_LATENCY_BUCKETS)
-        self.time_to_first_token = metric(Histogram, "time_to_first_token_seconds", "time from request to its first token",
-                                          "version", buckets=_LATENCY_BUCKETS)
+        self.requests = metric(
+            Counter,
+            "requests",
+            "requests answered, by route, status code and model version",
+            "route",
+            "status",
+            "version",
+        )
+        self.latency = metric(
+            Histogram,
+            "request_seconds",
+            "time from request to full response (streams: to first byte)",
+            "route",
+            "version",
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.time_to_first_token = metric(
+            Histogram,
+            "time_to_first_token_seconds",
+            "time from request to its first token",
+            "version",
+            buckets=_LATENCY_BUCKETS,
+        )
         self.generated_tokens = metric(Counter, "generated_tokens", "completion tokens generated", "version")
-        self.guardrail_blocks = metric(Counter, "guardrail_blocks", "requests and replies blocked by the harm scorer",
-                                       "direction")
+        self.guardrail_blocks = metric(
+            Counter, "guardrail_blocks", "requests and replies blocked by the harm scorer", "direction"
+        )
         self.rate_limited = metric(Counter, "rate_limited", "requests refused with 429, by tenant", "tenant")
         self.queue_depth = metric(Gauge, "queue_depth", "requests waiting for a batch slot", "version")
         self.running = metric(Gauge, "running_requests", "requests in the running batch", "version")

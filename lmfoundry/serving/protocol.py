@@ -66,7 +66,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
-    def _check_role_fields(self) -> "ChatMessage":
+    def _check_role_fields(self) -> ChatMessage:
         if self.role in ("system", "user") and self.content is None:
             raise ValueError(f"a {self.role} message needs content")
         if self.role == "tool" and (self.content is None or not self.tool_call_id):
@@ -114,7 +114,7 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None  # accepted; at most one call per reply
 
     @model_validator(mode="after")
-    def _check_tools(self) -> "ChatCompletionRequest":
+    def _check_tools(self) -> ChatCompletionRequest:
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError(f"tools: function names must be unique, got {names}")

@@ -79,8 +79,10 @@ class TenantBuckets:
         requests = self._bucket(tenant, "requests_per_minute")
         token_bucket = self._bucket(tenant, "tokens_per_minute")
         if token_bucket is not None and tokens > token_bucket.capacity:
-            return math.inf, (f"the request may use {tokens} tokens (prompt + max_tokens x n), more than "
-                              f"tenant {tenant!r}'s limit of {int(token_bucket.capacity)} tokens per minute")
+            return math.inf, (
+                f"the request may use {tokens} tokens (prompt + max_tokens x n), more than "
+                f"tenant {tenant!r}'s limit of {int(token_bucket.capacity)} tokens per minute"
+            )
         waits = []
         if requests is not None and (w := requests.wait_for(1, now)) > 0:
             waits.append((w, f"tenant {tenant!r} is over its {int(requests.capacity)} requests per minute"))

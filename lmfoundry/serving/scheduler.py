@@ -61,8 +61,14 @@ class ContinuousBatcher:
     thread that runs the model. (On CPU, a second thread that runs OpenMP-parallel torch ops
     slows every thread's ops down: measured 2x on a matmul, 10x on attention, for good.)"""
 
-    def __init__(self, load: Callable[[], Transformer], stop_ids: frozenset[int], max_batch_size: int = 16,
-                 max_waiting: int = 256, max_prefill_tokens: int = 2048):
+    def __init__(
+        self,
+        load: Callable[[], Transformer],
+        stop_ids: frozenset[int],
+        max_batch_size: int = 16,
+        max_waiting: int = 256,
+        max_prefill_tokens: int = 2048,
+    ):
         self.stop_ids = stop_ids
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
@@ -97,13 +103,23 @@ class ContinuousBatcher:
 
     # ---- the caller's side (any thread) ----
 
-    def submit(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float,
-               emit: Callable[[Item], None], seed: int | None = None, constraint=None) -> Request:
+    def submit(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        emit: Callable[[Item], None],
+        seed: int | None = None,
+        constraint=None,
+    ) -> Request:
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         if len(prompt) + max_new_tokens > self.context:
-            raise ValueError(f"a prompt of {len(prompt)} tokens plus max_tokens={max_new_tokens} exceeds "
-                             f"the model's context of {self.context}")
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens plus max_tokens={max_new_tokens} exceeds "
+                f"the model's context of {self.context}"
+            )
         gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         req = Request(prompt, max_new_tokens, temperature, top_p, emit, gen, constraint=constraint)
         with self._wake:

@@ -58,8 +58,10 @@ class Tool:
 
     def spec(self) -> dict:
         """The OpenAI `tools` entry."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 @dataclass
@@ -86,14 +88,31 @@ class ToolRegistry:
         self.tools[tool.name] = tool
         return tool
 
-    def tool(self, name: str | None = None, description: str = "", parameters: dict | None = None,
-             timeout_s: float = 10.0, retries: int = 0, side_effects: bool = False):
+    def tool(
+        self,
+        name: str | None = None,
+        description: str = "",
+        parameters: dict | None = None,
+        timeout_s: float = 10.0,
+        retries: int = 0,
+        side_effects: bool = False,
+    ):
         """Decorator: `@registry.tool(parameters={...})` over `def fn(**arguments)`."""
+
         def wrap(fn):
-            self.register(Tool(name or fn.__name__, description or (fn.__doc__ or "").strip(),
-                               parameters or {"type": "object", "properties": {}}, fn, timeout_s, retries,
-                               side_effects=side_effects))
+            self.register(
+                Tool(
+                    name or fn.__name__,
+                    description or (fn.__doc__ or "").strip(),
+                    parameters or {"type": "object", "properties": {}},
+                    fn,
+                    timeout_s,
+                    retries,
+                    side_effects=side_effects,
+                )
+            )
             return fn
+
         return wrap
 
     def get(self, name: str) -> Tool:
@@ -139,9 +158,18 @@ class ToolRegistry:
 
 READ_KEYWORDS = ("select", "with", "explain")
 WRITE_KEYWORDS = ("insert", "update", "delete", "replace")
-_SQLITE_READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
-                        getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
-_SQLITE_WRITE_ACTIONS = {sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE, sqlite3.SQLITE_TRANSACTION}
+_SQLITE_READ_ACTIONS = {
+    sqlite3.SQLITE_SELECT,
+    sqlite3.SQLITE_READ,
+    sqlite3.SQLITE_FUNCTION,
+    getattr(sqlite3, "SQLITE_RECURSIVE", 33),
+}
+_SQLITE_WRITE_ACTIONS = {
+    sqlite3.SQLITE_INSERT,
+    sqlite3.SQLITE_UPDATE,
+    sqlite3.SQLITE_DELETE,
+    sqlite3.SQLITE_TRANSACTION,
+}
 
 
 def _statement_keyword(query: str) -> str:
@@ -151,8 +179,14 @@ def _statement_keyword(query: str) -> str:
     return (stripped.split(None, 1) or [""])[0].lower()
 
 
-def sql_tool(dsn: str, allow_writes: bool = False, max_rows: int = 100, timeout_s: float = 5.0,
-             name: str = "sql", max_query_chars: int = 4000) -> Tool:
+def sql_tool(
+    dsn: str,
+    allow_writes: bool = False,
+    max_rows: int = 100,
+    timeout_s: float = 5.0,
+    name: str = "sql",
+    max_query_chars: int = 4000,
+) -> Tool:
     allowed = READ_KEYWORDS + (WRITE_KEYWORDS if allow_writes else ())
     postgres = dsn.startswith(("postgresql://", "postgres://"))
 
@@ -204,16 +238,28 @@ def sql_tool(dsn: str, allow_writes: bool = False, max_rows: int = 100, timeout_
     def sql(query: str) -> dict:
         keyword = _statement_keyword(query)
         if keyword not in allowed:
-            raise ToolError(f"statement {keyword.upper() or '(empty)'} is not allowed; allowed: "
-                            f"{', '.join(k.upper() for k in allowed)}")
+            raise ToolError(
+                f"statement {keyword.upper() or '(empty)'} is not allowed; allowed: "
+                f"{', '.join(k.upper() for k in allowed)}"
+            )
         columns, rows = (run_postgres if postgres else run_sqlite)(query)
         return {"columns": columns, "rows": [list(r) for r in rows[:max_rows]], "truncated": len(rows) > max_rows}
 
-    return Tool(name, "Run one read-only SQL query" + (" (writes allowed)" if allow_writes else "")
-                + f"; at most {max_rows} rows come back.",
-                {"type": "object", "required": ["query"], "additionalProperties": False,
-                 "properties": {"query": {"type": "string", "maxLength": max_query_chars}}},
-                sql, timeout_s=timeout_s + 1, side_effects=allow_writes)
+    return Tool(
+        name,
+        "Run one read-only SQL query"
+        + (" (writes allowed)" if allow_writes else "")
+        + f"; at most {max_rows} rows come back.",
+        {
+            "type": "object",
+            "required": ["query"],
+            "additionalProperties": False,
+            "properties": {"query": {"type": "string", "maxLength": max_query_chars}},
+        },
+        sql,
+        timeout_s=timeout_s + 1,
+        side_effects=allow_writes,
+    )
 
 
 # --- search ----------------------------------------------------------------------------------
@@ -239,28 +285,45 @@ class BM25:
         q = [t for t in _terms(query) if t in self.idf]
         scores = []
         for i, (tf, length) in enumerate(zip(self.tfs, self.lengths)):
-            s = sum(self.idf[t] * tf[t] * (self.k1 + 1) / (tf[t] + self.k1 * (1 - self.b + self.b * length / self.avg))
-                    for t in q if t in tf)
+            s = sum(
+                self.idf[t] * tf[t] * (self.k1 + 1) / (tf[t] + self.k1 * (1 - self.b + self.b * length / self.avg))
+                for t in q
+                if t in tf
+            )
             if s > 0:
                 scores.append((s, i))
         return sorted(scores, reverse=True)[:k]
 
 
-def search_tool(corpus: str | list[dict], k: int = 5, snippet_chars: int = 400, name: str = "search",
-                max_query_chars: int = 500) -> Tool:
+def search_tool(
+    corpus: str | list[dict], k: int = 5, snippet_chars: int = 400, name: str = "search", max_query_chars: int = 500
+) -> Tool:
     docs = read_documents(corpus) if isinstance(corpus, str) else corpus
     index = BM25(docs)
 
     def search(query: str, top_k: int = k) -> dict:
         hits = index.search(query, min(top_k, 20))
-        return {"results": [{"id": docs[i]["id"], "score": round(s, 4), "text": docs[i]["text"][:snippet_chars]}
-                            for s, i in hits]}
+        return {
+            "results": [
+                {"id": docs[i]["id"], "score": round(s, 4), "text": docs[i]["text"][:snippet_chars]} for s, i in hits
+            ]
+        }
 
-    return Tool(name, f"Search {len(docs)} documents by keywords (BM25); the best matches come back.",
-                {"type": "object", "required": ["query"], "additionalProperties": False,
-                 "properties": {"query": {"type": "string", "maxLength": max_query_chars},
-                                "top_k": {"type": "integer", "minimum": 1, "maximum": 20}}},
-                search, timeout_s=10.0)
+    return Tool(
+        name,
+        f"Search {len(docs)} documents by keywords (BM25); the best matches come back.",
+        {
+            "type": "object",
+            "required": ["query"],
+            "additionalProperties": False,
+            "properties": {
+                "query": {"type": "string", "maxLength": max_query_chars},
+                "top_k": {"type": "integer", "minimum": 1, "maximum": 20},
+            },
+        },
+        search,
+        timeout_s=10.0,
+    )
 
 
 # --- http ------------------------------------------------------------------------------------
@@ -280,8 +343,14 @@ def _within(url: str, base: str) -> bool:
     return u.path == prefix or u.path.startswith(prefix + "/") or not prefix
 
 
-def http_tool(allow: list[AllowedAPI], timeout_s: float = 10.0, max_bytes: int = 20_000, retries: int = 2,
-              name: str = "http", max_argument_chars: int = 2000) -> Tool:
+def http_tool(
+    allow: list[AllowedAPI],
+    timeout_s: float = 10.0,
+    max_bytes: int = 20_000,
+    retries: int = 2,
+    name: str = "http",
+    max_argument_chars: int = 2000,
+) -> Tool:
     if not allow:
         raise ValueError("http_tool needs at least one allowed base URL")
     methods = sorted({m.upper() for a in allow for m in a.methods})
@@ -292,29 +361,50 @@ def http_tool(allow: list[AllowedAPI], timeout_s: float = 10.0, max_bytes: int =
         method = method.upper()
         permitted = [a for a in allow if _within(url, a.base_url) and method in (m.upper() for m in a.methods)]
         if not permitted:
-            raise ToolError(f"{method} {url} is outside the allow-list: "
-                            + "; ".join(f"{'/'.join(a.methods)} {a.base_url}" for a in allow))
+            raise ToolError(
+                f"{method} {url} is outside the allow-list: "
+                + "; ".join(f"{'/'.join(a.methods)} {a.base_url}" for a in allow)
+            )
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key and method != "GET" else {}
         if body is not None:
             headers["Content-Type"] = "application/json" if body.lstrip()[:1] in ("{", "[") else "text/plain"
         try:
-            r = httpx.request(method, url, content=body.encode() if body is not None else None, headers=headers,
-                              timeout=timeout_s, follow_redirects=False)
+            r = httpx.request(
+                method,
+                url,
+                content=body.encode() if body is not None else None,
+                headers=headers,
+                timeout=timeout_s,
+                follow_redirects=False,
+            )
         except httpx.TransportError as e:
             raise ToolError(f"{method} {url}: {e}", retryable=True) from None
         if r.status_code >= 500:
             raise ToolError(f"{method} {url} answered {r.status_code}", retryable=True)
         return {"status": r.status_code, "body": r.text[:max_bytes], "truncated": len(r.text) > max_bytes}
 
-    return Tool(name, "Call an internal HTTP API (allowed: "
-                + "; ".join(f"{'/'.join(a.methods)} {a.base_url}" for a in allow) + ").",
-                {"type": "object", "required": ["method", "url"], "additionalProperties": False,
-                 "properties": {"method": {"type": "string", "enum": methods},
-                                "url": {"type": "string", "maxLength": max_argument_chars},
-                                "body": {"type": "string", "maxLength": max_argument_chars,
-                                         "description": "the request body (JSON text for JSON APIs)"}}},
-                http, timeout_s=timeout_s + 1, retries=retries,
-                side_effects=any(m.upper() != "GET" for a in allow for m in a.methods))
+    return Tool(
+        name,
+        "Call an internal HTTP API (allowed: " + "; ".join(f"{'/'.join(a.methods)} {a.base_url}" for a in allow) + ").",
+        {
+            "type": "object",
+            "required": ["method", "url"],
+            "additionalProperties": False,
+            "properties": {
+                "method": {"type": "string", "enum": methods},
+                "url": {"type": "string", "maxLength": max_argument_chars},
+                "body": {
+                    "type": "string",
+                    "maxLength": max_argument_chars,
+                    "description": "the request body (JSON text for JSON APIs)",
+                },
+            },
+        },
+        http,
+        timeout_s=timeout_s + 1,
+        retries=retries,
+        side_effects=any(m.upper() != "GET" for a in allow for m in a.methods),
+    )
 
 
 # --- python ----------------------------------------------------------------------------------
@@ -327,8 +417,16 @@ def python_tool(timeout_s: float = 10.0, memory_mb: int = 512, name: str = "pyth
         r = run_python(code, timeout_s=timeout_s, cpu_s=max(1, int(timeout_s)), memory_mb=memory_mb)
         return {"ok": r.ok, "stdout": r.stdout[-4000:], "stderr": r.stderr[-2000:], "killed": r.killed}
 
-    return Tool(name, "Run Python code in a sandbox (no network, no files outside a scratch directory, "
-                f"{timeout_s:g} s, {memory_mb} MB); print what you want back.",
-                {"type": "object", "required": ["code"], "additionalProperties": False,
-                 "properties": {"code": {"type": "string", "maxLength": 20000}}},
-                python, timeout_s=timeout_s + 5)
+    return Tool(
+        name,
+        "Run Python code in a sandbox (no network, no files outside a scratch directory, "
+        f"{timeout_s:g} s, {memory_mb} MB); print what you want back.",
+        {
+            "type": "object",
+            "required": ["code"],
+            "additionalProperties": False,
+            "properties": {"code": {"type": "string", "maxLength": 20000}},
+        },
+        python,
+        timeout_s=timeout_s + 5,
+    )

@@ -81,8 +81,19 @@ def _ns(seconds: float) -> int:
 
 def step_attributes(step: dict) -> dict:
     attrs = {"agent.step": step["n"], "agent.step.kind": step["kind"], "agent.step.status": step["status"]}
-    for key in ("tool", "ok", "attempts", "refused", "approved", "by", "injection_flagged", "secret_redacted",
-                "prompt_tokens", "completion_tokens", "worker"):
+    for key in (
+        "tool",
+        "ok",
+        "attempts",
+        "refused",
+        "approved",
+        "by",
+        "injection_flagged",
+        "secret_redacted",
+        "prompt_tokens",
+        "completion_tokens",
+        "worker",
+    ):
         if step.get(key) is not None:
             attrs[f"agent.{key}"] = step[key] if isinstance(step[key], (bool, int, float, str)) else _text(step[key])
     for key in ("arguments", "output", "error"):
@@ -109,17 +120,28 @@ class RunTracer:
 
         steps = run["steps"]
         tokens = {k: sum(s.get(k) or 0 for s in steps) for k in ("prompt_tokens", "completion_tokens")}
-        root = self.tracer.start_span("agent.run", start_time=_ns(run["created_at"]), attributes={
-            "agent.run_id": run["id"], "agent.workflow": run["workflow"], "agent.tenant": run["tenant"],
-            "agent.state": run["state"], "agent.steps": len(steps), "agent.prompt_tokens": tokens["prompt_tokens"],
-            "agent.completion_tokens": tokens["completion_tokens"], "agent.input": _text(run["input"]),
-            **({"agent.error": _text(run["error"])} if run.get("error") else {})})
+        root = self.tracer.start_span(
+            "agent.run",
+            start_time=_ns(run["created_at"]),
+            attributes={
+                "agent.run_id": run["id"],
+                "agent.workflow": run["workflow"],
+                "agent.tenant": run["tenant"],
+                "agent.state": run["state"],
+                "agent.steps": len(steps),
+                "agent.prompt_tokens": tokens["prompt_tokens"],
+                "agent.completion_tokens": tokens["completion_tokens"],
+                "agent.input": _text(run["input"]),
+                **({"agent.error": _text(run["error"])} if run.get("error") else {}),
+            },
+        )
         context = trace.set_span_in_context(root)
         for step in steps:
             end = step["at"] + (step["seconds"] or 0.0) if step["kind"] == "tool" else step["at"]
             start = step["at"] - (step["seconds"] or 0.0) if step["kind"] == "model" else step["at"]
-            span = self.tracer.start_span(f"agent.{step['kind']}", context=context, start_time=_ns(start),
-                                          attributes=step_attributes(step))
+            span = self.tracer.start_span(
+                f"agent.{step['kind']}", context=context, start_time=_ns(start), attributes=step_attributes(step)
+            )
             if step.get("ok") is False:
                 span.set_status(Status(StatusCode.ERROR, _text(step.get("refused") or step.get("error") or "")))
             span.end(end_time=_ns(max(end, start)))

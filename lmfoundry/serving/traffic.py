@@ -65,10 +65,10 @@ def read_split_file(uri: str) -> dict:
 def write_split(uri: str, weights: dict[str, float]) -> dict:
     """Record a new split, keeping the previous ones for rollback."""
     previous = read_split_file(uri) if storage.exists(uri) else {"weights": None, "history": []}
-    history = previous["history"] + ([{"weights": previous["weights"], "until": previous.get("since")}]
-                                     if previous["weights"] else [])
-    data = {"weights": weights, "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "history": history}
+    history = previous["history"] + (
+        [{"weights": previous["weights"], "until": previous.get("since")}] if previous["weights"] else []
+    )
+    data = {"weights": weights, "since": datetime.now(timezone.utc).isoformat(timespec="seconds"), "history": history}
     if not storage.is_remote(uri):
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
     storage.write_json_atomic(uri, data)
@@ -80,8 +80,11 @@ def rollback(uri: str) -> dict:
     if not data["history"]:
         raise ValueError(f"{uri} holds no earlier split to roll back to")
     restored = data["history"][-1]["weights"]
-    out = {"weights": restored, "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "history": data["history"][:-1]}
+    out = {
+        "weights": restored,
+        "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "history": data["history"][:-1],
+    }
     storage.write_json_atomic(uri, out)
     return out
 
@@ -90,8 +93,14 @@ class SplitSource:
     """The split a replica routes by: the config's weights, overridden by the split file, which
     is re-read every `reload_s`. A file that cannot be read keeps the last good split (and says so)."""
 
-    def __init__(self, versions: list[str], config_weights: dict[str, float], traffic_file: str | None,
-                 reload_s: float = 2.0, log=None):
+    def __init__(
+        self,
+        versions: list[str],
+        config_weights: dict[str, float],
+        traffic_file: str | None,
+        reload_s: float = 2.0,
+        log=None,
+    ):
         self.versions = versions
         self.traffic_file = traffic_file
         self.reload_s = reload_s
@@ -133,8 +142,9 @@ def parse_weights(items: list[str]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lmfoundry traffic", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lmfoundry traffic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("action", choices=["show", "set", "rollback"])
     parser.add_argument("weights", nargs="*", metavar="VERSION=WEIGHT")
     parser.add_argument("--file", required=True, help="the traffic file named by the serve config's traffic_file")
@@ -153,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: traffic {args.action}: {e}", file=sys.stderr)
         return 2
     total = sum(data["weights"].values())
-    print("  ".join(f"{v}={100 * w / total:.0f}%" for v, w in data["weights"].items()),
-          f"(since {data['since']}, {len(data['history'])} earlier)")
+    print(
+        "  ".join(f"{v}={100 * w / total:.0f}%" for v, w in data["weights"].items()),
+        f"(since {data['since']}, {len(data['history'])} earlier)",
+    )
     return 0

@@ -71,12 +71,16 @@ class DPOConfig(StageConfig):
             raise ValueError(f"warmup_steps={self.warmup_steps} must be below max_steps={self.max_steps}")
         per_micro_step = self.micro_batch_size * self.num_workers
         if self.global_batch_pairs % per_micro_step:
-            raise ValueError(f"global_batch_pairs={self.global_batch_pairs} must be a multiple of micro_batch_size x "
-                             f"num_workers = {self.micro_batch_size} x {self.num_workers} = {per_micro_step}")
+            raise ValueError(
+                f"global_batch_pairs={self.global_batch_pairs} must be a multiple of micro_batch_size x "
+                f"num_workers = {self.micro_batch_size} x {self.num_workers} = {per_micro_step}"
+            )
         for drill in self.drills:
             if drill.kind != "kill" or drill.rank >= self.num_workers:
-                raise ValueError(f"drills: {drill.kind} at rank {drill.rank}; DPO takes kill drills on ranks "
-                                 f"0..{self.num_workers - 1}")
+                raise ValueError(
+                    f"drills: {drill.kind} at rank {drill.rank}; DPO takes kill drills on ranks "
+                    f"0..{self.num_workers - 1}"
+                )
         return self
 
 
@@ -85,11 +89,24 @@ def as_pretrain_config(cfg: DPOConfig, model_cfg) -> PretrainConfig:
     counted in pairs, not tokens: with seq_len 1 in `deepspeed_config`, its token arithmetic
     counts pairs (global_batch_pairs = micro_batch_size x workers x accumulation)."""
     return PretrainConfig(
-        data=cfg.pairs, output=cfg.output, model=model_cfg, num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-        zero_stage=cfg.zero_stage, precision=cfg.precision, micro_batch_size=cfg.micro_batch_size,
-        global_batch_tokens=cfg.global_batch_pairs, max_steps=cfg.max_steps, lr=cfg.lr,
-        warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, min_lr_ratio=0.0,
-        checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints, seed=cfg.seed,
+        data=cfg.pairs,
+        output=cfg.output,
+        model=model_cfg,
+        num_workers=cfg.num_workers,
+        use_gpu=cfg.use_gpu,
+        zero_stage=cfg.zero_stage,
+        precision=cfg.precision,
+        micro_batch_size=cfg.micro_batch_size,
+        global_batch_tokens=cfg.global_batch_pairs,
+        max_steps=cfg.max_steps,
+        lr=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay,
+        grad_clip=cfg.grad_clip,
+        min_lr_ratio=0.0,
+        checkpoint_every=cfg.checkpoint_every,
+        keep_checkpoints=cfg.keep_checkpoints,
+        seed=cfg.seed,
     )
 
 
@@ -129,11 +146,13 @@ class PairEncoder:
         """(prompt, chosen, rejected) ids; the prompt cut from the left and the replies from the
         right so that prompt + each reply fits in max_seq_len."""
         prompt = self.tokenizer.encode(self.template.render(_messages(pair["prompt"])), add_special_tokens=False).ids
-        replies = [self.tokenizer.encode(_reply_text(pair[k]), add_special_tokens=False).ids + [self.end]
-                   for k in ("chosen", "rejected")]
+        replies = [
+            self.tokenizer.encode(_reply_text(pair[k]), add_special_tokens=False).ids + [self.end]
+            for k in ("chosen", "rejected")
+        ]
         room = self.max_seq_len - min(len(prompt), self.max_seq_len // 2)
-        prompt = prompt[-(self.max_seq_len - min(max(map(len, replies)), room)):]
-        replies = [r[:self.max_seq_len - len(prompt)] for r in replies]
+        prompt = prompt[-(self.max_seq_len - min(max(map(len, replies)), room)) :]
+        replies = [r[: self.max_seq_len - len(prompt)] for r in replies]
         return prompt, replies[0], replies[1]
 
 
@@ -157,8 +176,8 @@ def collate(encoded: list[tuple[list[int], list[int], list[int]]], pad: int):
     ids = torch.full((len(sequences), width), pad, dtype=torch.long)
     mask = torch.zeros((len(sequences), width - 1))
     for row, (p, x) in enumerate(sequences):
-        ids[row, :len(p) + len(x)] = torch.tensor(p + x)
-        mask[row, len(p) - 1:len(p) + len(x) - 1] = 1  # the targets that are reply tokens
+        ids[row, : len(p) + len(x)] = torch.tensor(p + x)
+        mask[row, len(p) - 1 : len(p) + len(x) - 1] = 1  # the targets that are reply tokens
     return ids, mask
 
 
@@ -175,8 +194,12 @@ def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tupl
     chosen = beta * (policy[:n] - reference[:n])
     rejected = beta * (policy[n:] - reference[n:])
     loss = -F.logsigmoid(chosen - rejected).mean()
-    stats = {"accuracy": float((chosen > rejected).float().mean()), "margin": float((chosen - rejected).mean()),
-             "chosen_reward": float(chosen.mean()), "rejected_reward": float(rejected.mean())}
+    stats = {
+        "accuracy": float((chosen > rejected).float().mean()),
+        "margin": float((chosen - rejected).mean()),
+        "chosen_reward": float(chosen.mean()),
+        "rejected_reward": float(rejected.mean()),
+    }
     return loss, stats
 
 
@@ -191,9 +214,9 @@ def preference_accuracy(policy, reference, encoded: list, pad: int, beta: float,
     """The share of pairs whose chosen reply the policy rewards above the rejected one."""
     hits = 0
     for start in range(0, len(encoded), batch):
-        ids, mask = collate(encoded[start:start + batch], pad)
+        ids, mask = collate(encoded[start : start + batch], pad)
         _, stats = dpo_loss(reply_logprobs(policy, ids, mask), reply_logprobs(reference, ids, mask), beta)
-        hits += stats["accuracy"] * len(encoded[start:start + batch])
+        hits += stats["accuracy"] * len(encoded[start : start + batch])
     return hits / len(encoded)
 
 
@@ -205,8 +228,15 @@ def dpo_loop(loop_config: dict) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from lmfoundry.train.loop import (Drills, RayTrainReporter, mean_across_ranks, param_groups, resume,
-                                      stage_checkpoint, stage_root)
+    from lmfoundry.train.loop import (
+        Drills,
+        RayTrainReporter,
+        mean_across_ranks,
+        param_groups,
+        resume,
+        stage_checkpoint,
+        stage_root,
+    )
     from lmfoundry.train.snapshot import SnapshotCheckpointEngine
 
     cfg = DPOConfig.model_validate(loop_config["cfg"])
@@ -223,15 +253,17 @@ def dpo_loop(loop_config: dict) -> None:
     encoder = PairEncoder(start_dir, max_len)
     pairs = [encoder.encode(p) for p in read_pairs(cfg.pairs)]
     ds_config = deepspeed_config(as_pretrain_config(cfg, policy.cfg), world, seq_len=1)
-    engine, _, _, scheduler = deepspeed.initialize(model=policy, model_parameters=param_groups(policy, cfg.weight_decay),
-                                                   config=ds_config)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=policy, model_parameters=param_groups(policy, cfg.weight_decay), config=ds_config
+    )
     engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
     reference.to(engine.device)
     accum = ds_config["gradient_accumulation_steps"]
     drills = Drills(cfg.drills, rank, run_dir)
     reporter = RayTrainReporter()
-    checkpointer = checkpoint.AsyncCheckpointer(run_dir, rank, world, cfg.keep_checkpoints,
-                                                before_commit=drills.during_save)
+    checkpointer = checkpoint.AsyncCheckpointer(
+        run_dir, rank, world, cfg.keep_checkpoints, before_commit=drills.during_save
+    )
     staging = stage_root(None)
     tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
 
@@ -241,14 +273,15 @@ def dpo_loop(loop_config: dict) -> None:
     per_global = cfg.micro_batch_size * world
     batches_per_epoch = len(pairs) // per_global
     if batches_per_epoch == 0:
-        raise ValueError(f"{len(pairs)} pairs are fewer than one global micro-batch (micro_batch_size x workers = "
-                         f"{per_global})")
+        raise ValueError(
+            f"{len(pairs)} pairs are fewer than one global micro-batch (micro_batch_size x workers = {per_global})"
+        )
     micro, sums, t_last, step_last = 0, {}, time.time(), step
     while step < cfg.max_steps:
         order = epoch_order(len(pairs), cfg.seed, epoch)
         for index in range(position, batches_per_epoch):
-            chunk = order[index * per_global:(index + 1) * per_global]
-            mine = [pairs[i] for i in chunk[rank * cfg.micro_batch_size:(rank + 1) * cfg.micro_batch_size]]
+            chunk = order[index * per_global : (index + 1) * per_global]
+            mine = [pairs[i] for i in chunk[rank * cfg.micro_batch_size : (rank + 1) * cfg.micro_batch_size]]
             ids, mask = collate(mine, encoder.end)
             ids, mask = ids.to(engine.device), mask.to(engine.device)
             with torch.no_grad():
@@ -268,28 +301,49 @@ def dpo_loop(loop_config: dict) -> None:
                 count = micro
                 metrics = {k: mean_across_ranks(v / count) for k, v in sums.items()}
                 now = time.time()
-                metrics.update(step=step, epoch=epoch, lr=scheduler.get_last_lr()[0],
-                               grad_norm=float(engine.get_global_grad_norm() or 0.0),
-                               step_time_s=(now - t_last) / max(step - step_last, 1), time=now)
+                metrics.update(
+                    step=step,
+                    epoch=epoch,
+                    lr=scheduler.get_last_lr()[0],
+                    grad_norm=float(engine.get_global_grad_norm() or 0.0),
+                    step_time_s=(now - t_last) / max(step - step_last, 1),
+                    time=now,
+                )
                 history.append(metrics)
                 sums, micro = {}, 0
                 if rank == 0:
-                    logger.info("dpo step %d/%d loss %.4f preference accuracy %.3f margin %.3f", step, cfg.max_steps,
-                                metrics["loss"], metrics["accuracy"], metrics["margin"])
+                    logger.info(
+                        "dpo step %d/%d loss %.4f preference accuracy %.3f margin %.3f",
+                        step,
+                        cfg.max_steps,
+                        metrics["loss"],
+                        metrics["accuracy"],
+                        metrics["margin"],
+                    )
                 if save:
                     checkpointer.wait()
-                    train_state = {"step": step, "epoch": epoch, "batches_in_epoch": position, "world_size": world,
-                                   "history": history, "loss_history": [[h["step"], h["loss"]] for h in history],
-                                   "seed": cfg.seed, "config": cfg.model_dump(mode="json"), "kind": "dpo"}
+                    train_state = {
+                        "step": step,
+                        "epoch": epoch,
+                        "batches_in_epoch": position,
+                        "world_size": world,
+                        "history": history,
+                        "loss_history": [[h["step"], h["loss"]] for h in history],
+                        "seed": cfg.seed,
+                        "config": cfg.model_dump(mode="json"),
+                        "kind": "dpo",
+                    }
                     staged, write = stage_checkpoint(engine, rank, step, train_state, tokenizer_json, staging)
                     if rank == 0:
                         # the chat template the policy was tuned with, not the default
-                        template = (Path(start_dir) / CHAT_TEMPLATE_FILE)
+                        template = Path(start_dir) / CHAT_TEMPLATE_FILE
                         write = _with_template(write, staged, template)
                     checkpointer.save(step, staged, {"kind": "lmfoundry.dpo", "step": step}, write)
                     if rank == 0:
-                        storage.write_bytes_atomic(storage.join(run_dir, "metrics.jsonl"),
-                                                   "".join(json.dumps(h) + "\n" for h in history).encode())
+                        storage.write_bytes_atomic(
+                            storage.join(run_dir, "metrics.jsonl"),
+                            "".join(json.dumps(h) + "\n" for h in history).encode(),
+                        )
                 reporter.maybe_report({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, force=save)
                 t_last, step_last = time.time(), step
             drills.after_step(step)
@@ -306,6 +360,7 @@ def _with_template(write, staged: Path, template: Path):
         write()
         if template.exists():
             (staged / CHAT_TEMPLATE_FILE).write_text(template.read_text())
+
     return write_then_template
 
 
@@ -334,8 +389,9 @@ def run_dpo(cfg: DPOConfig) -> dict:
     trainer = TorchTrainer(
         dpo_loop,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out},
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker}
+        ),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         run_config=run_config(out, cfg.max_failures, cfg.use_gpu),
     )
@@ -346,14 +402,32 @@ def run_dpo(cfg: DPOConfig) -> dict:
     encoder = PairEncoder(start_dir, cfg.max_seq_len or model_cfg["max_seq_len"])
     encoded = [encoder.encode(p) for p in pairs]
     reference = load_model_files(start_dir)
-    accuracy = {"before": preference_accuracy(reference, reference, encoded, encoder.end, cfg.beta),
-                "after": preference_accuracy(load_model_files(final_dir), reference, encoded, encoder.end, cfg.beta)}
+    accuracy = {
+        "before": preference_accuracy(reference, reference, encoded, encoder.end, cfg.beta),
+        "after": preference_accuracy(load_model_files(final_dir), reference, encoded, encoder.end, cfg.beta),
+    }
     state = storage.read_json(storage.join(final_uri, "train_state.json"))
-    manifest = storage.commit(out, "align", {
-        "start_checkpoint": start_uri, "pairs": cfg.pairs, "final_checkpoint": final, "steps": state["step"],
-        "beta": cfg.beta, "preference_accuracy": accuracy, "first_loss": state["history"][0]["loss"],
-        "final_loss": state["history"][-1]["loss"], "seconds": round(time.time() - started, 2),
-    })
-    logger.info("align: DPO %d steps, loss %.4f -> %.4f, preference accuracy on the training pairs %.3f -> %.3f",
-                state["step"], manifest["first_loss"], manifest["final_loss"], accuracy["before"], accuracy["after"])
+    manifest = storage.commit(
+        out,
+        "align",
+        {
+            "start_checkpoint": start_uri,
+            "pairs": cfg.pairs,
+            "final_checkpoint": final,
+            "steps": state["step"],
+            "beta": cfg.beta,
+            "preference_accuracy": accuracy,
+            "first_loss": state["history"][0]["loss"],
+            "final_loss": state["history"][-1]["loss"],
+            "seconds": round(time.time() - started, 2),
+        },
+    )
+    logger.info(
+        "align: DPO %d steps, loss %.4f -> %.4f, preference accuracy on the training pairs %.3f -> %.3f",
+        state["step"],
+        manifest["first_loss"],
+        manifest["final_loss"],
+        accuracy["before"],
+        accuracy["after"],
+    )
     return manifest

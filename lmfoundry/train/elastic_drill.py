@@ -31,8 +31,14 @@ class ElasticDrill:
     added_at: float  # wall time of the node's return
 
 
-def run_elastic_drill(cfg: PretrainConfig, remove_after: int, add_after: int, cpus_per_node: int = 1,
-                      start_timeout_s: int = 15, wait_s: float = 600) -> ElasticDrill:
+def run_elastic_drill(
+    cfg: PretrainConfig,
+    remove_after: int,
+    add_after: int,
+    cpus_per_node: int = 1,
+    start_timeout_s: int = 15,
+    wait_s: float = 600,
+) -> ElasticDrill:
     """Runs `cfg` (a 2-worker run with min_workers=1) through the drill described above, with the
     node removed after step `remove_after` and added after step `add_after` (the second must come
     after a checkpoint the shrunk group wrote, or growing back repeats the shrunk group's work).
@@ -45,11 +51,15 @@ def run_elastic_drill(cfg: PretrainConfig, remove_after: int, add_after: int, cp
     from lmfoundry.train.pretrain import run_pretrain
 
     if cfg.num_workers != 2 or cfg.min_workers != 1:
-        raise ValueError(f"the drill runs 2 workers with min_workers=1 (got num_workers={cfg.num_workers}, "
-                         f"min_workers={cfg.min_workers})")
+        raise ValueError(
+            f"the drill runs 2 workers with min_workers=1 (got num_workers={cfg.num_workers}, "
+            f"min_workers={cfg.min_workers})"
+        )
     stall = 2 * wait_s  # longer than any wait here: the group's restart ends it
-    drills = [FaultDrill(at_step=remove_after, kind="stall", seconds=stall),
-              FaultDrill(at_step=add_after, kind="stall", seconds=stall)]
+    drills = [
+        FaultDrill(at_step=remove_after, kind="stall", seconds=stall),
+        FaultDrill(at_step=add_after, kind="stall", seconds=stall),
+    ]
     first = len(cfg.drills)
     cfg = cfg.model_copy(update={"drills": [*cfg.drills, *drills], "worker_resources": {SLOT: 1}})
 
@@ -70,8 +80,10 @@ def run_elastic_drill(cfg: PretrainConfig, remove_after: int, add_after: int, cp
         markers = os.path.join(cfg.output, "_drills")
         while not (os.path.isdir(markers) and any(f.startswith(f"drill-{index}-") for f in os.listdir(markers))):
             if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"elastic drill: the stall after step {drills[index - first].at_step} never "
-                                   f"came: {result.get('error', 'the run is still going')}")
+                raise RuntimeError(
+                    f"elastic drill: the stall after step {drills[index - first].at_step} never "
+                    f"came: {result.get('error', 'the run is still going')}"
+                )
             time.sleep(0.2)
 
     try:

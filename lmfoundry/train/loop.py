@@ -48,7 +48,6 @@ from lmfoundry.train.snapshot import SnapshotCheckpointEngine
 logger = get_logger(__name__)
 
 
-
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only; norms and embeddings are not decayed (as in GPT-3).
     Named, because DeepSpeed splits named groups further into expert and non-expert groups."""
@@ -57,8 +56,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
 
 
 def mean_across_ranks(value: float) -> float:
@@ -105,8 +106,19 @@ def _timed(iterable):
         yield item, time.perf_counter() - start
 
 
-TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops_per_worker", "mfu",
-                       "expert_imbalance", "skipped_batches", "rollbacks", "checkpoint_blocking_s")
+TENSORBOARD_SCALARS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "tflops_per_worker",
+    "mfu",
+    "expert_imbalance",
+    "skipped_batches",
+    "rollbacks",
+    "checkpoint_blocking_s",
+)
 
 
 def write_metrics(run_dir: str, history: list[dict]) -> None:
@@ -150,8 +162,9 @@ class TensorBoardWriter:
                     for name, value in h.get("eval", {}).get("metrics", {}).items():
                         tb.add_scalar(f"eval/{name}", value, h["step"], walltime=h.get("time"))
             (event_file,) = Path(tmp).glob("events.out.tfevents.*")
-            storage.write_bytes_atomic(storage.join(run_dir, "tensorboard", "events.out.tfevents.lmfoundry"),
-                                       event_file.read_bytes())
+            storage.write_bytes_atomic(
+                storage.join(run_dir, "tensorboard", "events.out.tfevents.lmfoundry"), event_file.read_bytes()
+            )
 
 
 TENSORBOARD = TensorBoardWriter()
@@ -184,8 +197,13 @@ class Drills:
     def _kill(self, step: int, during_save: bool) -> None:
         for i, _ in self._pending(step, "kill", during_save):
             self._mark(i)
-            logger.warning("fault drill: killing rank %d (pid %d) %s step %d", self.rank, os.getpid(),
-                           "while saving" if during_save else "after", step)
+            logger.warning(
+                "fault drill: killing rank %d (pid %d) %s step %d",
+                self.rank,
+                os.getpid(),
+                "while saving" if during_save else "after",
+                step,
+            )
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_step(self, step: int) -> None:
@@ -238,8 +256,9 @@ class RayTrainReporter:
     `maybe_report` is a collective."""
 
     def __init__(self, interval_s: float | None = None):
-        self.interval_s = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0")) \
-            if interval_s is None else interval_s
+        self.interval_s = (
+            float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0")) if interval_s is None else interval_s
+        )
         self.last = -math.inf  # rank 0's monotonic clock at the last report
 
     def maybe_report(self, metrics: dict, force: bool = False) -> None:
@@ -285,8 +304,9 @@ def _gathered(engine):
     return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
 
 
-def stage_checkpoint(engine, rank: int, step: int, state: dict, tokenizer_json: str,
-                     root: Path) -> tuple[Path, Callable[[], None]]:
+def stage_checkpoint(
+    engine, rank: int, step: int, state: dict, tokenizer_json: str, root: Path
+) -> tuple[Path, Callable[[], None]]:
     """Collective: every rank snapshots its share of the full training state in memory
     (DeepSpeed's files: module, this rank's optimizer partition, scheduler; its RNG states) and
     rank 0 the servable model files, tokenizer and training state. Returns the local directory
@@ -338,9 +358,11 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
     load_dir = local / "deepspeed"
     if written_by != world:
         if _expert_parallel(engine):
-            raise ValueError(f"checkpoint {chosen[0]} was written by {written_by} workers and this run has {world}: "
-                             f"a change of world size is supported without expert parallelism only (each rank's "
-                             f"experts are its own files); resume with {written_by} workers")
+            raise ValueError(
+                f"checkpoint {chosen[0]} was written by {written_by} workers and this run has {world}: "
+                f"a change of world size is supported without expert parallelism only (each rank's "
+                f"experts are its own files); resume with {written_by} workers"
+            )
         load_dir = universal_copy(local, chosen[0])
         engine._config.load_universal_checkpoint = True  # read per load: this load only
         own_settings = [{k: g[k] for k in ("weight_decay", "name") if k in g} for g in engine.optimizer.param_groups]
@@ -365,9 +387,14 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
         # sits on a step boundary, so the rows trained on divide evenly at the new world size
         state = {**state, "batches_in_epoch": state["batches_in_epoch"] * written_by // world}
     if rank == 0:
-        logger.info("resumed from %s: step %d, epoch %d, %d micro-batches into the epoch%s", chosen[0], state["step"],
-                    state["epoch"], state["batches_in_epoch"],
-                    f" (written by {written_by} workers, now {world})" if written_by != world else "")
+        logger.info(
+            "resumed from %s: step %d, epoch %d, %d micro-batches into the epoch%s",
+            chosen[0],
+            state["step"],
+            state["epoch"],
+            state["batches_in_epoch"],
+            f" (written by {written_by} workers, now {world})" if written_by != world else "",
+        )
     return state
 
 
@@ -403,13 +430,28 @@ def universal_copy(local: Path, uri: str) -> Path:
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (out / "latest_universal").exists():
         shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
         scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
-        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               str(deepspeed_dir / "state"), "--output_folder", str(scratch / "state"),
-                               "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(deepspeed_dir / "state"),
+                "--output_folder",
+                str(scratch / "state"),
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
+                "--inject_missing_state",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
-            raise RuntimeError(f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}"
-                               f"{done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+            )
         (scratch / "latest_universal").write_text("state")
         try:
             os.replace(scratch, out)
@@ -425,12 +467,15 @@ def micro_batches(shard, cfg: PretrainConfig, rank: int, world: int, epoch: int,
     """(index, tokens): this rank's slice of each global micro-batch of the epoch, in the order
     the seed fixes, passing over the first `skip` (already trained on)."""
     mbs = cfg.micro_batch_size
-    shuffle = {"local_shuffle_buffer_size": cfg.shuffle_buffer, "local_shuffle_seed": cfg.seed + epoch} \
-        if cfg.shuffle_buffer else {}
+    shuffle = (
+        {"local_shuffle_buffer_size": cfg.shuffle_buffer, "local_shuffle_seed": cfg.seed + epoch}
+        if cfg.shuffle_buffer
+        else {}
+    )
     batches = shard.iter_torch_batches(batch_size=mbs * world, drop_last=True, dtypes=torch.long, **shuffle)
     for index, batch in enumerate(batches):
         if index >= skip:
-            yield index, batch["tokens"][rank * mbs:(rank + 1) * mbs]
+            yield index, batch["tokens"][rank * mbs : (rank + 1) * mbs]
 
 
 def build_engine(cfg: PretrainConfig, world: int, seq_len: int):
@@ -446,12 +491,15 @@ def build_engine(cfg: PretrainConfig, world: int, seq_len: int):
         shard_model(model, cfg.expert_parallel_size)
     num_params, flops_per_token = model.num_params(), train_flops_per_token(model, seq_len)
     ds_config = deepspeed_config(cfg, world, seq_len, num_params)
+
     def wsd(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, wsd_schedule(cfg))
 
     client_scheduler = wsd if cfg.lr_schedule == "wsd" else None  # else DeepSpeed's from the config
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.weight_decay), config=ds_config,
+        model=model,
+        model_parameters=param_groups(model, cfg.weight_decay),
+        config=ds_config,
         lr_scheduler=client_scheduler,
     )
     engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
@@ -477,15 +525,24 @@ def train_loop(loop_config: dict) -> None:
     accum = ds_config["gradient_accumulation_steps"]
     tokens_per_step = cfg.global_batch_tokens
     if rank == 0:
-        logger.info("pretrain: %.2fM parameters, %d workers, ZeRO-%d, micro batch %d, grad accumulation %d "
-                    "(derived from global_batch_tokens=%d)", num_params / 1e6, world, cfg.zero_stage,
-                    cfg.micro_batch_size, accum, tokens_per_step)
+        logger.info(
+            "pretrain: %.2fM parameters, %d workers, ZeRO-%d, micro batch %d, grad accumulation %d "
+            "(derived from global_batch_tokens=%d)",
+            num_params / 1e6,
+            world,
+            cfg.zero_stage,
+            cfg.micro_batch_size,
+            accum,
+            tokens_per_step,
+        )
 
     peak = cfg.peak_tflops_per_worker or device_peak_tflops(
-        torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+        torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    )
     drills = Drills(cfg.drills, rank, run_dir)
-    checkpointer = checkpoint.AsyncCheckpointer(run_dir, rank, world, cfg.keep_checkpoints, cfg.keep_every,
-                                                before_commit=drills.during_save)
+    checkpointer = checkpoint.AsyncCheckpointer(
+        run_dir, rank, world, cfg.keep_checkpoints, cfg.keep_every, before_commit=drills.during_save
+    )
     staging = stage_root(cfg.stage_dir)
 
     state = resume(engine, run_dir, rank, world) or {}
@@ -519,8 +576,9 @@ def train_loop(loop_config: dict) -> None:
             diverged, damaged_since = None, step  # why we must roll back, and from which update on
             if not finite.item():  # on any rank: every rank passes over this micro-batch
                 skipped, nonfinite_run = skipped + 1, nonfinite_run + 1
-                logger.warning("step %d: non-finite loss on some rank; micro-batch %d of epoch %d skipped",
-                               step + 1, index, epoch)
+                logger.warning(
+                    "step %d: non-finite loss on some rank; micro-batch %d of epoch %d skipped", step + 1, index, epoch
+                )
                 if nonfinite_run < 2 * accum:
                     continue
                 diverged = f"{nonfinite_run} micro-batches in a row had a non-finite loss"
@@ -549,8 +607,12 @@ def train_loop(loop_config: dict) -> None:
                     step_sum, step_count = 0.0, 0
                     for load in expert_load:
                         load.zero_()
-                    logger.warning("step %d: non-finite gradients on some rank; the optimizer step and its %d "
-                                   "micro-batches are skipped", step + 1, accum)
+                    logger.warning(
+                        "step %d: non-finite gradients on some rank; the optimizer step and its %d "
+                        "micro-batches are skipped",
+                        step + 1,
+                        accum,
+                    )
                     if nonfinite_steps < 2:
                         continue
                     diverged = f"{nonfinite_steps} optimizer steps in a row had non-finite gradients"
@@ -561,8 +623,9 @@ def train_loop(loop_config: dict) -> None:
                         step_loss = mean_across_ranks(step_sum / step_count)
                         median = statistics.median(recent) if len(recent) >= recent.maxlen // 2 else math.inf
                         if step_loss > cfg.spike_factor * median:
-                            diverged = (f"loss {step_loss:.3f} is above {cfg.spike_factor:g} x the running median "
-                                        f"{median:.3f}")
+                            diverged = (
+                                f"loss {step_loss:.3f} is above {cfg.spike_factor:g} x the running median {median:.3f}"
+                            )
                             damaged_since = step - 1  # this step's loss already saw the update before it
                         else:
                             recent.append(step_loss)
@@ -578,10 +641,13 @@ def train_loop(loop_config: dict) -> None:
                 here = (epoch, position)
                 state = resume(engine, run_dir, rank, world, before_step=damaged_since)
                 if state is None:
-                    raise RuntimeError(f"training diverged at step {step} ({diverged}) and no checkpoint before "
-                                       f"step {damaged_since} is there to roll back to")
-                logger.error("rolled back from step %d to step %d; the batches in between are skipped", step,
-                             state["step"])
+                    raise RuntimeError(
+                        f"training diverged at step {step} ({diverged}) and no checkpoint before "
+                        f"step {damaged_since} is there to roll back to"
+                    )
+                logger.error(
+                    "rolled back from step %d to step %d; the batches in between are skipped", step, state["step"]
+                )
                 step, history = state["step"], state["history"]
                 epoch, position = here
                 rollbacks += 1
@@ -602,10 +668,18 @@ def train_loop(loop_config: dict) -> None:
                 tokens_per_s = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
                 tflops = tokens_per_s * flops_per_token / world / 1e12  # achieved, per worker
                 metrics = {
-                    "step": step, "epoch": epoch, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(engine.get_global_grad_norm() or 0.0), "tokens_per_s": tokens_per_s,
-                    "step_time_s": (now - t_last) / max(step - step_last, 1), "tflops_per_worker": tflops,
-                    "skipped_batches": skipped, "rollbacks": rollbacks, "world_size": world, "time": now,
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": mean_loss,
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                    "tokens_per_s": tokens_per_s,
+                    "step_time_s": (now - t_last) / max(step - step_last, 1),
+                    "tflops_per_worker": tflops,
+                    "skipped_batches": skipped,
+                    "rollbacks": rollbacks,
+                    "world_size": world,
+                    "time": now,
                 }
                 busy = [None] * world
                 dist.all_gather_object(busy, (busy_s, host))
@@ -613,8 +687,13 @@ def train_loop(loop_config: dict) -> None:
                 metrics["worker_busy_s"] = [seconds for seconds, _ in busy]
                 for slow_rank, slow_host, ratio in stragglers(busy, cfg.straggler_factor):
                     if rank == 0:
-                        logger.warning("step %d: rank %d on %s is a straggler: %.2f x the fastest worker's data "
-                                       "and forward time", step, slow_rank, slow_host, ratio)
+                        logger.warning(
+                            "step %d: rank %d on %s is a straggler: %.2f x the fastest worker's data and forward time",
+                            step,
+                            slow_rank,
+                            slow_host,
+                            ratio,
+                        )
                 if peak:
                     metrics["mfu"] = tflops / peak
                 if moe_layers:
@@ -622,18 +701,32 @@ def train_loop(loop_config: dict) -> None:
                     metrics["tokens_per_expert"] = step_loads
                 history.append(metrics)
                 if rank == 0:
-                    logger.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f%s", step, cfg.max_steps,
-                                mean_loss, metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"],
-                                f" expert imbalance {metrics['expert_imbalance']:.2f}" if moe_layers else "")
+                    logger.info(
+                        "step %d/%d loss %.4f lr %.2e grad_norm %.3f tokens/s %.0f%s",
+                        step,
+                        cfg.max_steps,
+                        mean_loss,
+                        metrics["lr"],
+                        metrics["grad_norm"],
+                        metrics["tokens_per_s"],
+                        f" expert imbalance {metrics['expert_imbalance']:.2f}" if moe_layers else "",
+                    )
                 if save:
                     blocked = time.perf_counter()
                     checkpointer.wait()  # the snapshot buffers are free once the last save is written
                     train_state = {
-                        "step": step, "epoch": epoch, "batches_in_epoch": position, "world_size": world,
-                        "tokens_seen": step * tokens_per_step, "loss": mean_loss, "skipped_batches": skipped,
+                        "step": step,
+                        "epoch": epoch,
+                        "batches_in_epoch": position,
+                        "world_size": world,
+                        "tokens_seen": step * tokens_per_step,
+                        "loss": mean_loss,
+                        "skipped_batches": skipped,
                         "rollbacks": rollbacks,
-                        "history": history, "loss_history": [[h["step"], h["loss"]] for h in history],
-                        "seed": cfg.seed, "config": cfg.model_dump(mode="json"),
+                        "history": history,
+                        "loss_history": [[h["step"], h["loss"]] for h in history],
+                        "seed": cfg.seed,
+                        "config": cfg.model_dump(mode="json"),
                     }
                     staged, write = stage_checkpoint(engine, rank, step, train_state, tokenizer_json, staging)
                     checkpointer.save(step, staged, {"kind": "lmfoundry.pretrain", "step": step}, write)

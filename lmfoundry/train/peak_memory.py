@@ -55,8 +55,9 @@ def _train_steps(cfg: PretrainConfig, seq_len: int, world: int, steps: int) -> N
 
 
 def _worker(rank: int, world: int, port: int, configs: list[dict], seq_len: int, steps: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -85,8 +86,10 @@ def measure_peak_bytes(configs: list[PretrainConfig], seq_len: int, world_size: 
     resident set over `steps` optimizer steps on `world_size` CPU processes, in bytes."""
     for cfg in configs:
         if not cfg.model.vocab_size or cfg.model.max_seq_len < seq_len:
-            raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) must be set and model.max_seq_len "
-                             f"({cfg.model.max_seq_len}) at least seq_len={seq_len}")
+            raise ValueError(
+                f"model.vocab_size ({cfg.model.vocab_size}) must be set and model.max_seq_len "
+                f"({cfg.model.max_seq_len}) at least seq_len={seq_len}"
+            )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -96,8 +99,12 @@ def measure_peak_bytes(configs: list[PretrainConfig], seq_len: int, world_size: 
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     try:
-        mp.spawn(_worker, args=(world_size, port, [c.model_dump() for c in configs], seq_len, steps, results),
-                 nprocs=world_size, join=True)
+        mp.spawn(
+            _worker,
+            args=(world_size, port, [c.model_dump() for c in configs], seq_len, steps, results),
+            nprocs=world_size,
+            join=True,
+        )
     finally:
         if saved is None:
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
@@ -113,9 +120,17 @@ def reference_cases() -> dict[str, PretrainConfig]:
     moe = dense.model_copy(update={"moe": MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_hidden=128)})
 
     def cfg(model: ModelConfig, zero: int, micro: int = 8, accumulate: int = 1, ep: int = 1) -> PretrainConfig:
-        return PretrainConfig(data="-", output="-", model=model, zero_stage=zero, micro_batch_size=micro,
-                              global_batch_tokens=micro * WORLD * SEQ_LEN * accumulate, expert_parallel_size=ep,
-                              max_steps=10, warmup_steps=1)
+        return PretrainConfig(
+            data="-",
+            output="-",
+            model=model,
+            zero_stage=zero,
+            micro_batch_size=micro,
+            global_batch_tokens=micro * WORLD * SEQ_LEN * accumulate,
+            expert_parallel_size=ep,
+            max_steps=10,
+            warmup_steps=1,
+        )
 
     return {
         "dense ZeRO-0": cfg(dense, 0),
@@ -135,10 +150,17 @@ def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> 
     from lmfoundry.platform.planner import Layout, Recipe, training_memory_bytes
     from lmfoundry.train.config import resolved_precision
 
-    recipe = Recipe(seq_len=seq_len, global_batch_tokens=cfg.global_batch_tokens, token_budget=1,
-                    zero_stage=cfg.zero_stage, activation_checkpointing=cfg.model.activation_checkpointing,
-                    micro_batch_size=cfg.micro_batch_size, precision=resolved_precision(cfg),
-                    reduce_bucket_size=cfg.reduce_bucket_size, overlap_comm=cfg.use_gpu)
+    recipe = Recipe(
+        seq_len=seq_len,
+        global_batch_tokens=cfg.global_batch_tokens,
+        token_budget=1,
+        zero_stage=cfg.zero_stage,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        micro_batch_size=cfg.micro_batch_size,
+        precision=resolved_precision(cfg),
+        reduce_bucket_size=cfg.reduce_bucket_size,
+        overlap_comm=cfg.use_gpu,
+    )
     layout = Layout(tp=1, pp=1, dp=world_size, ep=cfg.expert_parallel_size)
     micro_batches = gradient_accumulation(cfg, world_size, seq_len)
     return training_memory_bytes(model_shape(cfg.model), layout, recipe, micro_batches)

@@ -26,13 +26,15 @@ def resolve_model_shape(cfg: PretrainConfig, pack_manifest: dict) -> PretrainCon
     if model.vocab_size == 0:
         model.vocab_size = pack_manifest["vocab_size"]
     elif model.vocab_size < pack_manifest["vocab_size"]:
-        raise ValueError(f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's "
-                         f"{pack_manifest['vocab_size']}")
+        raise ValueError(
+            f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's {pack_manifest['vocab_size']}"
+        )
     if model.max_seq_len == 0:
         model.max_seq_len = pack_manifest["seq_len"]
     elif model.max_seq_len < pack_manifest["seq_len"]:
-        raise ValueError(f"model.max_seq_len={model.max_seq_len} is shorter than the packed "
-                         f"seq_len={pack_manifest['seq_len']}")
+        raise ValueError(
+            f"model.max_seq_len={model.max_seq_len} is shorter than the packed seq_len={pack_manifest['seq_len']}"
+        )
     return cfg.model_copy(update={"model": model})
 
 
@@ -46,7 +48,9 @@ def plot_loss(run_dir: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in storage.read_bytes(storage.join(run_dir, "metrics.jsonl")).decode().splitlines()]
+    rows = [
+        json.loads(line) for line in storage.read_bytes(storage.join(run_dir, "metrics.jsonl")).decode().splitlines()
+    ]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
     ax.set_xlabel("optimizer step")
@@ -76,8 +80,12 @@ def run_config(run_dir: str, max_failures: int, use_gpu: bool):
 
     local = PurePosixPath(run_dir) if not storage.is_remote(run_dir) else None
     storage_path, name = (str(local.parent), local.name) if local else run_dir.rsplit("/", 1)
-    return RunConfig(name=name, storage_path=storage_path, failure_config=FailureConfig(max_failures=max_failures),
-                     worker_runtime_env={"env_vars": {} if use_gpu else cpu_worker_env()})
+    return RunConfig(
+        name=name,
+        storage_path=storage_path,
+        failure_config=FailureConfig(max_failures=max_failures),
+        worker_runtime_env={"env_vars": {} if use_gpu else cpu_worker_env()},
+    )
 
 
 def fit(trainer, max_failures: int, what: str) -> None:
@@ -110,8 +118,12 @@ def scaling_config(cfg: PretrainConfig):
 
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {}), **cfg.worker_resources}
     workers = (cfg.min_workers, cfg.num_workers) if cfg.min_workers is not None else cfg.num_workers
-    return ScalingConfig(num_workers=workers, use_gpu=cfg.use_gpu, resources_per_worker=resources,
-                         elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s)
+    return ScalingConfig(
+        num_workers=workers,
+        use_gpu=cfg.use_gpu,
+        resources_per_worker=resources,
+        elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s,
+    )
 
 
 def run_pretrain(cfg: PretrainConfig) -> dict:
@@ -129,9 +141,11 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         gradient_accumulation(cfg, world, seq_len)
     sequences, per_micro_step = pack["splits"]["train"]["sequences"], cfg.num_workers * cfg.micro_batch_size
     if sequences < per_micro_step:  # an epoch would hold no micro-batch, and training no step
-        raise ValueError(f"pretrain data {cfg.data!r} holds {sequences} training sequences, fewer than one global "
-                         f"micro-batch (num_workers x micro_batch_size = {per_micro_step}); pack more text or "
-                         "lower micro_batch_size")
+        raise ValueError(
+            f"pretrain data {cfg.data!r} holds {sequences} training sequences, fewer than one global "
+            f"micro-batch (num_workers x micro_batch_size = {per_micro_step}); pack more text or "
+            "lower micro_batch_size"
+        )
     out = storage.normalize(cfg.output)
     if storage.is_committed(out) and not cfg.overwrite:
         logger.info("pretrain: %s is already committed; skipping (set overwrite=true to redo)", out)
@@ -150,8 +164,12 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     tokenizer_json = storage.read_bytes(storage.join(data, pack["tokenizer"])).decode()
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "seq_len": seq_len, "tokenizer_json": tokenizer_json,
-                           "run_dir": out},
+        train_loop_config={
+            "cfg": cfg.model_dump(mode="json"),
+            "seq_len": seq_len,
+            "tokenizer_json": tokenizer_json,
+            "run_dir": out,
+        },
         scaling_config=scaling_config(cfg),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         datasets={"train": train_ds},
@@ -168,11 +186,25 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     state = storage.read_json(storage.join(out, final, "train_state.json"))
     history = state["loss_history"]
     plot_loss(out)
-    manifest = storage.commit(out, "pretrain", {
-        "data": data, "final_checkpoint": final, "steps": state["step"], "tokens_seen": state["tokens_seen"],
-        "first_loss": history[0][1], "final_loss": history[-1][1], "model": cfg.model.model_dump(),
-        "seconds": round(time.time() - started, 2),
-    })
-    logger.info("pretrain: %d steps, loss %.3f -> %.3f, final checkpoint %s",
-                state["step"], history[0][1], history[-1][1], storage.join(out, final))
+    manifest = storage.commit(
+        out,
+        "pretrain",
+        {
+            "data": data,
+            "final_checkpoint": final,
+            "steps": state["step"],
+            "tokens_seen": state["tokens_seen"],
+            "first_loss": history[0][1],
+            "final_loss": history[-1][1],
+            "model": cfg.model.model_dump(),
+            "seconds": round(time.time() - started, 2),
+        },
+    )
+    logger.info(
+        "pretrain: %d steps, loss %.3f -> %.3f, final checkpoint %s",
+        state["step"],
+        history[0][1],
+        history[-1][1],
+        storage.join(out, final),
+    )
     return manifest

@@ -25,8 +25,9 @@ $(VENV)/.installed: pyproject.toml
 quickstart: env
 	$(VENV)/bin/lmfoundry quickstart --workdir $(WORKDIR)
 
-# ruff (lint and format) as configured in pyproject.toml
+# ruff (lint and format) and the import contracts (the layering), as configured in pyproject.toml
 lint: env
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check lmfoundry tests benchmarks
 	$(VENV)/bin/ruff format --check lmfoundry tests benchmarks
 

@@ -64,11 +64,11 @@ def main() -> None:
 
     from ray import serve
 
+    from lmfoundry.agents.api import AgentServeConfig, build_agent_app
+    from lmfoundry.agents.workflow import AgentStore
+    from lmfoundry.platform.keys import digest
     from lmfoundry.platform.ray_env import init_ray
-    from lmfoundry.serving.agent_api import AgentServeConfig, build_agent_app
-    from lmfoundry.serving.agents import AgentStore
     from lmfoundry.serving.app import ServeConfig, build_app
-    from lmfoundry.serving.keys import digest
 
     work = Path(tempfile.mkdtemp(prefix="lmfoundry-bench-agents-"))
     build_checkpoint(work / "ckpt")

@@ -69,7 +69,7 @@ TOPICS = [
 
 
 def bench_sandbox() -> dict:
-    from lmfoundry.platform.sandbox import run_python
+    from lmfoundry.safety.sandbox import run_python
 
     times = [run_python("print(1)").seconds for _ in range(20)]
     return {"median_s": statistics.median(times), "isolation": run_python("pass").network_isolation}

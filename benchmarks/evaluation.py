@@ -36,7 +36,7 @@ TASK_FILES = [str(TASKS / f) for f in ("arithmetic_mc.yaml", "common_sense_mc.ya
 
 
 def run_ours(ckpt: str, out: mp.Queue) -> None:
-    from lmfoundry.eval.models import CheckpointModel
+    from lmfoundry.clients.checkpoint import CheckpointModel
     from lmfoundry.eval.tasks import load_tasks, run_task
 
     started = time.perf_counter()
@@ -101,8 +101,8 @@ def main() -> None:
 
     from serving import build_checkpoint
 
+    from lmfoundry.clients.checkpoint import CheckpointModel
     from lmfoundry.eval.hhh import HHHConfig, run_hhh
-    from lmfoundry.eval.models import CheckpointModel
     from lmfoundry.eval.needle import NeedleConfig, run_needle
     from lmfoundry.eval.redteam import RedTeamConfig, run_redteam
     from lmfoundry.eval.tasks import harness_copy

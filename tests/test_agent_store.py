@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmfoundry.serving import agents
+from lmfoundry.agents import workflow as agents
 
 pytestmark = pytest.mark.timeout(120)
 SUITES = Path(agents.__file__).parent / "suites"

@@ -21,7 +21,7 @@ CANARY = "canary-5e1f0c7d2b"
 HOSTILE_TOOL = '''
 import os
 
-from lmfoundry.serving.agents import CUSTOM_TOOLS
+from lmfoundry.agents.workflow import CUSTOM_TOOLS
 
 
 @CUSTOM_TOOLS.tool(parameters={"type": "object", "properties": {"query": {"type": "string", "maxLength": 30}}})
@@ -50,11 +50,11 @@ class _Orders(BaseHTTPRequestHandler):
 def agents(pretrained, tmp_path_factory):
     from ray import serve
 
+    from lmfoundry.agents.api import AgentServeConfig, build_agent_app
     from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS
     from lmfoundry.platform import checkpoint
-    from lmfoundry.serving.agent_api import AgentServeConfig, build_agent_app
+    from lmfoundry.platform.keys import create_key, digest
     from lmfoundry.serving.app import ServeConfig, build_app
-    from lmfoundry.serving.keys import create_key, digest
 
     root = tmp_path_factory.mktemp("agents")
     source = Path(checkpoint.resolve(pretrained[0]))
@@ -289,7 +289,7 @@ def test_a_run_survives_its_worker_replica_being_killed(agents):
     import os
     import signal
 
-    from lmfoundry.serving.agents import AgentStore
+    from lmfoundry.agents.workflow import AgentStore
 
     url, store = agents["url"], AgentStore(agents["store"])
     run_id = httpx.post(

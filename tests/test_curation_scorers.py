@@ -8,8 +8,8 @@ from texts import CHINESE, FRENCH, GERMAN, JAPANESE, KEYWORDS, PROSE, RUSSIAN, S
 
 from lmfoundry.data.density import knowledge_density
 from lmfoundry.data.langid import LanguageConfig, LanguageIdentifier
-from lmfoundry.data.pii import PIIRedactor, iban_valid, luhn_valid
-from lmfoundry.platform.harm import HarmConfig, HarmScorer
+from lmfoundry.safety.harm import HarmConfig, HarmScorer
+from lmfoundry.safety.pii import PIIRedactor, iban_valid, luhn_valid
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_pii_validators():
     assert luhn_valid("4111111111111111") and not luhn_valid("4111111111111112")
     assert iban_valid("DE89370400440532013000") and not iban_valid("DE89370400440532013001")
     with pytest.raises(ValueError, match="unknown PII types"):
-        PIIRedactor(__import__("lmfoundry.data.pii", fromlist=["PIIConfig"]).PIIConfig(types=["ssn"]))
+        PIIRedactor(__import__("lmfoundry.safety.pii", fromlist=["PIIConfig"]).PIIConfig(types=["ssn"]))
 
 
 def test_harm_blocklist_scores_and_threshold(tmp_path):

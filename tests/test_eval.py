@@ -9,9 +9,9 @@ import re
 
 import pytest
 
+from lmfoundry.clients.checkpoint import cut_at_stop
 from lmfoundry.eval import gate, hhh, needle, redteam, tasks
 from lmfoundry.eval.html import write_html
-from lmfoundry.eval.models import cut_at_stop
 from lmfoundry.eval.stats import expected_calibration_error, wilson_interval
 
 pytestmark = pytest.mark.timeout(120)

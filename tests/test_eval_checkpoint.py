@@ -16,7 +16,7 @@ def test_the_shipped_tasks_score_the_same_under_lm_evaluation_harness(pretrained
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
-    from lmfoundry.eval.models import CheckpointModel
+    from lmfoundry.clients.checkpoint import CheckpointModel
     from lmfoundry.eval.tasks import harness_copy, load_tasks, run_task
     from lmfoundry.model.export import export_hf
     from lmfoundry.platform.checkpoint import resolve

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from lmfoundry.serving.keys import Authenticator, create_key, digest, read_store, revoke_key
+from lmfoundry.platform.keys import Authenticator, create_key, digest, read_store, revoke_key
 from lmfoundry.serving.ratelimit import RateLimits, TenantBuckets
 
 

@@ -3,7 +3,7 @@ schedule, and the instantiated model."""
 
 import pytest
 
-from lmfoundry.platform.planner import (
+from lmfoundry.planner.search import (
     Cluster,
     Layout,
     ModelShape,

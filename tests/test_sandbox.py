@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from lmfoundry.platform.sandbox import run_python
+from lmfoundry.safety.sandbox import run_python
 
 pytestmark = pytest.mark.timeout(120)
 

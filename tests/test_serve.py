@@ -50,8 +50,8 @@ def deployed(server, pretrained, prefix: str, **settings):
     """A second app with its own settings beside the main one, under `prefix`, while in use."""
     from ray import serve
 
+    from lmfoundry.platform.keys import digest
     from lmfoundry.serving.app import ServeConfig, build_app
-    from lmfoundry.serving.keys import digest
 
     cfg = ServeConfig(**{"checkpoint": pretrained[0], "model_name": "tiny", "cpus_per_replica": 0.25, **settings})
     name = prefix.strip("/")
@@ -286,7 +286,7 @@ def test_tenant_keys_from_the_cli_work_until_revoked(server, keys_file):
 
 
 def test_rate_limits_per_tenant_answer_429_with_retry_after(server, keys_file):
-    from lmfoundry.serving.keys import create_key
+    from lmfoundry.platform.keys import create_key
 
     limited, _ = create_key(keys_file, "limited")
     frugal, _ = create_key(keys_file, "frugal")
@@ -639,8 +639,8 @@ def test_two_versions_behind_one_route_shift_and_roll_back_without_dropping_requ
 
 
 def test_red_team_and_hhh_suites_run_against_the_endpoint(server, tool_server):
+    from lmfoundry.clients.openai import EndpointModel
     from lmfoundry.eval import hhh, redteam
-    from lmfoundry.eval.models import EndpointModel
 
     short = EndpointModel(server, "tiny", KEY)  # a 64-token context: long prompts are 400s, counted, not fatal
     assert short.chat([[{"role": "user", "content": "word " * 100}]], 8) == [""]
@@ -665,7 +665,7 @@ def test_review_queue_over_http_behind_the_api_keys(server, tmp_path):
 
     from lmfoundry.align.review import ReviewStore
     from lmfoundry.align.review_api import ReviewAPI
-    from lmfoundry.serving.keys import digest
+    from lmfoundry.platform.keys import digest
 
     db = str(tmp_path / "review.sqlite")
     store = ReviewStore(db)

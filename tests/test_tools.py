@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from lmfoundry.serving import tools
+from lmfoundry.agents import tools
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -87,27 +87,28 @@ class EndpointJudge:
     def __init__(
         self, base_url: str, model: str, api_key: str | None = None, temperature: float = 0.7, timeout_s: float = 120.0
     ):
-        import httpx
+        from lmfoundry.clients.openai import OpenAIClient
 
         self.name = f"{model} at {base_url}"
-        self.model, self.temperature = model, temperature
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.temperature = temperature
+        self.client = OpenAIClient(base_url, model, api_key, timeout_s)
 
     def _call(self, content: str, tool: dict, seed: int) -> dict:
-        body = {
-            "model": self.model,
-            "seed": seed,
-            "temperature": self.temperature,
-            "max_tokens": 64,
-            "messages": [{"role": "system", "content": RUBRIC}, {"role": "user", "content": content}],
-            "tools": [tool],
-            "tool_choice": {"type": "function", "function": {"name": tool["function"]["name"]}},
-        }
-        r = self.client.post("/v1/chat/completions", json=body)
-        if r.status_code != 200:
-            raise JudgeError(f"{self.name} answered {r.status_code}: {r.text[:200]}")
-        calls = r.json()["choices"][0]["message"].get("tool_calls") or []
+        from lmfoundry.clients.openai import EndpointError
+
+        messages = [{"role": "system", "content": RUBRIC}, {"role": "user", "content": content}]
+        try:
+            reply = self.client.chat(
+                messages,
+                seed=seed,
+                temperature=self.temperature,
+                max_tokens=64,
+                tools=[tool],
+                tool_choice={"type": "function", "function": {"name": tool["function"]["name"]}},
+            )
+        except EndpointError as e:
+            raise JudgeError(str(e)) from None
+        calls = reply["choices"][0]["message"].get("tool_calls") or []
         if not calls:
             raise JudgeError(f"{self.name} made no {tool['function']['name']} call")
         try:
@@ -131,7 +132,7 @@ class EndpointJudge:
 
 class CheckpointJudge:
     def __init__(self, checkpoint_dir: str):
-        from lmfoundry.eval.models import CheckpointModel
+        from lmfoundry.clients.checkpoint import CheckpointModel
 
         self.model = CheckpointModel(checkpoint_dir)
         self.name = f"checkpoint {checkpoint_dir}"

@@ -219,7 +219,8 @@ def _local_checkpoint(ref: ModelRef) -> str:
 
 def open_model(ref: ModelRef):
     """The student (or a solver) as an evaluation model: generation by checkpoint or endpoint."""
-    from lmfoundry.eval.models import CheckpointModel, EndpointModel
+    from lmfoundry.clients.checkpoint import CheckpointModel
+    from lmfoundry.clients.openai import EndpointModel
 
     return (
         CheckpointModel(_local_checkpoint(ref)) if ref.checkpoint else EndpointModel(ref.url, ref.model, ref.api_key())

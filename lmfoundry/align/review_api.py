@@ -17,7 +17,7 @@ from ray import serve
 
 from lmfoundry.align.review import ReviewError, ReviewStore
 from lmfoundry.platform.config import StageConfig
-from lmfoundry.serving.keys import Authenticator
+from lmfoundry.platform.keys import Authenticator
 
 app = FastAPI(title="lmfoundry review queue")
 
@@ -105,7 +105,7 @@ class ReviewAPI:
 
 def start_review_api(cfg: ReviewServeConfig) -> str:
     """Deploy the queue's API on the connected Ray cluster (beside any other Serve app); its URL."""
-    from lmfoundry.serving.keys import digest, env_keys
+    from lmfoundry.platform.keys import digest, env_keys
 
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     digests = [digest(k) for k in env_keys(cfg.api_keys_env)]

@@ -8,7 +8,7 @@ Generators (seeded) and their verifiers:
 - `algebra`: linear equations (the answer, substituted, must satisfy the equation) and products
   to expand (the answer must be symbolically equal to the product);
 - `code`: small functions with unit tests; the solution runs with its tests in the sandbox
-  (platform/sandbox.py: separate process, CPU / memory / time limits, no network);
+  (safety/sandbox.py: separate process, CPU / memory / time limits, no network);
 - `qa`: question-answer pairs from curated documents ("X is Y." becomes "What is X?"); the answer
   must be a span of the source passage and the question's words must be found in it.
 
@@ -30,7 +30,7 @@ from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.corpus import read_documents
 from lmfoundry.platform.log import get_logger
-from lmfoundry.platform.sandbox import run_python
+from lmfoundry.safety.sandbox import run_python
 
 logger = get_logger(__name__)
 

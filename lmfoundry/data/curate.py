@@ -37,15 +37,15 @@ from lmfoundry.data.density import DensityConfig
 from lmfoundry.data.documents import INTERNAL_COLUMNS, KEPT, DocumentProcessor
 from lmfoundry.data.filters import HeuristicFilterConfig
 from lmfoundry.data.langid import LanguageConfig
-from lmfoundry.data.pii import PIIConfig
 from lmfoundry.data.quality import QualityConfig
 from lmfoundry.data.report import ChecklistConfig, build_report, shard_stats
 from lmfoundry.data.workdir import WORK, pending, read_parquet, shard_name, work_path, write_parquet_atomic
 from lmfoundry.platform import storage
-from lmfoundry.platform.cli import StageFailed
+from lmfoundry.platform.config import StageFailed
 from lmfoundry.platform.config import StageConfig
-from lmfoundry.platform.harm import HarmConfig
 from lmfoundry.platform.log import get_logger
+from lmfoundry.safety.harm import HarmConfig
+from lmfoundry.safety.pii import PIIConfig
 
 logger = get_logger(__name__)
 

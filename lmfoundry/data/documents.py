@@ -21,9 +21,9 @@ from lmfoundry.data.density import knowledge_density
 from lmfoundry.data.filters import HeuristicFilter
 from lmfoundry.data.langid import UNKNOWN, LanguageIdentifier
 from lmfoundry.data.normalize import normalize_text
-from lmfoundry.data.pii import PIIRedactor
 from lmfoundry.data.quality import QualityModel
-from lmfoundry.platform.harm import HarmScorer
+from lmfoundry.safety.harm import HarmScorer
+from lmfoundry.safety.pii import PIIRedactor
 
 KEPT = ""  # the `reason` of a kept document
 SHARD_BITS = 32  # doc_key = shard index << 32 | row in shard: unique, ordered like the input

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from pydantic import Field
 
-from lmfoundry.eval.models import Blocked, EvalModel
+from lmfoundry.clients.checkpoint import Blocked, EvalModel
 from lmfoundry.eval.stats import expected_calibration_error, rate
 from lmfoundry.platform.config import StageConfig
-from lmfoundry.platform.harm import HarmConfig, HarmScorer
+from lmfoundry.safety.harm import HarmConfig, HarmScorer
 
 SUITES = Path(__file__).parent / "suites" / "hhh"
 

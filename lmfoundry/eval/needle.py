@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from lmfoundry.eval.models import EvalModel
+from lmfoundry.clients.checkpoint import EvalModel
 from lmfoundry.platform.config import StageConfig
 
 CITIES = [

@@ -30,11 +30,11 @@ from pathlib import Path
 
 from pydantic import Field
 
+from lmfoundry.clients.checkpoint import EvalModel
 from lmfoundry.eval.hhh import REFUSAL_PATTERNS, PhraseDetector
-from lmfoundry.eval.models import EvalModel
 from lmfoundry.eval.stats import rate
 from lmfoundry.platform.config import StageConfig
-from lmfoundry.platform.harm import HarmConfig, HarmScorer
+from lmfoundry.safety.harm import HarmConfig, HarmScorer
 
 FAMILIES = (
     "roleplay",

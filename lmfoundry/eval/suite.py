@@ -14,10 +14,11 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
+from lmfoundry.clients.checkpoint import CheckpointModel, EvalModel
+from lmfoundry.clients.openai import EndpointModel
 from lmfoundry.eval import gate, hhh, needle, perplexity, redteam, tasks
 from lmfoundry.eval.gate import GateConfig
 from lmfoundry.eval.hhh import HHHConfig
-from lmfoundry.eval.models import CheckpointModel, EndpointModel, EvalModel
 from lmfoundry.eval.needle import NeedleConfig
 from lmfoundry.eval.redteam import RedTeamConfig
 from lmfoundry.platform import checkpoint, storage
@@ -187,7 +188,7 @@ def open_model(cfg: EvaluateConfig) -> tuple[EvalModel, str | None, dict]:
 
 def run_evaluate(cfg: EvaluateConfig) -> dict:
     from lmfoundry.eval.html import write_html
-    from lmfoundry.platform.cli import StageFailed
+    from lmfoundry.platform.config import StageFailed
 
     out = storage.normalize(cfg.output)
     if not storage.prepare_output(out, cfg.overwrite):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from lmfoundry.eval.models import EvalModel
+from lmfoundry.clients.checkpoint import EvalModel
 from lmfoundry.platform.log import get_logger
 
 logger = get_logger(__name__)

@@ -21,7 +21,7 @@ logger = get_logger(__name__)
 
 def evaluate_checkpoint(uri: str, step: int, suites_json: dict, run_dir: str) -> dict:
     """Runs in a Ray task: the suites over one checkpoint, the record written to RUN/evals/."""
-    from lmfoundry.eval.models import CheckpointModel
+    from lmfoundry.clients.checkpoint import CheckpointModel
     from lmfoundry.eval.suite import EvalSuites, apply_gate, evaluate
 
     suites = EvalSuites.model_validate(suites_json)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pydantic import Field
 
+from lmfoundry.agents.api import AgentServeConfig, build_agent_app
 from lmfoundry.platform.cli import run_stage
-from lmfoundry.serving.agent_api import AgentServeConfig, build_agent_app
 from lmfoundry.serving.app import ServeConfig
 
 
@@ -27,7 +27,7 @@ class AgentsJobConfig(AgentServeConfig):
 def run_agents(cfg: AgentsJobConfig, block: bool = True) -> dict:
     from ray import serve
 
-    from lmfoundry.serving.keys import digest, env_keys
+    from lmfoundry.platform.keys import digest, env_keys
 
     model = cfg.model
     port = model.port if model else cfg.port

@@ -8,10 +8,11 @@ import sys
 
 from pydantic import Field
 
-from lmfoundry.eval.models import CheckpointModel
+from lmfoundry.clients.checkpoint import CheckpointModel
 from lmfoundry.eval.suite import EvalSuites, apply_gate, evaluate
 from lmfoundry.platform import checkpoint, storage
-from lmfoundry.platform.cli import StageFailed, run_stage
+from lmfoundry.platform.cli import run_stage
+from lmfoundry.platform.config import StageFailed
 from lmfoundry.train.dpo import DPOConfig, run_dpo
 
 

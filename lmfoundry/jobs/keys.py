@@ -1,8 +1,8 @@
-"""`lmfoundry keys create|list|revoke`: the serving API's tenant keys (see serving/keys.py)."""
+"""`lmfoundry keys create|list|revoke`: the serving API's tenant keys (see platform/keys.py)."""
 
 import sys
 
-from lmfoundry.serving.keys import main
+from lmfoundry.platform.keys import main
 
 if __name__ == "__main__":
     sys.exit(main())

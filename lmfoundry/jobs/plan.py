@@ -19,8 +19,8 @@ import yaml
 
 from lmfoundry.model.flops import model_shape
 from lmfoundry.model.transformer import ModelConfig
+from lmfoundry.planner.search import Cluster, Recipe, gpu, search
 from lmfoundry.platform.config import ConfigError, load_config
-from lmfoundry.platform.planner import Cluster, Recipe, gpu, search
 from lmfoundry.train.config import PretrainConfig, deepspeed_config
 
 

@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 from pydantic import Field
 
+from lmfoundry.clients.openai import OpenAIClient
 from lmfoundry.data.curate import CurateConfig, run_curate
 from lmfoundry.data.pack import PackConfig, run_pack
 from lmfoundry.data.sample_corpus import build_sample_corpus
@@ -79,17 +79,15 @@ def load_quickstart_config(path: str | None, workdir: str | None, overrides: lis
 
 
 def ask(url: str, key: str, model: str, prompt: str) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 48, "temperature": 0.0}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
-    r.raise_for_status()
-    return r.json()
+    with OpenAIClient(url, model, key) as client:
+        return client.chat([{"role": "user", "content": prompt}], max_tokens=48, temperature=0.0)
 
 
 def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False) -> dict:
     from ray import serve
 
+    from lmfoundry.platform.keys import create_key, env_keys
     from lmfoundry.serving.app import start
-    from lmfoundry.serving.keys import create_key, env_keys
 
     w = cfg.workdir
     print(f"lmfoundry quickstart: work directory {w}", flush=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from lmfoundry.model.moe import MoE
+from lmfoundry.model.shape import ModelShape
 from lmfoundry.model.transformer import ModelConfig, Transformer
-from lmfoundry.platform.planner import ModelShape
 
 
 def matmul_params(model: Transformer) -> int:

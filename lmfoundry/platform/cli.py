@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 
 from lmfoundry.platform import storage
-from lmfoundry.platform.config import ConfigError, StageConfig, load_config
+from lmfoundry.platform.config import ConfigError, StageConfig, StageFailed, load_config
 from lmfoundry.platform.log import get_logger
 
 STAGES = (
@@ -83,10 +83,6 @@ def load_stage_config(
         if not storage.exists(uri):
             raise ConfigError(f"config {args.config}: key {input_field!r}: input {uri!r} does not exist")
     return cfg
-
-
-class StageFailed(RuntimeError):
-    """The stage ran to the end and judged its own result a failure (e.g. a failed checklist)."""
 
 
 def run_stage(

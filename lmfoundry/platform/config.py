@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 Cfg = TypeVar("Cfg", bound="StageConfig")
 
 
+class StageFailed(RuntimeError):
+    """The stage ran to the end and judged its own result a failure (e.g. a failed checklist)."""
+
+
 class ConfigError(ValueError):
     """A recipe or override that does not fit its stage's config model."""
 

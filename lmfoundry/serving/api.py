@@ -22,13 +22,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmfoundry.platform.harm import HarmConfig, HarmScorer
+from lmfoundry.platform import gate
+from lmfoundry.platform.gate import error
+from lmfoundry.platform.keys import Authenticator
 from lmfoundry.platform.log import get_logger
-from lmfoundry.serving import gate
+from lmfoundry.safety.guardrails import Guardrail
+from lmfoundry.safety.harm import HarmConfig
 from lmfoundry.serving.engine import GenerationFailed, InferenceEngine, parse_tool_call
-from lmfoundry.serving.gate import error
 from lmfoundry.serving.grammar import tool_call_schema
-from lmfoundry.serving.keys import Authenticator
 from lmfoundry.serving.metrics import ServingMetrics
 from lmfoundry.serving.protocol import (
     AssistantMessage,
@@ -173,7 +174,7 @@ class LLMServer:
         self.max_n = limits["max_n"]
         self.timeout_s = limits["request_timeout_s"]
         gate.configure(Authenticator(keys_file, env_key_digests), limits["max_body_bytes"])
-        self.guard = HarmScorer(HarmConfig.model_validate(guardrails)) if guardrails else None
+        self.guard = Guardrail(HarmConfig.model_validate(guardrails)) if guardrails else None
         self.limiter = limiter
         self.metrics = ServingMetrics(model_name)
 
@@ -215,13 +216,13 @@ class LLMServer:
     def _guard_input(self, route: str, text: str) -> None:
         if self.guard is None:
             return
-        score = self.guard([text])[0]
-        if self.guard.harmful(score):
+        blocked, score = self.guard.check(text)
+        if blocked:
             self.metrics.guardrail_blocks.labels(direction="input").inc()
             raise ApiError(
                 400,
                 f"the request was refused by the content policy: its harm score {score:.2f} is at "
-                f"or above the threshold {self.guard.cfg.threshold}",
+                f"or above the threshold {self.guard.threshold}",
                 param="messages" if route == "chat" else "prompt",
                 code="content_policy_violation",
             )
@@ -229,7 +230,7 @@ class LLMServer:
     def _output_blocked(self, text: str) -> bool:
         if self.guard is None or not text:
             return False
-        blocked = self.guard.harmful(self.guard([text])[0])
+        blocked, _ = self.guard.check(text)
         if blocked:
             self.metrics.guardrail_blocks.labels(direction="output").inc()
         return blocked

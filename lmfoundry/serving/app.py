@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from lmfoundry.platform.config import StageConfig
-from lmfoundry.platform.harm import HarmConfig
+from lmfoundry.safety.guardrails import GuardrailsConfig
 from lmfoundry.serving.ratelimit import RateLimits
 
 
@@ -26,11 +26,6 @@ class LimitsConfig(StageConfig):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_n: int = Field(4, ge=1, le=8, description="choices per request")
     request_timeout_s: float = Field(120.0, gt=0, description="until the full reply (streams: the first token)")
-
-
-class GuardrailsConfig(StageConfig):
-    enabled: bool = True
-    harm: HarmConfig = HarmConfig()
 
 
 class ModelVersion(StageConfig):
@@ -125,7 +120,7 @@ def start(cfg: ServeConfig) -> tuple[str, str | None]:
 
     from ray import serve
 
-    from lmfoundry.serving.keys import digest, env_keys
+    from lmfoundry.platform.keys import digest, env_keys
 
     keys = env_keys(cfg.api_keys_env)
     generated = None

@@ -147,7 +147,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
 def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> dict:
     """The planner's per-rank memory for this config trained the way measure_peak_bytes does."""
     from lmfoundry.model.flops import model_shape
-    from lmfoundry.platform.planner import Layout, Recipe, training_memory_bytes
+    from lmfoundry.planner.search import Layout, Recipe, training_memory_bytes
     from lmfoundry.train.config import resolved_precision
 
     recipe = Recipe(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmfoundry.serving.keys import Authenticator
+from lmfoundry.platform.keys import Authenticator
 
 _STATE: dict = {"auth": None, "max_body_bytes": 1 << 20}
 

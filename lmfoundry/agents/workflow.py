@@ -36,11 +36,11 @@ from pathlib import Path
 import yaml
 from pydantic import Field
 
+from lmfoundry.agents import tools as toolkit
+from lmfoundry.agents.tracing import RunTracer, TracingConfig
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.db import Database
 from lmfoundry.platform.log import get_logger
-from lmfoundry.serving import tools as toolkit
-from lmfoundry.serving.tracing import RunTracer, TracingConfig
 
 logger = get_logger(__name__)
 
@@ -366,29 +366,22 @@ def _call_model(
     wf: WorkflowConfig, messages: list[dict], specs: list[dict], force: str | None
 ) -> tuple[str, dict, dict]:
     """The model's tool call (name, arguments) and the reply's token counts."""
-    import httpx
+    from lmfoundry.clients.openai import EndpointError, OpenAIClient
 
     key = os.environ.get(wf.api_key_env) if wf.api_key_env else None
-    body = {
-        "model": wf.model,
-        "messages": messages,
-        "tools": specs,
-        "max_tokens": wf.max_tokens,
-        "temperature": 0,
-        "tool_choice": {"type": "function", "function": {"name": force}} if force else "required",
-    }
-    r = httpx.post(
-        f"{wf.model_url.rstrip('/')}/v1/chat/completions",
-        json=body,
-        timeout=120,
-        headers={"Authorization": f"Bearer {key}"} if key else {},
-    )
-    if r.status_code != 200:
+    try:
+        with OpenAIClient(wf.model_url, wf.model, key) as client:
+            reply = client.chat(
+                messages,
+                tools=specs,
+                max_tokens=wf.max_tokens,
+                temperature=0,
+                tool_choice={"type": "function", "function": {"name": force}} if force else "required",
+            )
+    except EndpointError as e:
         raise toolkit.ToolError(
-            f"the model endpoint answered {r.status_code}: {r.text[:200]}",
-            retryable=r.status_code >= 500 or r.status_code == 429,
-        )
-    reply = r.json()
+            f"the model endpoint answered {e.status}: {e.text[:200]}", retryable=e.retryable
+        ) from None
     usage = {k: (reply.get("usage") or {}).get(k) for k in ("prompt_tokens", "completion_tokens")}
     message = reply["choices"][0]["message"]
     calls = message.get("tool_calls") or []

@@ -1,11 +1,11 @@
-"""The models an evaluation talks to.
+"""The language-model protocol every suite and judge asks, and a checkpoint that answers it in process.
 
 Every suite asks a model one of three things: how likely a continuation is after a context
 (`loglikelihood`: multiple choice, calibration), what it writes after a raw prompt (`complete`:
 generation tasks of a base model), and what it replies to a conversation (`chat`: instructions,
 refusals, needles, attacks). `CheckpointModel` answers all three from a checkpoint on this
-machine; `EndpointModel` answers the last two over any OpenAI-compatible endpoint, so the same
-suites test the model lmfoundry serves, or anyone else's.
+machine; `clients/openai.py: EndpointModel` answers the last two over any OpenAI-compatible
+endpoint, so the same suites test the model lmfoundry serves, or anyone else's.
 
 Log-likelihoods follow lm-evaluation-harness exactly (the context's trailing spaces move to the
 continuation, the pair is tokenized whole and split after the context's tokens, inputs are cut
@@ -15,8 +15,6 @@ Face export.
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 from typing import Protocol
 
 import torch
@@ -171,96 +169,3 @@ class CheckpointModel:
             self._generate(self.encode(self.template.render(m)), max_tokens, temperature, seed + i)[0].strip()
             for i, m in enumerate(conversations)
         ]
-
-
-class EndpointModel:
-    """Any OpenAI-compatible endpoint (lmfoundry's own server, vLLM, a hosted API): chat and
-    completions over HTTP, greedy, several requests in flight so a batching server batches them.
-    Context lengths are counted with a local tokenizer file when one is given, else in words."""
-
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        api_key: str | None = None,
-        concurrency: int = 8,
-        timeout_s: float = 120.0,
-        tokenizer: str | None = None,
-    ):
-        import httpx
-
-        self.name = f"{base_url} ({model})"
-        self.model = model
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
-        self.concurrency = concurrency
-        self.errors: dict[str, int] = {}  # requests the endpoint refused as malformed, by answer
-        self._lock = threading.Lock()
-        self.tokenizer = None
-        if tokenizer:
-            from tokenizers import Tokenizer
-
-            self.tokenizer = Tokenizer.from_file(tokenizer)
-
-    def count_tokens(self, text: str) -> int:
-        if self.tokenizer is not None:
-            return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
-        return len(text.split())
-
-    def loglikelihood(self, requests: list[tuple[str, str]]) -> list[tuple[float, bool]]:
-        raise ValueError(
-            f"{self.name}: log-likelihood suites (multiple choice, calibration) need a checkpoint; "
-            "an OpenAI-compatible endpoint does not return the log-probabilities of a given text"
-        )
-
-    def _post(self, path: str, body: dict) -> dict:
-        response = self.client.post(path, json={"model": self.model, "temperature": 0.0, **body})  # greedy unless told
-        if response.status_code == 400 and "content_policy_violation" in response.text:
-            return {"choices": [{"text": "", "message": {"content": ""}, "finish_reason": "content_policy_violation"}]}
-        if 400 <= response.status_code < 500 and response.status_code not in (401, 403, 404):
-            # this request cannot be served (e.g. longer than the context): an empty reply, counted;
-            # a suite goes on with the rest
-            with self._lock:
-                self.errors[f"{response.status_code}: {response.text[:120]}"] = (
-                    self.errors.get(f"{response.status_code}: {response.text[:120]}", 0) + 1
-                )
-            return {"choices": [{"text": "", "message": {"content": ""}, "finish_reason": "error"}]}
-        if response.status_code >= 400:
-            raise RuntimeError(f"{self.name}{path} answered {response.status_code}: {response.text[:300]}")
-        return response.json()
-
-    def _map(self, fn, items: list) -> list:
-        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(fn, items))
-
-    def complete(self, prompts: list[str], max_tokens: int, stop: list[str] = ()) -> list[str]:
-        def one(prompt: str) -> str:
-            body = {"prompt": prompt, "max_tokens": max_tokens, **({"stop": list(stop)[:4]} if stop else {})}
-            choice = self._post("/v1/completions", body)["choices"][0]
-            return _reply(cut_at_stop(choice["text"], list(stop)), choice)
-
-        return self._map(one, prompts)
-
-    def chat(self, conversations: list[list[dict]], max_tokens: int) -> list[str]:
-        return self.sample(conversations, max_tokens, 0.0, None)
-
-    def sample(
-        self, conversations: list[list[dict]], max_tokens: int, temperature: float, seed: int | None
-    ) -> list[str]:
-        def one(item: tuple[int, list[dict]]) -> str:
-            i, messages = item
-            body = {
-                "messages": messages,
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                **({"seed": seed + i} if seed is not None else {}),
-            }
-            choice = self._post("/v1/chat/completions", body)["choices"][0]
-            return _reply((choice["message"].get("content") or "").strip(), choice)
-
-        return self._map(one, list(enumerate(conversations)))
-
-
-def _reply(text: str, choice: dict) -> str:
-    blocked = choice.get("finish_reason") in ("content_filter", "content_policy_violation")
-    return Blocked(text) if blocked else text

@@ -112,7 +112,7 @@ class RunTracer:
 
         self.provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
         self.provider.add_span_processor(BatchSpanProcessor(_span_exporter(cfg)))
-        self.tracer = self.provider.get_tracer("lmfoundry.serving.agents")
+        self.tracer = self.provider.get_tracer("lmfoundry.agents.workflow")
 
     def export(self, run: dict) -> None:
         from opentelemetry import trace

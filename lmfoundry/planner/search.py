@@ -37,6 +37,8 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from lmfoundry.model.shape import ModelShape
+
 BYTES_BF16 = 2
 WORKSPACE_FRACTION = 0.10  # of GPU memory, see plan()
 # bytes per parameter, DeepSpeed's accounting: (weights, whole gradients, gradient partitions,
@@ -69,28 +71,6 @@ def gpu(name: str) -> GPU:
     if name not in GPUS:
         raise ValueError(f"unknown GPU type {name!r}; known: {', '.join(sorted(GPUS))}")
     return GPUS[name]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    total_params: int
-    expert_params: int  # routed-expert weights, all experts (0 for a dense model)
-    largest_layer_params: int  # the biggest single module, gathered whole under ZeRO-3
-    train_flops_per_token: int  # at seq_len, forward + backward
-    n_layer: int
-    d_model: int
-    n_head: int
-    top_k: int = 0
-    num_experts: int = 0
-    vocab_size: int = 32000
-    ffn_hidden: int = 0  # the dense SwiGLU width; 0: 8/3 d_model
-    moe_layers: int = 0  # layers with a routed MLP
-    expert_hidden: int = 0
-    shared_hidden: int = 0  # all shared experts' width together
-
-    @property
-    def dense_ffn(self) -> int:
-        return self.ffn_hidden or 8 * self.d_model // 3
 
 
 @dataclass(frozen=True)

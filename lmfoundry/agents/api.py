@@ -19,10 +19,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from lmfoundry.agents.tracing import TracingConfig
+from lmfoundry.agents.workflow import TERMINAL, AgentStore, AgentWorker, load_workflows
 from lmfoundry.platform.config import StageConfig
-from lmfoundry.serving.agents import TERMINAL, AgentStore, AgentWorker, load_workflows
-from lmfoundry.serving.keys import Authenticator
-from lmfoundry.serving.tracing import TracingConfig
+from lmfoundry.platform.keys import Authenticator
 
 app = FastAPI(title="lmfoundry agents")
 

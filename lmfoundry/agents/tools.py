@@ -13,7 +13,7 @@ Built-in tools, each made from its configuration:
 - `http_tool`: calls to internal APIs on an allow-list of base URLs and methods; a call with
   side effects carries an `Idempotency-Key` header, so a retried or resumed call is not done twice
   by a server that honours it.
-- `python_tool`: code in the sandbox (platform/sandbox.py).
+- `python_tool`: code in the sandbox (safety/sandbox.py).
 
 A tool's output is data, never instructions: the agent service marks it untrusted before the
 model sees it, and what a tool may reach is enforced here, not by the model's good behaviour.
@@ -411,7 +411,7 @@ def http_tool(
 
 
 def python_tool(timeout_s: float = 10.0, memory_mb: int = 512, name: str = "python") -> Tool:
-    from lmfoundry.platform.sandbox import run_python
+    from lmfoundry.safety.sandbox import run_python
 
     def python(code: str) -> dict:
         r = run_python(code, timeout_s=timeout_s, cpu_s=max(1, int(timeout_s)), memory_mb=memory_mb)

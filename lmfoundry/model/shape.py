@@ -1,0 +1,28 @@
+"""A model's shape in plain numbers: what the planner and the FLOP counts need to know of a network,
+counted from the real model by `model/flops.py: model_shape`. No torch, so the planner stays light."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    total_params: int
+    expert_params: int  # routed-expert weights, all experts (0 for a dense model)
+    largest_layer_params: int  # the biggest single module, gathered whole under ZeRO-3
+    train_flops_per_token: int  # at seq_len, forward + backward
+    n_layer: int
+    d_model: int
+    n_head: int
+    top_k: int = 0
+    num_experts: int = 0
+    vocab_size: int = 32000
+    ffn_hidden: int = 0  # the dense SwiGLU width; 0: 8/3 d_model
+    moe_layers: int = 0  # layers with a routed MLP
+    expert_hidden: int = 0
+    shared_hidden: int = 0  # all shared experts' width together
+
+    @property
+    def dense_ffn(self) -> int:
+        return self.ffn_hidden or 8 * self.d_model // 3

@@ -65,7 +65,7 @@ def main() -> None:
     from ray import serve
 
     from lmfoundry.agents.api import AgentServeConfig, build_agent_app
-    from lmfoundry.agents.workflow import AgentStore
+    from lmfoundry.agents.store import AgentStore
     from lmfoundry.platform.keys import digest
     from lmfoundry.platform.ray_env import init_ray
     from lmfoundry.serving.app import ServeConfig, build_app

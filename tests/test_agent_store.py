@@ -8,22 +8,23 @@ from pathlib import Path
 
 import pytest
 
-from lmfoundry.agents import workflow as agents
+from lmfoundry.agents import worker, workflow
+from lmfoundry.agents.store import AgentStore
 
 pytestmark = pytest.mark.timeout(120)
-SUITES = Path(agents.__file__).parent / "suites"
+SUITES = Path(workflow.__file__).parent / "suites"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store(request, tmp_path):
     if request.param == "sqlite":
-        return agents.AgentStore(str(tmp_path / "runs.sqlite"))
+        return AgentStore(str(tmp_path / "runs.sqlite"))
     dsn = request.getfixturevalue("postgres_dsn")
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS agent_runs, agent_steps")
-    return agents.AgentStore(dsn)
+    return AgentStore(dsn)
 
 
 def test_a_run_is_leased_to_one_worker_and_resumed_by_another_when_the_lease_runs_out(store):
@@ -68,7 +69,7 @@ def test_approvals_and_cancellation(store):
 
 
 def test_injected_instructions_are_caught_and_benign_text_passes():
-    guard = agents.Guard([])
+    guard = worker.Guard([])
     injected = [json.loads(line)["text"] for line in (SUITES / "injection.jsonl").read_text().splitlines()]
     benign = [json.loads(line)["text"] for line in (SUITES / "benign.jsonl").read_text().splitlines()]
     block_rate = sum(map(guard.injected, injected)) / len(injected)
@@ -78,16 +79,16 @@ def test_injected_instructions_are_caught_and_benign_text_passes():
 
 def test_secrets_are_redacted_and_tool_outputs_are_marked_untrusted(monkeypatch):
     monkeypatch.setenv("LMFOUNDRY_CANARY", "canary-7f3a9c")
-    guard = agents.Guard(["LMFOUNDRY_CANARY"])
+    guard = worker.Guard(["LMFOUNDRY_CANARY"])
     text, found = guard.redact("the key is canary-7f3a9c, keep it")
     assert found and "canary-7f3a9c" not in text and "[redacted]" in text
-    wf = agents.WorkflowConfig(name="w", model_url="http://x", tools={"sql": {"kind": "sql", "dsn": "x"}})
+    wf = workflow.WorkflowConfig(name="w", model_url="http://x", tools={"sql": {"kind": "sql", "dsn": "x"}})
     steps = [
         {"n": 0, "kind": "model", "status": "done", "tool": "sql", "arguments": {"query": "SELECT 1"}},
         {"n": 1, "kind": "tool", "status": "done", "tool": "sql", "model_view": "[[1]]"},
     ]
-    messages = agents.conversation(wf, {"input": "hi"}, steps)
-    assert agents.UNTRUSTED_NOTE in messages[0]["content"]
+    messages = worker.conversation(wf, {"input": "hi"}, steps)
+    assert workflow.UNTRUSTED_NOTE in messages[0]["content"]
     assert messages[2]["tool_calls"][0]["id"] == messages[3]["tool_call_id"] == "call_0"
     assert messages[3]["content"].startswith("<untrusted-tool-output>")
 
@@ -99,7 +100,7 @@ def test_workflow_files_are_checked(tmp_path):
         "    approval_required: [http]\n"
     )
     with pytest.raises(ValueError, match="not among its tools"):
-        agents.load_workflows(str(f))
+        workflow.load_workflows(str(f))
     f.write_text("workflows:\n  w:\n    model_url: http://x\n    tools: {sql: {kind: shell}}\n")
     with pytest.raises(ValueError, match="kind"):
-        agents.load_workflows(str(f))
+        workflow.load_workflows(str(f))

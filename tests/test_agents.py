@@ -289,7 +289,7 @@ def test_a_run_survives_its_worker_replica_being_killed(agents):
     import os
     import signal
 
-    from lmfoundry.agents.workflow import AgentStore
+    from lmfoundry.agents.store import AgentStore
 
     url, store = agents["url"], AgentStore(agents["store"])
     run_id = httpx.post(

@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from lmfoundry.agents.store import AgentStore
 from lmfoundry.agents.tracing import RunTracer, TracingConfig
-from lmfoundry.agents.workflow import AgentStore
 
 pytestmark = pytest.mark.timeout(60)
 

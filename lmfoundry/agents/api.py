@@ -19,8 +19,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from lmfoundry.agents.store import TERMINAL, AgentStore
 from lmfoundry.agents.tracing import TracingConfig
-from lmfoundry.agents.workflow import TERMINAL, AgentStore, AgentWorker, load_workflows
+from lmfoundry.agents.worker import AgentWorker
+from lmfoundry.agents.workflow import load_workflows
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.keys import Authenticator
 

@@ -41,8 +41,7 @@ from lmfoundry.data.quality import QualityConfig
 from lmfoundry.data.report import ChecklistConfig, build_report, shard_stats
 from lmfoundry.data.workdir import WORK, pending, read_parquet, shard_name, work_path, write_parquet_atomic
 from lmfoundry.platform import storage
-from lmfoundry.platform.config import StageFailed
-from lmfoundry.platform.config import StageConfig
+from lmfoundry.platform.config import StageConfig, StageFailed
 from lmfoundry.platform.log import get_logger
 from lmfoundry.safety.harm import HarmConfig
 from lmfoundry.safety.pii import PIIConfig

@@ -1,0 +1,341 @@
+"""The agent worker: takes runs from the store under a lease and advances them step by step (the
+model's tool call, the tool, the result back to the model), guarding what the model sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+import uuid
+
+from lmfoundry.agents import tools as toolkit
+from lmfoundry.agents.store import TERMINAL, AgentStore
+from lmfoundry.agents.tracing import RunTracer, TracingConfig
+from lmfoundry.agents.workflow import (
+    INJECTION_PATTERNS,
+    UNTRUSTED_NOTE,
+    WorkflowConfig,
+    build_registry,
+    final_answer_spec,
+)
+from lmfoundry.platform.log import get_logger
+
+logger = get_logger(__name__)
+
+INVALID = "_invalid_reply"  # a model step that was not a complete tool call
+
+
+class Guard:
+    """Secrets out, injected instructions withheld."""
+
+    def __init__(self, secret_envs: list[str]):
+        self.secrets = [v for v in (os.environ.get(e, "") for e in secret_envs) if len(v) >= 4]
+        self.injection = re.compile("|".join(f"(?:{p})" for p in INJECTION_PATTERNS), re.IGNORECASE)
+
+    def redact(self, text: str) -> tuple[str, bool]:
+        found = False
+        for s in self.secrets:
+            if s in text:
+                text, found = text.replace(s, "[redacted]"), True
+        return text, found
+
+    def injected(self, text: str) -> bool:
+        return bool(self.injection.search(text))
+
+
+def _call_model(
+    wf: WorkflowConfig, messages: list[dict], specs: list[dict], force: str | None
+) -> tuple[str, dict, dict]:
+    """The model's tool call (name, arguments) and the reply's token counts."""
+    from lmfoundry.clients.openai import EndpointError, OpenAIClient
+
+    key = os.environ.get(wf.api_key_env) if wf.api_key_env else None
+    try:
+        with OpenAIClient(wf.model_url, wf.model, key) as client:
+            reply = client.chat(
+                messages,
+                tools=specs,
+                max_tokens=wf.max_tokens,
+                temperature=0,
+                tool_choice={"type": "function", "function": {"name": force}} if force else "required",
+            )
+    except EndpointError as e:
+        raise toolkit.ToolError(
+            f"the model endpoint answered {e.status}: {e.text[:200]}", retryable=e.retryable
+        ) from None
+    usage = {k: (reply.get("usage") or {}).get(k) for k in ("prompt_tokens", "completion_tokens")}
+    message = reply["choices"][0]["message"]
+    calls = message.get("tool_calls") or []
+    if not calls:  # e.g. cut by max_tokens before the call was complete: an invalid step, not an answer
+        return (
+            INVALID,
+            {
+                "finish_reason": reply["choices"][0].get("finish_reason"),
+                "content": (message.get("content") or "")[:500],
+            },
+            usage,
+        )
+    try:
+        return calls[0]["function"]["name"], json.loads(calls[0]["function"]["arguments"] or "{}"), usage
+    except json.JSONDecodeError:
+        return calls[0]["function"]["name"], {"_unparsed": calls[0]["function"]["arguments"]}, usage
+
+
+def conversation(wf: WorkflowConfig, run: dict, steps: list[dict]) -> list[dict]:
+    """The messages the model sees, rebuilt from the written steps (so a resumed run sees what
+    the dead worker's model saw)."""
+    messages = [
+        {"role": "system", "content": f"{wf.system_prompt}\n\n{UNTRUSTED_NOTE}"},
+        {"role": "user", "content": run["input"]},
+    ]
+    call_id = None
+    for s in steps:
+        if s["kind"] == "model" and s["tool"] != "final_answer":
+            call_id = f"call_{s['n']}"
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": s["tool"], "arguments": json.dumps(s["arguments"])},
+                        }
+                    ],
+                }
+            )
+        elif s["kind"] == "tool" and s["status"] == "done":
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": f"<untrusted-tool-output>\n{s['model_view']}\n</untrusted-tool-output>",
+                }
+            )
+    return messages
+
+
+def advance(
+    store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistry, run_id: str, worker: str, lease_s: float
+) -> str:
+    """Run `run_id` from its last written step until it ends, waits for approval, or the lease is
+    lost; the state it is left in."""
+    guard = Guard(wf.secrets)
+    specs = registry.specs(list(wf.tools)) + [final_answer_spec(wf.max_answer_chars)]
+    while True:
+        run = store.get(run_id)
+        steps = run["steps"]
+        if run["cancel_requested"]:
+            store.set_state(run_id, "cancelled", release=True)
+            return "cancelled"
+        elapsed = time.time() - run["created_at"]
+        model_steps = sum(s["kind"] == "model" for s in steps)
+        last = steps[-1] if steps else None
+        n = last["n"] + 1 if last else 0
+        if not store.renew(run_id, worker, lease_s):
+            return "lease lost"
+        pending_call = last is not None and last["kind"] in ("model", "approval") and last.get("tool") != "final_answer"
+        if last is not None and last["kind"] == "tool" and last["status"] == "started":
+            pending_call, n = True, last["n"]  # a call that was under way when a worker died
+        if pending_call:
+            call = next(s for s in reversed(steps) if s["kind"] == "model")
+            tool, arguments = call["tool"], call["arguments"]
+            approval = last if last["kind"] == "approval" else None
+            if tool == INVALID:
+                store.write_step(
+                    run_id,
+                    n,
+                    "tool",
+                    "done",
+                    {
+                        "tool": tool,
+                        "arguments": arguments,
+                        "ok": False,
+                        "refused": "not a complete tool call",
+                        "model_view": "error: your reply was not a complete tool call; call one tool, briefly",
+                    },
+                )
+                continue
+            if tool not in wf.tools:
+                store.write_step(
+                    run_id,
+                    n,
+                    "tool",
+                    "done",
+                    {
+                        "tool": tool,
+                        "arguments": arguments,
+                        "ok": False,
+                        "refused": "not allowed",
+                        "model_view": f"error: tool {tool!r} is not allowed here",
+                    },
+                )
+                continue
+            if tool in wf.approval_required and approval is None:
+                store.write_step(run_id, n, "approval", "pending", {"tool": tool, "arguments": arguments})
+                store.set_state(run_id, "waiting_approval", release=True)
+                return "waiting_approval"
+            if approval is not None and not approval.get("approved"):
+                store.write_step(
+                    run_id,
+                    n,
+                    "tool",
+                    "done",
+                    {
+                        "tool": tool,
+                        "arguments": arguments,
+                        "ok": False,
+                        "refused": "rejected by a reviewer",
+                        "model_view": "error: a human reviewer rejected this tool call",
+                    },
+                )
+                continue
+            if guard.redact(json.dumps(arguments))[1]:
+                store.write_step(
+                    run_id,
+                    n,
+                    "tool",
+                    "done",
+                    {
+                        "tool": tool,
+                        "arguments": "[redacted]",
+                        "ok": False,
+                        "refused": "a secret in the arguments",
+                        "model_view": "error: the call would send a secret out; refused",
+                    },
+                )
+                continue
+            key = f"{run_id}:{n}"
+            store.write_step(
+                run_id, n, "tool", "started", {"tool": tool, "arguments": arguments, "worker": worker}, key
+            )
+            result = registry.call(tool, arguments, idempotency_key=key)
+            raw = json.dumps(result.output, default=str)[:20000] if result.ok else f"error: {result.error}"
+            view, leaked = guard.redact(raw)
+            flagged = guard.injected(view)
+            if flagged:
+                view = "[tool output withheld: it contained instructions (possible prompt injection)]"
+            store.write_step(
+                run_id,
+                n,
+                "tool",
+                "done",
+                {
+                    "tool": tool,
+                    "arguments": arguments,
+                    "ok": result.ok,
+                    "output": guard.redact(raw)[0],
+                    "error": result.error,
+                    "attempts": result.attempts,
+                    "model_view": view,
+                    "injection_flagged": flagged,
+                    "secret_redacted": leaked,
+                    "worker": worker,
+                },
+                key,
+                round(result.seconds, 4),
+            )
+            continue
+        if last is not None and last["kind"] == "model" and last["tool"] == "final_answer":
+            answer, _ = guard.redact(str(last["arguments"].get("answer", "")))
+            store.set_state(run_id, "succeeded", output=answer, release=True)
+            return "succeeded"
+        if model_steps >= wf.max_steps or elapsed > wf.max_seconds:
+            why = (
+                f"budget reached: {model_steps} model steps"
+                if model_steps >= wf.max_steps
+                else f"budget reached: {elapsed:.0f} s"
+            )
+            store.set_state(run_id, "failed", error=why, release=True)
+            return "failed"
+        started = time.perf_counter()
+        force = wf.first_tool if model_steps == 0 else None
+        if wf.answer_on_last_step and model_steps == wf.max_steps - 1:
+            force = "final_answer"  # what the run has found so far, rather than nothing
+        try:
+            tool, arguments, usage = _call_model(wf, conversation(wf, run, steps), specs, force)
+        except toolkit.ToolError as e:
+            store.set_state(run_id, "failed", error=str(e), release=True)
+            return "failed"
+        arguments = json.loads(guard.redact(json.dumps(arguments))[0])
+        store.write_step(
+            run_id,
+            n,
+            "model",
+            "done",
+            {"tool": tool, "arguments": arguments, "worker": worker, **usage},
+            seconds=round(time.perf_counter() - started, 4),
+        )
+
+
+class AgentWorker:
+    """Claims runnable runs and advances them, up to `concurrency` at once, until stopped.
+    Several workers (Serve replicas) share one store; per-tenant limits hold across all."""
+
+    def __init__(
+        self,
+        store_dsn: str,
+        workflows: dict[str, WorkflowConfig],
+        concurrency: int = 8,
+        per_tenant: int = 4,
+        lease_s: float = 30.0,
+        poll_s: float = 0.1,
+        tracing: TracingConfig | None = None,
+    ):
+        self.store = AgentStore(store_dsn)
+        self.workflows = workflows
+        self.registries = {name: build_registry(wf) for name, wf in workflows.items()}
+        self.tracer = RunTracer(tracing) if tracing and tracing.exporter != "none" else None
+        self.id = f"worker-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the process, for operators and fault drills
+        self.concurrency, self.per_tenant, self.lease_s, self.poll_s = concurrency, per_tenant, lease_s, poll_s
+        self.active: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name=self.id, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                room = len(self.active) < self.concurrency
+            run_id = self.store.claim(self.id, self.lease_s, self.per_tenant) if room else None
+            if run_id is None:
+                self._stop.wait(self.poll_s)
+                continue
+            with self._lock:
+                self.active.add(run_id)
+            threading.Thread(target=self._run, args=(run_id,), daemon=True).start()
+
+    def _run(self, run_id: str) -> None:
+        try:
+            ended = self._advance(run_id)
+            if self.tracer and ended in TERMINAL:
+                try:
+                    self.tracer.export(self.store.get(run_id))
+                except Exception:  # a collector that is down costs the trace, never the run
+                    logger.exception("could not export the trace of run %s", run_id)
+        finally:
+            with self._lock:
+                self.active.discard(run_id)
+
+    def _advance(self, run_id: str) -> str:
+        try:
+            run = self.store.get(run_id)
+            wf = self.workflows.get(run["workflow"])
+            if wf is None:
+                self.store.set_state(run_id, "failed", error=f"unknown workflow {run['workflow']!r}", release=True)
+                return "failed"
+            return advance(self.store, wf, self.registries[wf.name], run_id, self.id, self.lease_s)
+        except Exception as e:  # a run's failure ends that run, never the worker
+            logger.exception("run %s failed", run_id)
+            self.store.set_state(run_id, "failed", error=f"{type(e).__name__}: {e}", release=True)
+            return "failed"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join()
+        if self.tracer:
+            self.tracer.shutdown()

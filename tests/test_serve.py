@@ -673,7 +673,7 @@ def test_review_queue_over_http_behind_the_api_keys(server, tmp_path):
     store.add("audit-2", "audit", "random audit", {"id": "2", "judge": "j"})
     store.close()
     serve.run(
-        ReviewAPI.bind(db, None, [digest(KEY), digest("sk-other-reviewer-key-000")]),
+        ReviewAPI.bind(db, None, [digest(KEY), digest("sk-other-reviewer-key-000")], ["reviewer"]),
         name="review",
         route_prefix="/review-queue",
         blocking=False,

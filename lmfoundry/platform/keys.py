@@ -9,8 +9,9 @@ preference pairs), `approver` (agent tool-call approvals), `admin` (metrics, ope
 not imply one another: an admin key cannot decide review items unless it is a reviewer too.
 
 The file holds only SHA-256 digests: keys are 32 random bytes, so a fast hash is as good as a
-slow one here and lets every request be checked in microseconds. Serving replicas re-read the
-file every few seconds, so a revoked key stops working without a restart; a file that cannot be
+slow one here and lets every request be checked in microseconds. Serving replicas re-read a
+local key file as soon as it changes (a stat per request), an s3:// one every few seconds, so a
+revoked key stops working without a restart; a file that cannot be
 read or parsed leaves the last good table in force (logged, and counted in `reload_failures`).
 Create and revoke hold an fcntl lock on `KEYS.lock` around their read-modify-write, so that
 concurrent changes to a local file are never lost; an s3:// key file has no such lock and must
@@ -190,6 +191,7 @@ class Authenticator:
             d: Principal(ENV_TENANT, f"env-{i}", self.env_roles) for i, d in enumerate(self.env_digests)
         }  # until the file is read once: fail closed for file keys
         self._loaded_at = float("-inf")
+        self._loaded_version: tuple | None = None
         self._refresh()
 
     def _table(self) -> dict[str, Principal]:
@@ -200,7 +202,24 @@ class Authenticator:
                     table[r["sha256"]] = Principal(r["tenant"], r["id"], frozenset(r["roles"]))
         return table
 
+    def _file_version(self) -> tuple | None:
+        """What changes when a local key file is rewritten (a new inode: writes replace it)."""
+        if not self.keys_file or storage.is_remote(self.keys_file):
+            return None
+        try:
+            st = os.stat(self.keys_file)
+        except OSError:
+            return ("absent",)
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _stale(self) -> bool:
+        if time.monotonic() - self._loaded_at > self.reload_s:
+            return True
+        version = self._file_version()
+        return version is not None and version != self._loaded_version
+
     def _refresh(self) -> None:
+        self._loaded_version = self._file_version()  # before reading: a change during the read reloads again
         try:
             self._by_digest = self._table()
         except Exception as e:  # unreadable or corrupt: keep the last good table, raise the alarm
@@ -209,9 +228,9 @@ class Authenticator:
         self._loaded_at = time.monotonic()
 
     def principal(self, header: str | None) -> Principal | None:
-        if time.monotonic() - self._loaded_at > self.reload_s:
+        if self._stale():
             with self._lock:
-                if time.monotonic() - self._loaded_at > self.reload_s:
+                if self._stale():
                     self._refresh()
         token = bearer_token(header)
         if token is None:

@@ -151,6 +151,7 @@ def agents(pretrained, tmp_path_factory):
         workflows=str(workflows),
         store=str(root / "runs.sqlite"),
         keys_file=keys,
+        api_keys_env_roles=["user", "approver"],  # the test's key also approves tool calls
         workers=2,
         per_tenant_active=6,
         lease_s=4.0,

@@ -37,6 +37,7 @@ def server(pretrained, keys_file):
         api_keys_env="LMFOUNDRY_TEST_KEYS",
         model_name="tiny",
         keys_file=keys_file,
+        api_keys_env_roles=["user", "admin"],  # the test's key reads /metrics too
         rate_limits={"tenants": {"limited": {"requests_per_minute": 2}, "frugal": {"tokens_per_minute": 40}}},
     )
     url, generated = start(cfg)
@@ -53,7 +54,15 @@ def deployed(server, pretrained, prefix: str, **settings):
     from lmfoundry.platform.keys import digest
     from lmfoundry.serving.app import ServeConfig, build_app
 
-    cfg = ServeConfig(**{"checkpoint": pretrained[0], "model_name": "tiny", "cpus_per_replica": 0.25, **settings})
+    cfg = ServeConfig(
+        **{
+            "checkpoint": pretrained[0],
+            "model_name": "tiny",
+            "cpus_per_replica": 0.25,
+            "api_keys_env_roles": ["user", "admin"],  # the test's key reads /metrics too
+            **settings,
+        }
+    )
     name = prefix.strip("/")
     serve.run(build_app(cfg, [digest(KEY)]), name=name, route_prefix=prefix, blocking=False)
     url = server + prefix
@@ -673,7 +682,7 @@ def test_review_queue_over_http_behind_the_api_keys(server, tmp_path):
     store.add("audit-2", "audit", "random audit", {"id": "2", "judge": "j"})
     store.close()
     serve.run(
-        ReviewAPI.bind(db, None, [digest(KEY), digest("sk-other-reviewer-key-000")]),
+        ReviewAPI.bind(db, None, [digest(KEY), digest("sk-other-reviewer-key-000")], ["reviewer"]),
         name="review",
         route_prefix="/review-queue",
         blocking=False,

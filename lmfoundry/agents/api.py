@@ -4,8 +4,10 @@ API) and a deployment of workers that execute runs from the shared store.
     POST /v1/agents/runs {"workflow": NAME, "input": TEXT}  -> {"id"} at once (429 when the tenant is full)
     GET  /v1/agents/runs/{id}                               -> {"id", "state", "steps", "output", ...}
     GET  /v1/agents/runs/{id}/events                        -> the steps as server-sent events
-    POST /v1/agents/runs/{id}/approve | reject | cancel
-A tenant sees only its own runs (another tenant's are 404).
+    POST /v1/agents/runs/{id}/approve | reject               (a key with the `approver` role)
+    POST /v1/agents/runs/{id}/cancel
+Every route but /health needs a key (the Gate checks it before the body is read). A tenant sees
+only its own runs (another tenant's are 404).
 
 (No `from __future__ import annotations`: FastAPI reads the handlers' annotations at run time,
 and Serve ships these classes by value.)
@@ -16,17 +18,22 @@ import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmfoundry.agents.store import TERMINAL, AgentStore
 from lmfoundry.agents.tracing import TracingConfig
 from lmfoundry.agents.worker import AgentWorker
 from lmfoundry.agents.workflow import load_workflows
+from lmfoundry.platform import gate
 from lmfoundry.platform.config import StageConfig
-from lmfoundry.platform.keys import Authenticator
+from lmfoundry.platform.keys import Authenticator, parse_roles
 
-app = FastAPI(title="lmfoundry agents")
+# No /docs or /redoc; the schema only with a key (GET /openapi.json below), as in every app.
+app = FastAPI(title="lmfoundry agents", docs_url=None, redoc_url=None, openapi_url=None)
+app.add_middleware(gate.Gate, name="agents")
+app.add_exception_handler(StarletteHTTPException, gate.http_error)
 
 
 class AgentServeConfig(StageConfig):
@@ -34,6 +41,9 @@ class AgentServeConfig(StageConfig):
     store: str = Field(..., description="the run store: a SQLite path or a postgresql:// DSN")
     keys_file: str | None = None
     api_keys_env: str = "LMFOUNDRY_API_KEYS"
+    api_keys_env_roles: list[str] = Field(
+        ["user"], description="roles of the keys in api_keys_env (approver: approvals)"
+    )
     workers: int = Field(2, ge=1, description="worker replicas executing runs")
     runs_per_worker: int = Field(16, ge=1)
     per_tenant_running: int = Field(8, ge=1, description="runs of one tenant executing at once, all workers")
@@ -51,6 +61,11 @@ class AgentServeConfig(StageConfig):
         description="environment variables copied from the launching process "
         "into the replicas (the model endpoint's API key, the workflows' secrets)",
     )
+
+    @field_validator("api_keys_env_roles")
+    @classmethod
+    def _known_roles(cls, roles: list[str]) -> list[str]:
+        return list(parse_roles(roles))
 
 
 class StartRun(BaseModel):
@@ -92,21 +107,28 @@ class AgentWorkers:
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(app)
 class AgentAPI:
-    def __init__(self, store: str, workflows: str, keys_file, env_digests: list, per_tenant_active: int, workers):
+    def __init__(
+        self,
+        store: str,
+        workflows: str,
+        keys_file,
+        env_digests: list,
+        per_tenant_active: int,
+        workers,
+        env_roles: list | None = None,
+    ):
         self.store = AgentStore(store)
         self.workflows = load_workflows(workflows)
-        self.auth = Authenticator(keys_file, env_digests)
+        gate.configure("agents", Authenticator(keys_file, env_digests, env_roles=env_roles))
         self.per_tenant_active = per_tenant_active
         self.workers = workers  # held so the worker deployment is part of this app
 
-    def _tenant(self, request: Request):
-        who = self.auth.principal(request.headers.get("authorization"))
-        return who.tenant if who else None
+    @staticmethod
+    def _tenant(request: Request) -> str:
+        return request.state.tenant  # set by the Gate, which refused the request if it had no valid key
 
     def _run(self, request: Request, run_id: str):
         tenant = self._tenant(request)
-        if tenant is None:
-            return None, _error(401, "missing, invalid or revoked API key: send 'Authorization: Bearer <key>'")
         run = self.store.get(run_id, tenant)
         if run is None:
             return None, _error(404, f"no run {run_id}")
@@ -116,11 +138,13 @@ class AgentAPI:
     def health(self):
         return {"status": "ok"}
 
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi_schema(self, request: Request):
+        return app.openapi()
+
     @app.post("/v1/agents/runs")
     def start(self, request: Request, body: StartRun):
         tenant = self._tenant(request)
-        if tenant is None:
-            return _error(401, "missing, invalid or revoked API key: send 'Authorization: Bearer <key>'")
         if body.workflow not in self.workflows:
             return _error(400, f"workflow {body.workflow!r} is unknown; known: {sorted(self.workflows)}")
         if self.store.active_count(tenant) >= self.per_tenant_active:
@@ -159,6 +183,7 @@ class AgentAPI:
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     def _decide(self, request: Request, run_id: str, approved: bool):
+        gate.require_role(request, "approver")  # a tool call's go-ahead is not every key's to give
         run, err = self._run(request, run_id)
         if err:
             return err
@@ -208,4 +233,6 @@ def build_agent_app(cfg: AgentServeConfig, env_digests: list[str]):
     workers = AgentWorkers.options(
         num_replicas=cfg.workers, ray_actor_options={"num_cpus": 0.1, "runtime_env": runtime_env}
     ).bind(cfg.store, cfg.workflows, cfg.runs_per_worker, cfg.per_tenant_running, cfg.lease_s, cfg.tracing.model_dump())
-    return AgentAPI.bind(cfg.store, cfg.workflows, cfg.keys_file, env_digests, cfg.per_tenant_active, workers)
+    return AgentAPI.bind(
+        cfg.store, cfg.workflows, cfg.keys_file, env_digests, cfg.per_tenant_active, workers, cfg.api_keys_env_roles
+    )

@@ -1,5 +1,6 @@
-"""The review queue over HTTP on Ray Serve, behind the same API keys as the inference API: the
-key's tenant is the reviewer.
+"""The review queue over HTTP on Ray Serve, behind the same API keys as the inference API. Every
+route but /health needs a key with the `reviewer` role (a decision flips a preference pair, so a
+customer's `user` key gets 403); the key's tenant is the reviewer.
 
     GET  /v1/review/items?status=pending&kind=review     GET /v1/review/items/{id}
     POST /v1/review/items/{id}/claim                      POST /v1/review/next {"kind": "audit"}
@@ -12,23 +13,34 @@ and Serve ships this class by value, without the module's globals to resolve str
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmfoundry.align.review import ReviewError, ReviewStore
+from lmfoundry.platform import gate
 from lmfoundry.platform.config import StageConfig
-from lmfoundry.platform.keys import Authenticator
+from lmfoundry.platform.keys import Authenticator, parse_roles
 
-app = FastAPI(title="lmfoundry review queue")
+# No /docs or /redoc; the schema only with a key (GET /openapi.json below), as in every app.
+app = FastAPI(title="lmfoundry review queue", docs_url=None, redoc_url=None, openapi_url=None)
+app.add_middleware(gate.Gate, name="review")
+app.add_exception_handler(StarletteHTTPException, gate.http_error)
 
 
 class ReviewServeConfig(StageConfig):
     db: str = Field(..., description="the queue: a SQLite path or a postgresql:// DSN")
     keys_file: str | None = None
     api_keys_env: str = "LMFOUNDRY_API_KEYS"
+    api_keys_env_roles: list[str] = Field(["user"], description="roles of the keys in api_keys_env (reviewer: review)")
     host: str = "127.0.0.1"
     port: int = Field(8001, ge=1, le=65535)
     route_prefix: str = "/review-queue"
+
+    @field_validator("api_keys_env_roles")
+    @classmethod
+    def _known_roles(cls, roles: list[str]) -> list[str]:
+        return list(parse_roles(roles))
 
 
 class Decision(BaseModel):
@@ -54,26 +66,24 @@ def _error(status: int, message: str) -> JSONResponse:
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(app)
 class ReviewAPI:
-    def __init__(self, db: str, keys_file: str | None, env_digests: list[str]):
+    def __init__(self, db: str, keys_file: str | None, env_digests: list[str], env_roles: list[str] | None = None):
         self.store = ReviewStore(db)
-        self.auth = Authenticator(keys_file, env_digests)
-
-    def _reviewer(self, request: Request) -> str | None:
-        who = self.auth.principal(request.headers.get("authorization"))
-        return who.tenant if who else None
+        gate.configure("review", Authenticator(keys_file, env_digests, env_roles=env_roles))
 
     def _do(self, request: Request, action):
-        reviewer = self._reviewer(request)
-        if reviewer is None:
-            return _error(401, "missing, invalid or revoked API key: send 'Authorization: Bearer <key>'")
+        gate.require_role(request, "reviewer")  # the Gate has checked the key already
         try:
-            return action(reviewer)
+            return action(request.state.tenant)
         except ReviewError as e:
             return _error(e.status, str(e))
 
     @app.get("/health")
     def health(self):
         return {"status": "ok"}
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi_schema(self, request: Request):
+        return app.openapi()
 
     @app.get("/v1/review/items")
     def items(self, request: Request, status: str | None = None, kind: str | None = None):
@@ -112,7 +122,7 @@ def start_review_api(cfg: ReviewServeConfig) -> str:
     if not digests and not cfg.keys_file:
         raise ValueError(f"the review API needs keys: a keys_file or keys in ${cfg.api_keys_env}")
     serve.run(
-        ReviewAPI.bind(cfg.db, cfg.keys_file, digests),
+        ReviewAPI.bind(cfg.db, cfg.keys_file, digests, cfg.api_keys_env_roles),
         name="review-queue",
         route_prefix=cfg.route_prefix,
         blocking=False,

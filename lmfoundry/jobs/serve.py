@@ -19,7 +19,9 @@ def serve_forever(cfg: ServeConfig) -> dict:
     url, generated_key = start(cfg)
     logger.info("serving %s at %s/v1 (Ctrl-C stops)", cfg.model_name, url)
     if generated_key:
-        logger.warning("no keys in $%s: this server accepts the generated key %s", cfg.api_keys_env, generated_key)
+        # The key itself goes to stdout once, never to a logger (log handlers ship lines elsewhere).
+        logger.warning("no keys in $%s: this server accepts one generated key, printed on stdout", cfg.api_keys_env)
+        print(generated_key, flush=True)
     try:
         while True:
             time.sleep(3600)

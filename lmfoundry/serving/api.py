@@ -94,6 +94,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = {
         401: "authentication_error",
+        403: "permission_error",
         404: "not_found_error",
         405: "invalid_request_error",
         413: "invalid_request_error",
@@ -101,7 +102,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error(exc.status_code, str(exc.detail), kind)
 
 
-app.add_middleware(gate.Gate)
+app.add_middleware(gate.Gate, name="inference")
 
 
 def _sse(obj: dict) -> str:
@@ -165,6 +166,7 @@ class LLMServer:
         traffic_file: str | None = None,
         limiter=None,
         device: str = "auto",
+        env_key_roles: list[str] | None = None,
     ):
         self.engines = {v["name"]: InferenceEngine(v["checkpoint"], device, **engine) for v in versions}
         self.split = SplitSource(
@@ -173,7 +175,9 @@ class LLMServer:
         self.model_name = model_name
         self.max_n = limits["max_n"]
         self.timeout_s = limits["request_timeout_s"]
-        gate.configure(Authenticator(keys_file, env_key_digests), limits["max_body_bytes"])
+        gate.configure(
+            "inference", Authenticator(keys_file, env_key_digests, env_roles=env_key_roles), limits["max_body_bytes"]
+        )
         self.guard = Guardrail(HarmConfig.model_validate(guardrails)) if guardrails else None
         self.limiter = limiter
         self.metrics = ServingMetrics(model_name)
@@ -298,6 +302,9 @@ class LLMServer:
 
     @app.get("/metrics")
     async def metrics_text(self, request: Request):
+        # admin only: the series are the whole replica's (all tenants' traffic, and tenant names)
+        gate.require_role(request, "admin")
+        self.metrics.key_store_failures.set(gate.authenticator("inference").reload_failures)
         for version, engine in self.engines.items():
             self.metrics.observe_engine(version, engine.batcher)
         body, content_type = self.metrics.render()

@@ -67,6 +67,16 @@ class ServingMetrics:
         self.rate_limited = metric(Counter, "rate_limited", "requests refused with 429, by tenant", "tenant")
         self.queue_depth = metric(Gauge, "queue_depth", "requests waiting for a batch slot", "version")
         self.running = metric(Gauge, "running_requests", "requests in the running batch", "version")
+        self.key_store_failures = _Labelled(
+            Gauge(
+                "key_store_reload_failures",
+                "times the API key file could not be read or parsed (the last good keys stay in force)",
+                ["model", "replica"],
+                registry=self.registry,
+                namespace="lmfoundry",
+            ),
+            const,
+        ).labels()
 
     def observe_engine(self, version: str, batcher) -> None:
         self.queue_depth.labels(version=version).set(batcher.queue_depth)

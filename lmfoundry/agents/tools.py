@@ -139,7 +139,9 @@ class ToolRegistry:
         if self.tenants is not None and tenant not in self.tenants:
             return ToolResult(False, None, 0, 0.0, f"tenant {tenant!r} may not use {name}; allowed: {self.tenants}")
         if tool.tenant_scoped and (tenant is None or "tenant" in arguments):
-            return ToolResult(False, None, 0, 0.0, f"{name} is tenant-scoped: the service, not the model, names the tenant")
+            return ToolResult(
+                False, None, 0, 0.0, f"{name} is tenant-scoped: the service, not the model, names the tenant"
+            )
         errors = sorted(Draft202012Validator(tool.parameters).iter_errors(arguments), key=lambda e: e.path)
         if errors:
             return ToolResult(False, None, 0, 0.0, f"arguments do not fit {name}'s schema: {errors[0].message}")

@@ -3,16 +3,22 @@ arguments, a timeout, retries with exponential backoff, and whether it has side 
 
 Built-in tools, each made from its configuration:
 - `sql_tool`: read-only queries against SQLite (the embedded default) or PostgreSQL (by DSN).
-  One statement, which must begin with an allowed keyword (SELECT, WITH, EXPLAIN, unless the
-  workflow grants writes); SQLite's authorizer refuses every write, ATTACH and PRAGMA that
-  changes state even if the keyword check were fooled, PostgreSQL runs it in a READ ONLY
-  transaction; a row limit and a time limit (SQLite's progress handler, PostgreSQL's
-  statement_timeout).
+  One statement, parsed by sqlglot: a SELECT (set operations, WITH, EXPLAIN of one) with no write,
+  DDL, command, SELECT INTO, row lock or function that reaches outside the query anywhere in it.
+  Then the database enforces it too: SQLite opened read-only with an authorizer (reads and
+  allow-listed functions only), length limits and a progress-handler deadline; PostgreSQL through
+  the extended query protocol (one statement, by the server), a READ ONLY transaction,
+  statement_timeout and idle_in_transaction_session_timeout, ideally as a role made by
+  `create_readonly_role`. Rows are read incrementally up to a row and a byte cap.
 - `search_tool`: BM25 (Okapi, k1 1.5, b 0.75) over a curated corpus (a curate output's kept/
   shards or a JSONL with `text`).
-- `http_tool`: calls to internal APIs on an allow-list of base URLs and methods; a call with
-  side effects carries an `Idempotency-Key` header, so a retried or resumed call is not done twice
-  by a server that honours it.
+- `http_tool`: calls to internal APIs on an allow-list of base URLs and methods, checked on the
+  normalised URL that is then sent; redirects re-checked hop by hop; the body read up to a byte
+  cap within one total deadline. A call with side effects carries an `Idempotency-Key` header, so
+  a retried or resumed call is not done twice by a server that honours it.
+Tenant scoping: a tool made with per-tenant settings (SQL `tenant_dsns` or PostgreSQL row-level
+security through `tenant_setting`, search `tenant_corpora`, HTTP `{tenant}` in a base URL or a
+`tenant_header`) receives the calling run's tenant from the service, never from the model.
 - `python_tool`: code in the sandbox (safety/sandbox.py).
 
 A tool's output is data, never instructions: the agent service marks it untrusted before the

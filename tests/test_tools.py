@@ -38,7 +38,7 @@ def test_sql_reads_with_a_row_limit_and_refuses_every_write(orders_db):
         ("SELECT 1; DROP TABLE orders", "one statement"),
         ("ATTACH DATABASE '/tmp/x.db' AS x", "not allowed"),
         ("PRAGMA writable_schema = 1", "not allowed"),
-        ("WITH x AS (SELECT 1) DELETE FROM orders", "sqlite"),
+        ("WITH x AS (SELECT 1) DELETE FROM orders", "not allowed"),
     ]:
         with pytest.raises(tools.ToolError, match=why):
             sql(query)
@@ -67,10 +67,10 @@ def test_sql_on_postgresql_is_read_only_with_a_statement_timeout(postgres_dsn):
     sql = tools.sql_tool(postgres_dsn, max_rows=5, timeout_s=1).fn
     assert sql("SELECT COUNT(*) FROM orders")["rows"] == [[50]]
     assert sql("SELECT id FROM orders ORDER BY id")["truncated"]
-    with pytest.raises(tools.ToolError, match="read-only"):
+    with pytest.raises(tools.ToolError, match="not allowed"):
         sql("WITH x AS (DELETE FROM orders RETURNING id) SELECT COUNT(*) FROM x")
     with pytest.raises(tools.ToolError, match="statement timeout"):
-        sql("SELECT pg_sleep(5)")
+        sql("SELECT COUNT(*) FROM generate_series(1, 100000000)")
 
 
 def test_bm25_search_finds_the_document_about_the_query():
@@ -134,7 +134,10 @@ def test_http_reaches_only_the_allow_list_and_sends_idempotency_keys(api):
         ("GET", f"http://user@{api[7:]}/api"),
     ]:
         refused = registry.call("http", {"method": method, "url": url})
-        assert not refused.ok and "outside the allow-list" in refused.error, (method, url)
+        assert not refused.ok and ("outside the allow-list" in refused.error or "user@host" in refused.error), (
+            method,
+            url,
+        )
     assert not registry.call("http", {"method": "DELETE", "url": f"{api}/api"}).ok  # not in the schema's enum
 
 

@@ -147,6 +147,8 @@ class AgentAPI:
         tenant = self._tenant(request)
         if body.workflow not in self.workflows:
             return _error(400, f"workflow {body.workflow!r} is unknown; known: {sorted(self.workflows)}")
+        if not self.workflows[body.workflow].allows(tenant):
+            return _error(403, f"tenant {tenant} may not run workflow {body.workflow!r}")
         if self.store.active_count(tenant) >= self.per_tenant_active:
             return _error(
                 429,

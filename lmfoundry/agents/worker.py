@@ -212,7 +212,7 @@ def advance(
             store.write_step(
                 run_id, n, "tool", "started", {"tool": tool, "arguments": arguments, "worker": worker}, key
             )
-            result = registry.call(tool, arguments, idempotency_key=key)
+            result = registry.call(tool, arguments, idempotency_key=key, tenant=run["tenant"])
             raw = json.dumps(result.output, default=str)[:20000] if result.ok else f"error: {result.error}"
             view, leaked = guard.redact(raw)
             flagged = guard.injected(view)

@@ -80,8 +80,14 @@ class ToolSettings(StageConfig):
     dsn: str | None = None  # sql
     allow_writes: bool = False
     max_rows: int = Field(100, ge=1)
+    tenant_dsns: dict[str, str] | None = Field(None, description="sql: each tenant's own database or role")
+    tenant_setting: str | None = Field(
+        None, description="sql (PostgreSQL): the setting row-level security reads, set to the calling tenant"
+    )
     corpus: str | None = None  # search
-    allow: list[dict] = []  # http: [{base_url, methods}]
+    tenant_corpora: dict[str, str] | None = Field(None, description="search: each tenant's own corpus")
+    allow: list[dict] = []  # http: [{base_url, methods}]; '{tenant}' in a base URL is the calling tenant
+    tenant_header: str | None = Field(None, description="http: a header the tool sets to the calling tenant")
     timeout_s: float = Field(10.0, gt=0)
     max_query_chars: int = Field(
         1000, ge=1, description="sql, search, http: the longest query, URL or body the model may write"
@@ -113,6 +119,14 @@ class WorkflowConfig(StageConfig):
     max_tokens: int = Field(256, ge=8, description="per model step; a tool call cut short is an invalid step")
     max_answer_chars: int = Field(2000, ge=1)
     secrets: list[str] = Field([], description="environment variables whose values must never leave the service")
+    tenants: list[str] | None = Field(
+        None,
+        description="the tenants that may run this workflow (runs are refused for others); "
+        "unset: every tenant, so set it for any workflow whose tools reach tenant data",
+    )
+
+    def allows(self, tenant: str) -> bool:
+        return self.tenants is None or tenant in self.tenants
 
     def check(self) -> None:
         for name in self.approval_required + ([self.first_tool] if self.first_tool else []):
@@ -140,20 +154,30 @@ CUSTOM_TOOLS = toolkit.ToolRegistry()  # users register their own: @CUSTOM_TOOLS
 
 
 def build_registry(wf: WorkflowConfig) -> toolkit.ToolRegistry:
-    registry = toolkit.ToolRegistry()
+    registry = toolkit.ToolRegistry(tenants=wf.tenants)  # tool calls of other tenants' runs are refused
     for name, s in wf.tools.items():
         if s.kind == "sql":
             tool = toolkit.sql_tool(
-                s.dsn, s.allow_writes, s.max_rows, s.timeout_s, name=name, max_query_chars=s.max_query_chars
+                s.dsn,
+                s.allow_writes,
+                s.max_rows,
+                s.timeout_s,
+                name=name,
+                max_query_chars=s.max_query_chars,
+                tenant_dsns=s.tenant_dsns,
+                tenant_setting=s.tenant_setting,
             )
         elif s.kind == "search":
-            tool = toolkit.search_tool(s.corpus, name=name, max_query_chars=s.max_query_chars)
+            tool = toolkit.search_tool(
+                s.corpus, name=name, max_query_chars=s.max_query_chars, tenant_corpora=s.tenant_corpora
+            )
         elif s.kind == "http":
             tool = toolkit.http_tool(
                 [toolkit.AllowedAPI(a["base_url"], tuple(a.get("methods", ["GET"]))) for a in s.allow],
                 s.timeout_s,
                 name=name,
                 max_argument_chars=s.max_query_chars,
+                tenant_header=s.tenant_header,
             )
         elif s.kind == "python":
             tool = toolkit.python_tool(s.timeout_s, s.memory_mb, name=name)

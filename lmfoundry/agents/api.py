@@ -4,8 +4,10 @@ API) and a deployment of workers that execute runs from the shared store.
     POST /v1/agents/runs {"workflow": NAME, "input": TEXT}  -> {"id"} at once (429 when the tenant is full)
     GET  /v1/agents/runs/{id}                               -> {"id", "state", "steps", "output", ...}
     GET  /v1/agents/runs/{id}/events                        -> the steps as server-sent events
-    POST /v1/agents/runs/{id}/approve | reject | cancel
-A tenant sees only its own runs (another tenant's are 404).
+    POST /v1/agents/runs/{id}/approve | reject              -> 409 naming the decision that won, if any
+    POST /v1/agents/runs/{id}/cancel
+A tenant sees only its own runs (another tenant's are 404). Approving or rejecting takes a key
+with the approver role (`approver_role_of`) that is not the key that started the run.
 
 (No `from __future__ import annotations`: FastAPI reads the handlers' annotations at run time,
 and Serve ships these classes by value.)
@@ -24,7 +26,7 @@ from lmfoundry.agents.tracing import TracingConfig
 from lmfoundry.agents.worker import AgentWorker
 from lmfoundry.agents.workflow import load_workflows
 from lmfoundry.platform.config import StageConfig
-from lmfoundry.platform.keys import Authenticator
+from lmfoundry.platform.keys import Authenticator, Principal
 
 app = FastAPI(title="lmfoundry agents")
 
@@ -39,6 +41,11 @@ class AgentServeConfig(StageConfig):
     per_tenant_running: int = Field(8, ge=1, description="runs of one tenant executing at once, all workers")
     per_tenant_active: int = Field(200, ge=1, description="queued + running runs of one tenant before 429")
     lease_s: float = Field(15.0, gt=0, description="a dead worker's runs resume elsewhere after this")
+    approver_keys: list[str] = Field(
+        [],
+        description="ids of the API keys (key_...) with the approver role: only they approve or reject "
+        "a run's tool calls, and never a run their own key started",
+    )
     route_prefix: str = "/agents"
     py_modules: list[str] = Field(
         [],
@@ -67,6 +74,34 @@ def _error(status: int, message: str, headers: dict | None = None) -> JSONRespon
     )
 
 
+APPROVER = "approver"
+
+
+def approver_role_of(request: Request, who: Principal, approver_keys: frozenset) -> bool:
+    """Whether the caller holds the approver role. The one place roles are looked up: roles the
+    gate put in `request.state` or the key carries (`Principal.roles`) when the key file has them,
+    else the service's `approver_keys`."""
+    roles = getattr(request.state, "roles", None) or getattr(who, "roles", None) or ()
+    return APPROVER in roles or who.key_id in approver_keys
+
+
+def approval_refusal(run: dict, who: Principal, is_approver: bool) -> str | None:
+    """Why `who` may not decide `run`'s pending tool call, or None when it may."""
+    if not is_approver:
+        return f"approving or rejecting takes a key with the {APPROVER!r} role; key {who.key_id} has not"
+    if run.get("created_by") == who.key_id:
+        return f"key {who.key_id} started run {run['id']}: a run's own key cannot approve or reject its calls"
+    return None
+
+
+def decision_conflict(run_id: str, decision) -> str:
+    """The 409 message: the decision that won, or why there was none to make."""
+    if decision.approved is None:
+        return f"run {run_id} is {decision.state}, not waiting for an approval"
+    verdict = "approved" if decision.approved else "rejected"
+    return f"run {run_id} was already {verdict} by {decision.by}; it is {decision.state}"
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 class AgentWorkers:
     def __init__(
@@ -92,15 +127,28 @@ class AgentWorkers:
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(app)
 class AgentAPI:
-    def __init__(self, store: str, workflows: str, keys_file, env_digests: list, per_tenant_active: int, workers):
+    def __init__(
+        self,
+        store: str,
+        workflows: str,
+        keys_file,
+        env_digests: list,
+        per_tenant_active: int,
+        workers,
+        approver_keys: list = (),
+    ):
+        self.approver_keys = frozenset(approver_keys)
         self.store = AgentStore(store)
         self.workflows = load_workflows(workflows)
         self.auth = Authenticator(keys_file, env_digests)
         self.per_tenant_active = per_tenant_active
         self.workers = workers  # held so the worker deployment is part of this app
 
+    def _principal(self, request: Request) -> Principal | None:
+        return self.auth.principal(request.headers.get("authorization"))
+
     def _tenant(self, request: Request):
-        who = self.auth.principal(request.headers.get("authorization"))
+        who = self._principal(request)
         return who.tenant if who else None
 
     def _run(self, request: Request, run_id: str):
@@ -118,9 +166,10 @@ class AgentAPI:
 
     @app.post("/v1/agents/runs")
     def start(self, request: Request, body: StartRun):
-        tenant = self._tenant(request)
-        if tenant is None:
+        who = self._principal(request)
+        if who is None:
             return _error(401, "missing, invalid or revoked API key: send 'Authorization: Bearer <key>'")
+        tenant = who.tenant
         if body.workflow not in self.workflows:
             return _error(400, f"workflow {body.workflow!r} is unknown; known: {sorted(self.workflows)}")
         if self.store.active_count(tenant) >= self.per_tenant_active:
@@ -129,7 +178,7 @@ class AgentAPI:
                 f"tenant {tenant} has {self.per_tenant_active} runs queued or running; retry later",
                 {"Retry-After": "5"},
             )
-        return {"id": self.store.create(tenant, body.workflow, body.input), "state": "queued"}
+        return {"id": self.store.create(tenant, body.workflow, body.input, who.key_id), "state": "queued"}
 
     @app.get("/v1/agents/runs/{run_id}")
     def get(self, request: Request, run_id: str):
@@ -162,9 +211,14 @@ class AgentAPI:
         run, err = self._run(request, run_id)
         if err:
             return err
-        if not self.store.decide(run_id, approved, self._tenant(request)):
-            return _error(409, f"run {run_id} is {run['state']}, not waiting for an approval")
-        return {"id": run_id, "state": "queued", "approved": approved}
+        who = self._principal(request)
+        refusal = approval_refusal(run, who, approver_role_of(request, who, self.approver_keys))
+        if refusal:
+            return _error(403, refusal)
+        decision = self.store.decide(run_id, approved, who.key_id)
+        if not decision.won:
+            return _error(409, decision_conflict(run_id, decision))
+        return {"id": run_id, "state": "queued", "approved": approved, "by": who.key_id}
 
     @app.post("/v1/agents/runs/{run_id}/approve")
     def approve(self, request: Request, run_id: str):
@@ -208,4 +262,6 @@ def build_agent_app(cfg: AgentServeConfig, env_digests: list[str]):
     workers = AgentWorkers.options(
         num_replicas=cfg.workers, ray_actor_options={"num_cpus": 0.1, "runtime_env": runtime_env}
     ).bind(cfg.store, cfg.workflows, cfg.runs_per_worker, cfg.per_tenant_running, cfg.lease_s, cfg.tracing.model_dump())
-    return AgentAPI.bind(cfg.store, cfg.workflows, cfg.keys_file, env_digests, cfg.per_tenant_active, workers)
+    return AgentAPI.bind(
+        cfg.store, cfg.workflows, cfg.keys_file, env_digests, cfg.per_tenant_active, workers, cfg.approver_keys
+    )

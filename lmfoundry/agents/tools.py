@@ -22,7 +22,9 @@ model sees it, and what a tool may reach is enforced here, not by the model's go
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import math
+import os
 import re
 import sqlite3
 import time
@@ -131,9 +133,20 @@ class ToolRegistry:
         errors = sorted(Draft202012Validator(tool.parameters).iter_errors(arguments), key=lambda e: e.path)
         if errors:
             return ToolResult(False, None, 0, 0.0, f"arguments do not fit {name}'s schema: {errors[0].message}")
+        if "idempotency_key" in arguments:  # the caller's, never the model's: a chosen key could replay another call
+            return ToolResult(False, None, 0, 0.0, "idempotency_key is set by the service, not passed as an argument")
         started, attempt = time.perf_counter(), 0
         kwargs = dict(arguments)
         if tool.side_effects and idempotency_key is not None:
+            if not _takes_idempotency_key(tool.fn):
+                return ToolResult(
+                    False,
+                    None,
+                    0,
+                    0.0,
+                    f"{name} has side effects but its function takes no idempotency_key argument, so a "
+                    "retried or resumed call could act twice; refused (add `idempotency_key: str` and pass it on)",
+                )
             kwargs["idempotency_key"] = idempotency_key
         while True:
             attempt += 1
@@ -152,6 +165,11 @@ class ToolRegistry:
             if not error.retryable or attempt > tool.retries:
                 return ToolResult(False, None, attempt, time.perf_counter() - started, str(error))
             time.sleep(tool.backoff_s * 2 ** (attempt - 1))
+
+
+def _takes_idempotency_key(fn: Callable) -> bool:
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == "idempotency_key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 # --- sql -------------------------------------------------------------------------------------
@@ -350,7 +368,11 @@ def http_tool(
     retries: int = 2,
     name: str = "http",
     max_argument_chars: int = 2000,
+    secret_headers: dict[str, str] | None = None,
 ) -> Tool:
+    """`secret_headers` ({header: ENV_VAR}): credentials read from the environment at call time,
+    inside the tool; a response that repeats one of them is withheld."""
+    secret_headers = dict(secret_headers or {})
     if not allow:
         raise ValueError("http_tool needs at least one allowed base URL")
     methods = sorted({m.upper() for a in allow for m in a.methods})
@@ -368,6 +390,8 @@ def http_tool(
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key and method != "GET" else {}
         if body is not None:
             headers["Content-Type"] = "application/json" if body.lstrip()[:1] in ("{", "[") else "text/plain"
+        credentials = _secret_values(secret_headers)
+        headers.update(credentials)
         try:
             r = httpx.request(
                 method,
@@ -381,6 +405,9 @@ def http_tool(
             raise ToolError(f"{method} {url}: {e}", retryable=True) from None
         if r.status_code >= 500:
             raise ToolError(f"{method} {url} answered {r.status_code}", retryable=True)
+        reflected = [h for h, v in credentials.items() if v in r.text or v in str(r.headers)]
+        if reflected:  # an API that echoes its credentials back would hand them to the model
+            raise ToolError(f"{method} {url}: the response repeats the {', '.join(reflected)} credential; withheld")
         return {"status": r.status_code, "body": r.text[:max_bytes], "truncated": len(r.text) > max_bytes}
 
     return Tool(
@@ -405,6 +432,14 @@ def http_tool(
         retries=retries,
         side_effects=any(m.upper() != "GET" for a in allow for m in a.methods),
     )
+
+
+def _secret_values(secret_headers: dict[str, str]) -> dict[str, str]:
+    """{header: value} from the environment variables named; a missing one fails the call."""
+    missing = [env for env in secret_headers.values() if not os.environ.get(env)]
+    if missing:
+        raise ToolError(f"the secret environment variables {missing} are not set in this worker")
+    return {header: os.environ[env] for header, env in secret_headers.items()}
 
 
 # --- python ----------------------------------------------------------------------------------

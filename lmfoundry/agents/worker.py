@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -125,6 +126,19 @@ def conversation(wf: WorkflowConfig, run: dict, steps: list[dict]) -> list[dict]
     return messages
 
 
+def protect_process_secrets() -> None:
+    """Make this process non-dumpable (Linux prctl PR_SET_DUMPABLE 0): its /proc files, among them
+    `environ`, which holds the secrets the worker was started with, become root's, so code the
+    python tool runs as the same user cannot read them through /proc/<parent>/environ."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_dumpable = 4
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_dumpable, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed: the worker's secrets would be readable")
+
+
 def needs_approval(wf: WorkflowConfig, registry: toolkit.ToolRegistry, tool: str) -> bool:
     """Listed in approval_required, or a tool with side effects the workflow did not explicitly
     let run unattended (`without_approval`): side effects need a human by default."""
@@ -137,6 +151,7 @@ def advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistr
     """Run the leased run from its last written step until it ends or waits for approval; the
     state it is left in. Raises `LeaseLost` (from the first write it tries) once another worker
     has taken the run over: no tool is called after that."""
+    protect_process_secrets()  # before any tool runs: sandboxed code must not read this process's environ
     try:
         return _advance(store, wf, registry, lease, lease_s)
     except LeaseLost:

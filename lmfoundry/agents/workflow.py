@@ -20,7 +20,11 @@ Safety is the service's, not the model's: only the workflow's tools can run (a c
 other is refused and recorded); tool outputs are wrapped as untrusted data, and an output that
 carries instructions (prompt injection) is withheld from the model; the values of the workflow's
 `secrets` (environment variables) are redacted from everything the model sees and writes, and a
-tool call whose arguments hold one is refused, so a secret never leaves the service.
+tool call whose arguments hold one is refused, so a secret never leaves the service. That is the
+second line: secrets are named, never written, in a workflow (an http tool's `secret_headers`
+name environment variables read inside the tool at call time), so their values are not in the
+model's messages, the tool arguments or the sandbox's environment to begin with. Every tool with
+side effects waits for an approver unless the workflow lists it in `without_approval`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lmfoundry.agents import worker, workflow
-from lmfoundry.agents.store import AgentStore
+from lmfoundry.agents.store import AgentStore, LeaseLost
 
 pytestmark = pytest.mark.timeout(120)
 SUITES = Path(workflow.__file__).parent / "suites"
@@ -29,17 +29,21 @@ def store(request, tmp_path):
 
 def test_a_run_is_leased_to_one_worker_and_resumed_by_another_when_the_lease_runs_out(store):
     run = store.create("acme", "orders", "what did acme spend?")
-    assert store.claim("w1", lease_s=0.3, per_tenant=4) == run
+    w1 = store.claim("w1", lease_s=0.3, per_tenant=4)
+    assert w1.run_id == run and w1.token == 1
     assert store.claim("w2", lease_s=0.3, per_tenant=4) is None  # held
-    store.write_step(run, 0, "model", "done", {"tool": "sql", "arguments": {"query": "SELECT 1"}})
-    store.write_step(run, 1, "tool", "started", {"tool": "sql", "arguments": {}}, key=f"{run}:1")
+    store.write_step(w1, 0, "model", "done", {"tool": "sql", "arguments": {"query": "SELECT 1"}})
+    store.write_step(w1, 1, "tool", "started", {"tool": "sql", "arguments": {}}, key=f"{run}:1")
     time.sleep(0.4)  # w1 died: its lease expires
-    assert store.claim("w2", lease_s=5, per_tenant=4) == run
-    assert not store.renew(run, "w1", 5) and store.renew(run, "w2", 5)
-    store.write_step(run, 1, "tool", "done", {"tool": "sql", "arguments": {}, "model_view": "[[1]]"}, key=f"{run}:1")
+    w2 = store.claim("w2", lease_s=5, per_tenant=4)
+    assert w2.run_id == run and w2.token == 2
+    assert not store.renew(w1, 5) and store.renew(w2, 5)
+    with pytest.raises(LeaseLost):  # the old holder's writes are fenced off
+        store.write_step(w1, 1, "tool", "done", {"tool": "sql", "arguments": {}, "model_view": "stale"})
+    store.write_step(w2, 1, "tool", "done", {"tool": "sql", "arguments": {}, "model_view": "[[1]]"}, key=f"{run}:1")
     steps = store.get(run)["steps"]
     assert [(s["n"], s["status"]) for s in steps] == [(0, "done"), (1, "done")]  # completed, not duplicated
-    assert steps[1]["idempotency_key"] == f"{run}:1"
+    assert steps[1]["idempotency_key"] == f"{run}:1" and steps[1]["model_view"] == "[[1]]"
 
 
 def test_tenants_are_isolated_and_limited(store):
@@ -47,19 +51,20 @@ def test_tenants_are_isolated_and_limited(store):
     b = store.create("globex", "orders", "q")
     assert store.get(a[0], "globex") is None and store.get(b, "globex")["tenant"] == "globex"
     claimed = [store.claim("w", 30, per_tenant=2) for _ in range(4)]
-    assert claimed[:3] == [a[0], a[1], b] and claimed[3] is None  # acme's third waits for a free slot
+    assert [c.run_id for c in claimed[:3]] == [a[0], a[1], b] and claimed[3] is None  # acme's third waits
     assert store.active_count("acme") == 3
 
 
 def test_approvals_and_cancellation(store):
-    run = store.create("acme", "refund", "refund 2")
-    store.claim("w", 30, 4)
-    store.write_step(run, 0, "model", "done", {"tool": "refund", "arguments": {"order": 2}})
-    store.write_step(run, 1, "approval", "pending", {"tool": "refund", "arguments": {"order": 2}})
-    store.set_state(run, "waiting_approval", release=True)
-    assert store.decide(run, approved=False, who="ana")
+    run = store.create("acme", "refund", "refund 2", created_by="key_caller")
+    lease = store.claim("w", 30, 4)
+    store.write_step(lease, 0, "model", "done", {"tool": "refund", "arguments": {"order": 2}})
+    store.await_approval(lease, 1, {"tool": "refund", "arguments": {"order": 2}})
+    assert store.get(run)["state"] == "waiting_approval" and store.get(run)["created_by"] == "key_caller"
+    assert store.decide(run, approved=False, who="ana").won
     assert store.get(run)["state"] == "queued" and store.get(run)["steps"][1]["approved"] is False
-    assert not store.decide(run, approved=True, who="ana")  # nothing is pending any more
+    late = store.decide(run, approved=True, who="ben")  # nothing is pending any more: the answer names the winner
+    assert not late.won and late.approved is False and late.by == "ana"
     store.request_cancel(run)
     assert store.get(run)["state"] == "cancelled"
     running = store.create("acme", "orders", "q")

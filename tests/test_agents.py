@@ -80,6 +80,7 @@ def agents(pretrained, tmp_path_factory):
     port = free_port()
     keys = str(root / "keys.json")
     other_key, _ = create_key(keys, "globex")
+    approver_key, _ = create_key(keys, "default", roles=["approver"])  # a key other than the caller's
     tools = root / "hostile_tools"  # a custom tool, shipped to the workers as a py_module
     tools.mkdir()
     (tools / "__init__.py").write_text(HOSTILE_TOOL)
@@ -151,7 +152,6 @@ def agents(pretrained, tmp_path_factory):
         workflows=str(workflows),
         store=str(root / "runs.sqlite"),
         keys_file=keys,
-        api_keys_env_roles=["user", "approver"],  # the test's key also approves tool calls
         workers=2,
         per_tenant_active=6,
         lease_s=4.0,
@@ -173,7 +173,7 @@ def agents(pretrained, tmp_path_factory):
             pass
         assert time.time() < deadline, "the agent service did not come up"
         time.sleep(0.5)
-    yield {"url": url, "other_key": other_key, "store": cfg.store, "spans": spans}
+    yield {"url": url, "other_key": other_key, "approver_key": approver_key, "store": cfg.store, "spans": spans}
     serve.shutdown()  # the next module starts Serve on a port of its own
     api.shutdown()
 
@@ -244,7 +244,9 @@ def test_approvals_gate_side_effects_and_carry_idempotency_keys(agents):
     run = wait_for(url, rejected, ("waiting_approval",))
     assert run["steps"][-1]["kind"] == "approval" and run["steps"][-1]["status"] == "pending"
     assert _Orders.calls == []  # nothing was called before a human said yes
-    assert httpx.post(f"{url}/v1/agents/runs/{rejected}/reject", headers=auth()).json()["approved"] is False
+    assert httpx.post(f"{url}/v1/agents/runs/{rejected}/reject", headers=auth()).status_code == 403  # its own run
+    approver = auth(agents["approver_key"])
+    assert httpx.post(f"{url}/v1/agents/runs/{rejected}/reject", headers=approver).json()["approved"] is False
     run = wait_for(url, rejected, ("succeeded", "failed", "waiting_approval"))
     tool = next(s for s in run["steps"] if s["kind"] == "tool")
     assert tool["refused"] == "rejected by a reviewer" and _Orders.calls == []
@@ -252,14 +254,14 @@ def test_approvals_gate_side_effects_and_carry_idempotency_keys(agents):
         f"{url}/v1/agents/runs", json={"workflow": "refund", "input": "Refund order 1."}, headers=auth()
     ).json()["id"]
     wait_for(url, approved, ("waiting_approval",))
-    assert httpx.post(f"{url}/v1/agents/runs/{approved}/approve", headers=auth()).status_code == 200
+    assert httpx.post(f"{url}/v1/agents/runs/{approved}/approve", headers=approver).status_code == 200
     run = wait_for(url, approved, ("succeeded", "failed", "waiting_approval"))
     tool = next(s for s in run["steps"] if s["kind"] == "tool")
     if tool["ok"]:  # the model's URL may fall outside the allow-list: then the service refused it
         assert _Orders.calls[-1][1] == tool["idempotency_key"] == f"{approved}:{tool['n']}"
     else:
         assert "outside the allow-list" in tool["error"] and _Orders.calls == []
-    assert httpx.post(f"{url}/v1/agents/runs/{approved}/approve", headers=auth()).status_code in (409, 200)
+    assert httpx.post(f"{url}/v1/agents/runs/{approved}/approve", headers=approver).status_code in (409, 200)
 
 
 def test_cancellation_limits_and_bad_requests(agents):

@@ -19,10 +19,10 @@ pytestmark = pytest.mark.timeout(60)
 def ended_run(tmp_path) -> dict:
     store = AgentStore(str(tmp_path / "runs.sqlite"))
     run_id = store.create("acme", "orders", "What did acme spend?")
-    store.claim("w1", 30, 4)
+    lease = store.claim("w1", 30, 4)
     time.sleep(0.25)  # each model step is written when its call returns, its seconds after it began
     store.write_step(
-        run_id,
+        lease,
         0,
         "model",
         "done",
@@ -34,9 +34,9 @@ def ended_run(tmp_path) -> dict:
         },
         seconds=0.25,
     )
-    store.write_step(run_id, 1, "tool", "started", {"tool": "sql", "arguments": {}}, key=f"{run_id}:1")
+    store.write_step(lease, 1, "tool", "started", {"tool": "sql", "arguments": {}}, key=f"{run_id}:1")
     store.write_step(
-        run_id,
+        lease,
         1,
         "tool",
         "done",
@@ -46,7 +46,7 @@ def ended_run(tmp_path) -> dict:
     )
     time.sleep(0.2)
     store.write_step(
-        run_id,
+        lease,
         2,
         "model",
         "done",
@@ -54,7 +54,7 @@ def ended_run(tmp_path) -> dict:
         seconds=0.2,
     )
     store.write_step(
-        run_id,
+        lease,
         3,
         "tool",
         "done",
@@ -62,14 +62,14 @@ def ended_run(tmp_path) -> dict:
     )
     time.sleep(0.2)
     store.write_step(
-        run_id,
+        lease,
         4,
         "model",
         "done",
         {"tool": "final_answer", "arguments": {"answer": "12.5"}, "prompt_tokens": 170, "completion_tokens": 8},
         seconds=0.2,
     )
-    store.set_state(run_id, "succeeded", output="12.5", release=True)
+    store.set_state(lease, "succeeded", output="12.5")
     return store.get(run_id)
 
 

@@ -4,7 +4,8 @@ API) and a deployment of workers that execute runs from the shared store.
     POST /v1/agents/runs {"workflow": NAME, "input": TEXT}  -> {"id"} at once (429 when the tenant is full)
     GET  /v1/agents/runs/{id}                               -> {"id", "state", "steps", "output", ...}
     GET  /v1/agents/runs/{id}/events                        -> the steps as server-sent events
-    POST /v1/agents/runs/{id}/approve | reject               (a key with the `approver` role)
+    POST /v1/agents/runs/{id}/approve | reject               (a key with the `approver` role that did not
+                                                             start the run; 409 names the decision that won)
     POST /v1/agents/runs/{id}/cancel
 Every route but /health needs a key (the Gate checks it before the body is read). A tenant sees
 only its own runs (another tenant's are 404).
@@ -82,6 +83,21 @@ def _error(status: int, message: str, headers: dict | None = None) -> JSONRespon
     )
 
 
+def own_run_refusal(run: dict, key_id: str) -> str | None:
+    """An approver may not decide the calls of a run its own key started (four eyes)."""
+    if run.get("created_by") == key_id:
+        return f"key {key_id} started run {run['id']}: a run's own key cannot approve or reject its calls"
+    return None
+
+
+def decision_conflict(run_id: str, decision) -> str:
+    """The 409 message: the decision that won, or why there was none to make."""
+    if decision.approved is None:
+        return f"run {run_id} is {decision.state}, not waiting for an approval"
+    verdict = "approved" if decision.approved else "rejected"
+    return f"run {run_id} was already {verdict} by {decision.by}; it is {decision.state}"
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 class AgentWorkers:
     def __init__(
@@ -155,7 +171,8 @@ class AgentAPI:
                 f"tenant {tenant} has {self.per_tenant_active} runs queued or running; retry later",
                 {"Retry-After": "5"},
             )
-        return {"id": self.store.create(tenant, body.workflow, body.input), "state": "queued"}
+        created_by = request.state.key_id
+        return {"id": self.store.create(tenant, body.workflow, body.input, created_by), "state": "queued"}
 
     @app.get("/v1/agents/runs/{run_id}")
     def get(self, request: Request, run_id: str):
@@ -189,9 +206,14 @@ class AgentAPI:
         run, err = self._run(request, run_id)
         if err:
             return err
-        if not self.store.decide(run_id, approved, self._tenant(request)):
-            return _error(409, f"run {run_id} is {run['state']}, not waiting for an approval")
-        return {"id": run_id, "state": "queued", "approved": approved}
+        key_id = request.state.key_id
+        refusal = own_run_refusal(run, key_id)
+        if refusal:
+            return _error(403, refusal)
+        decision = self.store.decide(run_id, approved, key_id)
+        if not decision.won:
+            return _error(409, decision_conflict(run_id, decision))
+        return {"id": run_id, "state": "queued", "approved": approved, "by": key_id}
 
     @app.post("/v1/agents/runs/{run_id}/approve")
     def approve(self, request: Request, run_id: str):

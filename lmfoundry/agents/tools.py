@@ -28,7 +28,9 @@ model sees it, and what a tool may reach is enforced here, not by the model's go
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import math
+import os
 import re
 import sqlite3
 import time
@@ -151,9 +153,20 @@ class ToolRegistry:
         errors = sorted(Draft202012Validator(tool.parameters).iter_errors(arguments), key=lambda e: e.path)
         if errors:
             return ToolResult(False, None, 0, 0.0, f"arguments do not fit {name}'s schema: {errors[0].message}")
+        if "idempotency_key" in arguments:  # the caller's, never the model's: a chosen key could replay another call
+            return ToolResult(False, None, 0, 0.0, "idempotency_key is set by the service, not passed as an argument")
         started, attempt = time.perf_counter(), 0
         kwargs = dict(arguments)
         if tool.side_effects and idempotency_key is not None:
+            if not _takes_idempotency_key(tool.fn):
+                return ToolResult(
+                    False,
+                    None,
+                    0,
+                    0.0,
+                    f"{name} has side effects but its function takes no idempotency_key argument, so a "
+                    "retried or resumed call could act twice; refused (add `idempotency_key: str` and pass it on)",
+                )
             kwargs["idempotency_key"] = idempotency_key
         if tool.tenant_scoped:
             kwargs["tenant"] = tenant
@@ -174,6 +187,11 @@ class ToolRegistry:
             if not error.retryable or attempt > tool.retries:
                 return ToolResult(False, None, attempt, time.perf_counter() - started, str(error))
             time.sleep(tool.backoff_s * 2 ** (attempt - 1))
+
+
+def _takes_idempotency_key(fn: Callable) -> bool:
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == "idempotency_key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 # --- sql -------------------------------------------------------------------------------------
@@ -791,9 +809,13 @@ def http_tool(
     max_argument_chars: int = 2000,
     max_redirects: int = 3,
     tenant_header: str | None = None,
+    secret_headers: dict[str, str] | None = None,
 ) -> Tool:
     """HTTP calls within `allow`. Tenant-scoped when a base URL holds `{tenant}` or `tenant_header`
-    is set (the tool sends the calling tenant in that header; the model cannot set headers)."""
+    is set (the tool sends the calling tenant in that header; the model cannot set headers).
+    `secret_headers` ({header: ENV_VAR}): credentials read from the environment at call time,
+    inside the tool; a response that repeats one of them is withheld."""
+    secret_headers = dict(secret_headers or {})
     if not allow:
         raise ValueError("http_tool needs at least one allowed base URL")
     for a in allow:  # fail at build time on a base URL that does not normalise
@@ -832,6 +854,8 @@ def http_tool(
             headers[tenant_header] = tenant
         if body is not None:
             headers["Content-Type"] = "application/json" if body.lstrip()[:1] in ("{", "[") else "text/plain"
+        credentials = _secret_values(secret_headers)
+        headers.update(credentials)
         deadline = time.monotonic() + timeout_s
         with _deadline_client(deadline) as client:
             for _ in range(max_redirects + 1):
@@ -851,10 +875,17 @@ def http_tool(
                         # each hop is checked like the first
                         target = checked(method, str(httpx.URL(str(target)).join(location)), tenant)
                         continue
-                    return read_capped(response, method, target, deadline)
+                    return withhold_reflected(read_capped(response, method, target, deadline), response, credentials)
                 finally:
                     response.close()
         raise ToolError(f"{method} {url}: more than {max_redirects} redirects")
+
+    def withhold_reflected(result: dict, response, credentials: dict[str, str]) -> dict:
+        # an API that echoes its credentials back would hand them to the model
+        reflected = [h for h, v in credentials.items() if v in result["body"] or v in str(response.headers)]
+        if reflected:
+            raise ToolError(f"the response repeats the {', '.join(reflected)} credential; withheld")
+        return result
 
     def read_capped(response, method: str, target: NormalURL, deadline: float) -> dict:
         import httpx
@@ -900,6 +931,14 @@ def http_tool(
         side_effects=any(m.upper() != "GET" for a in allow for m in a.methods),
         tenant_scoped=tenant_scoped,
     )
+
+
+def _secret_values(secret_headers: dict[str, str]) -> dict[str, str]:
+    """{header: value} from the environment variables named; a missing one fails the call."""
+    missing = [env for env in secret_headers.values() if not os.environ.get(env)]
+    if missing:
+        raise ToolError(f"the secret environment variables {missing} are not set in this worker")
+    return {header: os.environ[env] for header, env in secret_headers.items()}
 
 
 # --- python ----------------------------------------------------------------------------------

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 import time
 import uuid
 
 from lmfoundry.agents import tools as toolkit
-from lmfoundry.agents.store import TERMINAL, AgentStore
+from lmfoundry.agents.store import TERMINAL, AgentStore, Lease, LeaseLost
 from lmfoundry.agents.tracing import RunTracer, TracingConfig
 from lmfoundry.agents.workflow import (
     INJECTION_PATTERNS,
@@ -19,6 +20,7 @@ from lmfoundry.agents.workflow import (
     WorkflowConfig,
     build_registry,
     final_answer_spec,
+    readings,
 )
 from lmfoundry.platform.log import get_logger
 
@@ -42,7 +44,13 @@ class Guard:
         return text, found
 
     def injected(self, text: str) -> bool:
-        return bool(self.injection.search(text))
+        return any(self.injection.search(form) for form in readings(text))
+
+    def injected_across(self, previous: str, current: str) -> bool:
+        """A payload split over two tool outputs: the end of one and the start of the next read
+        together carry instructions that neither carries alone."""
+        tail, head = previous[-2000:], current[:2000]
+        return self.injected(f"{tail} {head}") and not self.injected(tail)
 
 
 def _call_model(
@@ -118,25 +126,55 @@ def conversation(wf: WorkflowConfig, run: dict, steps: list[dict]) -> list[dict]
     return messages
 
 
-def advance(
-    store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistry, run_id: str, worker: str, lease_s: float
-) -> str:
-    """Run `run_id` from its last written step until it ends, waits for approval, or the lease is
-    lost; the state it is left in."""
-    guard = Guard(wf.secrets)
+def protect_process_secrets() -> None:
+    """Make this process non-dumpable (Linux prctl PR_SET_DUMPABLE 0): its /proc files, among them
+    `environ`, which holds the secrets the worker was started with, become root's, so code the
+    python tool runs as the same user cannot read them through /proc/<parent>/environ."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_dumpable = 4
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_dumpable, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed: the worker's secrets would be readable")
+
+
+def needs_approval(wf: WorkflowConfig, registry: toolkit.ToolRegistry, tool: str) -> bool:
+    """Listed in approval_required, or a tool with side effects the workflow did not explicitly
+    let run unattended (`without_approval`): side effects need a human by default."""
+    if tool in wf.approval_required:
+        return True
+    return registry.get(tool).side_effects and tool not in wf.without_approval
+
+
+def advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistry, lease: Lease, lease_s: float) -> str:
+    """Run the leased run from its last written step until it ends or waits for approval; the
+    state it is left in. Raises `LeaseLost` (from the first write it tries) once another worker
+    has taken the run over: no tool is called after that."""
+    protect_process_secrets()  # before any tool runs: sandboxed code must not read this process's environ
+    try:
+        return _advance(store, wf, registry, lease, lease_s)
+    except LeaseLost:
+        logger.warning("run %s: lease %s lost; %s stops working on it", lease.run_id, lease.token, lease.worker)
+        return "lease lost"
+
+
+def _advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistry, lease: Lease, lease_s: float):
+    run_id, worker = lease.run_id, lease.worker
+    guard = Guard(wf.secret_envs())
     specs = registry.specs(list(wf.tools)) + [final_answer_spec(wf.max_answer_chars)]
     while True:
         run = store.get(run_id)
         steps = run["steps"]
         if run["cancel_requested"]:
-            store.set_state(run_id, "cancelled", release=True)
+            store.set_state(lease, "cancelled")
             return "cancelled"
         elapsed = time.time() - run["created_at"]
         model_steps = sum(s["kind"] == "model" for s in steps)
         last = steps[-1] if steps else None
         n = last["n"] + 1 if last else 0
-        if not store.renew(run_id, worker, lease_s):
-            return "lease lost"
+        if not store.renew(lease, lease_s):
+            raise LeaseLost(f"run {run_id}: lease {lease.token} of {worker} could not be renewed")
         pending_call = last is not None and last["kind"] in ("model", "approval") and last.get("tool") != "final_answer"
         if last is not None and last["kind"] == "tool" and last["status"] == "started":
             pending_call, n = True, last["n"]  # a call that was under way when a worker died
@@ -146,7 +184,7 @@ def advance(
             approval = last if last["kind"] == "approval" else None
             if tool == INVALID:
                 store.write_step(
-                    run_id,
+                    lease,
                     n,
                     "tool",
                     "done",
@@ -161,7 +199,7 @@ def advance(
                 continue
             if tool not in wf.tools:
                 store.write_step(
-                    run_id,
+                    lease,
                     n,
                     "tool",
                     "done",
@@ -174,13 +212,12 @@ def advance(
                     },
                 )
                 continue
-            if tool in wf.approval_required and approval is None:
-                store.write_step(run_id, n, "approval", "pending", {"tool": tool, "arguments": arguments})
-                store.set_state(run_id, "waiting_approval", release=True)
+            if approval is None and needs_approval(wf, registry, tool):
+                store.await_approval(lease, n, {"tool": tool, "arguments": arguments})
                 return "waiting_approval"
             if approval is not None and not approval.get("approved"):
                 store.write_step(
-                    run_id,
+                    lease,
                     n,
                     "tool",
                     "done",
@@ -195,7 +232,7 @@ def advance(
                 continue
             if guard.redact(json.dumps(arguments))[1]:
                 store.write_step(
-                    run_id,
+                    lease,
                     n,
                     "tool",
                     "done",
@@ -209,17 +246,17 @@ def advance(
                 )
                 continue
             key = f"{run_id}:{n}"
-            store.write_step(
-                run_id, n, "tool", "started", {"tool": tool, "arguments": arguments, "worker": worker}, key
-            )
+            store.write_step(lease, n, "tool", "started", {"tool": tool, "arguments": arguments, "worker": worker}, key)
             result = registry.call(tool, arguments, idempotency_key=key, tenant=run["tenant"])
             raw = json.dumps(result.output, default=str)[:20000] if result.ok else f"error: {result.error}"
             view, leaked = guard.redact(raw)
-            flagged = guard.injected(view)
+            # this output alone, and with the previous tool output: a payload split across two
+            previous = next((str(s.get("output") or "") for s in reversed(steps) if s["kind"] == "tool"), "")
+            flagged = guard.injected(view) or guard.injected_across(previous, view)
             if flagged:
                 view = "[tool output withheld: it contained instructions (possible prompt injection)]"
             store.write_step(
-                run_id,
+                lease,
                 n,
                 "tool",
                 "done",
@@ -241,7 +278,7 @@ def advance(
             continue
         if last is not None and last["kind"] == "model" and last["tool"] == "final_answer":
             answer, _ = guard.redact(str(last["arguments"].get("answer", "")))
-            store.set_state(run_id, "succeeded", output=answer, release=True)
+            store.set_state(lease, "succeeded", output=answer)
             return "succeeded"
         if model_steps >= wf.max_steps or elapsed > wf.max_seconds:
             why = (
@@ -249,7 +286,7 @@ def advance(
                 if model_steps >= wf.max_steps
                 else f"budget reached: {elapsed:.0f} s"
             )
-            store.set_state(run_id, "failed", error=why, release=True)
+            store.set_state(lease, "failed", error=why)
             return "failed"
         started = time.perf_counter()
         force = wf.first_tool if model_steps == 0 else None
@@ -258,11 +295,11 @@ def advance(
         try:
             tool, arguments, usage = _call_model(wf, conversation(wf, run, steps), specs, force)
         except toolkit.ToolError as e:
-            store.set_state(run_id, "failed", error=str(e), release=True)
+            store.set_state(lease, "failed", error=str(e))
             return "failed"
         arguments = json.loads(guard.redact(json.dumps(arguments))[0])
         store.write_step(
-            run_id,
+            lease,
             n,
             "model",
             "done",
@@ -301,17 +338,18 @@ class AgentWorker:
         while not self._stop.is_set():
             with self._lock:
                 room = len(self.active) < self.concurrency
-            run_id = self.store.claim(self.id, self.lease_s, self.per_tenant) if room else None
-            if run_id is None:
+            lease = self.store.claim(self.id, self.lease_s, self.per_tenant) if room else None
+            if lease is None:
                 self._stop.wait(self.poll_s)
                 continue
             with self._lock:
-                self.active.add(run_id)
-            threading.Thread(target=self._run, args=(run_id,), daemon=True).start()
+                self.active.add(lease.run_id)
+            threading.Thread(target=self._run, args=(lease,), daemon=True).start()
 
-    def _run(self, run_id: str) -> None:
+    def _run(self, lease: Lease) -> None:
+        run_id = lease.run_id
         try:
-            ended = self._advance(run_id)
+            ended = self._advance(lease)
             if self.tracer and ended in TERMINAL:
                 try:
                     self.tracer.export(self.store.get(run_id))
@@ -321,17 +359,20 @@ class AgentWorker:
             with self._lock:
                 self.active.discard(run_id)
 
-    def _advance(self, run_id: str) -> str:
+    def _advance(self, lease: Lease) -> str:
         try:
-            run = self.store.get(run_id)
+            run = self.store.get(lease.run_id)
             wf = self.workflows.get(run["workflow"])
             if wf is None:
-                self.store.set_state(run_id, "failed", error=f"unknown workflow {run['workflow']!r}", release=True)
+                self.store.set_state(lease, "failed", error=f"unknown workflow {run['workflow']!r}")
                 return "failed"
-            return advance(self.store, wf, self.registries[wf.name], run_id, self.id, self.lease_s)
+            return advance(self.store, wf, self.registries[wf.name], lease, self.lease_s)
         except Exception as e:  # a run's failure ends that run, never the worker
-            logger.exception("run %s failed", run_id)
-            self.store.set_state(run_id, "failed", error=f"{type(e).__name__}: {e}", release=True)
+            logger.exception("run %s failed", lease.run_id)
+            try:
+                self.store.set_state(lease, "failed", error=f"{type(e).__name__}: {e}")
+            except LeaseLost:  # another worker has the run now: its state is that worker's to set
+                return "lease lost"
             return "failed"
 
     def stop(self) -> None:

@@ -20,12 +20,20 @@ Safety is the service's, not the model's: only the workflow's tools can run (a c
 other is refused and recorded); tool outputs are wrapped as untrusted data, and an output that
 carries instructions (prompt injection) is withheld from the model; the values of the workflow's
 `secrets` (environment variables) are redacted from everything the model sees and writes, and a
-tool call whose arguments hold one is refused, so a secret never leaves the service.
+tool call whose arguments hold one is refused, so a secret never leaves the service. That is the
+second line: secrets are named, never written, in a workflow (an http tool's `secret_headers`
+name environment variables read inside the tool at call time), so their values are not in the
+model's messages, the tool arguments or the sandbox's environment to begin with. Every tool with
+side effects waits for an approver unless the workflow lists it in `without_approval`.
 """
 
 from __future__ import annotations
 
+import base64
+import codecs
 import importlib
+import re
+import unicodedata
 from pathlib import Path
 
 import yaml
@@ -70,7 +78,72 @@ INJECTION_PATTERNS = [
     r"\b(?:assistant|ai)\s*[:,]\s*(?:ignore|disregard|you must)\b",
     r"<\s*/?\s*(?:system|instructions?)\s*>",
     r"\bdo not tell the user\b",
+    r"\bforget (?:all |your |the )?(?:previous |prior |earlier )?(?:instructions|rules)\b",
+    r"\boverride (?:the |your )?(?:system|instructions|rules|safety)\b",
+    # French, German, Spanish, Russian, Chinese: the same few moves
+    r"\b(?:ignore[rz]?|oublie[rz]?) (?:toutes )?(?:les |tes |vos )?(?:instructions|consignes|règles)\b",
+    r"\bnouvelles? (?:instructions|consignes)\b",
+    r"\b(?:tu es|vous êtes) (?:maintenant|désormais)\b",
+    r"\b(?:révèle[rz]?|affiche[rz]?|envoie[rz]?|donne[rz]?(?:-moi)?) (?:le |la |les |ton |votre |vos )?"
+    r"(?:secret|mot de passe|clé|jeton|identifiants)",
+    r"\b(?:ignoriere|vergiss|missachte)[n]? (?:alle |die |deine |sämtliche )?(?:vorherigen |bisherigen |obigen )?"
+    r"(?:anweisungen|instruktionen|regeln)\b",
+    r"\bneue anweisungen?\b",
+    r"\bdu bist (?:jetzt|nun|ab sofort)\b",
+    r"\b(?:gib|verrate|zeige|sende)\b[^.]{0,30}\b(?:geheimnis|passwort|schlüssel|api-schlüssel|token|zugangsdaten)",
+    r"\b(?:ignora|olvida|omite)[r]? (?:todas )?(?:las |tus )?(?:instrucciones|reglas)\b",
+    r"\bnuevas instrucciones\b",
+    r"\bahora eres\b",
+    r"\b(?:revela|muestra|envía|envia|imprime)[r]? (?:el |la |las |tu )?(?:secreto|contraseña|clave|token|credenciales)",
+    r"(?:игнорируй|забудь|проигнорируй|не обращай внимания на)(?:те)?\s+(?:все\s+)?(?:свои\s+|предыдущие\s+|прежние\s+)?"
+    r"(?:инструкции|указания|правила)",
+    r"новые\s+(?:инструкции|указания)",
+    r"теперь ты\b",
+    r"(?:раскрой|покажи|выведи|отправь|сообщи)(?:те)?\s+(?:\w+\s+)?(?:секрет|пароль|ключ|токен)",
+    r"(?:忽略|无视|忘记|不要理会).{0,8}(?:指令|指示|说明|规则)",
+    r"新的?(?:指令|指示)",
+    r"你现在是",
+    r"(?:泄露|透露|显示|输出|打印|发送|告诉我).{0,8}(?:密钥|密码|秘密|令牌|凭证)",
 ]
+
+# Letters from other scripts that look like Latin ones (homoglyphs), read as the Latin letter.
+_HOMOGLYPHS = str.maketrans(
+    "аеорсухіјѕԁɡοαειντκρАЕОРСХІЈВМНТКΑΕΟΡΤΙΚΝΒΜ",
+    "aeopcyxijsdgoaeivtkpAEOPCXIJBMHTKAEOPTIKNBM",
+)
+_INVISIBLE = re.compile("[\u200b-\u200f\u2060-\u2064\ufeff\u00ad\u034f\u180e]")
+_BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}")
+_HEX = re.compile(r"(?:(?:\\x|0x)?[0-9a-fA-F]{2}[\s:]?){8,}")
+
+
+def _decoded(data: bytes) -> str | None:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if text.isprintable() or all(c.isprintable() or c.isspace() for c in text) else None
+
+
+def readings(text: str) -> list[str]:
+    """The text as an injection detector should read it: as written; normalised (NFKC, invisible
+    characters dropped, homoglyphs read as Latin); rot13; and every base64 or hex run decoded.
+    An attacker who encodes the instruction for the model to decode is read the same way."""
+    plain = _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
+    forms = [text, plain, plain.translate(_HOMOGLYPHS), codecs.encode(plain, "rot13")]
+    for run in _BASE64.findall(plain):
+        try:
+            decoded = _decoded(base64.b64decode(run + "=" * (-len(run) % 4), validate=False))
+        except ValueError:
+            decoded = None
+        if decoded:
+            forms.append(decoded)
+    for run in _HEX.findall(plain):
+        digits = re.sub(r"\\x|0x|[\s:]", "", run)
+        if len(digits) % 2 == 0:
+            decoded = _decoded(bytes.fromhex(digits))
+            if decoded:
+                forms.append(decoded)
+    return forms
 
 
 class ToolSettings(StageConfig):
@@ -88,6 +161,12 @@ class ToolSettings(StageConfig):
     tenant_corpora: dict[str, str] | None = Field(None, description="search: each tenant's own corpus")
     allow: list[dict] = []  # http: [{base_url, methods}]; '{tenant}' in a base URL is the calling tenant
     tenant_header: str | None = Field(None, description="http: a header the tool sets to the calling tenant")
+    secret_headers: dict[str, str] = Field(
+        {},
+        description="http: request headers whose values are secrets, as {header: ENV_VAR}; the value is read "
+        "from the environment inside the tool at call time and never enters the model's context, the "
+        "tool's arguments or the store",
+    )
     timeout_s: float = Field(10.0, gt=0)
     max_query_chars: int = Field(
         1000, ge=1, description="sql, search, http: the longest query, URL or body the model may write"
@@ -108,6 +187,12 @@ class WorkflowConfig(StageConfig):
     system_prompt: str = "You are a careful assistant. Use the tools to find facts, then give a final answer."
     tools: dict[str, ToolSettings] = {}
     approval_required: list[str] = []
+    without_approval: list[str] = Field(
+        [],
+        description="tools with side effects that may run without a human's approval; every other "
+        "tool with side effects (http with a method other than GET, sql with writes, custom tools "
+        "registered with side_effects=True) waits for an approver",
+    )
     first_tool: str | None = Field(None, description="the tool the first step must call (e.g. look up the database)")
     max_steps: int = Field(8, ge=1, le=100)
     answer_on_last_step: bool = Field(
@@ -129,9 +214,35 @@ class WorkflowConfig(StageConfig):
         return self.tenants is None or tenant in self.tenants
 
     def check(self) -> None:
-        for name in self.approval_required + ([self.first_tool] if self.first_tool else []):
+        named = self.approval_required + self.without_approval + ([self.first_tool] if self.first_tool else [])
+        for name in named:
             if name not in self.tools:
                 raise ValueError(f"workflow {self.name}: {name!r} is not among its tools {sorted(self.tools)}")
+        both = sorted(set(self.approval_required) & set(self.without_approval))
+        if both:
+            raise ValueError(f"workflow {self.name}: {both} are in both approval_required and without_approval")
+        for env in self.secret_envs():
+            if not ENV_NAME.fullmatch(env):
+                raise ValueError(
+                    f"workflow {self.name}: secret {env!r} is not an environment variable name "
+                    "(letters, digits and _, not starting with a digit): give the variable's name, not its value"
+                )
+        for name, tool in self.tools.items():
+            if tool.secret_headers and tool.kind != "http":
+                raise ValueError(f"workflow {self.name}: tool {name!r}: secret_headers is for http tools only")
+            for header in tool.secret_headers:
+                if not HEADER_NAME.fullmatch(header):
+                    raise ValueError(f"workflow {self.name}: tool {name!r}: {header!r} is not an HTTP header name")
+
+    def secret_envs(self) -> list[str]:
+        """Every environment variable whose value is a secret of this workflow: `secrets`, the
+        tools' secret headers and the model endpoint's key; what the guard redacts as a second line."""
+        envs = list(self.secrets) + [e for t in self.tools.values() for e in t.secret_headers.values()]
+        return list(dict.fromkeys(envs + ([self.api_key_env] if self.api_key_env else [])))
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,64}")
 
 
 def load_workflows(path: str) -> dict[str, WorkflowConfig]:
@@ -178,6 +289,7 @@ def build_registry(wf: WorkflowConfig) -> toolkit.ToolRegistry:
                 name=name,
                 max_argument_chars=s.max_query_chars,
                 tenant_header=s.tenant_header,
+                secret_headers=s.secret_headers,
             )
         elif s.kind == "python":
             tool = toolkit.python_tool(s.timeout_s, s.memory_mb, name=name)

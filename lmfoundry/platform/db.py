@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -37,5 +39,32 @@ class Database:
             rows = cur.fetchall() if cur.description else []
             return rows, cur.rowcount
 
+    @contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """Statements that commit together or not at all. The write lock is taken at BEGIN
+        (SQLite's BEGIN IMMEDIATE; PostgreSQL locks each row an UPDATE touches until COMMIT), so
+        a row a statement checked cannot change under the transaction before it commits."""
+        with self._lock:
+            cur = self.conn.cursor()
+            cur.execute("BEGIN" if self.postgres else "BEGIN IMMEDIATE")
+            try:
+                yield Transaction(cur, self.marker)
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT")
+
     def close(self) -> None:
         self.conn.close()
+
+
+class Transaction:
+    """`run` inside `Database.transaction`."""
+
+    def __init__(self, cursor, marker: str):
+        self.cursor, self.marker = cursor, marker
+
+    def run(self, sql: str, params: tuple = ()) -> tuple[list[tuple], int]:
+        self.cursor.execute(sql.replace("?", self.marker), params)
+        rows = self.cursor.fetchall() if self.cursor.description else []
+        return rows, self.cursor.rowcount

@@ -156,8 +156,11 @@ def _seccomp_program() -> bytes:
 # --- bwrap ------------------------------------------------------------------------------------------
 
 
+_BWRAP_PATHS = ("/usr/bin/bwrap", "/bin/bwrap")  # where packages put it, should PATH not hold it
+
+
 def _bwrap() -> str:
-    path = shutil.which("bwrap") or next((p for p in ("/usr/bin/bwrap", "/bin/bwrap") if os.access(p, os.X_OK)), None)
+    path = shutil.which("bwrap") or next((p for p in _BWRAP_PATHS if os.access(p, os.X_OK)), None)
     if path is None:
         raise SandboxUnavailable(
             "the sandbox needs bubblewrap, which is not installed: apt-get install -y bubblewrap "
@@ -216,7 +219,7 @@ def _library_binds() -> list[str]:
     for path in ("/usr/lib", "/usr/lib64", "/usr/lib32"):
         if os.path.isdir(path) and not os.path.islink(path):
             args += ["--ro-bind", path, path]
-    for link, target in (("/lib", "usr/lib"), ("/lib64", "usr/lib64")):
+    for link in ("/lib", "/lib64"):
         if os.path.islink(link):  # merged /usr (Debian, Fedora, Arch)
             args += ["--symlink", os.readlink(link), link]
         elif os.path.isdir(link):
@@ -261,6 +264,8 @@ def _launch(code: str, files: dict[str, str], cpu_s: int, nproc: int, scratch_mb
     ]  # fmt: skip
     for name, text in files.items():
         command += ["--perms", "0600", "--file", fd_of("file", text.encode("utf-8")), f"{SCRATCH}/{name}"]
+    # bwrap builds / and /dev on tmpfs mounts of their own: read-only, so only the capped scratch takes writes.
+    command += ["--remount-ro", "/dev", "--remount-ro", "/"]
     command += ["--", executable, "-I", "-S", "-X", "utf8", "-c", _LAUNCHER.format(nproc=nproc)]
     return _Launch(command, fds, drop_to_nobody=as_nobody)
 

@@ -65,9 +65,11 @@ _READ_CHUNK = 1 << 16
 
 # Runs first inside the sandbox: RLIMIT_NPROC is set here, after bwrap made the user namespace, so
 # that it counts the processes of this sandbox only (set outside, it would count every process of
-# the worker's uid). Then the caller's program runs as __main__ with its own file name.
+# the worker's uid). A NUL byte on stderr then says the sandbox is up, before any untrusted code
+# could write there. Then the caller's program runs as __main__ with its own file name.
+_STARTED = b"\0"
 _LAUNCHER = (
-    "import resource as r,sys;n={nproc};r.setrlimit(r.RLIMIT_NPROC,(n,n));del r,n;sys.argv=['main.py'];"
+    "import os,resource as r,sys;os.write(2,b'\\0');n={nproc};r.setrlimit(r.RLIMIT_NPROC,(n,n));del r,n;sys.argv=['main.py'];"
     "exec(compile(open('main.py',encoding='utf-8').read(),'main.py','exec'),{{'__name__':'__main__'}})"
 )
 
@@ -309,6 +311,14 @@ class _CappedOutput:
     def text(self) -> str:
         return self.kept.decode("utf-8", "replace")
 
+    def started(self) -> bool:
+        """Whether the launcher's mark leads the stream (and drop it)."""
+        if not self.kept.startswith(_STARTED):
+            return False
+        del self.kept[: len(_STARTED)]
+        self.seen -= len(_STARTED)
+        return True
+
 
 def _collect(proc: subprocess.Popen, timeout_s: float, max_output: int) -> tuple[_CappedOutput, _CappedOutput, bool]:
     """Read stdout and stderr as they come until both close or the deadline; True if it passed."""
@@ -380,7 +390,8 @@ def run_python(
         proc.stdout.close()
         proc.stderr.close()
     seconds = time.perf_counter() - started
-    _raise_if_sandbox_failed(proc.returncode, err.text())
+    if not err.started() and not timed_out:
+        _raise_sandbox_failed(err.text())
     return SandboxResult(
         proc.returncode,
         out.text(),
@@ -410,12 +421,12 @@ def _killed_by(returncode: int | None, stderr: str, timed_out: bool) -> str | No
     return None
 
 
-def _raise_if_sandbox_failed(returncode: int | None, stderr: str) -> None:
-    """bwrap reports its own setup failures as 'bwrap: ...' and exit status 1."""
-    if returncode == 1 and stderr.startswith("bwrap: "):
-        first = stderr.splitlines()[0]
-        raise SandboxUnavailable(
-            f"the sandbox could not be set up ({first}); bubblewrap needs unprivileged user namespaces: "
-            "sysctl kernel.unprivileged_userns_clone=1 (Debian), user.max_user_namespaces > 0, and on "
-            "Ubuntu 24.04+ an AppArmor profile allowing userns for bwrap"
-        )
+def _raise_sandbox_failed(stderr: str) -> None:
+    """The launcher never started: bwrap (or the interpreter) failed before any untrusted code ran.
+    Judged by the launcher's mark, not by what stderr says, which the program itself could forge."""
+    first = (stderr.strip().splitlines() or ["no message"])[0]
+    raise SandboxUnavailable(
+        f"the sandbox could not be set up ({first}); bubblewrap needs unprivileged user namespaces: "
+        "sysctl kernel.unprivileged_userns_clone=1 (Debian), user.max_user_namespaces > 0, and on "
+        "Ubuntu 24.04+ an AppArmor profile allowing userns for bwrap"
+    )

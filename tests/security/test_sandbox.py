@@ -423,3 +423,9 @@ def test_verifier_refuses_tests_it_cannot_judge_outside_the_sandbox():
 def test_sandbox_runs_the_system_or_own_interpreter_only():
     r = run("import sys\nprint(sys.version_info[:2], sys.flags.isolated, sys.flags.no_site)")
     assert r.ok and r.stdout.strip() == f"{tuple(sys.version_info[:2])} 1 1"
+
+
+def test_program_cannot_fake_a_sandbox_failure_to_abort_its_caller():
+    # bwrap's own setup errors read "bwrap: ..." with status 1; a program printing the same is only a failed program
+    r = run("import sys\nsys.stderr.write('bwrap: Creating new namespace failed\\n')\nsys.exit(1)")
+    assert not r.ok and r.returncode == 1 and r.stderr.startswith("bwrap: ")

@@ -7,8 +7,9 @@ Generators (seeded) and their verifiers:
   exactly by sympy;
 - `algebra`: linear equations (the answer, substituted, must satisfy the equation) and products
   to expand (the answer must be symbolically equal to the product);
-- `code`: small functions with unit tests; the solution runs with its tests in the sandbox
-  (safety/sandbox.py: separate process, CPU / memory / time limits, no network);
+- `code`: small functions with unit tests; the solution runs in the sandbox (safety/sandbox.py),
+  which only evaluates the tests' calls and reports their values; the verifier compares them with
+  the expected values outside it, so a solution cannot forge a pass;
 - `qa`: question-answer pairs from curated documents ("X is Y." becomes "What is X?"); the answer
   must be a span of the source passage and the question's words must be found in it.
 
@@ -103,15 +104,103 @@ def verify_algebra(sample: dict) -> str | None:
     return None if difference == 0 else f"{given} differs from {sample['product']} by {difference}"
 
 
+# The candidate's process is untrusted: it may print "PASS", exit 0 early, patch any checker it can
+# see or write files. So it only evaluates the test calls and reports their values as JSON; the
+# expected values never enter it, and the comparison happens here.
+_DRIVER = """
+import json, sys
+request = json.loads(sys.stdin.readline())  # the calls, and the nonce marking the result line
+namespace = {"__name__": "candidate"}
+exec(compile(open("candidate.py", encoding="utf-8").read(), "candidate.py", "exec"), namespace)
+values = []
+for call in request["calls"]:
+    try:
+        values.append({"value": json.loads(json.dumps(eval(call, namespace)))})
+    except Exception as e:
+        values.append({"error": type(e).__name__ + ": " + str(e)[:200]})
+sys.stdout.write("\\n" + request["nonce"] + " " + json.dumps(values) + "\\n")
+"""
+
+
+def code_checks(tests: str) -> list[tuple[str, str, object]]:
+    """The sample's tests as (call source, how to compare, expected value): each line must be
+    `assert CALL == LITERAL`, `assert CALL` or `assert not CALL`."""
+    import ast
+
+    checks = []
+    for statement in ast.parse(tests).body:
+        if not isinstance(statement, ast.Assert):
+            raise ValueError(f"code tests: only assert statements are allowed, not {ast.unparse(statement)!r}")
+        test = statement.test
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+            checks.append((ast.unparse(test.left), "equal", _literal(test.comparators[0])))
+        elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            checks.append((ast.unparse(test.operand), "false", None))
+        else:
+            checks.append((ast.unparse(test), "true", None))
+    return checks
+
+
+def _literal(node):
+    import ast
+
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        raise ValueError(f"code tests: the expected value must be a literal, not {ast.unparse(node)!r}") from None
+
+
+def _same(value, expected) -> bool:
+    """Equal as JSON text: True is not 1, 1.0 is not 1, a tuple compares as a list."""
+    import json
+
+    return json.dumps(value, sort_keys=True) == json.dumps(expected, sort_keys=True)
+
+
+def _check_failure(call: str, how: str, expected, got: dict) -> str | None:
+    if "error" in got:
+        return f"{call} raised {got['error']}"
+    value = got.get("value")
+    if how == "equal" and not _same(value, expected):
+        return f"{call} returned {value!r}, expected {expected!r}"
+    if how == "true" and not value:
+        return f"{call} returned {value!r}, expected a true value"
+    if how == "false" and value:
+        return f"{call} returned {value!r}, expected a false value"
+    return None
+
+
 def verify_code(sample: dict, timeout_s: float) -> str | None:
-    program = f"{sample['answer']}\n\n{sample['tests']}\nprint('ALL TESTS PASSED')\n"
-    result = run_python(program, timeout_s=timeout_s, cpu_s=max(1, int(timeout_s)))
-    if result.ok and "ALL TESTS PASSED" in result.stdout:
-        return None
+    import json
+    import secrets
+
+    checks = code_checks(sample["tests"])
+    nonce = secrets.token_hex(16)
+    request = json.dumps({"nonce": nonce, "calls": [call for call, _, _ in checks]})
+    result = run_python(
+        _DRIVER,
+        timeout_s=timeout_s,
+        cpu_s=max(1, int(timeout_s)),
+        files={"candidate.py": sample["answer"]},
+        stdin=request.encode() + b"\n",
+    )
     if result.killed:
         return f"killed by the sandbox ({result.killed})"
-    last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-    return f"the tests failed: {last[:200]}"
+    reports = [line[len(nonce) + 1 :] for line in result.stdout.splitlines() if line.startswith(nonce + " ")]
+    if len(reports) != 1:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"the tests failed: no single result from the test run ({last[:200]})"
+    try:
+        values = json.loads(reports[0])
+        if not isinstance(values, list) or len(values) != len(checks) or not all(isinstance(v, dict) for v in values):
+            raise ValueError("not one value per test")
+    except ValueError:
+        return "the tests failed: the test run's result is malformed"
+    for (call, how, expected), got in zip(checks, values):
+        failure = _check_failure(call, how, expected, got)
+        if failure:
+            return f"the tests failed: {failure}"[:300]
+    return None
 
 
 STOP = {"the", "a", "an", "is", "are", "what", "of", "in", "on", "and", "to", "was", "does", "do"}

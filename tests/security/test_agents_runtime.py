@@ -371,22 +371,18 @@ print(tools.python_tool(timeout_s=20).fn(code))
 """
 
 
-@pytest.mark.xfail(
-    os.geteuid() == 0,
-    reason="a worker running as root: the sandboxed child (root, CAP_SYS_PTRACE) reads any /proc/<pid>/environ; "
-    "closing it needs the sandbox to drop to another user or get a PID namespace of its own",
-    strict=True,
-)
 def test_sandboxed_code_cannot_read_the_secret_from_the_worker_process_environ():
     """A worker is started with its secrets in its environment (as Ray's runtime_env does); code
-    in the python tool runs as the same user and reads /proc/<worker>/environ."""
+    in the python tool tries /proc/<worker>/environ (the sandbox has its own PID namespace and no
+    /proc of the host's)."""
     secret = "tok-" + uuid.uuid4().hex
     env = {**os.environ, "LMF_TEST_API_TOKEN": secret, "PYTHONPATH": str(Path(workflow.__file__).parents[2])}
     out = subprocess.run(
         [sys.executable, "-c", SANDBOX_READS_THE_WORKERS_ENVIRON], env=env, capture_output=True, timeout=90, text=True
     )
     assert out.returncode == 0, out.stderr
-    assert "Permission denied" in out.stdout and secret not in out.stdout
+    assert secret not in out.stdout
+    assert "No such file or directory" in out.stdout or "Permission denied" in out.stdout, out.stdout
 
 
 def test_a_secret_given_by_value_instead_of_by_name_is_refused():

@@ -221,16 +221,13 @@ def main() -> None:
             checkpoint=str(ckpt),
             pairs=str(pairs),
             output=str(work / "dpo"),
-            lr=1e-3,
             beta=0.1,
-            warmup_steps=2,
-            max_steps=steps,
-            micro_batch_size=2,
-            global_batch_pairs=8,
-            num_workers=2,
-            cpus_per_worker=0.5,
-            checkpoint_every=steps,
-            log_every=4,
+            optimizer={"lr": 1e-3},
+            schedule={"warmup_steps": 2, "max_steps": steps},
+            batch={"micro_batch_size": 2, "global_batch_pairs": 8},
+            parallelism={"num_workers": 2, "cpus_per_worker": 0.5},
+            checkpointing={"every": steps},
+            logging={"every": 4},
         )
     )
     seconds = time.perf_counter() - started

@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lmfoundry.model.chat_template import DEFAULT_CHAT_TEMPLATE
 from lmfoundry.model.transformer import ModelConfig
 from lmfoundry.platform.checkpoint import AsyncCheckpointer
+from lmfoundry.train.checkpointing import stage_checkpoint
 from lmfoundry.train.config import PretrainConfig
-from lmfoundry.train.loop import build_engine, stage_checkpoint
+from lmfoundry.train.pretrain import build_pretrain_engine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -62,14 +64,11 @@ def main() -> None:
         data="-",
         output="-",
         model=model,
-        num_workers=1,
-        zero_stage=2,
-        micro_batch_size=2,
-        global_batch_tokens=2 * seq,
-        max_steps=100,
-        warmup_steps=1,
+        parallelism={"num_workers": 1, "zero_stage": 2},
+        batch={"micro_batch_size": 2, "global_batch_tokens": 2 * seq},
+        schedule={"max_steps": 100, "warmup_steps": 1},
     )
-    engine, *_ = build_engine(cfg, world=1, seq_len=seq)
+    engine, *_ = build_pretrain_engine(cfg, world=1, seq_len=seq)
     for _ in range(2):
         tokens = torch.randint(0, args.vocab, (2, seq + 1))
         engine.backward(engine(tokens[:, :-1], tokens[:, 1:])[1])
@@ -87,7 +86,9 @@ def main() -> None:
         for mode in ("synchronous", "asynchronous"):
             step = 2 * rep + (mode == "asynchronous") + 1
             start = time.perf_counter()
-            staged, write = stage_checkpoint(engine, 0, step, {**state, "step": step}, "{}", stage_root)
+            staged, write = stage_checkpoint(
+                engine, 0, step, {**state, "step": step}, "{}", DEFAULT_CHAT_TEMPLATE, stage_root
+            )
             writer.save(step, staged, {"step": step}, write)
             if mode == "synchronous":
                 writer.wait()

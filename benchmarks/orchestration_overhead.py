@@ -115,15 +115,11 @@ def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> fl
         data=packed,
         output=out,
         model=model_config(0).model_copy(update={"vocab_size": 0}),
-        num_workers=2,
-        cpus_per_worker=1,
-        zero_stage=zero_stage,
-        micro_batch_size=GLOBAL_SEQS // 2,
-        global_batch_tokens=GLOBAL_SEQS * SEQ,
-        max_steps=steps,
-        warmup_steps=2,
-        checkpoint_every=steps,
-        log_every=5,
+        parallelism={"num_workers": 2, "cpus_per_worker": 1, "zero_stage": zero_stage},
+        batch={"micro_batch_size": GLOBAL_SEQS // 2, "global_batch_tokens": GLOBAL_SEQS * SEQ},
+        schedule={"max_steps": steps, "warmup_steps": 2},
+        checkpointing={"every": steps},
+        logging={"every": 5},
     )
     run_pretrain(cfg)
     rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]

@@ -1,7 +1,7 @@
 """The planner's per-GPU memory against the measured peak of real DeepSpeed training runs.
 
 Each case is a small pretraining config trained for two optimizer steps by two CPU processes
-over gloo (lmfoundry/train/peak_memory.py: the training loop's model, DeepSpeed engine and
+over gloo (benchmarks/harness/peak_memory.py: the training loop's model, DeepSpeed engine and
 optimizer, on random tokens); the measured figure is the largest per-rank rise of the resident
 set during training. The prediction is `planner.training_memory_bytes` for the same layout (dp=2, fp32, no GPU
 workspace allowance).
@@ -19,8 +19,9 @@ import platform
 import time
 from pathlib import Path
 
+from harness.peak_memory import SEQ_LEN, WORLD, measure_peak_bytes, predicted_peak_bytes, reference_cases
+
 from lmfoundry.train.config import PretrainConfig
-from lmfoundry.train.peak_memory import SEQ_LEN, WORLD, measure_peak_bytes, predicted_peak_bytes, reference_cases
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

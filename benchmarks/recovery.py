@@ -6,7 +6,7 @@ pretraining twice on 2 CPU workers (Ray Train + DeepSpeed ZeRO-2, gloo): once un
 once with rank 1 killed by SIGKILL after step KILL_AT (a fault drill). Recovery is measured
 from the drill's marker file (written just before the kill) to the wall time of the first step
 the restarted workers log; steps lost are those trained after the last checkpoint and trained
-again. Then the elastic drill (lmfoundry/train/elastic_drill.py): the same run with
+again. Then the elastic drill (benchmarks/harness/elastic_drill.py): the same run with
 min_workers=1 on a three-node Ray cluster on this machine, a training node removed after step
 --remove-at and added back after step --add-at; measured from each change to the first step the
 resized group logs.
@@ -40,13 +40,14 @@ def main() -> None:
     p.add_argument("--resize-interval", type=float, default=5.0, help="elastic: seconds between resize checks")
     args = p.parse_args()
 
+    from harness.elastic_drill import run_elastic_drill
+
     from lmfoundry.data.curate import CurateConfig, run_curate
     from lmfoundry.data.pack import PackConfig, run_pack
     from lmfoundry.data.sample_corpus import build_sample_corpus
     from lmfoundry.model.transformer import ModelConfig
     from lmfoundry.platform.ray_env import init_ray
     from lmfoundry.train.config import FaultDrill, PretrainConfig
-    from lmfoundry.train.elastic_drill import run_elastic_drill
     from lmfoundry.train.pretrain import run_pretrain
 
     init_ray()
@@ -63,15 +64,11 @@ def main() -> None:
                 data=f"{work}/packed",
                 output=f"{work}/{name}",
                 model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2),
-                num_workers=2,
-                zero_stage=2,
-                micro_batch_size=4,
-                global_batch_tokens=2 * 4 * 64 * 2,
-                max_steps=args.steps,
-                warmup_steps=5,
-                lr=5e-3,
-                checkpoint_every=args.checkpoint_every,
-                log_every=1,
+                batch={"micro_batch_size": 4, "global_batch_tokens": 2 * 4 * 64 * 2},
+                schedule={"max_steps": args.steps, "warmup_steps": 5},
+                optimizer={"lr": 5e-3},
+                checkpointing={"every": args.checkpoint_every},
+                logging={"every": 1},
                 **overrides,
             )
 
@@ -88,7 +85,11 @@ def main() -> None:
                 runs[name]["killed_at"] = marker.stat().st_mtime
         started = time.time()
         drill = run_elastic_drill(
-            config("elastic", min_workers=1, elastic_resize_interval_s=args.resize_interval, max_failures=2),
+            config(
+                "elastic",
+                parallelism={"num_workers": 2, "min_workers": 1, "elastic_resize_interval_s": args.resize_interval},
+                health={"max_failures": 2},
+            ),
             remove_after=args.remove_at,
             add_after=args.add_at,
         )

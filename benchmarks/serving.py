@@ -328,7 +328,7 @@ def attention_kernels(lengths=(64, 128, 256), batch: int = 16, repeats: int = 7,
     decode_attention, interleaved repeat by repeat; medians."""
     import torch.nn.functional as F
 
-    from lmfoundry.model.transformer import decode_attention
+    from lmfoundry.serving.decode_attention import decode_attention
 
     rows = []
     for length in lengths:

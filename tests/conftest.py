@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+from pathlib import Path
 
 import pytest
+
+# the harnesses that tests and benchmarks share (benchmarks/harness)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
@@ -56,7 +61,8 @@ def packed(curated, tmp_path_factory):
 
 
 def tiny_pretrain_config(data: str, output: str, **overrides):
-    """The session's reference run: 2 workers, ZeRO-2, 40 steps, every step logged."""
+    """The session's reference run: 2 workers, ZeRO-2, 40 steps, every step logged. An override
+    of a section (e.g. schedule={"max_steps": 8}) changes only the keys it names."""
     from lmfoundry.model.transformer import ModelConfig
     from lmfoundry.train.config import PretrainConfig
 
@@ -64,17 +70,17 @@ def tiny_pretrain_config(data: str, output: str, **overrides):
         data=data,
         output=output,
         model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2),
-        num_workers=2,
-        zero_stage=2,
-        micro_batch_size=4,
-        global_batch_tokens=2 * 4 * 64 * 2,
-        max_steps=40,
-        warmup_steps=5,
-        lr=5e-3,
-        checkpoint_every=10,
-        log_every=1,
+        parallelism={"num_workers": 2, "zero_stage": 2},
+        batch={"micro_batch_size": 4, "global_batch_tokens": 2 * 4 * 64 * 2},
+        schedule={"max_steps": 40, "warmup_steps": 5},
+        optimizer={"lr": 5e-3},
+        checkpointing={"every": 10},
+        logging={"every": 1},
     )
-    return PretrainConfig(**{**settings, **overrides})
+    for key, value in overrides.items():
+        section = settings.get(key)
+        settings[key] = {**section, **value} if isinstance(section, dict) else value
+    return PretrainConfig(**settings)
 
 
 @pytest.fixture(scope="session")

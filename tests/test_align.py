@@ -301,4 +301,4 @@ def test_bad_pair_files_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="tie"):
         read_pairs(str(f))
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
-        DPOConfig(checkpoint="c", pairs="p", output="o", micro_batch_size=3, global_batch_pairs=8)
+        DPOConfig(checkpoint="c", pairs="p", output="o", batch={"micro_batch_size": 3, "global_batch_pairs": 8})

@@ -23,10 +23,10 @@ def test_unknown_key_names_file_key_and_allowed_keys(tmp_path):
 
 
 def test_wrong_type_names_key_and_value(tmp_path):
-    p = write(tmp_path, "data: a\noutput: b\nmax_steps: many\n")
+    p = write(tmp_path, "data: a\noutput: b\nschedule: {max_steps: many}\n")
     with pytest.raises(ConfigError) as e:
         load_config(PretrainConfig, p)
-    assert "max_steps" in str(e.value) and "'many'" in str(e.value)
+    assert "schedule.max_steps" in str(e.value) and "'many'" in str(e.value)
 
 
 def test_missing_required_key(tmp_path):
@@ -36,9 +36,12 @@ def test_missing_required_key(tmp_path):
 
 def test_overrides_are_typed_and_nested(tmp_path):
     cfg = load_config(
-        PretrainConfig, write(tmp_path, "data: a\noutput: b\n"), ["model.n_layer=3", "lr=1e-3", "betas=[0.9, 0.99]"]
+        PretrainConfig,
+        write(tmp_path, "data: a\noutput: b\n"),
+        ["model.n_layer=3", "optimizer.lr=1e-3", "optimizer.betas=[0.9, 0.99]", "schedule.max_steps=100"],
     )
-    assert cfg.model.n_layer == 3 and cfg.lr == 1e-3 and cfg.betas == (0.9, 0.99)
+    assert cfg.model.n_layer == 3 and cfg.optimizer.lr == 1e-3 and cfg.optimizer.betas == (0.9, 0.99)
+    assert cfg.schedule.max_steps == 100
 
 
 def test_override_without_equals_is_an_error():
@@ -105,7 +108,7 @@ def test_every_recipe_in_configs_validates():
     for name, cls in models.items():
         assert isinstance(load_config(cls, root / name), cls)
     q = load_quickstart_config(str(root / "quickstart.yaml"), "/tmp/qs-work", [])
-    assert q.pretrain.data == "/tmp/qs-work/packed" and q.pretrain.zero_stage == 2
+    assert q.pretrain.data == "/tmp/qs-work/packed" and q.pretrain.parallelism.zero_stage == 2
     assert sorted(p.name for p in root.glob("*.yaml")) == sorted([*models, "quickstart.yaml"])
 
 
@@ -138,19 +141,68 @@ def test_large_recipes_have_the_sizes_their_names_promise(recipe, vocab, seq, lo
 def test_an_elastic_range_is_checked_and_every_size_in_it_must_divide_the_global_batch():
     from lmfoundry.model.moe import MoEConfig
     from lmfoundry.model.transformer import ModelConfig
-    from lmfoundry.train.config import gradient_accumulation, world_sizes
+    from lmfoundry.train.config import world_sizes
+    from lmfoundry.train.engine import gradient_accumulation
 
-    base = dict(data="d", output="o", num_workers=4)
+    base = dict(data="d", output="o")
     with pytest.raises(ValueError, match="min_workers=5 must not exceed num_workers=4"):
-        PretrainConfig(**base, min_workers=5)
+        PretrainConfig(**base, parallelism={"num_workers": 4, "min_workers": 5})
     with pytest.raises(ValueError, match="expert_parallel_size=2"):
         PretrainConfig(
-            **base, min_workers=2, expert_parallel_size=2, model=ModelConfig(moe=MoEConfig(num_experts=4, top_k=1))
+            **base,
+            parallelism={"num_workers": 4, "min_workers": 2, "expert_parallel_size": 2},
+            model=ModelConfig(moe=MoEConfig(num_experts=4, top_k=1)),
         )
-    cfg = PretrainConfig(**base, min_workers=2, micro_batch_size=1, global_batch_tokens=12 * 64)
-    assert list(world_sizes(cfg)) == [2, 3, 4]
-    assert [gradient_accumulation(cfg, w, 64) for w in world_sizes(cfg)] == [6, 4, 3]
-    odd = cfg.model_copy(update={"global_batch_tokens": 8 * 64})
+    cfg = PretrainConfig(
+        **base,
+        parallelism={"num_workers": 4, "min_workers": 2},
+        batch={"micro_batch_size": 1, "global_batch_tokens": 12 * 64},
+    )
+    assert list(world_sizes(cfg.parallelism)) == [2, 3, 4]
+    assert [gradient_accumulation(cfg, w, 64) for w in world_sizes(cfg.parallelism)] == [6, 4, 3]
+    odd = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"global_batch_tokens": 8 * 64})})
     with pytest.raises(ValueError, match="x 3 x 64"):  # 3 workers cannot share 8 sequences evenly
-        [gradient_accumulation(odd, w, 64) for w in world_sizes(odd)]
-    assert list(world_sizes(PretrainConfig(**base))) == [4]
+        [gradient_accumulation(odd, w, 64) for w in world_sizes(odd.parallelism)]
+    assert list(world_sizes(PretrainConfig(**base, parallelism={"num_workers": 4}).parallelism)) == [4]
+
+
+def test_old_flat_keys_move_to_their_sections_with_a_warning_naming_the_new_key(tmp_path, caplog):
+    import logging
+
+    from lmfoundry.train.dpo import DPOConfig
+
+    old = "data: a\noutput: b\nmax_steps: 50\nzero_stage: 1\nlr: 1.0e-3\ncheckpoint_every: 25\nlr_schedule: wsd\n"
+    with caplog.at_level(logging.WARNING, logger="lmfoundry.train.config"):
+        cfg = load_config(PretrainConfig, write(tmp_path, old), ["micro_batch_size=4"])
+    assert cfg.schedule.max_steps == 50 and cfg.schedule.kind == "wsd"
+    assert cfg.parallelism.zero_stage == 1 and cfg.optimizer.lr == 1e-3
+    assert cfg.checkpointing.every == 25 and cfg.batch.micro_batch_size == 4
+    for moved in (
+        "max_steps is now schedule.max_steps",
+        "zero_stage is now parallelism.zero_stage",
+        "lr is now optimizer.lr",
+        "checkpoint_every is now checkpointing.every",
+        "lr_schedule is now schedule.kind",
+        "micro_batch_size is now batch.micro_batch_size",
+    ):
+        assert moved in caplog.text
+    # an old key beside a section keeps the section's other keys
+    cfg = PretrainConfig(data="a", output="b", warmup_steps=5, schedule={"max_steps": 30})
+    assert (cfg.schedule.warmup_steps, cfg.schedule.max_steps) == (5, 30)
+    # DPO's components keep DPO's defaults where an old key sets only one of their keys
+    dpo = DPOConfig(checkpoint="c", pairs="p", output="o", lr=1e-5, global_batch_pairs=32)
+    assert dpo.optimizer.lr == 1e-5 and dpo.optimizer.weight_decay == 0.0 and dpo.batch.global_batch_pairs == 32
+
+
+def test_a_key_in_both_its_old_and_new_place_is_an_error_naming_both(tmp_path):
+    from lmfoundry.train.dpo import DPOConfig
+
+    p = write(tmp_path, "data: a\noutput: b\nmax_steps: 50\nschedule: {max_steps: 60}\n")
+    with pytest.raises(ConfigError, match="max_steps and schedule.max_steps are both set"):
+        load_config(PretrainConfig, p)
+    with pytest.raises(ConfigError, match="zero_stage and parallelism.zero_stage are both set"):
+        load_config(
+            PretrainConfig, write(tmp_path, "data: a\noutput: b\nparallelism: {zero_stage: 1}\n"), ["zero_stage=2"]
+        )
+    with pytest.raises(ValueError, match="lr and optimizer.lr are both set"):
+        DPOConfig(checkpoint="c", pairs="p", output="o", lr=1e-5, optimizer={"lr": 2e-5})

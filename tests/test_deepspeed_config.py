@@ -1,6 +1,7 @@
 import pytest
 
-from lmfoundry.train.config import PretrainConfig, deepspeed_config, gradient_accumulation
+from lmfoundry.train.config import PretrainConfig
+from lmfoundry.train.engine import deepspeed_config, gradient_accumulation
 
 
 def cfg(**kw) -> PretrainConfig:
@@ -8,27 +9,32 @@ def cfg(**kw) -> PretrainConfig:
 
 
 def test_accumulation_is_derived_from_global_batch_tokens():
-    c = cfg(micro_batch_size=4, global_batch_tokens=4 * 2 * 128 * 3)
+    c = cfg(batch={"micro_batch_size": 4, "global_batch_tokens": 4 * 2 * 128 * 3})
     ds = deepspeed_config(c, world_size=2, seq_len=128)
     assert ds["gradient_accumulation_steps"] == 3
     assert ds["train_batch_size"] == 4 * 3 * 2
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] is False  # CPU default is fp32
-    assert ds["scheduler"]["params"]["total_num_steps"] == c.max_steps
+    assert ds["scheduler"]["params"]["total_num_steps"] == c.schedule.max_steps
 
 
 def test_indivisible_global_batch_is_a_clear_error():
     with pytest.raises(ValueError, match="global_batch_tokens=1000 must be a multiple"):
-        gradient_accumulation(cfg(global_batch_tokens=1000), 2, 128)
+        gradient_accumulation(cfg(batch={"global_batch_tokens": 1000}), 2, 128)
 
 
 def test_bf16_on_gpu_by_default():
-    assert deepspeed_config(cfg(use_gpu=True, global_batch_tokens=2048), 2, 128)["bf16"]["enabled"] is True
+    assert (
+        deepspeed_config(cfg(parallelism={"use_gpu": True}, batch={"global_batch_tokens": 2048}), 2, 128)["bf16"][
+            "enabled"
+        ]
+        is True
+    )
 
 
 def test_warmup_must_be_shorter_than_training():
     with pytest.raises(ValueError, match="warmup_steps"):
-        cfg(max_steps=10, warmup_steps=10)
+        cfg(schedule={"max_steps": 10, "warmup_steps": 10})
 
 
 def test_too_little_data_for_one_micro_batch_is_refused_before_training(tmp_path):
@@ -48,21 +54,30 @@ def test_too_little_data_for_one_micro_batch_is_refused_before_training(tmp_path
         )
     )
     with pytest.raises(ValueError, match="holds 10 training sequences, fewer than one global micro-batch"):
-        run_pretrain(PretrainConfig(data=str(tmp_path), output=str(tmp_path / "run"), global_batch_tokens=2 * 8 * 128))
+        run_pretrain(
+            PretrainConfig(data=str(tmp_path), output=str(tmp_path / "run"), batch={"global_batch_tokens": 2 * 8 * 128})
+        )
     assert not (tmp_path / "run").exists()
 
 
 def test_warmup_stable_decay_schedule():
-    from lmfoundry.train.config import wsd_schedule
+    from lmfoundry.train.engine import wsd_schedule
 
     c = cfg(
-        max_steps=100, warmup_steps=10, lr_schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.1, decay_shape="linear"
+        schedule={
+            "max_steps": 100,
+            "warmup_steps": 10,
+            "kind": "wsd",
+            "decay_fraction": 0.2,
+            "min_lr_ratio": 0.1,
+            "decay_shape": "linear",
+        }
     )
     f = wsd_schedule(c)
     assert [f(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
     assert f(10) == f(50) == f(80) == 1.0  # stable until the last 20 steps
     assert f(90) == pytest.approx(0.55) and f(100) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
-    sqrt = wsd_schedule(c.model_copy(update={"decay_shape": "sqrt"}))
+    sqrt = wsd_schedule(c.model_copy(update={"schedule": c.schedule.model_copy(update={"decay_shape": "sqrt"})}))
     assert sqrt(85) == pytest.approx(1 - 0.9 * 0.25**0.5)
     assert "scheduler" not in deepspeed_config(c, 1, 128)  # the engine gets the schedule itself
     assert deepspeed_config(cfg(), 1, 128)["scheduler"]["type"] == "WarmupCosineLR"
@@ -71,26 +86,24 @@ def test_warmup_stable_decay_schedule():
 def test_offloaded_optimizer_and_zero3_are_derived_and_checked():
     import pytest
 
-    from lmfoundry.train.config import PretrainConfig, deepspeed_config
-
     base = dict(data="d", output="o")
-    cpu = deepspeed_config(PretrainConfig(**base, zero_stage=3, offload_optimizer=True), 2, 64)
+    cpu = deepspeed_config(PretrainConfig(**base, parallelism={"zero_stage": 3, "offload_optimizer": True}), 2, 64)
     assert cpu["zero_optimization"]["stage"] == 3
     assert cpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
     assert cpu["optimizer"]["params"]["torch_adam"] is True  # no compiled op on CPU-only machines
-    gpu = deepspeed_config(PretrainConfig(**base, offload_optimizer=True, use_gpu=True), 2, 64)
+    gpu = deepspeed_config(PretrainConfig(**base, parallelism={"offload_optimizer": True, "use_gpu": True}), 2, 64)
     assert "torch_adam" not in gpu["optimizer"]["params"]  # DeepSpeed's CPU Adam steps the host partition
     assert gpu["zero_optimization"]["offload_optimizer"]["pin_memory"] is True
     assert "offload_optimizer" not in deepspeed_config(PretrainConfig(**base), 2, 64)["zero_optimization"]
     with pytest.raises(ValueError, match="offload_optimizer needs zero_stage 1, 2 or 3"):
-        PretrainConfig(**base, zero_stage=0, offload_optimizer=True)
+        PretrainConfig(**base, parallelism={"zero_stage": 0, "offload_optimizer": True})
     with pytest.raises(ValueError, match="zero_stage=3 with an MoE model"):
-        PretrainConfig(**base, zero_stage=3, model={"moe": {"num_experts": 4, "top_k": 1}})
+        PretrainConfig(**base, parallelism={"zero_stage": 3}, model={"moe": {"num_experts": 4, "top_k": 1}})
 
 
 def test_cpu_training_workers_start_with_the_allocator_settings_and_a_users_own_win(monkeypatch):
     from lmfoundry.platform.ray_env import CPU_ALLOCATOR_ENV
-    from lmfoundry.train.pretrain import run_config
+    from lmfoundry.train.launch import run_config
 
     cpu = run_config("/runs/a", max_failures=1, use_gpu=False).worker_runtime_env["env_vars"]
     assert cpu == CPU_ALLOCATOR_ENV and int(cpu["MALLOC_MMAP_THRESHOLD_"]) >= 1 << 30

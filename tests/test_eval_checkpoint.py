@@ -122,7 +122,9 @@ def test_pretraining_evaluates_each_checkpoint_as_it_is_committed(packed, tmp_pa
     from lmfoundry.jobs.pretrain import PretrainJobConfig, run_pretrain_job
 
     run = tmp_path / "run"
-    base = tiny_pretrain_config(packed[0], str(run), max_steps=30, checkpoint_every=10, keep_checkpoints=3)
+    base = tiny_pretrain_config(
+        packed[0], str(run), schedule={"max_steps": 30}, checkpointing={"every": 10, "keep_last": 3}
+    )
     suites = EvalSuites(data=packed[0], max_sequences=32, tasks=["builtin"], task_limit=10)
     manifest = run_pretrain_job(PretrainJobConfig(**base.model_dump(), eval=suites, eval_cpus=0.5))
     evaluations = manifest["evaluations"]

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lmfoundry.model.moe import MoE, MoEConfig
+from lmfoundry.train.expert_parallel import shard_experts
 
 
 def _worker(rank: int, world: int, port: int, results):
@@ -20,7 +21,7 @@ def _worker(rank: int, world: int, port: int, results):
         full = MoE(32, 64, cfg)
         ep = MoE(32, 64, cfg)
         ep.load_state_dict(full.state_dict())
-        ep.shard_experts(dist.group.WORLD, world, rank)
+        shard_experts(ep, dist.group.WORLD, world, rank)
         torch.manual_seed(100 + rank)  # different tokens on every rank
         x = torch.randn(37 + 5 * rank, 32)
         y_full, y_ep = full(x), ep(x)

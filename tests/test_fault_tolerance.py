@@ -86,7 +86,7 @@ def test_a_corrupt_checkpoint_is_skipped_loudly(tmp_path, caplog):
 
 
 def test_stragglers_are_named_by_rank_and_host():
-    from lmfoundry.train.loop import stragglers
+    from lmfoundry.train.health import stragglers
 
     busy = [(2.0, "node-a"), (2.2, "node-a"), (4.1, "node-b"), (2.9, "node-c")]
     assert [(rank, host) for rank, host, _ in stragglers(busy, 1.4)] == [(2, "node-b"), (3, "node-c")]
@@ -104,7 +104,7 @@ def test_killed_workers_resume_to_bitwise_equal_losses(ray_local, packed, pretra
 
     out = tmp_path / "drilled"
     drills = [FaultDrill(at_step=15, rank=1), FaultDrill(at_step=30, rank=0, during_save=True)]
-    manifest = run_pretrain(tiny_pretrain_config(packed[0], str(out), drills=drills, max_failures=2))
+    manifest = run_pretrain(tiny_pretrain_config(packed[0], str(out), drills=drills, health={"max_failures": 2}))
     assert len(list((out / "_drills").iterdir())) == 2  # both drills fired
     reference = [json.loads(line) for line in open(Path(pretrained[0]) / "metrics.jsonl")]
     drilled = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -126,10 +126,9 @@ def test_a_crash_loop_ends_failed_after_max_failures(ray_local, packed, tmp_path
     cfg = tiny_pretrain_config(
         packed[0],
         str(out),
-        max_steps=6,
-        warmup_steps=1,
-        checkpoint_every=3,
-        max_failures=1,
+        schedule={"max_steps": 6, "warmup_steps": 1},
+        checkpointing={"every": 3},
+        health={"max_failures": 1},
         drills=[FaultDrill(at_step=4, rank=1, every_attempt=True)],
     )
     with pytest.raises(RuntimeError, match="pretraining failed after 1 restarts at most"):
@@ -152,7 +151,12 @@ def test_a_nonfinite_gradient_skips_its_step_and_a_loss_spike_rolls_back(ray_loc
     out = tmp_path / "spike"
     drills = [FaultDrill(at_step=3, rank=1, kind="nan_grad"), FaultDrill(at_step=12, kind="lr_spike", lr_factor=1e4)]
     cfg = tiny_pretrain_config(
-        packed[0], str(out), max_steps=20, checkpoint_every=5, spike_factor=3.0, spike_window=6, drills=drills
+        packed[0],
+        str(out),
+        schedule={"max_steps": 20},
+        checkpointing={"every": 5},
+        health={"spike_factor": 3.0, "spike_window": 6},
+        drills=drills,
     )
     manifest = run_pretrain(cfg)
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -177,11 +181,17 @@ def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(ray
     from lmfoundry.train.config import FaultDrill
     from lmfoundry.train.pretrain import run_pretrain
 
-    settings = dict(zero_stage=3, max_steps=8, warmup_steps=2, checkpoint_every=4)
+    settings = dict(
+        parallelism={"zero_stage": 3}, schedule={"max_steps": 8, "warmup_steps": 2}, checkpointing={"every": 4}
+    )
     clean = run_pretrain(tiny_pretrain_config(packed[0], str(tmp_path / "clean"), **settings))
     drilled = run_pretrain(
         tiny_pretrain_config(
-            packed[0], str(tmp_path / "drilled"), max_failures=1, drills=[FaultDrill(at_step=6, rank=1)], **settings
+            packed[0],
+            str(tmp_path / "drilled"),
+            health={"max_failures": 1},
+            drills=[FaultDrill(at_step=6, rank=1)],
+            **settings,
         )
     )
     rows = {
@@ -201,16 +211,22 @@ def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(ray
     shrunk = str(tmp_path / "shrunk")
     with pytest.raises(RuntimeError, match="pretraining failed"):
         run_pretrain(
-            tiny_pretrain_config(packed[0], shrunk, max_failures=0, drills=[FaultDrill(at_step=6, rank=1)], **settings)
+            tiny_pretrain_config(
+                packed[0], shrunk, health={"max_failures": 0}, drills=[FaultDrill(at_step=6, rank=1)], **settings
+            )
         )
-    run_pretrain(tiny_pretrain_config(packed[0], shrunk, num_workers=1, **settings))
+    run_pretrain(
+        tiny_pretrain_config(packed[0], shrunk, **{**settings, "parallelism": {"zero_stage": 3, "num_workers": 1}})
+    )
     rows["shrunk"] = [json.loads(line) for line in open(Path(shrunk) / "metrics.jsonl")]
     assert [r["step"] for r in rows["shrunk"]] == list(range(1, 9))
     assert [r["loss"] for r in rows["shrunk"]] == pytest.approx([r["loss"] for r in rows["clean"]], rel=1e-5)
     # ZeRO-2 with the optimizer offloaded to CPU memory trains the same model to the same losses
     run_pretrain(
         tiny_pretrain_config(
-            packed[0], str(tmp_path / "offload"), **{**settings, "zero_stage": 2}, offload_optimizer=True
+            packed[0],
+            str(tmp_path / "offload"),
+            **{**settings, "parallelism": {"zero_stage": 2, "offload_optimizer": True}},
         )
     )
     offload = [json.loads(line)["loss"] for line in open(tmp_path / "offload" / "metrics.jsonl")]
@@ -223,15 +239,21 @@ def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_retur
     ray_local, packed, pretrained, tmp_path
 ):
     """The reference run with min_workers=1 on a Ray cluster of three nodes on this machine
-    (elastic_drill.py): a training node removed after step 12, so the group goes on with one
+    (benchmarks/harness/elastic_drill.py): a training node removed after step 12, so the group goes on with one
     worker from step 10, and added back after step 25, so it grows back to 2 workers from step
     20. Every step once, on the reference's batches: its losses, bitwise before the first change
     and up to the rounding of the other summation order after it."""
+    from harness.elastic_drill import run_elastic_drill
+
     from lmfoundry.platform.ray_env import init_ray
-    from lmfoundry.train.elastic_drill import run_elastic_drill
 
     out = tmp_path / "elastic"
-    cfg = tiny_pretrain_config(packed[0], str(out), min_workers=1, elastic_resize_interval_s=2, max_failures=2)
+    cfg = tiny_pretrain_config(
+        packed[0],
+        str(out),
+        parallelism={"min_workers": 1, "elastic_resize_interval_s": 2},
+        health={"max_failures": 2},
+    )
     try:
         run_elastic_drill(cfg, remove_after=12, add_after=25)
     finally:

@@ -182,7 +182,7 @@ def test_nucleus_sampling_keeps_the_top_token_at_any_top_p():
 def test_decode_attention_equals_sdpa_with_shared_key_value_heads_and_a_mask():
     import torch.nn.functional as F
 
-    from lmfoundry.model.transformer import decode_attention
+    from lmfoundry.serving.decode_attention import decode_attention
 
     gen = torch.Generator().manual_seed(0)
     for B, H, K, D, L in [(16, 6, 2, 64, 128), (3, 4, 4, 16, 7), (5, 8, 2, 32, 33)]:
@@ -195,7 +195,8 @@ def test_decode_attention_equals_sdpa_with_shared_key_value_heads_and_a_mask():
 
 
 def test_a_cached_decode_step_past_the_decode_attention_threshold_matches_the_full_forward():
-    from lmfoundry.model.transformer import DECODE_ATTENTION_MIN_WORK, KVCache, ModelConfig, Transformer
+    from lmfoundry.model.transformer import KVCache, ModelConfig, Transformer
+    from lmfoundry.serving.decode_attention import DECODE_ATTENTION_MIN_WORK, cached_attention
 
     torch.manual_seed(0)
     model = Transformer(
@@ -205,7 +206,7 @@ def test_a_cached_decode_step_past_the_decode_attention_threshold_matches_the_fu
     assert 16 * 130 >= DECODE_ATTENTION_MIN_WORK  # the decode step below takes decode_attention
     with torch.inference_mode():
         full = model(idx)[0][:, -1]
-        cache = KVCache(model.cfg, 16, 160, "cpu", torch.float32)
+        cache = KVCache(model.cfg, 16, 160, "cpu", torch.float32, cached_attention)
         model(idx[:, :-1], cache=cache)
         step = model(idx[:, -1:], cache=cache)[0][:, -1]
     assert torch.allclose(step, full, atol=1e-4)

@@ -57,11 +57,11 @@ def test_plan_writes_json_plot_and_a_runnable_recipe(tmp_path, monkeypatch):
         == 0
     )
     cfg = load_config(PretrainConfig, out)
-    assert cfg.num_workers == 8 and cfg.use_gpu and cfg.model.moe.num_experts == 64
+    assert cfg.parallelism.num_workers == 8 and cfg.parallelism.use_gpu and cfg.model.moe.num_experts == 64
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     derived = yaml.safe_load((tmp_path / "best.deepspeed.json").read_text())
     assert derived["scaling_config"]["num_workers"] == 8
-    assert derived["deepspeed"]["train_batch_size"] * 4096 == cfg.global_batch_tokens
+    assert derived["deepspeed"]["train_batch_size"] * 4096 == cfg.batch.global_batch_tokens
     assert derived["deepspeed"]["bf16"]["enabled"] and derived["deepspeed"]["zero_optimization"]["stage"] == 2
     assert yaml.safe_load((tmp_path / "p.json").read_text())["plans"]
 

@@ -1,9 +1,8 @@
 """The planner's per-GPU memory against the measured peak of real small DeepSpeed runs on CPU
-(two gloo processes each; see lmfoundry/train/peak_memory.py and benchmarks/peak_memory.py)."""
+(two gloo processes each; see benchmarks/harness/peak_memory.py and benchmarks/peak_memory.py)."""
 
 import pytest
-
-from lmfoundry.train.peak_memory import SEQ_LEN, WORLD, measure_peak_bytes, predicted_peak_bytes, reference_cases
+from harness.peak_memory import SEQ_LEN, WORLD, measure_peak_bytes, predicted_peak_bytes, reference_cases
 
 
 def test_predicted_peak_memory_is_within_15_percent_of_measured():

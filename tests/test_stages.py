@@ -133,7 +133,8 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(packed, tmp_path):
     from lmfoundry.model.moe import MoEConfig
     from lmfoundry.model.transformer import ModelConfig
     from lmfoundry.platform import checkpoint
-    from lmfoundry.train.config import FaultDrill, PretrainConfig, wsd_schedule
+    from lmfoundry.train.config import FaultDrill, PretrainConfig
+    from lmfoundry.train.engine import wsd_schedule
     from lmfoundry.train.pretrain import run_pretrain
 
     moe = MoEConfig(num_experts=4, top_k=2, score_func="sigmoid", balance="aux_free", bias_update_rate=0.01)
@@ -142,19 +143,13 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(packed, tmp_path):
         cfg = PretrainConfig(
             data=packed[0],
             output=str(tmp_path / f"ep{ep}"),
-            expert_parallel_size=ep,
             model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, moe=moe),
-            num_workers=2,
-            zero_stage=2,
-            micro_batch_size=4,
-            global_batch_tokens=2 * 4 * 64,
-            max_steps=12,
-            warmup_steps=2,
-            lr=5e-3,
-            checkpoint_every=6,
-            log_every=1,
-            lr_schedule="wsd",
-            decay_fraction=0.25,
+            parallelism={"num_workers": 2, "zero_stage": 2, "expert_parallel_size": ep},
+            batch={"micro_batch_size": 4, "global_batch_tokens": 2 * 4 * 64},
+            schedule={"max_steps": 12, "warmup_steps": 2, "kind": "wsd", "decay_fraction": 0.25},
+            optimizer={"lr": 5e-3},
+            checkpointing={"every": 6},
+            logging={"every": 1},
             drills=[FaultDrill(at_step=8, rank=1)] if ep == 2 else [],
         )
         runs[ep] = run_pretrain(cfg)

@@ -21,7 +21,8 @@ from lmfoundry.model.flops import model_shape
 from lmfoundry.model.transformer import ModelConfig
 from lmfoundry.planner.search import Cluster, Recipe, gpu, search
 from lmfoundry.platform.config import ConfigError, load_config
-from lmfoundry.train.config import PretrainConfig, deepspeed_config
+from lmfoundry.train.config import PretrainConfig
+from lmfoundry.train.engine import deepspeed_config
 
 
 def recipe_model(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelConfig:
@@ -31,17 +32,13 @@ def recipe_model(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelCon
     )
 
 
-def recipe_for(cfg: PretrainConfig, plan, path: str) -> dict:
-    """The recipe with the chosen data/expert-parallel layout filled in."""
-    with open(path) as f:
-        out = yaml.safe_load(f)
-    out.update(
-        num_workers=plan.layout.dp,
-        expert_parallel_size=plan.layout.ep,
-        micro_batch_size=plan.micro_batch_size,
-        use_gpu=True,
-        precision="bf16",
+def recipe_for(cfg: PretrainConfig, plan) -> dict:
+    """The recipe (in the current keys) with the chosen data/expert-parallel layout filled in."""
+    out = cfg.model_dump(mode="json", exclude_unset=True)
+    out.setdefault("parallelism", {}).update(
+        num_workers=plan.layout.dp, expert_parallel_size=plan.layout.ep, use_gpu=True, precision="bf16"
     )
+    out.setdefault("batch", {})["micro_batch_size"] = plan.micro_batch_size
     return out
 
 
@@ -107,13 +104,13 @@ def main(argv=None) -> int:
         # GPUs train in bf16 unless the recipe insists on fp32
         recipe = Recipe(
             seq_len=seq,
-            global_batch_tokens=cfg.global_batch_tokens,
+            global_batch_tokens=cfg.batch.global_batch_tokens,
             token_budget=args.token_budget,
-            zero_stage=cfg.zero_stage,
+            zero_stage=cfg.parallelism.zero_stage,
             activation_checkpointing=cfg.model.activation_checkpointing,
-            precision="fp32" if cfg.precision == "fp32" else "bf16",
-            reduce_bucket_size=cfg.reduce_bucket_size,
-            offload_optimizer=cfg.offload_optimizer,
+            precision="fp32" if cfg.parallelism.precision == "fp32" else "bf16",
+            reduce_bucket_size=cfg.parallelism.reduce_bucket_size,
+            offload_optimizer=cfg.parallelism.offload_optimizer,
         )
     except (ConfigError, ValueError) as e:
         print(f"error: plan: {e}", file=sys.stderr)
@@ -175,7 +172,7 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
             return 2
-        chosen = recipe_for(cfg, runnable[0], args.config)
+        chosen = recipe_for(cfg, runnable[0])
         with open(args.write_config, "w") as f:
             yaml.safe_dump(chosen, f, sort_keys=False)
         # what the trainer will derive from that recipe: Ray's ScalingConfig and DeepSpeed's JSON
@@ -185,11 +182,11 @@ def main(argv=None) -> int:
             json.dump(
                 {
                     "scaling_config": {
-                        "num_workers": derived.num_workers,
-                        "use_gpu": derived.use_gpu,
-                        "resources_per_worker": {"CPU": derived.cpus_per_worker, "GPU": 1},
+                        "num_workers": derived.parallelism.num_workers,
+                        "use_gpu": derived.parallelism.use_gpu,
+                        "resources_per_worker": {"CPU": derived.parallelism.cpus_per_worker, "GPU": 1},
                     },
-                    "deepspeed": deepspeed_config(derived, derived.num_workers, seq, shape.total_params),
+                    "deepspeed": deepspeed_config(derived, derived.parallelism.num_workers, seq, shape.total_params),
                 },
                 f,
                 indent=2,

@@ -13,7 +13,7 @@ from lmfoundry.eval.watch import CheckpointEvaluator
 from lmfoundry.platform import storage
 from lmfoundry.platform.cli import run_stage
 from lmfoundry.train.config import PretrainConfig
-from lmfoundry.train.loop import TENSORBOARD, write_metrics
+from lmfoundry.train.metrics import MetricsFiles
 from lmfoundry.train.pretrain import run_pretrain
 
 
@@ -37,8 +37,9 @@ def run_pretrain_job(cfg: PretrainJobConfig) -> dict:
         manifest = run_pretrain(train_cfg)
         records = evaluator.finish()
     # the last checkpoints' evaluations end after training did: merge them into metrics.jsonl now
-    write_metrics(run_dir, storage.read_jsonl(storage.join(run_dir, "metrics.jsonl")))
-    TENSORBOARD.wait()
+    files = MetricsFiles(run_dir)
+    files.write(storage.read_jsonl(storage.join(run_dir, "metrics.jsonl")))
+    files.wait()
     return {
         **manifest,
         "evaluations": [{k: r.get(k) for k in ("step", "metrics", "gate_passed", "error") if k in r} for r in records],

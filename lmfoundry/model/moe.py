@@ -108,10 +108,12 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E))
         self.aux_loss = torch.zeros(())
         self.stats: RouterStats | None = None
-        # expert parallelism (set by shard_experts): this rank holds experts
-        # [ep_rank * E/ep_size, (ep_rank + 1) * E/ep_size) and exchanges tokens with the others
+        # expert parallelism, set from outside (train/expert_parallel.py): this rank holds experts
+        # [ep_rank * E/ep_size, (ep_rank + 1) * E/ep_size), and `exchange` sends each row to the
+        # rank that holds its expert, runs it there (through `_experts`) and brings the result back
         self.ep_group = None
         self.ep_size, self.ep_rank = 1, 0
+        self.exchange = None
         self._dispatch: str | None = None if cfg.dispatch == "auto" else cfg.dispatch
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,10 +161,10 @@ class MoE(nn.Module):
         token = order // K  # (M,) which token each sorted row belongs to
         xs = x.index_select(0, token)  # (M, C)
         row_weights = weights.flatten()[order].unsqueeze(-1).to(x.dtype)  # (M, 1)
-        if self.ep_group is None:
+        if self.exchange is None:
             ys = self._experts(xs, counts, row_weights)
         else:
-            ys = self._experts_parallel(xs, counts, row_weights)
+            ys = self.exchange(self, xs, counts, row_weights)
         out = torch.zeros_like(x).index_add_(0, token, ys)
         if self.shared_gate_up is not None:
             g, u = self.shared_gate_up(x).chunk(2, dim=-1)
@@ -179,42 +181,6 @@ class MoE(nn.Module):
         # the routing weight scales the (M, H) hidden rather than the (M, C) output: the down
         # projection is linear, so the result is the same for a quarter of the work when H = C/4
         return expert_matmul(F.silu(gate) * up * row_weights, self.w_down, offsets, count_list, how)
-
-    def _experts_parallel(self, xs: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
-        """Send each row to the rank that holds its expert, run the local experts, send back.
-        xs is sorted by global expert id, so rows bound for each rank are already contiguous."""
-        import torch.distributed as dist
-        from torch.distributed.nn.functional import all_to_all_single
-
-        P, El = self.ep_size, self.cfg.num_experts // self.ep_size
-        send_per_expert = counts.view(P, El)  # [r, j]: rows this rank sends to rank r's expert j
-        recv_per_expert = torch.empty_like(send_per_expert)
-        dist.all_to_all_single(recv_per_expert, send_per_expert, group=self.ep_group)  # [s, j]: from rank s
-        send_splits = send_per_expert.sum(1).tolist()
-        recv_splits = recv_per_expert.sum(1).tolist()
-        # the routing weight travels with its row, as one extra column
-        rows = torch.cat([xs, row_weights], dim=1)
-        recv = all_to_all_single(
-            rows.new_empty(sum(recv_splits), rows.shape[1]), rows, recv_splits, send_splits, group=self.ep_group
-        )  # grouped by source rank
-        # regroup the received rows by local expert (stable, so rows keep their source order)
-        local_expert = torch.arange(El, device=xs.device).repeat(P).repeat_interleave(recv_per_expert.flatten())
-        perm = local_expert.argsort(stable=True)
-        recv = recv[perm]
-        ys_local = self._experts(recv[:, :-1], recv_per_expert.sum(0), recv[:, -1:])
-        back = ys_local[perm.argsort()]  # undo the regrouping
-        return all_to_all_single(xs.new_empty(xs.shape), back, send_splits, recv_splits, group=self.ep_group)
-
-    def shard_experts(self, group, ep_size: int, ep_rank: int) -> None:
-        """Keep only this rank's slice of the routed experts; tokens will travel to their expert."""
-        E = self.cfg.num_experts
-        if E % ep_size:
-            raise ValueError(f"num_experts={E} must be divisible by the expert-parallel size {ep_size}")
-        El = E // ep_size
-        keep = slice(ep_rank * El, (ep_rank + 1) * El)
-        self.w_gate_up = nn.Parameter(self.w_gate_up.data[keep].clone())
-        self.w_down = nn.Parameter(self.w_down.data[keep].clone())
-        self.ep_group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
 
     def _pick_dispatch(self, x: torch.Tensor) -> str:
         self._dispatch = "grouped_mm" if grouped_mm_supported(x.device, x.dtype) else "sliced"

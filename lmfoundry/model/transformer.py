@@ -84,6 +84,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """New positions q (B, H, T, D) against the cache's k, v (B, K, L, D) under mask (B, 1, T, L);
+    the whole cache is read, so key/value heads are shared rather than copied. A KVCache may be
+    given another function of the same form (the serving engine's decode kernel)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class KVCache:
     """Preallocated keys and values for `slots` sequences, each filled up to its own length.
 
@@ -91,8 +98,9 @@ class KVCache:
     keeps one slot per running request, decodes rows of different lengths in one pass, and hands
     a finished request's slot to the next one with `reset`."""
 
-    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype):
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype, attention=cached_attention):
         shape = (cfg.n_layer, slots, cfg.n_kv_head, max_len, cfg.head_dim)
+        self.attention = attention  # (q, k, v, mask) -> output, as cached_attention
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # positions filled per slot
@@ -127,27 +135,6 @@ class KVCache:
         return self.k[layer][rows, :, :end], self.v[layer][rows, :, :end]
 
 
-# rows x cache positions from which decode_attention beats scaled_dot_product_attention on CPU
-# in float32 (2 cores: even at 4 rows x 128 and 16 x 64, ahead from 16 x 128; well behind at 1-4
-# rows). Not in bfloat16: its batched products copy the strided cache first, and SDPA was ahead
-# by 1.3-1.8x at 16 and 64 rows x 128-200 positions.
-DECODE_ATTENTION_MIN_WORK = 2048
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One query position per row: q (B, H, 1, D) against the cache's k, v (B, K, L, D), mask
-    (B, 1, 1, L). Two batched products with each key/value head's G = H / K query heads as the
-    rows of one product, so the cache is read once and, in float32, nothing is copied. Used on
-    CPU in float32 from DECODE_ATTENTION_MIN_WORK on, where it beats scaled_dot_product_attention
-    (benchmarks/serving.py times the two side by side); below that, and in bfloat16, SDPA is
-    faster."""
-    B, H, _, D = q.shape
-    K = k.shape[1]
-    scores = q.reshape(B, K, H // K, D) @ k.transpose(-1, -2) * D**-0.5  # (B, K, G, L)
-    scores = scores.masked_fill(~mask, float("-inf"))  # (B, 1, 1, L) broadcasts over K and G
-    return (scores.softmax(-1) @ v).reshape(B, H, 1, D)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -171,16 +158,7 @@ class Attention(nn.Module):
         else:
             cache, slots, rows, positions, mask = cached
             k, v = cache.update(self.layer, slots, rows, positions, k, v)  # (B, K, L, D)
-            if (
-                T == 1
-                and x.device.type == "cpu"
-                and x.dtype == torch.float32
-                and B * k.shape[2] >= DECODE_ATTENTION_MIN_WORK
-            ):
-                y = decode_attention(q, k, v, mask)
-            else:
-                # the whole cache is read: share key/value heads rather than copy them
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=K != H)
+            y = cache.attention(q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
 

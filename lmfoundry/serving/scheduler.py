@@ -23,6 +23,7 @@ import torch
 from lmfoundry.model.generate import sample_next
 from lmfoundry.model.transformer import KVCache, Transformer
 from lmfoundry.platform.log import get_logger
+from lmfoundry.serving.decode_attention import cached_attention
 
 logger = get_logger(__name__)
 
@@ -93,7 +94,9 @@ class ContinuousBatcher:
             param = next(self.model.parameters())
             self.device = param.device
             self.context = self.model.cfg.max_seq_len
-            self.cache = KVCache(self.model.cfg, self.max_batch_size, self.context, self.device, param.dtype)
+            self.cache = KVCache(
+                self.model.cfg, self.max_batch_size, self.context, self.device, param.dtype, cached_attention
+            )
         except BaseException as exc:  # handed to the constructor, which raises it
             self._load_error = exc
             return

@@ -10,104 +10,81 @@ checkpoint's chat template. The implicit reward of a reply is beta * (log pi - l
 preference accuracy is the share of pairs whose chosen reply has the higher reward (0 at the
 start, where policy and reference agree exactly).
 
-The loop has pretraining's machinery (train/loop.py): DeepSpeed ZeRO with the same derived
-config, asynchronous atomic checkpoints with the data position, exact resume after a worker
-is killed, fault drills. Every worker reads the pairs file, orders it by the seed and takes its
-slice of each global micro-batch, so the position is one number.
+DPO is an objective of the one training loop (train/skeleton.py), so it has pretraining's
+machinery: DeepSpeed ZeRO with the same derived config, asynchronous atomic checkpoints with the
+data position, exact resume after a worker is killed, non-finite and spike handling, fault
+drills. Every worker reads the pairs file, orders it by the seed and takes its slice of each
+global micro-batch, so the position is one number.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import random
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate
+from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
 from lmfoundry.model.tokenizer import IM_END, eos_id
 from lmfoundry.platform import checkpoint, storage
-from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
-from lmfoundry.train.config import FaultDrill, PretrainConfig, deepspeed_config
+from lmfoundry.train import skeleton
+from lmfoundry.train.config import (
+    CheckpointingConfig,
+    OptimizerConfig,
+    PairBatchConfig,
+    ScheduleConfig,
+    TrainStageConfig,
+)
+from lmfoundry.train.engine import check_every_world_size
+from lmfoundry.train.launch import fit, run_config, scaling_config
 
 logger = get_logger(__name__)
 
 
-class DPOConfig(StageConfig):
+# DPO's defaults where they differ from pretraining's: a small step from a trained model
+class DPOOptimizerConfig(OptimizerConfig):
+    lr: float = Field(5e-6, gt=0, description="the peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="on matrices only; norms and embeddings are not decayed")
+
+
+class DPOScheduleConfig(ScheduleConfig):
+    max_steps: int = Field(100, ge=1)
+    warmup_steps: int = Field(2, ge=1, description="linear warmup, then cosine decay to min_lr_ratio")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class DPOCheckpointingConfig(CheckpointingConfig):
+    every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
+
+
+class DPOConfig(TrainStageConfig):
     checkpoint: str = Field(..., description="the starting policy (and reference): a checkpoint or a run directory")
     pairs: str = Field(..., description="JSONL of {prompt, chosen, rejected}, plain text or chat messages")
-    output: str = Field(..., description="the run directory")
     beta: float = Field(0.1, gt=0, description="how far the policy may move from the reference")
-    lr: float = Field(5e-6, gt=0)
-    warmup_steps: int = Field(2, ge=1, description="linear warmup, then cosine decay to 0")
-    max_steps: int = Field(100, ge=1)
-    micro_batch_size: int = Field(4, ge=1, description="pairs per worker per forward pass")
-    global_batch_pairs: int = Field(16, ge=1, description="pairs per optimizer step, all workers")
     max_seq_len: int | None = Field(None, ge=8, description="prompt + reply tokens (default: the model's context)")
-    num_workers: int = Field(2, ge=1)
-    cpus_per_worker: float = Field(1.0, gt=0)
-    use_gpu: bool = False
-    zero_stage: int = Field(2, ge=0, le=3)
-    precision: str = Field("auto", pattern="^(auto|fp32|bf16)$")
-    grad_clip: float = Field(1.0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    checkpoint_every: int = Field(50, ge=1)
-    keep_checkpoints: int = Field(2, ge=2)
-    max_failures: int = Field(3, ge=0)
-    drills: list[FaultDrill] = Field(default_factory=list)
-    log_every: int = Field(10, ge=1)
-    seed: int = 0
-    overwrite: bool = False
+    batch: PairBatchConfig = PairBatchConfig()
+    optimizer: DPOOptimizerConfig = DPOOptimizerConfig()
+    schedule: DPOScheduleConfig = DPOScheduleConfig()
+    checkpointing: DPOCheckpointingConfig = DPOCheckpointingConfig()
+
+    LEGACY_KEYS: ClassVar[dict[str, str]] = {
+        **TrainStageConfig.LEGACY_KEYS,
+        **{k: f"batch.{k}" for k in ("micro_batch_size", "global_batch_pairs")},
+    }
 
     @model_validator(mode="after")
     def _check(self):
-        if self.warmup_steps >= self.max_steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be below max_steps={self.max_steps}")
-        per_micro_step = self.micro_batch_size * self.num_workers
-        if self.global_batch_pairs % per_micro_step:
-            raise ValueError(
-                f"global_batch_pairs={self.global_batch_pairs} must be a multiple of micro_batch_size x "
-                f"num_workers = {self.micro_batch_size} x {self.num_workers} = {per_micro_step}"
-            )
-        for drill in self.drills:
-            if drill.kind != "kill" or drill.rank >= self.num_workers:
-                raise ValueError(
-                    f"drills: {drill.kind} at rank {drill.rank}; DPO takes kill drills on ranks "
-                    f"0..{self.num_workers - 1}"
-                )
+        self.batch.accumulation(self.parallelism.num_workers)
+        if self.parallelism.expert_parallel_size > 1:
+            raise ValueError("parallelism.expert_parallel_size: DPO trains without expert parallelism")
         return self
-
-
-def as_pretrain_config(cfg: DPOConfig, model_cfg) -> PretrainConfig:
-    """The DeepSpeed settings of a DPO run, in the form the one derivation takes. A DPO step is
-    counted in pairs, not tokens: with seq_len 1 in `deepspeed_config`, its token arithmetic
-    counts pairs (global_batch_pairs = micro_batch_size x workers x accumulation)."""
-    return PretrainConfig(
-        data=cfg.pairs,
-        output=cfg.output,
-        model=model_cfg,
-        num_workers=cfg.num_workers,
-        use_gpu=cfg.use_gpu,
-        zero_stage=cfg.zero_stage,
-        precision=cfg.precision,
-        micro_batch_size=cfg.micro_batch_size,
-        global_batch_tokens=cfg.global_batch_pairs,
-        max_steps=cfg.max_steps,
-        lr=cfg.lr,
-        warmup_steps=cfg.warmup_steps,
-        weight_decay=cfg.weight_decay,
-        grad_clip=cfg.grad_clip,
-        min_lr_ratio=0.0,
-        checkpoint_every=cfg.checkpoint_every,
-        keep_checkpoints=cfg.keep_checkpoints,
-        seed=cfg.seed,
-    )
 
 
 # --- the data --------------------------------------------------------------------------------
@@ -220,165 +197,82 @@ def preference_accuracy(policy, reference, encoded: list, pad: int, beta: float,
     return hits / len(encoded)
 
 
-# --- the per-worker loop ------------------------------------------------------------------------
+# --- the objective ------------------------------------------------------------------------------
+
+
+class DPOObjective:
+    """The DPO loss of the policy (the engine's model) against the frozen reference, over this
+    rank's slice of each global micro-batch of pairs."""
+
+    kind = "dpo"
+    seq_len = 1  # the batch counts pairs
+    tokens_per_step = flops_per_token = None
+
+    def __init__(self, cfg: DPOConfig, start_dir: str, rank: int, world: int):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        torch.manual_seed(cfg.seed)
+        self.model = load_model_files(start_dir).train()
+        self.num_params = self.model.num_params()
+        self.reference = load_model_files(start_dir).eval().requires_grad_(False)
+        self.encoder = PairEncoder(start_dir, cfg.max_seq_len or self.model.cfg.max_seq_len)
+        self.pairs = [self.encoder.encode(p) for p in read_pairs(cfg.pairs)]
+        self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
+        template = Path(start_dir) / CHAT_TEMPLATE_FILE  # the chat template the policy was tuned with
+        self.chat_template = template.read_text() if template.exists() else DEFAULT_CHAT_TEMPLATE
+        self.per_global = cfg.batch.micro_batch_size * world
+        self.batches_per_epoch = len(self.pairs) // self.per_global
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"{len(self.pairs)} pairs are fewer than one global micro-batch "
+                f"(micro_batch_size x workers = {self.per_global})"
+            )
+        self.device = None
+
+    def attach(self, engine) -> None:
+        self.device = engine.device
+        self.reference.to(engine.device)
+
+    def batches(self, epoch: int, skip: int):
+        order = epoch_order(len(self.pairs), self.cfg.seed, epoch)
+        mbs = self.cfg.batch.micro_batch_size
+        for index in range(skip, self.batches_per_epoch):
+            chunk = order[index * self.per_global : (index + 1) * self.per_global]
+            yield index, [self.pairs[i] for i in chunk[self.rank * mbs : (self.rank + 1) * mbs]]
+
+    def loss(self, engine, pairs: list) -> tuple[torch.Tensor, dict]:
+        ids, mask = collate(pairs, self.encoder.end)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with torch.no_grad():
+            reference = reply_logprobs(self.reference, ids, mask)
+        return dpo_loss(reply_logprobs(engine, ids, mask), reference, self.cfg.beta)
+
+    def describe(self, metrics: dict) -> str:
+        return f"preference accuracy {metrics['accuracy']:.3f} margin {metrics['margin']:.3f}"
+
+    def train_state(self, step: int) -> dict:
+        return {"kind": "dpo"}
 
 
 def dpo_loop(loop_config: dict) -> None:
-    import deepspeed
-    import ray.train
-    import torch.distributed as dist
-
-    from lmfoundry.train.loop import (
-        Drills,
-        RayTrainReporter,
-        mean_across_ranks,
-        param_groups,
-        resume,
-        stage_checkpoint,
-        stage_root,
-    )
-    from lmfoundry.train.snapshot import SnapshotCheckpointEngine
-
+    """Ray Train's per-worker function."""
     cfg = DPOConfig.model_validate(loop_config["cfg"])
-    start_dir, run_dir = loop_config["start_dir"], loop_config["run_dir"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    if rank != 0:
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-
-    torch.manual_seed(cfg.seed)
-    policy = load_model_files(start_dir).train()
-    reference = load_model_files(start_dir).eval().requires_grad_(False)
-    max_len = cfg.max_seq_len or policy.cfg.max_seq_len
-    encoder = PairEncoder(start_dir, max_len)
-    pairs = [encoder.encode(p) for p in read_pairs(cfg.pairs)]
-    ds_config = deepspeed_config(as_pretrain_config(cfg, policy.cfg), world, seq_len=1)
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=policy, model_parameters=param_groups(policy, cfg.weight_decay), config=ds_config
+    skeleton.run(
+        cfg, loop_config["run_dir"], lambda rank, world: DPOObjective(cfg, loop_config["start_dir"], rank, world)
     )
-    engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
-    reference.to(engine.device)
-    accum = ds_config["gradient_accumulation_steps"]
-    drills = Drills(cfg.drills, rank, run_dir)
-    reporter = RayTrainReporter()
-    checkpointer = checkpoint.AsyncCheckpointer(
-        run_dir, rank, world, cfg.keep_checkpoints, before_commit=drills.during_save
-    )
-    staging = stage_root(None)
-    tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
-
-    state = resume(engine, run_dir, rank, world) or {}
-    step, epoch, position = state.get("step", 0), state.get("epoch", 0), state.get("batches_in_epoch", 0)
-    history: list[dict] = state.get("history", [])
-    per_global = cfg.micro_batch_size * world
-    batches_per_epoch = len(pairs) // per_global
-    if batches_per_epoch == 0:
-        raise ValueError(
-            f"{len(pairs)} pairs are fewer than one global micro-batch (micro_batch_size x workers = {per_global})"
-        )
-    micro, sums, t_last, step_last = 0, {}, time.time(), step
-    while step < cfg.max_steps:
-        order = epoch_order(len(pairs), cfg.seed, epoch)
-        for index in range(position, batches_per_epoch):
-            chunk = order[index * per_global : (index + 1) * per_global]
-            mine = [pairs[i] for i in chunk[rank * cfg.micro_batch_size : (rank + 1) * cfg.micro_batch_size]]
-            ids, mask = collate(mine, encoder.end)
-            ids, mask = ids.to(engine.device), mask.to(engine.device)
-            with torch.no_grad():
-                ref = reply_logprobs(reference, ids, mask)
-            loss, stats = dpo_loss(reply_logprobs(engine, ids, mask), ref, cfg.beta)
-            engine.backward(loss)
-            engine.step()
-            position, micro = index + 1, micro + 1
-            for k, v in {"loss": loss.item(), **stats}.items():
-                sums[k] = sums.get(k, 0.0) + v
-            if micro % accum:
-                continue
-            step += 1
-            last = step == cfg.max_steps
-            save = step % cfg.checkpoint_every == 0 or last
-            if step % cfg.log_every == 0 or step == 1 or save:
-                count = micro
-                metrics = {k: mean_across_ranks(v / count) for k, v in sums.items()}
-                now = time.time()
-                metrics.update(
-                    step=step,
-                    epoch=epoch,
-                    lr=scheduler.get_last_lr()[0],
-                    grad_norm=float(engine.get_global_grad_norm() or 0.0),
-                    step_time_s=(now - t_last) / max(step - step_last, 1),
-                    time=now,
-                )
-                history.append(metrics)
-                sums, micro = {}, 0
-                if rank == 0:
-                    logger.info(
-                        "dpo step %d/%d loss %.4f preference accuracy %.3f margin %.3f",
-                        step,
-                        cfg.max_steps,
-                        metrics["loss"],
-                        metrics["accuracy"],
-                        metrics["margin"],
-                    )
-                if save:
-                    checkpointer.wait()
-                    train_state = {
-                        "step": step,
-                        "epoch": epoch,
-                        "batches_in_epoch": position,
-                        "world_size": world,
-                        "history": history,
-                        "loss_history": [[h["step"], h["loss"]] for h in history],
-                        "seed": cfg.seed,
-                        "config": cfg.model_dump(mode="json"),
-                        "kind": "dpo",
-                    }
-                    staged, write = stage_checkpoint(engine, rank, step, train_state, tokenizer_json, staging)
-                    if rank == 0:
-                        # the chat template the policy was tuned with, not the default
-                        template = Path(start_dir) / CHAT_TEMPLATE_FILE
-                        write = _with_template(write, staged, template)
-                    checkpointer.save(step, staged, {"kind": "lmfoundry.dpo", "step": step}, write)
-                    if rank == 0:
-                        storage.write_bytes_atomic(
-                            storage.join(run_dir, "metrics.jsonl"),
-                            "".join(json.dumps(h) + "\n" for h in history).encode(),
-                        )
-                reporter.maybe_report({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, force=save)
-                t_last, step_last = time.time(), step
-            drills.after_step(step)
-            if last:
-                break
-        else:
-            epoch, position = epoch + 1, 0
-    checkpointer.wait()
-    dist.barrier()
-
-
-def _with_template(write, staged: Path, template: Path):
-    def write_then_template():
-        write()
-        if template.exists():
-            (staged / CHAT_TEMPLATE_FILE).write_text(template.read_text())
-
-    return write_then_template
 
 
 # --- the driver -------------------------------------------------------------------------------
 
 
 def run_dpo(cfg: DPOConfig) -> dict:
-    from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-
-    from lmfoundry.train.pretrain import fit, run_config
 
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
     checkpoint.verify(start_dir, model_only=True)
     pairs = read_pairs(cfg.pairs)  # fail now on a bad file, not inside the workers
     model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
-    deepspeed_config(as_pretrain_config(cfg, model_cfg), cfg.num_workers, seq_len=1)
+    check_every_world_size(cfg, seq_len=1)
     out = storage.normalize(cfg.output)
     if storage.is_committed(out) and not cfg.overwrite:
         logger.info("align: %s is already committed; skipping (set overwrite=true to redo)", out)
@@ -389,13 +283,11 @@ def run_dpo(cfg: DPOConfig) -> dict:
     trainer = TorchTrainer(
         dpo_loop,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out},
-        scaling_config=ScalingConfig(
-            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker}
-        ),
-        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
-        run_config=run_config(out, cfg.max_failures, cfg.use_gpu),
+        scaling_config=scaling_config(cfg.parallelism),
+        torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
+        run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu),
     )
-    fit(trainer, cfg.max_failures, "DPO")
+    fit(trainer, cfg.health.max_failures, "DPO")
     final_uri = checkpoint.latest_valid(out)
     final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
     final_dir = checkpoint.local_copy(final_uri, model_only=True)

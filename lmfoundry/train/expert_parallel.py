@@ -1,5 +1,7 @@
 """Expert parallelism under DeepSpeed: each rank of an expert-parallel group keeps 1/ep_size of
-every MoE layer's routed experts, and the layer exchanges tokens by all-to-all (model/moe.py).
+every MoE layer's routed experts, and the layer exchanges tokens by all-to-all: `shard_experts`
+cuts a single-device MoE layer (model/moe.py) down to its rank's experts and installs
+`exchange_tokens` as the layer's dispatch.
 
 DeepSpeed must treat those expert weights differently from the rest: their gradients are
 reduced only among the ranks that hold the same experts (the expert-data-parallel group), and
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 
+from lmfoundry.model.moe import MoE
 from lmfoundry.model.transformer import Transformer
 
 
@@ -55,11 +59,50 @@ def shard_model(model: Transformer, ep_size: int) -> None:
         moe = block.mlp
         if moe not in model.moe_layers():
             continue
-        moe.shard_experts(group, ep_size, ep_rank)
+        shard_experts(moe, group, ep_size, ep_rank)
         for p in (moe.w_gate_up, moe.w_down):
             p.allreduce = False
             p.group_name = name
         block.ep_marker = ExpertParallelMarker(moe.cfg.num_experts, ep_size)
+
+
+def shard_experts(moe: MoE, group, ep_size: int, ep_rank: int) -> None:
+    """Keep only this rank's slice of the layer's routed experts; tokens will travel to their expert."""
+    E = moe.cfg.num_experts
+    if E % ep_size:
+        raise ValueError(f"num_experts={E} must be divisible by the expert-parallel size {ep_size}")
+    El = E // ep_size
+    keep = slice(ep_rank * El, (ep_rank + 1) * El)
+    moe.w_gate_up = nn.Parameter(moe.w_gate_up.data[keep].clone())
+    moe.w_down = nn.Parameter(moe.w_down.data[keep].clone())
+    moe.ep_group, moe.ep_size, moe.ep_rank = group, ep_size, ep_rank
+    moe.exchange = exchange_tokens
+
+
+def exchange_tokens(moe: MoE, xs: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """The expert-parallel dispatch of an MoE layer: send each row to the rank that holds its
+    expert, run the local experts, send back. xs is sorted by global expert id, so rows bound for
+    each rank are already contiguous."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    P, El = moe.ep_size, moe.cfg.num_experts // moe.ep_size
+    send_per_expert = counts.view(P, El)  # [r, j]: rows this rank sends to rank r's expert j
+    recv_per_expert = torch.empty_like(send_per_expert)
+    dist.all_to_all_single(recv_per_expert, send_per_expert, group=moe.ep_group)  # [s, j]: from rank s
+    send_splits = send_per_expert.sum(1).tolist()
+    recv_splits = recv_per_expert.sum(1).tolist()
+    # the routing weight travels with its row, as one extra column
+    rows = torch.cat([xs, row_weights], dim=1)
+    recv = all_to_all_single(
+        rows.new_empty(sum(recv_splits), rows.shape[1]), rows, recv_splits, send_splits, group=moe.ep_group
+    )  # grouped by source rank
+    # regroup the received rows by local expert (stable, so rows keep their source order)
+    local_expert = torch.arange(El, device=xs.device).repeat(P).repeat_interleave(recv_per_expert.flatten())
+    perm = local_expert.argsort(stable=True)
+    recv = recv[perm]
+    ys_local = moe._experts(recv[:, :-1], recv_per_expert.sum(0), recv[:, -1:])
+    back = ys_local[perm.argsort()]  # undo the regrouping
+    return all_to_all_single(xs.new_empty(xs.shape), back, send_splits, recv_splits, group=moe.ep_group)
 
 
 def full_state(model: Transformer) -> dict[str, torch.Tensor]:

@@ -1,23 +1,107 @@
-"""The pretraining driver: reads the pack manifest, derives the model shape, runs TorchTrainer
-(restarting the worker group up to max_failures times; the loop resumes from the newest valid
-checkpoint) and commits the run directory with a manifest naming the final checkpoint. A run
-directory that holds checkpoints but no manifest (a run that died) is resumed, not cleared."""
+"""Pretraining: next-token prediction on packed token sequences, as an objective of the one
+training loop (train/skeleton.py), and its driver, which reads the pack manifest, derives the
+model shape, runs TorchTrainer (restarting the worker group up to health.max_failures times; the
+loop resumes from the newest valid checkpoint) and commits the run directory with a manifest
+naming the final checkpoint. A run directory that holds checkpoints but no manifest (a run that
+died) is resumed, not cleared."""
 
 from __future__ import annotations
 
-import gc
-import signal
-import threading
 import time
-from pathlib import PurePosixPath
 
+import torch
+
+from lmfoundry.model.chat_template import DEFAULT_CHAT_TEMPLATE
+from lmfoundry.model.flops import train_flops_per_token
+from lmfoundry.model.transformer import Transformer
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
-from lmfoundry.platform.ray_env import cpu_worker_env
-from lmfoundry.train.config import PretrainConfig, deepspeed_config, gradient_accumulation, world_sizes
-from lmfoundry.train.loop import train_loop
+from lmfoundry.train import skeleton
+from lmfoundry.train.config import PretrainConfig
+from lmfoundry.train.engine import build_engine, check_every_world_size, deepspeed_config
+from lmfoundry.train.expert_parallel import shard_model
+from lmfoundry.train.launch import fit, ordered_ingest, run_config, scaling_config
 
 logger = get_logger(__name__)
+
+
+def build_model(cfg: PretrainConfig) -> Transformer:
+    """The model, the same on every rank (same seed), its experts sharded for expert parallelism."""
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model)
+    if cfg.parallelism.expert_parallel_size > 1:
+        shard_model(model, cfg.parallelism.expert_parallel_size)
+    return model
+
+
+class PretrainObjective:
+    """Next-token cross-entropy over packed sequences that Ray Data streams to every worker."""
+
+    kind = "pretrain"
+    chat_template = DEFAULT_CHAT_TEMPLATE
+
+    def __init__(self, cfg: PretrainConfig, seq_len: int, tokenizer_json: str, rank: int, world: int):
+        import ray.train
+
+        self.cfg, self.seq_len, self.tokenizer_json, self.rank, self.world = cfg, seq_len, tokenizer_json, rank, world
+        self.model = build_model(cfg)
+        # counted before ZeRO-3 partitions the weights, after which each rank's parameters look empty
+        self.num_params = self.model.num_params()
+        self.flops_per_token = train_flops_per_token(self.model, seq_len)
+        self.tokens_per_step = cfg.batch.global_batch_tokens
+        self.shard = ray.train.get_dataset_shard("train")
+        self.device = None
+
+    def attach(self, engine) -> None:
+        self.device = engine.device
+
+    def batches(self, epoch: int, skip: int):
+        mbs, batch = self.cfg.batch.micro_batch_size, self.cfg.batch
+        shuffle = (
+            {"local_shuffle_buffer_size": batch.shuffle_buffer, "local_shuffle_seed": self.cfg.seed + epoch}
+            if batch.shuffle_buffer
+            else {}
+        )
+        stream = self.shard.iter_torch_batches(
+            batch_size=mbs * self.world, drop_last=True, dtypes=torch.long, **shuffle
+        )
+        for index, rows in enumerate(stream):
+            if index >= skip:
+                yield index, rows["tokens"][self.rank * mbs : (self.rank + 1) * mbs]
+
+    def loss(self, engine, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        tokens = tokens.to(self.device)
+        return engine(tokens[:, :-1], tokens[:, 1:])[1], {}  # the logits are not kept alive
+
+    def describe(self, metrics: dict) -> str:
+        imbalance = metrics.get("expert_imbalance")
+        balance = f" expert imbalance {imbalance:.2f}" if imbalance is not None else ""
+        return (
+            f"lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f} "
+            f"tokens/s {metrics['tokens_per_s']:.0f}{balance}"
+        )
+
+    def train_state(self, step: int) -> dict:
+        return {"tokens_seen": step * self.tokens_per_step}
+
+
+def train_loop(loop_config: dict) -> None:
+    """Ray Train's per-worker function."""
+    cfg = PretrainConfig.model_validate(loop_config["cfg"])
+    skeleton.run(
+        cfg,
+        loop_config["run_dir"],
+        lambda rank, world: PretrainObjective(cfg, loop_config["seq_len"], loop_config["tokenizer_json"], rank, world),
+    )
+
+
+def build_pretrain_engine(cfg: PretrainConfig, world: int, seq_len: int):
+    """The model in its DeepSpeed engine as the loop builds it, for tools that step it directly
+    (memory and checkpoint benchmarks). Returns engine, scheduler and DeepSpeed config."""
+    model = build_model(cfg)
+    ds_config = deepspeed_config(cfg, world, seq_len, model.num_params())
+    engine, scheduler = build_engine(model, cfg, ds_config)
+    return engine, scheduler, ds_config
 
 
 def resolve_model_shape(cfg: PretrainConfig, pack_manifest: dict) -> PretrainConfig:
@@ -64,68 +148,6 @@ def plot_loss(run_dir: str) -> None:
     storage.write_bytes_atomic(storage.join(run_dir, "loss.png"), buf.getvalue())
 
 
-def ordered_ingest():
-    """Ray Data's ingest options for training, with blocks delivered in dataset order."""
-    from ray.train import DataConfig
-
-    options = DataConfig.default_ingest_options()
-    options.preserve_order = True
-    return options
-
-
-def run_config(run_dir: str, max_failures: int, use_gpu: bool):
-    """Ray Train's RunConfig for a run directory (its parent is Ray's storage path); workers that
-    train on the CPU start with the allocator settings of ray_env.cpu_worker_env."""
-    from ray.train import FailureConfig, RunConfig
-
-    local = PurePosixPath(run_dir) if not storage.is_remote(run_dir) else None
-    storage_path, name = (str(local.parent), local.name) if local else run_dir.rsplit("/", 1)
-    return RunConfig(
-        name=name,
-        storage_path=storage_path,
-        failure_config=FailureConfig(max_failures=max_failures),
-        worker_runtime_env={"env_vars": {} if use_gpu else cpu_worker_env()},
-    )
-
-
-def fit(trainer, max_failures: int, what: str) -> None:
-    """Run the trainer; a clear error when the worker group failed more than max_failures times."""
-    main_thread = threading.current_thread() is threading.main_thread()
-    sigint = signal.getsignal(signal.SIGINT) if main_thread else None
-    try:
-        error = trainer.fit().error
-    except Exception as e:  # Ray Train raises once the worker group has failed max_failures + 1 times
-        error = e
-    finally:
-        # Ray Train leaves its SIGINT handler installed after fit(), and that handler holds the
-        # finished run's controller actor: the controller would live on until something replaces
-        # the handler (the next fit, at a moment of its own). Put ours back and collect, so the
-        # controller ends here, while nothing else is starting. (A driver that ran several runs
-        # was seen to miss the next controller's start, and wait forever, when an old controller
-        # died late.)
-        if main_thread:
-            signal.signal(signal.SIGINT, sigint)
-        gc.collect()
-    if error:
-        raise RuntimeError(f"{what} failed after {max_failures} restarts at most: {error}") from error
-
-
-def scaling_config(cfg: PretrainConfig):
-    """Ray Train's ScalingConfig: a fixed group, or with min_workers an elastic one that Ray
-    shrinks when workers are lost and grows when resources return (each change a restart of the
-    group, which resumes from the newest checkpoint at its new size)."""
-    from ray.train import ScalingConfig
-
-    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {}), **cfg.worker_resources}
-    workers = (cfg.min_workers, cfg.num_workers) if cfg.min_workers is not None else cfg.num_workers
-    return ScalingConfig(
-        num_workers=workers,
-        use_gpu=cfg.use_gpu,
-        resources_per_worker=resources,
-        elastic_resize_monitor_interval_s=cfg.elastic_resize_interval_s,
-    )
-
-
 def run_pretrain(cfg: PretrainConfig) -> dict:
     import ray
     from ray.train import DataConfig
@@ -137,14 +159,14 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         raise ValueError(f"pretrain data {cfg.data!r} is a {pack.get('stage')!r} output, not a pack output")
     cfg = resolve_model_shape(cfg, pack)
     seq_len = pack["seq_len"]
-    for world in world_sizes(cfg):  # fail now, not inside the workers
-        gradient_accumulation(cfg, world, seq_len)
-    sequences, per_micro_step = pack["splits"]["train"]["sequences"], cfg.num_workers * cfg.micro_batch_size
+    check_every_world_size(cfg, seq_len)  # fail now, not inside the workers
+    sequences = pack["splits"]["train"]["sequences"]
+    per_micro_step = cfg.parallelism.num_workers * cfg.batch.micro_batch_size
     if sequences < per_micro_step:  # an epoch would hold no micro-batch, and training no step
         raise ValueError(
             f"pretrain data {cfg.data!r} holds {sequences} training sequences, fewer than one global "
             f"micro-batch (num_workers x micro_batch_size = {per_micro_step}); pack more text or "
-            "lower micro_batch_size"
+            "lower batch.micro_batch_size"
         )
     out = storage.normalize(cfg.output)
     if storage.is_committed(out) and not cfg.overwrite:
@@ -154,7 +176,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         storage.remove_dir(out)
     elif checkpoint.committed_checkpoints(out):
         logger.info("pretrain: %s holds checkpoints of an unfinished run; resuming it", out)
-    logger.info("pretrain: DeepSpeed config %s", deepspeed_config(cfg, cfg.num_workers, seq_len))
+    logger.info("pretrain: DeepSpeed config %s", deepspeed_config(cfg, cfg.parallelism.num_workers, seq_len))
 
     started = time.time()
     train_ds = ray.data.read_parquet(storage.list_files(storage.join(data, "train"), (".parquet",)))
@@ -170,15 +192,15 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             "tokenizer_json": tokenizer_json,
             "run_dir": out,
         },
-        scaling_config=scaling_config(cfg),
-        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
+        scaling_config=scaling_config(cfg.parallelism),
+        torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
         datasets={"train": train_ds},
         # every worker reads the whole stream, in file order, and keeps its slice of each global
-        # micro-batch (loop.micro_batches): a split handed out as workers ask is not reproducible
+        # micro-batch (PretrainObjective.batches): a split handed out as workers ask is not reproducible
         dataset_config=DataConfig(datasets_to_split=[], execution_options=ordered_ingest()),
-        run_config=run_config(out, cfg.max_failures, cfg.use_gpu),
+        run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu),
     )
-    fit(trainer, cfg.max_failures, "pretraining")
+    fit(trainer, cfg.health.max_failures, "pretraining")
     final_uri = checkpoint.latest_valid(out)
     if final_uri is None:
         raise RuntimeError("pretraining finished without a checkpoint")

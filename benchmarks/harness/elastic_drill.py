@@ -50,10 +50,11 @@ def run_elastic_drill(
 
     from lmfoundry.train.pretrain import run_pretrain
 
-    if cfg.num_workers != 2 or cfg.min_workers != 1:
+    par = cfg.parallelism
+    if par.num_workers != 2 or par.min_workers != 1:
         raise ValueError(
-            f"the drill runs 2 workers with min_workers=1 (got num_workers={cfg.num_workers}, "
-            f"min_workers={cfg.min_workers})"
+            f"the drill runs 2 workers with min_workers=1 (got num_workers={par.num_workers}, "
+            f"min_workers={par.min_workers})"
         )
     stall = 2 * wait_s  # longer than any wait here: the group's restart ends it
     drills = [
@@ -61,7 +62,12 @@ def run_elastic_drill(
         FaultDrill(at_step=add_after, kind="stall", seconds=stall),
     ]
     first = len(cfg.drills)
-    cfg = cfg.model_copy(update={"drills": [*cfg.drills, *drills], "worker_resources": {SLOT: 1}})
+    cfg = cfg.model_copy(
+        update={
+            "drills": [*cfg.drills, *drills],
+            "parallelism": par.model_copy(update={"worker_resources": {SLOT: 1}}),
+        }
+    )
 
     ray.shutdown()
     previous = os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S")

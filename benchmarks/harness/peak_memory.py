@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 
 from lmfoundry.model.moe import MoEConfig
 from lmfoundry.model.transformer import ModelConfig
-from lmfoundry.train.config import PretrainConfig, gradient_accumulation
+from lmfoundry.train.config import PretrainConfig, resolved_precision
+from lmfoundry.train.engine import gradient_accumulation
 
 SEQ_LEN, WORLD = 256, 2  # of the reference cases
 
@@ -42,12 +43,13 @@ def _reset_peak_rss() -> None:
 
 
 def _train_steps(cfg: PretrainConfig, seq_len: int, world: int, steps: int) -> None:
-    from lmfoundry.train.loop import build_engine
+    from lmfoundry.train.pretrain import build_pretrain_engine
 
-    engine, _, ds_config, _, _ = build_engine(cfg, world, seq_len)
+    engine, _, ds_config = build_pretrain_engine(cfg, world, seq_len)
     generator = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
     for _ in range(steps * ds_config["gradient_accumulation_steps"]):
-        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch_size, seq_len + 1), generator=generator)
+        shape = (cfg.batch.micro_batch_size, seq_len + 1)
+        tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=generator)
         loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
         engine.backward(loss)
         engine.step()
@@ -124,12 +126,9 @@ def reference_cases() -> dict[str, PretrainConfig]:
             data="-",
             output="-",
             model=model,
-            zero_stage=zero,
-            micro_batch_size=micro,
-            global_batch_tokens=micro * WORLD * SEQ_LEN * accumulate,
-            expert_parallel_size=ep,
-            max_steps=10,
-            warmup_steps=1,
+            parallelism={"zero_stage": zero, "expert_parallel_size": ep},
+            batch={"micro_batch_size": micro, "global_batch_tokens": micro * WORLD * SEQ_LEN * accumulate},
+            schedule={"max_steps": 10, "warmup_steps": 1},
         )
 
     return {
@@ -148,19 +147,19 @@ def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> 
     """The planner's per-rank memory for this config trained the way measure_peak_bytes does."""
     from lmfoundry.model.flops import model_shape
     from lmfoundry.planner.search import Layout, Recipe, training_memory_bytes
-    from lmfoundry.train.config import resolved_precision
 
+    par = cfg.parallelism
     recipe = Recipe(
         seq_len=seq_len,
-        global_batch_tokens=cfg.global_batch_tokens,
+        global_batch_tokens=cfg.batch.global_batch_tokens,
         token_budget=1,
-        zero_stage=cfg.zero_stage,
+        zero_stage=par.zero_stage,
         activation_checkpointing=cfg.model.activation_checkpointing,
-        micro_batch_size=cfg.micro_batch_size,
-        precision=resolved_precision(cfg),
-        reduce_bucket_size=cfg.reduce_bucket_size,
-        overlap_comm=cfg.use_gpu,
+        micro_batch_size=cfg.batch.micro_batch_size,
+        precision=resolved_precision(par),
+        reduce_bucket_size=par.reduce_bucket_size,
+        overlap_comm=par.use_gpu,
     )
-    layout = Layout(tp=1, pp=1, dp=world_size, ep=cfg.expert_parallel_size)
+    layout = Layout(tp=1, pp=1, dp=world_size, ep=par.expert_parallel_size)
     micro_batches = gradient_accumulation(cfg, world_size, seq_len)
     return training_memory_bytes(model_shape(cfg.model), layout, recipe, micro_batches)

@@ -1,0 +1,218 @@
+"""Checkpoint save and resume. A save is collective: every rank snapshots its share of the
+training state in memory (DeepSpeed's files, its RNG states, its own experts) and rank 0 the
+servable model files; the files are written and persisted in the background
+(platform/checkpoint.py). A resume loads the newest valid checkpoint on every rank, converting
+it through a DeepSpeed universal checkpoint when the world size changed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE
+from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
+from lmfoundry.platform import checkpoint, storage
+from lmfoundry.platform.log import get_logger
+from lmfoundry.train.expert_parallel import full_state
+
+logger = get_logger(__name__)
+
+
+def stage_root(stage_dir: str | None) -> Path:
+    """Where checkpoints are staged before the upload: `stage_dir`, else shared memory."""
+    if stage_dir:
+        return Path(stage_dir)
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _expert_parallel(engine) -> bool:
+    return any(layer.ep_group is not None for layer in engine.module.moe_layers())
+
+
+def _gathered(engine):
+    """A context in which every parameter is whole: under ZeRO-3 each rank holds only a
+    partition, and a servable checkpoint needs all of it."""
+    if engine.zero_optimization_stage() != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+
+
+def stage_checkpoint(
+    engine, rank: int, step: int, state: dict, tokenizer_json: str, chat_template: str, root: Path
+) -> tuple[Path, Callable[[], None]]:
+    """Collective: every rank snapshots its share of the full training state in memory
+    (DeepSpeed's files: module, this rank's optimizer partition, scheduler; its RNG states) and
+    rank 0 the servable model files, tokenizer, chat template and training state. Returns the local directory
+    the files go to and the function that writes them there (for the background thread)."""
+    root.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f"lmfoundry-{checkpoint.step_name(step)}-rank{rank}-", dir=root))
+    pool = engine.checkpoint_engine.pool
+    engine.save_checkpoint(str(staged / "deepspeed"), tag="state", save_latest=False)
+    rng = _rng_state()
+    # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
+    own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
+    with _gathered(engine):  # ZeRO-3: every rank lends its partition of the weights for the copy
+        weights = full_state(engine.module)  # collective: gathers sharded experts
+        weights = pool.snapshot(weights, ("servable",)) if rank == 0 else None
+    write_deepspeed = engine.checkpoint_engine.take_writer()  # marks the pool busy until written
+    module = engine.module
+
+    def write() -> None:
+        write_deepspeed()
+        torch.save(rng, staged / "deepspeed" / f"rng-rank-{rank}.pt")
+        if own_experts is not None:
+            torch.save(own_experts, staged / "deepspeed" / f"module-rank-{rank}.pt")
+        if rank == 0:
+            save_model_files(module, staged, weights)
+            (staged / TOKENIZER).write_text(tokenizer_json)
+            (staged / CHAT_TEMPLATE_FILE).write_text(chat_template)  # serving and export read it
+            storage.write_json_atomic(str(staged / "train_state.json"), state)
+
+    return staged, write
+
+
+def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None = None) -> dict | None:
+    """Load the newest valid checkpoint of the run (older than `before_step`, when given) into
+    the engine; its training state, or None when there is none. Rank 0 chooses (and clears
+    saves cut short), so every rank loads the same."""
+    import torch.distributed as dist
+
+    chosen = [None]
+    if rank == 0:
+        for uri in checkpoint.remove_uncommitted(run_dir):
+            logger.warning("removed checkpoint %s: its save was cut short (no manifest)", uri)
+        chosen = [checkpoint.latest_valid(run_dir, before_step)]
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        return None
+    local = Path(checkpoint.local_copy(chosen[0]))
+    state = json.loads((local / "train_state.json").read_text())
+    written_by = state["world_size"]
+    load_dir = local / "deepspeed"
+    if written_by != world:
+        if _expert_parallel(engine):
+            raise ValueError(
+                f"checkpoint {chosen[0]} was written by {written_by} workers and this run has {world}: "
+                f"a change of world size is supported without expert parallelism only (each rank's "
+                f"experts are its own files); resume with {written_by} workers"
+            )
+        load_dir = universal_copy(local, chosen[0])
+        engine._config.load_universal_checkpoint = True  # read per load: this load only
+        own_settings = [{k: g[k] for k in ("weight_decay", "name") if k in g} for g in engine.optimizer.param_groups]
+    # DeepSpeed's MoE loader wants per-expert files that it writes only for its own MoE layers;
+    # lmfoundry's experts come back from each rank's module file instead
+    has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
+    try:
+        engine.load_checkpoint(str(load_dir), tag="state", load_module_strict=True)
+    finally:
+        engine.has_moe_layers = has_moe_layers
+        engine._config.load_universal_checkpoint = False
+    if written_by != world:
+        _mend_universal_load(engine, own_settings)
+        dist.barrier()  # every rank of the node has loaded it: the converted copy can go
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            shutil.rmtree(load_dir, ignore_errors=True)
+    if _expert_parallel(engine):
+        engine.module.load_state_dict(torch.load(local / "deepspeed" / f"module-rank-{rank}.pt"))
+    _set_rng_state(torch.load(local / "deepspeed" / f"rng-rank-{rank % written_by}.pt", weights_only=False))
+    if written_by != world:
+        # the position counts global micro-batches of micro_batch_size x world rows; a checkpoint
+        # sits on a step boundary, so the rows trained on divide evenly at the new world size
+        state = {**state, "batches_in_epoch": state["batches_in_epoch"] * written_by // world}
+    if rank == 0:
+        logger.info(
+            "resumed from %s: step %d, epoch %d, %d micro-batches into the epoch%s",
+            chosen[0],
+            state["step"],
+            state["epoch"],
+            state["batches_in_epoch"],
+            f" (written by {written_by} workers, now {world})" if written_by != world else "",
+        )
+    return state
+
+
+def _mend_universal_load(engine, own_settings: list[dict]) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal load (0.19,
+    stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), harmless for stages 1 and 2:
+    every parameter group is given the first group's settings (weight decay on the norms and
+    embeddings), and every group's optimizer state is given one shared `step` tensor, which
+    AdamW then advances once per group per step (the wrong bias correction from the next step
+    on). Each group gets its own settings and its own step counter back."""
+    for group, own in zip(engine.optimizer.param_groups, own_settings):
+        group.update(own)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def universal_copy(local: Path, uri: str) -> Path:
+    """The checkpoint's ZeRO state as a DeepSpeed universal checkpoint (whole parameters and
+    optimizer moments, no partitioning), which loads at any world size. The first rank of each
+    node converts it into a node-local folder named by the checkpoint's manifest (its checksums),
+    so another checkpoint at the same path never reuses it; the node's other ranks wait for it."""
+    import hashlib
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    identity = hashlib.sha256(uri.encode() + (local / checkpoint.CHECKPOINT_MANIFEST).read_bytes()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / f"lmfoundry-universal-{identity}"
+    deepspeed_dir = local / "deepspeed"
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (out / "latest_universal").exists():
+        shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
+        scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(deepspeed_dir / "state"),
+                "--output_folder",
+                str(scratch / "state"),
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
+                "--inject_missing_state",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+            )
+        (scratch / "latest_universal").write_text("state")
+        try:
+            os.replace(scratch, out)
+        except OSError:  # another node on this machine converted it first (a test's nodes share /tmp)
+            if not (out / "latest_universal").exists():
+                raise
+            shutil.rmtree(scratch, ignore_errors=True)
+    dist.barrier()
+    return out

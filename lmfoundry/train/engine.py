@@ -1,0 +1,140 @@
+"""The DeepSpeed engine and its optimizer: the one derivation of DeepSpeed's JSON from a training
+config's components, the parameter groups, the learning-rate schedules and the engine itself."""
+
+from __future__ import annotations
+
+import torch
+
+from lmfoundry.train.config import TrainStageConfig, resolved_precision, world_sizes
+from lmfoundry.train.snapshot import SnapshotCheckpointEngine
+
+
+def gradient_accumulation(cfg: TrainStageConfig, world_size: int, seq_len: int) -> int:
+    """Micro-steps per optimizer step, from the stage's global batch (tokens or pairs)."""
+    return cfg.batch.accumulation(world_size, seq_len)
+
+
+def check_every_world_size(cfg: TrainStageConfig, seq_len: int) -> None:
+    """Fail on the driver, not inside the workers, when a world size the run may train at cannot
+    share the global batch evenly."""
+    for world in world_sizes(cfg.parallelism):
+        gradient_accumulation(cfg, world, seq_len)
+
+
+def reduce_bucket_elements(cfg: TrainStageConfig, num_params: int | None) -> int:
+    """The configured bucket, but never more than the model: a bigger one holds nothing more."""
+    bucket = cfg.parallelism.reduce_bucket_size
+    return min(bucket, num_params) if num_params else bucket
+
+
+def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_params: int | None = None) -> dict:
+    """DeepSpeed's JSON for `cfg` at `world_size` workers (seq_len: tokens per sequence, for a
+    global batch counted in tokens)."""
+    par, opt, schedule = cfg.parallelism, cfg.optimizer, cfg.schedule
+    micro = cfg.batch.micro_batch_size
+    accum = gradient_accumulation(cfg, world_size, seq_len)
+    bucket = reduce_bucket_elements(cfg, num_params)
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world_size,
+        "gradient_clipping": opt.grad_clip,
+        "zero_optimization": {
+            "stage": par.zero_stage,
+            "contiguous_gradients": True,
+            "overlap_comm": par.use_gpu,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            **({"offload_optimizer": {"device": "cpu", "pin_memory": par.use_gpu}} if par.offload_optimizer else {}),
+        },
+        "bf16": {"enabled": resolved_precision(par) == "bf16"},
+        # torch's AdamW, except for an offloaded optimizer on GPU machines: there DeepSpeed's CPU Adam
+        # (vectorised C++, compiled on first use) steps the partition in host memory many times faster.
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": opt.lr,
+                "betas": list(opt.betas),
+                "eps": 1e-8,
+                "weight_decay": opt.weight_decay,
+                **({} if par.offload_optimizer and par.use_gpu else {"torch_adam": True}),
+            },
+        },
+        # warmup-stable-decay has no DeepSpeed scheduler: build_engine hands DeepSpeed a WSDSchedule
+        **(
+            {
+                "scheduler": {
+                    "type": "WarmupCosineLR",
+                    "params": {
+                        "total_num_steps": schedule.max_steps,
+                        "warmup_num_steps": schedule.warmup_steps,
+                        "warmup_type": "linear",
+                        "warmup_min_ratio": 0.0,
+                        "cos_min_ratio": schedule.min_lr_ratio,
+                    },
+                }
+            }
+            if schedule.kind == "cosine"
+            else {}
+        ),
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class WSDSchedule:
+    """Warmup-stable-decay (Hu et al. 2024, MiniCPM; Hägele et al. 2024): linear warmup to the
+    peak, the peak held, then a decay to min_lr_ratio over the last decay_fraction of the steps.
+    A LambdaLR multiplier; an object rather than a closure, so its settings are in the scheduler's
+    state_dict and in every checkpoint."""
+
+    def __init__(self, max_steps: int, warmup_steps: int, decay_fraction: float, min_lr_ratio: float, shape: str):
+        self.max_steps, self.warmup_steps = max_steps, warmup_steps
+        self.decay_steps = max(1, round(max_steps * decay_fraction))
+        self.min_lr_ratio, self.shape = min_lr_ratio, shape
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = (step - (self.max_steps - self.decay_steps)) / self.decay_steps
+        if progress <= 0:
+            return 1.0
+        drop = min(progress, 1.0) if self.shape == "linear" else min(progress, 1.0) ** 0.5
+        return 1.0 - (1.0 - self.min_lr_ratio) * drop
+
+
+def wsd_schedule(cfg: TrainStageConfig) -> WSDSchedule:
+    s = cfg.schedule
+    return WSDSchedule(s.max_steps, s.warmup_steps, s.decay_fraction, s.min_lr_ratio, s.decay_shape)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only; norms and embeddings are not decayed (as in GPT-3).
+    Named, because DeepSpeed splits named groups further into expert and non-expert groups."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict):
+    """`model` in a DeepSpeed engine that checkpoints asynchronously. Returns engine and scheduler."""
+    import deepspeed
+
+    def wsd(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, wsd_schedule(cfg))
+
+    client_scheduler = wsd if cfg.schedule.kind == "wsd" else None  # else DeepSpeed's from the config
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+        config=ds_config,
+        lr_scheduler=client_scheduler,
+    )
+    engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
+    return engine, scheduler

@@ -1,0 +1,38 @@
+"""What a training stage supplies to the one training loop (train/skeleton.py): the model, a
+batch source and a loss. Pretraining (train/pretrain.py) and DPO (train/dpo.py) are objectives;
+supervised fine-tuning or a reward model would be others."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+
+class Objective(Protocol):
+    kind: str  # names the stage in checkpoints and logs: "pretrain", "dpo"
+    model: torch.nn.Module  # built the same on every rank (same seed); the engine wraps it
+    num_params: int  # counted before the engine partitions anything
+    seq_len: int  # tokens per sequence in the batch arithmetic (1 where the batch counts pairs)
+    tokens_per_step: int | None  # for throughput and MFU; None where a step is not counted in tokens
+    flops_per_token: float | None
+    tokenizer_json: str  # saved with every checkpoint
+    chat_template: str  # saved with every checkpoint: serving and export read it
+
+    def attach(self, engine) -> None:
+        """Called once the engine is built (e.g. to move a reference model to its device)."""
+
+    def batches(self, epoch: int, skip: int) -> Iterator[tuple[int, Any]]:
+        """(index, batch): this rank's slice of each global micro-batch of the epoch, in the order
+        the seed fixes, from global micro-batch `skip` on."""
+
+    def loss(self, engine, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The micro-batch's loss (to backpropagate) and more metrics to average over a logging
+        interval (the loss itself is always logged)."""
+
+    def describe(self, metrics: dict) -> str:
+        """The rest of a logged step's log line, after the step and loss."""
+
+    def train_state(self, step: int) -> dict:
+        """What the stage adds to each checkpoint's train_state.json."""

@@ -1,0 +1,330 @@
+"""The per-worker training loop that Ray Train runs on every worker, for every objective.
+
+Each worker wraps the objective's model (the same on every rank) in a DeepSpeed engine over the
+process group Ray Train set up and trains on its slice of each global micro-batch. Checkpoints
+are staged locally and persisted in the background; a restarted worker group resumes from the
+newest valid one with the weights, optimizer and scheduler state, RNG states and data position
+it had, so the run continues as if nothing had happened. A non-finite loss or gradient skips its
+micro-batch or step; a run of them, or a loss spike, rolls back to a checkpoint before the damage
+and skips the batches since.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from lmfoundry.platform import checkpoint
+from lmfoundry.platform.hardware import device_peak_tflops
+from lmfoundry.platform.log import get_logger
+from lmfoundry.train.checkpointing import resume, stage_checkpoint, stage_root
+from lmfoundry.train.config import TrainStageConfig
+from lmfoundry.train.drills import Drills
+from lmfoundry.train.engine import build_engine, deepspeed_config
+from lmfoundry.train.expert_load import ExpertLoad
+from lmfoundry.train.health import Health, stragglers
+from lmfoundry.train.metrics import MetricsFiles, MetricSums, RayTrainReporter, imbalance, mean_across_ranks
+from lmfoundry.train.objective import Objective
+from lmfoundry.train.position import Position, timed
+
+logger = get_logger(__name__)
+
+
+def run(cfg: TrainStageConfig, run_dir: str, build_objective: Callable[[int, int], Objective]) -> None:
+    """Train `cfg` on this worker: `build_objective(rank, world_size)` supplies model, batches and loss."""
+    import ray.train
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if rank != 0:
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed's ZeRO-2 calls a torch collective that torch has renamed; once per step it warns.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+    Trainer(cfg, run_dir, build_objective(rank, world), rank, world).train()
+
+
+class Diverged(Exception):
+    """Training went wrong in a way that only a rollback mends."""
+
+    def __init__(self, reason: str, damaged_since: int):
+        super().__init__(reason)
+        self.reason, self.damaged_since = reason, damaged_since  # the first update that may be damaged
+
+
+class Trainer:
+    def __init__(self, cfg: TrainStageConfig, run_dir: str, objective: Objective, rank: int, world: int):
+        self.cfg, self.run_dir, self.objective, self.rank, self.world = cfg, run_dir, objective, rank, world
+        self.ds_config = deepspeed_config(cfg, world, objective.seq_len, objective.num_params)
+        self.engine, self.scheduler = build_engine(objective.model, cfg, self.ds_config)
+        objective.attach(self.engine)
+        self.accum = self.ds_config["gradient_accumulation_steps"]
+        if rank == 0:
+            logger.info(
+                "%s: %.2fM parameters, %d workers, ZeRO-%d, micro batch %d, grad accumulation %d",
+                objective.kind,
+                objective.num_params / 1e6,
+                world,
+                cfg.parallelism.zero_stage,
+                cfg.batch.micro_batch_size,
+                self.accum,
+            )
+        self.peak_tflops = cfg.logging.peak_tflops_per_worker or device_peak_tflops(
+            torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        )
+        self.drills = Drills(cfg.drills, rank, run_dir)
+        self.checkpointer = checkpoint.AsyncCheckpointer(
+            run_dir,
+            rank,
+            world,
+            cfg.checkpointing.keep_last,
+            cfg.checkpointing.keep_every,
+            before_commit=self.drills.during_save,
+        )
+        self.staging = stage_root(cfg.checkpointing.stage_dir)
+        self.metrics_files = MetricsFiles(run_dir)
+        self.reporter = RayTrainReporter()
+        self.health = Health(cfg.health, self.accum)
+        self.expert_load = ExpertLoad(self.engine.module)
+        self.sums = MetricSums()
+
+        state = resume(self.engine, run_dir, rank, world) or {}
+        self.position = Position.from_state(state)
+        self.history: list[dict] = state.get("history", [])  # every logged step's metrics, for metrics.jsonl
+        self.skipped, self.rollbacks = state.get("skipped_batches", 0), state.get("rollbacks", 0)
+        self.micro = 0  # micro-batches trained on (counts the micro-steps of each optimizer step)
+        self.busy_s, self.host = 0.0, socket.gethostname()  # data waits and forward passes, per log interval
+        self.t_last, self.step_last = time.time(), self.position.step
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> None:
+        import torch.distributed as dist
+
+        pos, max_steps = self.position, self.cfg.schedule.max_steps
+        while pos.step < max_steps:
+            try:
+                finished_epoch = self._train_epoch()
+            except Diverged as diverged:
+                self._roll_back(diverged)
+                continue
+            if finished_epoch:
+                pos.next_epoch()
+        self.checkpointer.wait()
+        self.metrics_files.wait()
+        dist.barrier()  # rank 0's last commit waits for every rank's part: all are written now
+
+    def _train_epoch(self) -> bool:
+        """Train on the rest of this epoch's micro-batches; False when the run ended inside it."""
+        pos = self.position
+        for (index, batch), waited in timed(self.objective.batches(pos.epoch, pos.batches_in_epoch)):
+            if not self._micro_batch(index, batch, waited):
+                continue  # no optimizer step was completed
+            if self.expert_load:
+                self.expert_load.end_step()
+            last = pos.step == self.cfg.schedule.max_steps
+            save = pos.step % self.cfg.checkpointing.every == 0 or last
+            if pos.step % self.cfg.logging.every == 0 or pos.step == 1 or save:
+                self._log_step(save)
+            self.drills.after_step(pos.step)
+            if last:
+                return False
+        return True
+
+    def _micro_batch(self, index: int, batch, waited: float) -> bool:
+        """Forward and backward through one micro-batch; True when it completed an optimizer step.
+        Raises Diverged when training must roll back."""
+        import torch.distributed as dist
+
+        pos, engine = self.position, self.engine
+        started = time.perf_counter()
+        loss, stats = self.objective.loss(engine, batch)
+        pos.batches_in_epoch = index + 1
+        finite = torch.tensor([float(torch.isfinite(loss.detach()).item())])
+        self.busy_s += waited + time.perf_counter() - started
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():  # on any rank: every rank passes over this micro-batch
+            self.skipped += 1
+            logger.warning(
+                "step %d: non-finite loss on some rank; micro-batch %d of epoch %d skipped",
+                pos.step + 1,
+                index,
+                pos.epoch,
+            )
+            reason = self.health.nonfinite_loss()
+            if reason:
+                raise Diverged(reason, pos.step)
+            return False
+        self.health.finite_loss()
+        if self.expert_load:
+            self.expert_load.add_micro_batch()
+        drilled = self.drills.nan_gradients(pos.step + 1, engine.module)
+        engine.backward(loss)
+        if drilled:
+            drilled.remove()
+        if (self.micro + 1) % self.accum == 0:
+            self.drills.before_optimizer_step(pos.step + 1, engine.optimizer)
+        engine.step()
+        self.micro += 1
+        self.sums.add({"loss": loss.item(), **stats})
+        if self.micro % self.accum:
+            return False
+        if not engine.was_step_applied():
+            self._skip_step()
+            return False
+        return self._apply_step()
+
+    def _skip_step(self) -> None:
+        """DeepSpeed found the step's gradients non-finite on some rank (its global gradient norm,
+        ZeRO stages 1-3) and left the weights, the optimizer and the schedule as they were: the
+        step is not taken and its micro-batches are passed over."""
+        self.skipped += self.accum
+        self.sums.drop_step()
+        self.expert_load.discard()
+        logger.warning(
+            "step %d: non-finite gradients on some rank; the optimizer step and its %d micro-batches are skipped",
+            self.position.step + 1,
+            self.accum,
+        )
+        reason = self.health.step_not_applied()
+        if reason:
+            raise Diverged(reason, self.position.step)
+
+    def _apply_step(self) -> bool:
+        self.health.step_applied()
+        self.position.step += 1
+        if self.health.watches_spikes:
+            reason = self.health.spike(mean_across_ranks(self.sums.step_loss()))
+            if reason:  # this step's loss already saw the update before it
+                raise Diverged(reason, self.position.step - 1)
+        self.sums.end_step()
+        return True
+
+    # --- rollback ---------------------------------------------------------------------------
+
+    def _roll_back(self, diverged: Diverged) -> None:
+        """Go back to a checkpoint written before the damage and keep the data position, so the
+        batches trained on since that checkpoint are skipped."""
+        import torch.distributed as dist
+
+        step = self.position.step
+        if not self.cfg.health.spike_factor:
+            raise RuntimeError(
+                f"training diverged at step {step}: {diverged.reason} (set health.spike_factor to roll back)"
+            )
+        logger.error("step %d: %s; rolling back", step, diverged.reason)
+        self.checkpointer.wait()
+        dist.barrier()
+        state = resume(self.engine, self.run_dir, self.rank, self.world, before_step=diverged.damaged_since)
+        if state is None:
+            raise RuntimeError(
+                f"training diverged at step {step} ({diverged.reason}) and no checkpoint before "
+                f"step {diverged.damaged_since} is there to roll back to"
+            )
+        logger.error("rolled back from step %d to step %d; the batches in between are skipped", step, state["step"])
+        self.position.step, self.history = state["step"], state["history"]
+        self.rollbacks += 1
+        self.micro = 0
+        self.sums.clear()
+        self.health.reset()
+        self.t_last, self.step_last = time.time(), self.position.step
+
+    # --- logging and saving -----------------------------------------------------------------
+
+    def _log_step(self, save: bool) -> None:
+        """Collective: the interval's metrics (logged, kept in the history, reported) and, when
+        `save`, a checkpoint."""
+        metrics = self._metrics()
+        self.history.append(metrics)
+        if self.rank == 0:
+            logger.info(
+                "%s step %d/%d loss %.4f %s",
+                self.objective.kind,
+                metrics["step"],
+                self.cfg.schedule.max_steps,
+                metrics["loss"],
+                self.objective.describe(metrics),
+            )
+        if save:
+            blocked = time.perf_counter()
+            self._save(metrics["loss"])
+            metrics["checkpoint_blocking_s"] = time.perf_counter() - blocked
+            if self.rank == 0:
+                self.metrics_files.write(self.history)
+        self.reporter.maybe_report(metrics, force=save)
+        self.t_last, self.step_last = time.time(), self.position.step
+
+    def _metrics(self) -> dict:
+        import torch.distributed as dist
+
+        pos, objective = self.position, self.objective
+        means = self.sums.take_means()
+        now = time.time()
+        steps = pos.step - self.step_last
+        metrics = {
+            "step": pos.step,
+            "epoch": pos.epoch,
+            **means,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+            "step_time_s": (now - self.t_last) / max(steps, 1),
+            "skipped_batches": self.skipped,
+            "rollbacks": self.rollbacks,
+            "world_size": self.world,
+            "time": now,
+        }
+        if objective.tokens_per_step:
+            metrics["tokens_per_s"] = steps * objective.tokens_per_step / max(now - self.t_last, 1e-9)
+            tflops = metrics["tokens_per_s"] * objective.flops_per_token / self.world / 1e12  # achieved, per worker
+            metrics["tflops_per_worker"] = tflops
+            if self.peak_tflops:
+                metrics["mfu"] = tflops / self.peak_tflops
+        busy = [None] * self.world
+        dist.all_gather_object(busy, (self.busy_s, self.host))
+        self.busy_s = 0.0
+        metrics["worker_busy_s"] = [seconds for seconds, _ in busy]
+        for slow_rank, slow_host, ratio in stragglers(busy, self.cfg.health.straggler_factor):
+            if self.rank == 0:
+                logger.warning(
+                    "step %d: rank %d on %s is a straggler: %.2f x the fastest worker's data and forward time",
+                    pos.step,
+                    slow_rank,
+                    slow_host,
+                    ratio,
+                )
+        if self.expert_load:
+            metrics["expert_imbalance"] = imbalance(self.expert_load.last_step)
+            metrics["tokens_per_expert"] = self.expert_load.last_step
+        return metrics
+
+    def _save(self, loss: float) -> None:
+        pos, objective = self.position, self.objective
+        self.checkpointer.wait()  # the snapshot buffers are free once the last save is written
+        train_state = {
+            "step": pos.step,
+            "epoch": pos.epoch,
+            "batches_in_epoch": pos.batches_in_epoch,
+            "world_size": self.world,
+            **objective.train_state(pos.step),
+            "loss": loss,
+            "skipped_batches": self.skipped,
+            "rollbacks": self.rollbacks,
+            "history": self.history,
+            "loss_history": [[h["step"], h["loss"]] for h in self.history],
+            "seed": self.cfg.seed,
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        staged, write = stage_checkpoint(
+            self.engine,
+            self.rank,
+            pos.step,
+            train_state,
+            objective.tokenizer_json,
+            objective.chat_template,
+            self.staging,
+        )
+        self.checkpointer.save(pos.step, staged, {"kind": f"lmfoundry.{objective.kind}", "step": pos.step}, write)

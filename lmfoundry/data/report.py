@@ -220,6 +220,17 @@ def checklist(cfg, merged: dict, residual: dict) -> list[dict]:
     return out
 
 
+def pii_quality(pii_cfg) -> dict:
+    """Recall and precision per PII type of the run's redactor (its configured types and
+    regions) on the project's labelled PII set (lmfoundry.safety.pii_eval)."""
+    from lmfoundry.safety.pii import PIIRedactor
+    from lmfoundry.safety.pii_eval import score
+
+    if not pii_cfg.enabled:
+        return {"enabled": False}
+    return {"enabled": True, "labelled_set": "lmfoundry.safety.pii_eval", **score(PIIRedactor(pii_cfg))}
+
+
 def build_report(cfg, out: str, stats: list[dict], dedup: dict, timings: dict, started: float) -> dict:
     merged = _merge(stats)
     docs_in, kept = merged.get("documents", 0), merged.get("kept", 0)
@@ -244,6 +255,7 @@ def build_report(cfg, out: str, stats: list[dict], dedup: dict, timings: dict, s
         "chars_kept_fraction": merged.get("chars_kept", 0) / max(merged.get("chars_in", 0), 1),
         "kept_languages": dict(sorted(merged.get("kept_languages", {}).items(), key=lambda kv: -kv[1])),
         "pii_redacted": merged.get("pii", {}),
+        "pii": pii_quality(cfg.pii),
         "boilerplate_lines_removed": merged.get("boilerplate_lines_removed", 0),
         "c4_lines_removed": merged.get("c4_lines_removed", 0),
         "dedup": dedup,

@@ -9,7 +9,9 @@ written as `eval.json` and `report.html`, and judged by the regression gate.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -169,9 +171,10 @@ def apply_gate(report: dict, cfg: GateConfig) -> dict | None:
     return {"baseline": cfg.baseline, **gate.compare(report["metrics"], baseline["metrics"], cfg)}
 
 
-def open_model(cfg: EvaluateConfig) -> tuple[EvalModel, str | None, dict]:
+@contextlib.contextmanager
+def open_model(cfg: EvaluateConfig) -> Iterator[tuple[EvalModel, str | None, dict]]:
     """The model under test, its local checkpoint directory (None for an endpoint), and what
-    identifies it in the report."""
+    identifies it in the report; a temporary copy of a remote checkpoint goes when the block ends."""
     if cfg.endpoint is not None:
         import os
 
@@ -179,11 +182,11 @@ def open_model(cfg: EvaluateConfig) -> tuple[EvalModel, str | None, dict]:
         key = os.environ.get(e.api_key_env) if e.api_key_env else None
         if e.api_key_env and not key:
             raise ValueError(f"endpoint.api_key_env: environment variable {e.api_key_env} is not set")
-        return EndpointModel(e.url, e.model, key, e.concurrency, tokenizer=e.tokenizer), None, {"endpoint": e.url}
+        yield EndpointModel(e.url, e.model, key, e.concurrency, tokenizer=e.tokenizer), None, {"endpoint": e.url}
+        return
     uri = checkpoint.resolve(cfg.checkpoint)
-    local = checkpoint.local_copy(uri, model_only=True)
-    manifest = checkpoint.verify(local, model_only=True)
-    return CheckpointModel(local, cfg.batch_size), local, {"checkpoint": uri, "step": manifest.get("step")}
+    with checkpoint.opened(uri, model_only=True) as (local, manifest):
+        yield CheckpointModel(local, cfg.batch_size), local, {"checkpoint": uri, "step": manifest.get("step")}
 
 
 def run_evaluate(cfg: EvaluateConfig) -> dict:
@@ -197,9 +200,9 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
         report["gate"] = apply_gate(report, cfg.gate)
     else:
         started = time.time()
-        model, local, identity = open_model(cfg)
         scratch = out if not storage.is_remote(out) else None
-        report = {**identity, **evaluate(model, cfg, local, scratch)}
+        with open_model(cfg) as (model, local, identity):
+            report = {**identity, **evaluate(model, cfg, local, scratch)}
         report["gate"] = apply_gate(report, cfg.gate)
         report["seconds"] = round(time.time() - started, 2)
         storage.write_json_atomic(storage.join(out, "eval.json"), report)

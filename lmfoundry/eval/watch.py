@@ -28,9 +28,8 @@ def evaluate_checkpoint(uri: str, step: int, suites_json: dict, run_dir: str) ->
     started = time.perf_counter()
     record: dict = {"step": step, "checkpoint": uri}
     try:
-        local = checkpoint.local_copy(uri, model_only=True)
-        checkpoint.verify(local, model_only=True)
-        report = evaluate(CheckpointModel(local, suites.batch_size), suites, local, use_ray=False)
+        with checkpoint.opened(uri, model_only=True) as (local, _):
+            report = evaluate(CheckpointModel(local, suites.batch_size), suites, local, use_ray=False)
         gate = apply_gate(report, suites.gate)
         record.update(metrics=report["metrics"], report=report, gate=gate)
         if gate is not None:

@@ -19,13 +19,12 @@ def main(argv=None) -> int:
     p.add_argument("--format", choices=["hf"], default="hf", help="hf: Llama architecture, safetensors")
     args = p.parse_args(argv)
     try:
-        local = checkpoint.local_copy(args.checkpoint, model_only=True)
-        checkpoint.verify(local, model_only=True)
-        out = export_hf(local, args.output)
+        with checkpoint.opened(args.checkpoint, model_only=True) as (local, _):
+            out = export_hf(local, args.output)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: export: {e}", file=sys.stderr)
         return 2
-    print(f"exported {local} -> {out} (format {args.format})")
+    print(f"exported {args.checkpoint} -> {out} (format {args.format})")
     return 0
 
 

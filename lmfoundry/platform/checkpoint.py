@@ -16,12 +16,16 @@ skipped.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import os
+import re
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -51,22 +55,192 @@ def seal(directory: str | os.PathLike, details: dict) -> dict:
     return manifest
 
 
+# --- what a checkpoint may name ------------------------------------------------------------------
+#
+# A manifest comes from storage an attacker may write to, and its file names become local paths
+# when a checkpoint is verified, copied down or resumed. Every name is checked before anything is
+# read or written: relative, forward slashes, at most a few components of letters, digits, dot,
+# dash and underscore, none of them "." or "..". Files on a local filesystem must be plain files
+# reached through plain directories: a symlink (to /etc/passwd, or out of the checkpoint) is refused.
+
+_NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+MAX_NAME_DEPTH = 6
+MAX_NAME_CHARS = 512
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_name(name: object) -> str:
+    """`name` when it is a safe relative file name inside a checkpoint; a ValueError naming what
+    is wrong and what is allowed otherwise."""
+    allowed = (
+        "allowed: a relative path of at most "
+        f"{MAX_NAME_DEPTH} '/'-separated parts of letters, digits, '.', '-', '_' (not '.' or '..')"
+    )
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"checkpoint file name {name!r} is not a non-empty string; {allowed}")
+    if "\x00" in name or "\\" in name or name.startswith("/") or re.match(r"[A-Za-z]:", name):
+        raise ValueError(
+            f"checkpoint file name {name!r} is absolute or has a NUL, backslash or drive letter; {allowed}"
+        )
+    parts = name.split("/")
+    if len(name) > MAX_NAME_CHARS or len(parts) > MAX_NAME_DEPTH:
+        raise ValueError(f"checkpoint file name {name[:80]!r}... is too long or too deep; {allowed}")
+    for part in parts:
+        if part in (".", "..") or not _NAME_PART.fullmatch(part):
+            raise ValueError(f"checkpoint file name {name!r} has the part {part!r}; {allowed}")
+    return name
+
+
+def checked_files(manifest: object, where: str) -> dict[str, dict]:
+    """The manifest's `files`, after checking its shape and every name (nothing is touched yet)."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"{where}: {CHECKPOINT_MANIFEST} is not an object with a 'files' object")
+    files = manifest["files"]
+    for name, meta in files.items():
+        check_name(name)
+        if name == CHECKPOINT_MANIFEST or name.startswith(PARTS + "/"):
+            raise ValueError(f"{where}: the manifest lists {name!r}, a name reserved for the checkpoint's bookkeeping")
+        if (
+            not isinstance(meta, dict)
+            or not isinstance(meta.get("bytes"), int)
+            or isinstance(meta.get("bytes"), bool)
+            or meta["bytes"] < 0
+            or not isinstance(meta.get("sha256"), str)
+            or not _SHA256.fullmatch(meta["sha256"])
+        ):
+            raise ValueError(
+                f"{where}: the entry for {name!r} must be {{'bytes': a size >= 0, 'sha256': 64 hex digits}}"
+            )
+    return files
+
+
+def refuse_links(directory: str | os.PathLike, name: str) -> Path:
+    """The local path of `name` under `directory`, when every part of it is a plain directory or
+    file (no symlink anywhere) and it stays inside `directory`."""
+    root = Path(directory)
+    path = root
+    for part in name.split("/"):
+        path = path / part
+        if path.is_symlink():
+            raise ValueError(f"checkpoint {root}: {name} goes through a symbolic link ({path}); links are refused")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"checkpoint {root}: {name} is not a regular file")
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"checkpoint {root}: {name} resolves outside the checkpoint")
+    return path
+
+
+def refuse_any_link(directory: str | os.PathLike) -> None:
+    """A local checkpoint holds no symbolic link at all: a loader that opens a fixed name (the
+    tokenizer, the model config) must never be led out of the checkpoint."""
+    root = Path(directory)
+    if root.is_symlink():
+        raise ValueError(f"checkpoint {root} is itself a symbolic link; links are refused")
+    for parent, dirs, files in os.walk(root, followlinks=False):
+        for entry in (*dirs, *files):
+            if Path(parent, entry).is_symlink():
+                raise ValueError(f"checkpoint {root}: {Path(parent, entry)} is a symbolic link; links are refused")
+
+
+# --- safetensors files: the header must describe the file ---------------------------------------
+
+MAX_SAFETENSORS_HEADER = 100 << 20  # the limit safetensors itself applies
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+
+def check_safetensors(path: str | os.PathLike) -> None:
+    """Refuse a safetensors file whose header lies: a header length past the end of the file,
+    tensors whose byte ranges overlap, leave gaps, run past the data or do not match their
+    dtype and shape. Read before any tensor is loaded, so a crafted header never drives an
+    allocation or a read."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        n = int.from_bytes(prefix, "little")
+        if n > MAX_SAFETENSORS_HEADER or 8 + n > size:
+            raise ValueError(f"{path}: header length {n} runs past the end of the {size}-byte file")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: the safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not an object")
+    data_bytes = size - 8 - n
+    spans = []
+    for key, t in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = t["dtype"], t["shape"], t["data_offsets"]
+            count = math.prod(int(d) for d in shape)
+            if any(not isinstance(d, int) or d < 0 for d in shape) or not all(isinstance(o, int) for o in (start, end)):
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: tensor {key!r} needs dtype, shape (sizes >= 0) and data_offsets") from None
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"{path}: tensor {key!r} has dtype {dtype!r}; allowed: {', '.join(_DTYPE_BYTES)}")
+        if not 0 <= start <= end <= data_bytes or end - start != count * _DTYPE_BYTES[dtype]:
+            raise ValueError(
+                f"{path}: tensor {key!r} claims bytes [{start}, {end}) for {dtype} {shape}; "
+                f"it needs {count * _DTYPE_BYTES[dtype]} bytes inside the {data_bytes} data bytes"
+            )
+        spans.append((start, end))
+    covered = 0
+    for start, end in sorted(spans):
+        if start != covered:
+            raise ValueError(f"{path}: tensor byte ranges overlap or leave a gap at byte {covered}")
+        covered = end
+    if covered != data_bytes:
+        raise ValueError(f"{path}: tensors cover {covered} of the {data_bytes} data bytes")
+
+
+# --- reading checkpoints ----------------------------------------------------------------------
+
+
 def verify(directory: str, model_only: bool = False) -> dict:
-    """The manifest of a checkpoint (local or remote), after checking that every file matches
-    it; `model_only` leaves out the training state that only resuming reads."""
+    """The manifest of a checkpoint (local or remote), after checking every name it lists and
+    that every file matches it (size, then sha256; safetensors headers too, for local files);
+    `model_only` leaves out the training state that only resuming reads."""
     directory = storage.normalize(str(directory))
     path = storage.join(directory, CHECKPOINT_MANIFEST)
     if not storage.exists(path):
         raise FileNotFoundError(f"{directory} is not a checkpoint: it has no {CHECKPOINT_MANIFEST}")
+    local = not storage.is_remote(directory)
+    if local:
+        refuse_any_link(directory)
     manifest = storage.read_json(path)
-    for name, meta in manifest["files"].items():
+    for name, meta in checked_files(manifest, directory).items():
         if model_only and name.startswith(TRAINING_STATE):
             continue
         f = storage.join(directory, name)
+        if local:
+            refuse_links(directory, name)
         if not storage.exists(f):
             raise ValueError(f"checkpoint {directory} is missing {name}")
+        if storage.size(f) != meta["bytes"]:
+            raise ValueError(f"checkpoint {directory}: {name} is not the {meta['bytes']} bytes its manifest says")
         if storage.sha256_uri(f) != meta["sha256"]:
             raise ValueError(f"checkpoint {directory}: {name} does not match its checksum (corrupt)")
+        if local and name.endswith(".safetensors"):
+            check_safetensors(f)
     return manifest
 
 
@@ -78,33 +252,164 @@ def resolve(uri: str) -> str:
     if storage.is_committed(uri):
         manifest = storage.read_manifest(uri)
         if manifest.get("final_checkpoint"):
-            return storage.join(uri, manifest["final_checkpoint"])
+            return storage.join(uri, check_name(manifest["final_checkpoint"]))
     raise FileNotFoundError(
         f"{uri} is neither a checkpoint (no {CHECKPOINT_MANIFEST}) nor a finished pretrain run "
         "(no _MANIFEST.json naming a final_checkpoint)"
     )
 
 
-def local_copy(uri: str, model_only: bool = False) -> str:
-    """A local directory holding the checkpoint at `uri`, downloading it when it is remote
-    (without the training state when `model_only`)."""
-    uri = resolve(uri)
-    if not storage.is_remote(uri):
-        return uri
-    target = tempfile.mkdtemp(prefix="lmfoundry-ckpt-")
-    fs, path = storage.filesystem(uri)
-    names = [CHECKPOINT_MANIFEST, *storage.read_json(storage.join(uri, CHECKPOINT_MANIFEST))["files"]]
+def download(fs: pafs.FileSystem, path: str, target: str | os.PathLike, model_only: bool = False) -> None:
+    """Copy the checkpoint at `path` on `fs` into the empty local directory `target`. Every name
+    in its manifest is checked before the first byte is written, and each file is written only
+    at its checked name under `target`."""
+    with fs.open_input_stream(f"{path}/{CHECKPOINT_MANIFEST}") as f:
+        manifest_bytes = f.read()
+    names = list(checked_files(json.loads(manifest_bytes), path))
+    target = Path(target)
     for name in names:
         if model_only and name.startswith(TRAINING_STATE):
             continue
-        Path(target, name).parent.mkdir(parents=True, exist_ok=True)
-        pafs.copy_files(
-            f"{path}/{name}",
-            str(Path(target, name)),
-            source_filesystem=fs,
-            destination_filesystem=pafs.LocalFileSystem(),
-        )
+        source = f"{path}/{name}"
+        if fs.get_file_info(source).type != pafs.FileType.File:
+            raise ValueError(f"checkpoint {path}: {name} is missing or not a regular file")
+        if isinstance(fs, pafs.LocalFileSystem):
+            refuse_links(path, name)  # a local "remote" would follow a link when read
+        dest = refuse_links(target, name)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with fs.open_input_stream(source) as src, open(dest, "xb") as out:
+            for chunk in iter(lambda: src.read(8 << 20), b""):
+                out.write(chunk)
+    (target / CHECKPOINT_MANIFEST).write_bytes(manifest_bytes)
+
+
+def local_copy(uri: str, model_only: bool = False) -> str:
+    """A local directory holding the checkpoint at `uri`, downloading it into a new temporary
+    directory when it is remote (without the training state when `model_only`); the caller
+    removes a downloaded copy (`opened` does). A failed download leaves nothing behind."""
+    uri = resolve(uri)
+    if not storage.is_remote(uri):
+        return uri
+    return copy_down(*storage.filesystem(uri), model_only)
+
+
+TEMP_PREFIX = "lmfoundry-ckpt-"
+
+
+def copy_down(fs: pafs.FileSystem, path: str, model_only: bool = False) -> str:
+    """A new temporary local directory holding the checkpoint at `path` on `fs`; removed again
+    when the copy fails, so a refused or broken checkpoint leaves nothing on local disk."""
+    target = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+    try:
+        download(fs, path, target, model_only)
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
     return target
+
+
+@contextlib.contextmanager
+def opened(uri: str, model_only: bool = True) -> Iterator[tuple[str, dict]]:
+    """(local directory, manifest) of the verified checkpoint at `uri`; a temporary copy of a
+    remote checkpoint is removed when the block ends, also on error."""
+    source = resolve(uri)
+    local = local_copy(source, model_only)
+    try:
+        yield local, verify(local, model_only)
+    finally:
+        if local != source:
+            shutil.rmtree(local, ignore_errors=True)
+
+
+# --- training state without pickle --------------------------------------------------------------
+#
+# Resuming must not unpickle: a .pt written by torch.save is a pickle, and loading one from
+# storage an attacker can write to runs their code. The RNG states are saved as JSON (Python's
+# and numpy's are tuples of integers) and a safetensors tensor (torch's byte state).
+
+RNG_JSON = "rng.json"
+RNG_TENSORS = "rng.safetensors"
+
+
+def save_json_state(path: str | os.PathLike, state: dict) -> None:
+    """Counters and other plain training state as JSON (strict: no NaN, nothing but JSON types)."""
+    storage.write_json_atomic(str(path), json.loads(json.dumps(state, allow_nan=False)))
+
+
+def load_json_state(path: str | os.PathLike) -> dict:
+    state = json.loads(Path(path).read_text())
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: training state must be a JSON object")
+    return state
+
+
+def save_rng_state(directory: str | os.PathLike, suffix: str = "") -> None:
+    """Python's, numpy's and torch's (CPU, and CUDA's when it is in use) RNG states, as
+    `rng{suffix}.json` and `rng{suffix}.safetensors` in `directory`."""
+    import random
+
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached": cached},
+    }
+    save_json_state(directory / f"rng{suffix}.json", state)
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    save_file(tensors, str(directory / f"rng{suffix}.safetensors"))
+
+
+def load_rng_state(directory: str | os.PathLike, suffix: str = "") -> None:
+    """Restore what `save_rng_state` wrote; a ValueError naming the file when it is malformed."""
+    import random
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    json_path, tensor_path = directory / f"rng{suffix}.json", directory / f"rng{suffix}.safetensors"
+    check_safetensors(tensor_path)
+    tensors = load_file(str(tensor_path))
+    state = load_json_state(json_path)
+    try:
+        py, npy = state["python"], state["numpy"]
+        python_state = (int(py["version"]), tuple(int(x) for x in py["internal"]), py["gauss"])
+        numpy_state = (
+            str(npy["kind"]),
+            np.asarray(npy["keys"], dtype=np.uint32),
+            int(npy["pos"]),
+            int(npy["has_gauss"]),
+            float(npy["cached"]),
+        )
+        torch_state = tensors["torch"]
+        # checked in full before anything is set, so a bad file never leaves the state half restored
+        if len(python_state[1]) != 625 or numpy_state[1].shape != (624,) or numpy_state[0] != "MT19937":
+            raise ValueError("the Python state needs 625 words and the numpy MT19937 state 624 keys")
+        if torch_state.dtype != torch.uint8 or torch_state.dim() != 1:
+            raise ValueError("the torch RNG state must be a 1-D uint8 tensor")
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError) as e:
+        raise ValueError(f"{directory}: malformed RNG state ({type(e).__name__}: {e})") from None
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+
+
+def torch_load_weights(path: str | os.PathLike, map_location="cpu"):
+    """`torch.load` that can only rebuild tensors and plain containers (never runs pickled code)."""
+    import torch
+
+    return torch.load(path, map_location=map_location, weights_only=True)
 
 
 # --- a training run's rolling checkpoints -------------------------------------------------------

@@ -134,6 +134,11 @@ def upload_file(local_path: str | os.PathLike, uri: str) -> None:
             dst.write(chunk)
 
 
+def size(uri: str) -> int:
+    fs, path = filesystem(uri)
+    return fs.get_file_info(path).size
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -1,9 +1,17 @@
-"""PII redaction: e-mail addresses, phone numbers, IP addresses, credit-card numbers and IBANs,
-replaced by typed placeholders.
+"""PII redaction: e-mail addresses, phone numbers, IP addresses, credit-card numbers, IBANs and
+US social security numbers, replaced by typed placeholders.
 
-Patterns find candidates; validators decide (Luhn for cards, ISO 13616 mod-97 and the country's
-length for IBANs, `ipaddress` for IPs, digit counts and separators for phones), so version
-numbers, dates, times and code are left alone.
+Patterns find candidates; validators decide (Luhn and issuer ranges for cards, ISO 13616 mod-97
+and the country's length for IBANs, `ipaddress` for IPs, the SSA's area/group/serial rules for
+SSNs, and Google's libphonenumber metadata, through the `phonenumbers` package, for phone numbers
+in the national formats of the configured regions), so version numbers, dates, times and code
+are left alone.
+
+Phones use `phonenumbers` because national formats differ per country in trunk prefixes, area
+code lengths and valid number ranges (a German 0211 1234567, a French 01 23 45 67 89, an Indian
+098765 43210): the library carries that metadata for every region and is kept current. It is
+slow when run over whole documents, so a cheap pattern first finds digit runs that could be a
+phone and only those are parsed.
 """
 
 from __future__ import annotations
@@ -13,13 +21,16 @@ import re
 
 from lmfoundry.platform.config import StageConfig
 
-PII_TYPES = ("email", "phone", "ip_address", "credit_card", "iban")
+PII_TYPES = ("email", "phone", "ip_address", "credit_card", "iban", "us_ssn")
+PHONE_REGIONS = ("US", "GB", "DE", "FR", "IN")
 
 
 class PIIConfig(StageConfig):
     enabled: bool = True
     types: list[str] = list(PII_TYPES)
     placeholder: str = "<{TYPE}>"  # e.g. <EMAIL>, <CREDIT_CARD>
+    # national phone formats recognised (ISO 3166 codes); +CC numbers are found for every country
+    phone_regions: list[str] = list(PHONE_REGIONS)
 
 
 _DIGIT = re.compile(r"\d")
@@ -28,14 +39,14 @@ _EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@(?:[A-Za-z0-
 _IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w]|\.\d)")
 _IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
 _VERSION_CONTEXT = re.compile(r"\b(?:version|release|build|ver\.?|v)\s*$", re.IGNORECASE)
-# 13 to 19 digits in groups separated by single spaces or hyphens.
-_CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])")
-_IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b")
-# International (+CC ...) or North American (NXX) NXX-XXXX, with consistent separators.
-_PHONE = re.compile(
-    r"(?<![\w+])(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]\d{2,4}){1,4}"
-    r"|\(\d{3}\) ?\d{3}[ .-]\d{4}|\d{3}([.-])\d{3}\1\d{4})(?![\w])"
-)
+# 12 to 19 digits in groups separated by single spaces or hyphens (12: Maestro only).
+_CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){11,18}(?![\d-])")
+# Upper or lower case, compact or in groups of four (as printed on statements).
+_IBAN = re.compile(r"\b[A-Za-z]{2}\d{2}(?: ?[A-Za-z0-9]{4}){2,7}(?: ?[A-Za-z0-9]{1,3})?\b")
+# AAA-GG-SSSS or AAA GG SSSS (one separator kind), not inside a longer number or dashed run.
+_SSN = re.compile(r"(?<![\w-])(\d{3})([- ])(\d{2})\2(\d{4})(?![\w]|-\d)")
+# Digit runs that may be a phone: optional +, digits with spaces, dots, hyphens, parentheses.
+_PHONE_CANDIDATE = re.compile(r"(?<![\w.+/-])\+?\(?\d[\d ().-]{5,22}\d(?![\w]|[.-]\d)")
 # ISO 13616 IBAN lengths by country (the common ones; others are checked by mod-97 alone).
 IBAN_LENGTHS = {
     "AD": 24,
@@ -75,8 +86,10 @@ IBAN_LENGTHS = {
     "SM": 27,
     "TR": 26,
 }
-# Issuer prefixes of the major card networks (Visa, Mastercard, Amex, Discover, JCB, Diners, UnionPay).
+# Issuer prefixes of the major card networks (Visa, Mastercard, Amex, Discover, JCB, Diners,
+# UnionPay, Mir 2200-2204), 13 to 19 digits; Maestro (50, 56-58, 63, 67) also comes with 12.
 _CARD_PREFIX = re.compile(r"^(?:4|5[1-5]|2[2-7]|3[47]|3[068]|6011|65|64[4-9]|35|62)")
+_MAESTRO_PREFIX = re.compile(r"^(?:50|5[6-8]|6[37])")
 
 
 def luhn_valid(digits: str) -> bool:
@@ -92,7 +105,9 @@ def luhn_valid(digits: str) -> bool:
 
 
 def iban_valid(candidate: str) -> bool:
-    iban = candidate.replace(" ", "")
+    iban = candidate.replace(" ", "").upper()
+    if not candidate.replace(" ", "").isupper() and iban[:2] not in IBAN_LENGTHS:
+        return False  # lower or mixed case: only the countries whose length is known, fewer chance hits
     expected = IBAN_LENGTHS.get(iban[:2])
     if expected is not None and len(iban) != expected:
         return False
@@ -102,13 +117,30 @@ def iban_valid(candidate: str) -> bool:
     return int("".join(str(int(c, 36)) for c in moved)) % 97 == 1
 
 
+def valid_iban_prefix(candidate: str) -> int:
+    """Length of the longest prefix of `candidate` (ending at a group) that is a valid IBAN, 0 if
+    none: the pattern may swallow a short word after the number ("... 6279 for")."""
+    groups = candidate.split(" ") if " " in candidate else [candidate]
+    for n in range(len(groups), 0, -1):
+        prefix = " ".join(groups[:n])
+        if iban_valid(prefix):
+            return len(prefix)
+    return 0
+
+
 def _is_card(m: re.Match) -> bool:
     s = m.group(0)
     seps = {c for c in s if not c.isdigit()}
     if len(seps) > 1:
         return False
     digits = "".join(c for c in s if c.isdigit())
-    return bool(_CARD_PREFIX.match(digits)) and luhn_valid(digits)
+    network = (len(digits) >= 13 and _CARD_PREFIX.match(digits)) or _MAESTRO_PREFIX.match(digits)
+    return bool(network) and luhn_valid(digits)
+
+
+def ssn_valid(area: str, group: str, serial: str) -> bool:
+    """The SSA never issues area 000, 666 or 900-999, group 00 or serial 0000."""
+    return area not in ("000", "666") and area[0] != "9" and group != "00" and serial != "0000"
 
 
 def _is_ipv4(m: re.Match, text: str) -> bool:
@@ -134,9 +166,26 @@ def _is_ipv6(m: re.Match) -> bool:
     return sum(c.isalnum() for c in s) >= 4
 
 
-def _is_phone(m: re.Match) -> bool:
-    digits = sum(c.isdigit() for c in m.group(0))
-    return 10 <= digits <= 15
+def _phone_spans(candidate: str, regions: list[str]) -> list[tuple[int, int]]:
+    """Spans of valid phone numbers inside one candidate digit run. A bare run of digits (no
+    separator, no + or trunk 0) is left alone: order numbers and ids look just like that."""
+    import phonenumbers
+
+    spans: set[tuple[int, int]] = set()
+    for region in regions:
+        for m in phonenumbers.PhoneNumberMatcher(candidate, region, leniency=phonenumbers.Leniency.VALID):
+            raw = m.raw_string
+            if raw.isdigit() and not raw.startswith("0"):
+                continue
+            if not 7 <= sum(c.isdigit() for c in raw) <= 15:
+                continue
+            spans.add((m.start, m.end))
+    # the longest wins where regions disagree on where a number ends
+    kept: list[tuple[int, int]] = []
+    for start, end in sorted(spans, key=lambda s: (s[0] - s[1], s[0])):
+        if all(end <= a or start >= b for a, b in kept):
+            kept.append((start, end))
+    return sorted(kept)
 
 
 class PIIRedactor:
@@ -147,20 +196,27 @@ class PIIRedactor:
         unknown = set(self.cfg.types) - set(PII_TYPES)
         if unknown:
             raise ValueError(f"unknown PII types {sorted(unknown)}; allowed: {list(PII_TYPES)}")
+        import phonenumbers
+
+        regions = phonenumbers.SUPPORTED_REGIONS
+        bad = [r for r in self.cfg.phone_regions if r not in regions]
+        if bad:
+            raise ValueError(f"unknown phone_regions {bad}; allowed: ISO 3166 codes such as {list(PHONE_REGIONS)}")
 
     def _tag(self, kind: str) -> str:
         return self.cfg.placeholder.replace("{TYPE}", kind.upper())
 
     def redact(self, text: str) -> tuple[str, dict[str, int]]:
         counts = dict.fromkeys(self.cfg.types, 0)
-        # Order matters: e-mails before IPs (user@10.0.0.1), cards and IBANs before phones.
+        # Order matters: e-mails before IPs (user@10.0.0.1), cards, IBANs and SSNs before phones.
         steps = [
             ("email", _EMAIL, lambda m: True),
-            ("iban", _IBAN, lambda m: iban_valid(m.group(0))),
+            ("iban", _IBAN, None),
             ("credit_card", _CARD, _is_card),
+            ("us_ssn", _SSN, lambda m: ssn_valid(m.group(1), m.group(3), m.group(4))),
             ("ip_address", _IPV4, lambda m: _is_ipv4(m, text_now)),
             ("ip_address", _IPV6, _is_ipv6),
-            ("phone", _PHONE, _is_phone),
+            ("phone", _PHONE_CANDIDATE, None),
         ]
         text_now = text
         for kind, pattern, valid in steps:
@@ -168,6 +224,12 @@ class PIIRedactor:
                 continue
 
             def swap(m, kind=kind, valid=valid):
+                if kind == "phone":
+                    return self._swap_phones(m.group(0), counts)
+                if kind == "iban":
+                    n = valid_iban_prefix(m.group(0))
+                    counts[kind] += n > 0
+                    return self._tag(kind) + m.group(0)[n:] if n else m.group(0)
                 if not valid(m):
                     return m.group(0)
                 counts[kind] += 1
@@ -175,6 +237,14 @@ class PIIRedactor:
 
             text_now = pattern.sub(swap, text_now)
         return text_now, counts
+
+    def _swap_phones(self, candidate: str, counts: dict[str, int]) -> str:
+        out, last = [], 0
+        for start, end in _phone_spans(candidate, self.cfg.phone_regions):
+            out += [candidate[last:start], self._tag("phone")]
+            counts["phone"] += 1
+            last = end
+        return "".join(out) + candidate[last:]
 
 
 def _may_contain(kind: str, text: str) -> bool:

@@ -81,20 +81,21 @@ class InferenceEngine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype not in DTYPES:
             raise ValueError(f"engine dtype {dtype!r} is not one of {', '.join(map(repr, DTYPES))}")
-        local = checkpoint.local_copy(checkpoint_uri, model_only=True)
-        self.manifest = checkpoint.verify(local, model_only=True)
-        self.tokenizer = Tokenizer.from_file(f"{local}/{TOKENIZER}")
-        self.chat_template = ChatTemplate.from_checkpoint(local)
-        self.stop_ids = frozenset(
-            self.tokenizer.token_to_id(t) for t in (EOS, IM_END) if self.tokenizer.token_to_id(t) is not None
-        )
-        self.batcher = ContinuousBatcher(
-            lambda: load_model_files(local, device).to(DTYPES[dtype]),
-            self.stop_ids,
-            max_batch_size,
-            max_waiting,
-            max_prefill_tokens,
-        )
+        # everything is read inside the block (the batcher loads the model before it returns):
+        # a temporary copy of a remote checkpoint goes when it ends
+        with checkpoint.opened(checkpoint_uri, model_only=True) as (local, self.manifest):
+            self.tokenizer = Tokenizer.from_file(f"{local}/{TOKENIZER}")
+            self.chat_template = ChatTemplate.from_checkpoint(local)
+            self.stop_ids = frozenset(
+                self.tokenizer.token_to_id(t) for t in (EOS, IM_END) if self.tokenizer.token_to_id(t) is not None
+            )
+            self.batcher = ContinuousBatcher(
+                lambda: load_model_files(local, device).to(DTYPES[dtype]),
+                self.stop_ids,
+                max_batch_size,
+                max_waiting,
+                max_prefill_tokens,
+            )
         self.context = self.batcher.context
 
     def encode(self, text: str) -> list[int]:

@@ -1,0 +1,349 @@
+"""Malicious checkpoints: crafted manifests, links, pickles and safetensors headers are refused
+before anything is written, and training state round-trips without pickle."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lmfoundry.platform import checkpoint, storage
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tree(root: Path) -> set[str]:
+    """Every path under `root` (links included, not followed): what a test compares before/after."""
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def make_checkpoint(directory: Path, **details) -> Path:
+    """A small real checkpoint: safetensors weights, a config, a tokenizer, the manifest last."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, str(directory / "model.safetensors"))
+    (directory / "model_config.json").write_text('{"n_layer": 1}')
+    (directory / "tokenizer.json").write_text('{"model": {}}')
+    checkpoint.seal(directory, {"step": 1, **details})
+    return directory
+
+
+def rewrite_manifest(directory: Path, edit) -> None:
+    manifest = json.loads((directory / checkpoint.CHECKPOINT_MANIFEST).read_text())
+    edit(manifest["files"])
+    (directory / checkpoint.CHECKPOINT_MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """Temporary copies go under the test's own directory, so leftovers can be counted."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    return scratch
+
+
+# --- names in a manifest ----------------------------------------------------------------------
+
+BAD_NAMES = [
+    "../../evil",
+    "weights/../../evil",
+    "/etc/cron.d/evil",
+    "C:/Windows/evil.dll",
+    "c:evil",
+    "deepspeed\\..\\evil",
+    "model.safetensors\x00.txt",
+    "./model.safetensors",
+    "a//b",
+    "",
+    "a/" * 10 + "deep",
+    "..",
+]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_traversal_absolute_backslash_drive_nul_names_are_refused(name):
+    with pytest.raises(ValueError, match="checkpoint file name"):
+        checkpoint.check_name(name)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "deepspeed/state/mp_rank_00_model_states.pt", "rng-rank-3.json"])
+def test_the_names_a_checkpoint_really_has_are_accepted(name):
+    assert checkpoint.check_name(name) == name
+
+
+@pytest.mark.parametrize("evil", ["../../evil", "/ABS/evil"])
+def test_download_of_manifest_with_traversal_or_absolute_path_writes_nothing(tmp_path, private_tmp, evil):
+    source = make_checkpoint(tmp_path / "remote" / "ckpt")
+    outside = tmp_path / "evil"
+    evil = evil.replace("/ABS", str(tmp_path))
+    (source / "payload").write_bytes(b"owned")
+    meta = {"bytes": 5, "sha256": storage.sha256_file(source / "payload")}
+    rewrite_manifest(source, lambda files: files.update({evil: meta}))
+    before = tree(tmp_path)
+    with pytest.raises(ValueError, match="checkpoint file name"):
+        checkpoint.copy_down(pafs.LocalFileSystem(), str(source))
+    assert not outside.exists()
+    assert tree(tmp_path) == before  # the temporary copy is gone too
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_verify_refuses_a_local_manifest_with_traversal(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "secret").write_text("not yours")
+    meta = {"bytes": 9, "sha256": storage.sha256_file(tmp_path / "secret")}
+    rewrite_manifest(ckpt, lambda files: files.update({"../secret": meta}))
+    with pytest.raises(ValueError, match="'..'"):
+        checkpoint.verify(ckpt)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [{"bytes": -1, "sha256": "0" * 64}, {"bytes": 1, "sha256": "zz"}, {"bytes": True, "sha256": "0" * 64}, "x"],
+)
+def test_malformed_manifest_entries_are_refused(tmp_path, meta):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    rewrite_manifest(ckpt, lambda files: files.update({"tokenizer.json": meta}))
+    with pytest.raises(ValueError, match="must be"):
+        checkpoint.verify(ckpt)
+
+
+def test_manifest_listing_the_manifest_itself_is_refused(tmp_path, private_tmp):
+    source = make_checkpoint(tmp_path / "ckpt")
+    meta = {"bytes": 1, "sha256": "0" * 64}
+    rewrite_manifest(source, lambda files: files.update({"manifest.json": meta}))
+    with pytest.raises(ValueError, match="reserved"):
+        checkpoint.copy_down(pafs.LocalFileSystem(), str(source))
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_pretrain_manifest_pointing_final_checkpoint_outside_the_run_is_refused(tmp_path):
+    make_checkpoint(tmp_path / "elsewhere")
+    run = tmp_path / "run"
+    storage.commit(str(run), "pretrain", {"final_checkpoint": "../elsewhere"})
+    with pytest.raises(ValueError, match="'..'"):
+        checkpoint.resolve(str(run))
+
+
+# --- links ------------------------------------------------------------------------------------
+
+
+def test_symlink_to_etc_passwd_in_a_local_checkpoint_is_refused(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    (ckpt / "tokenizer.json").unlink()
+    (ckpt / "tokenizer.json").symlink_to("/etc/passwd")
+    checkpoint.seal(ckpt, {"step": 1})  # the manifest matches the linked content: only the link is wrong
+    with pytest.raises(ValueError, match="symbolic link"):
+        checkpoint.verify(ckpt, model_only=True)
+
+
+def test_unlisted_symlink_in_a_checkpoint_is_refused(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    (ckpt / "chat_template.jinja").symlink_to("/etc/passwd")  # a name loaders open without the manifest
+    with pytest.raises(ValueError, match="symbolic link"):
+        checkpoint.verify(ckpt)
+
+
+def test_symlinked_directory_in_a_downloaded_checkpoint_is_refused(tmp_path, private_tmp):
+    source = make_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "state.bin").write_bytes(b"x")
+    (source / "deepspeed").symlink_to(tmp_path / "outside", target_is_directory=True)
+    meta = {"bytes": 1, "sha256": storage.sha256_file(tmp_path / "outside" / "state.bin")}
+    rewrite_manifest(source, lambda files: files.update({"deepspeed/state.bin": meta}))
+    with pytest.raises(ValueError, match="symbolic link"):
+        checkpoint.copy_down(pafs.LocalFileSystem(), str(source))
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_a_clean_download_has_exactly_the_listed_files_and_opened_removes_it(tmp_path, private_tmp):
+    source = make_checkpoint(tmp_path / "ckpt")
+    (source / "stray.txt").write_text("not in the manifest")
+    copy = Path(checkpoint.copy_down(pafs.LocalFileSystem(), str(source)))
+    assert copy.parent == private_tmp
+    assert tree(copy) == {"manifest.json", "model.safetensors", "model_config.json", "tokenizer.json"}
+    assert checkpoint.verify(copy)["step"] == 1
+
+
+def test_opened_removes_nothing_of_a_local_checkpoint_and_verifies_it(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    with checkpoint.opened(str(ckpt)) as (local, manifest):
+        assert local == str(ckpt) and manifest["step"] == 1
+    assert (ckpt / "model.safetensors").exists()
+    (ckpt / "model_config.json").write_text('{"n_layer": 2}')
+    with pytest.raises(ValueError, match="checksum"):
+        with checkpoint.opened(str(ckpt)):
+            pass
+
+
+# --- pickles --------------------------------------------------------------------------------
+
+
+class _RunsCodeOnLoad:
+    """Unpickling this creates the marker file: the payload of a malicious .pt."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_payload_in_a_pt_file_does_not_run(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "rng-rank-0.pt"
+    torch.save({"torch": torch.zeros(2), "x": _RunsCodeOnLoad(str(marker))}, evil)
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        checkpoint.torch_load_weights(evil)
+    assert not marker.exists()
+    # the payload is live: a pickle-trusting load runs it
+    torch.load(evil, weights_only=False)
+    assert marker.exists()
+
+
+def _torch_load_calls(path: Path) -> list[tuple[int, bool]]:
+    """(line, passes weights_only=True) of every torch.load call in a source file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+            safe = any(
+                k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                for k in node.keywords
+            )
+            found.append((node.lineno, safe))
+    return found
+
+
+def _unsafe_torch_loads(under: Path) -> list[str]:
+    return [
+        f"{p.relative_to(REPO)}:{line}"
+        for p in sorted(under.rglob("*.py"))
+        for line, safe in _torch_load_calls(p)
+        if not safe
+    ]
+
+
+def test_every_torch_load_outside_train_is_weights_only():
+    unsafe = [u for u in _unsafe_torch_loads(REPO / "lmfoundry") if not u.startswith("lmfoundry/train/")]
+    assert unsafe == []
+    # the scan sees calls at all: the platform's own loader is one, and it is safe
+    assert [safe for _, safe in _torch_load_calls(REPO / "lmfoundry" / "platform" / "checkpoint.py")] == [True]
+
+
+@pytest.mark.xfail(strict=True, reason="train/ still unpickles its RNG and expert files; it switches to the helpers")
+def test_every_torch_load_in_train_is_weights_only():
+    assert _unsafe_torch_loads(REPO / "lmfoundry" / "train") == []
+
+
+# --- safetensors headers ----------------------------------------------------------------------
+
+
+def _lying_header(path: Path, edit) -> None:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + n :])
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda h: h["w"].update(data_offsets=[0, 1 << 40]), "claims bytes"),
+        (lambda h: h["w"].update(shape=[2, 3000000]), "claims bytes"),
+        (lambda h: h["w"].update(dtype="F64"), "claims bytes"),
+        (lambda h: h["w"].update(dtype="OBJECT"), "dtype"),
+        (lambda h: h.update(v={"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}), "overlap"),
+        (lambda h: h["w"].update(shape=[-2, -3]), "sizes >= 0"),
+    ],
+)
+def test_safetensors_header_lying_about_sizes_is_refused(tmp_path, edit, message):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    _lying_header(ckpt / "model.safetensors", edit)
+    checkpoint.seal(ckpt, {"step": 1})  # the attacker writes the manifest too
+    with pytest.raises(ValueError, match=message):
+        checkpoint.verify(ckpt)
+
+
+def test_safetensors_header_length_past_the_end_is_refused(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    raw = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 60) + raw[8:])
+    checkpoint.seal(ckpt, {"step": 1})
+    with pytest.raises(ValueError, match="runs past the end"):
+        checkpoint.verify(ckpt)
+
+
+def test_an_honest_safetensors_file_passes():
+    with tempfile.TemporaryDirectory() as d:
+        save_file(
+            {"a": torch.ones(3, dtype=torch.bfloat16), "b": torch.zeros(0), "c": torch.ones(2, 2)}, f"{d}/m.safetensors"
+        )
+        checkpoint.check_safetensors(f"{d}/m.safetensors")
+
+
+# --- training state without pickle ----------------------------------------------------------
+
+
+def _draws() -> tuple:
+    return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+
+def test_rng_state_round_trips_through_json_and_safetensors(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    _draws()
+    checkpoint.save_rng_state(tmp_path, suffix="-rank-0")
+    expected = _draws()
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    checkpoint.load_rng_state(tmp_path, suffix="-rank-0")
+    assert _draws() == expected
+    assert sorted(os.listdir(tmp_path)) == ["rng-rank-0.json", "rng-rank-0.safetensors"]
+    json.loads((tmp_path / "rng-rank-0.json").read_text())  # plain JSON, no pickle anywhere
+    assert b"\x80\x04" not in (tmp_path / "rng-rank-0.safetensors").read_bytes()[:16]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda s: s["python"].update(internal="not a state"),
+        lambda s: s["numpy"].update(keys=[1, 2]),
+        lambda s: s.pop("python"),
+        lambda s: s["numpy"].update(kind={"__reduce__": "os.system"}),
+    ],
+)
+def test_crafted_rng_state_is_a_clear_error(tmp_path, edit):
+    checkpoint.save_rng_state(tmp_path)
+    state = json.loads((tmp_path / "rng.json").read_text())
+    edit(state)
+    (tmp_path / "rng.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="malformed RNG state"):
+        checkpoint.load_rng_state(tmp_path)
+
+
+def test_torch_rng_tensor_of_the_wrong_kind_is_refused(tmp_path):
+    checkpoint.save_rng_state(tmp_path)
+    save_file({"torch": torch.zeros(4, dtype=torch.float32)}, str(tmp_path / "rng.safetensors"))
+    with pytest.raises(ValueError, match="uint8"):
+        checkpoint.load_rng_state(tmp_path)
+
+
+def test_json_state_refuses_what_json_cannot_hold(tmp_path):
+    checkpoint.save_json_state(tmp_path / "train_state.json", {"step": 3, "epoch": 0})
+    assert checkpoint.load_json_state(tmp_path / "train_state.json") == {"step": 3, "epoch": 0}
+    with pytest.raises(ValueError):
+        checkpoint.save_json_state(tmp_path / "bad.json", {"loss": float("nan")})
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError, match="JSON object"):
+        checkpoint.load_json_state(tmp_path / "list.json")

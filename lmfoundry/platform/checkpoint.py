@@ -343,28 +343,40 @@ def load_json_state(path: str | os.PathLike) -> dict:
     return state
 
 
-def save_rng_state(directory: str | os.PathLike, suffix: str = "") -> None:
-    """Python's, numpy's and torch's (CPU, and CUDA's when it is in use) RNG states, as
-    `rng{suffix}.json` and `rng{suffix}.safetensors` in `directory`."""
+def capture_rng_state() -> tuple[dict, dict]:
+    """Python's, numpy's and torch's (CPU, and CUDA's when it is in use) RNG states now, as
+    (JSON-able dict, tensors): taken at a step boundary, written later by `write_rng_state`."""
     import random
 
     import numpy as np
     import torch
-    from safetensors.torch import save_file
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": {"version": version, "internal": list(internal), "gauss": gauss},
         "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached": cached},
     }
-    save_json_state(directory / f"rng{suffix}.json", state)
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["cuda"] = torch.cuda.get_rng_state()
+    return state, tensors
+
+
+def write_rng_state(directory: str | os.PathLike, captured: tuple[dict, dict], suffix: str = "") -> None:
+    """`rng{suffix}.json` and `rng{suffix}.safetensors` in `directory`."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state, tensors = captured
+    save_json_state(directory / f"rng{suffix}.json", state)
     save_file(tensors, str(directory / f"rng{suffix}.safetensors"))
+
+
+def save_rng_state(directory: str | os.PathLike, suffix: str = "") -> None:
+    """The RNG states now, written to `directory` (see `capture_rng_state`)."""
+    write_rng_state(directory, capture_rng_state(), suffix)
 
 
 def load_rng_state(directory: str | os.PathLike, suffix: str = "") -> None:

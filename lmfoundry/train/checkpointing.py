@@ -7,15 +7,12 @@ it through a DeepSpeed universal checkpoint when the world size changed."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import random
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE
@@ -33,16 +30,6 @@ def stage_root(stage_dir: str | None) -> Path:
         return Path(stage_dir)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-
-
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
 
 
 def _expert_parallel(engine) -> bool:
@@ -70,7 +57,7 @@ def stage_checkpoint(
     staged = Path(tempfile.mkdtemp(prefix=f"lmfoundry-{checkpoint.step_name(step)}-rank{rank}-", dir=root))
     pool = engine.checkpoint_engine.pool
     engine.save_checkpoint(str(staged / "deepspeed"), tag="state", save_latest=False)
-    rng = _rng_state()
+    rng = checkpoint.capture_rng_state()
     # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
     own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
     with _gathered(engine):  # ZeRO-3: every rank lends its partition of the weights for the copy
@@ -81,7 +68,8 @@ def stage_checkpoint(
 
     def write() -> None:
         write_deepspeed()
-        torch.save(rng, staged / "deepspeed" / f"rng-rank-{rank}.pt")
+        # JSON and safetensors, not a pickle: resuming never unpickles what storage holds
+        checkpoint.write_rng_state(staged / "deepspeed", rng, suffix=f"-rank-{rank}")
         if own_experts is not None:
             torch.save(own_experts, staged / "deepspeed" / f"module-rank-{rank}.pt")
         if rank == 0:
@@ -108,17 +96,28 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
     if chosen[0] is None:
         return None
     local = Path(checkpoint.local_copy(chosen[0]))
-    state = json.loads((local / "train_state.json").read_text())
+    try:
+        return _load(engine, local, chosen[0], rank, world)
+    finally:
+        if str(local) != checkpoint.resolve(chosen[0]):  # a temporary copy of a remote checkpoint
+            shutil.rmtree(local, ignore_errors=True)
+
+
+def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
+    """Load the checkpoint in `local` (the copy of `uri`) into the engine; its training state."""
+    import torch.distributed as dist
+
+    state = checkpoint.load_json_state(local / "train_state.json")
     written_by = state["world_size"]
     load_dir = local / "deepspeed"
     if written_by != world:
         if _expert_parallel(engine):
             raise ValueError(
-                f"checkpoint {chosen[0]} was written by {written_by} workers and this run has {world}: "
+                f"checkpoint {uri} was written by {written_by} workers and this run has {world}: "
                 f"a change of world size is supported without expert parallelism only (each rank's "
                 f"experts are its own files); resume with {written_by} workers"
             )
-        load_dir = universal_copy(local, chosen[0])
+        load_dir = universal_copy(local, uri)
         engine._config.load_universal_checkpoint = True  # read per load: this load only
         own_settings = [{k: g[k] for k in ("weight_decay", "name") if k in g} for g in engine.optimizer.param_groups]
     # DeepSpeed's MoE loader wants per-expert files that it writes only for its own MoE layers;
@@ -135,8 +134,8 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             shutil.rmtree(load_dir, ignore_errors=True)
     if _expert_parallel(engine):
-        engine.module.load_state_dict(torch.load(local / "deepspeed" / f"module-rank-{rank}.pt"))
-    _set_rng_state(torch.load(local / "deepspeed" / f"rng-rank-{rank % written_by}.pt", weights_only=False))
+        engine.module.load_state_dict(checkpoint.torch_load_weights(local / "deepspeed" / f"module-rank-{rank}.pt"))
+    checkpoint.load_rng_state(local / "deepspeed", suffix=f"-rank-{rank % written_by}")
     if written_by != world:
         # the position counts global micro-batches of micro_batch_size x world rows; a checkpoint
         # sits on a step boundary, so the rows trained on divide evenly at the new world size
@@ -144,7 +143,7 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
     if rank == 0:
         logger.info(
             "resumed from %s: step %d, epoch %d, %d micro-batches into the epoch%s",
-            chosen[0],
+            uri,
             state["step"],
             state["epoch"],
             state["batches_in_epoch"],

@@ -54,6 +54,16 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
     def save(self, state_dict, path: str) -> None:
         self.pending.append((path, self.pool.snapshot(state_dict, (Path(path).name,))))
 
+    def load(self, path: str, map_location=None):
+        """DeepSpeed's own load unpickles anything (`weights_only=False`); this one rebuilds only
+        tensors, plain containers and the three DeepSpeed classes its files hold."""
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
     def preserves_storage_sharing(self) -> bool:
         return False  # DeepSpeed need not clone first: save() copies anyway
 

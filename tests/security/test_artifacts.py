@@ -212,6 +212,19 @@ def test_pickle_payload_in_a_pt_file_does_not_run(tmp_path):
     assert marker.exists()
 
 
+def test_deepspeed_optimizer_file_with_a_pickle_payload_does_not_run_on_resume(tmp_path):
+    """DeepSpeed's own checkpoint engine loads with weights_only=False; the training loop's
+    engine (train/snapshot.py) takes its place for every load DeepSpeed makes on resume."""
+    from lmfoundry.train.snapshot import SnapshotCheckpointEngine
+
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": _RunsCodeOnLoad(str(marker))}, evil)
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        SnapshotCheckpointEngine().load(str(evil))
+    assert not marker.exists()
+
+
 def _torch_load_calls(path: Path) -> list[tuple[int, bool]]:
     """(line, passes weights_only=True) of every torch.load call in a source file."""
     found = []
@@ -241,7 +254,6 @@ def test_every_torch_load_outside_train_is_weights_only():
     assert [safe for _, safe in _torch_load_calls(REPO / "lmfoundry" / "platform" / "checkpoint.py")] == [True]
 
 
-@pytest.mark.xfail(strict=True, reason="train/ still unpickles its RNG and expert files; it switches to the helpers")
 def test_every_torch_load_in_train_is_weights_only():
     assert _unsafe_torch_loads(REPO / "lmfoundry" / "train") == []
 

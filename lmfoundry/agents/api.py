@@ -19,7 +19,7 @@ import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,8 +28,7 @@ from lmfoundry.agents.tracing import TracingConfig
 from lmfoundry.agents.worker import AgentWorker
 from lmfoundry.agents.workflow import load_workflows
 from lmfoundry.platform import gate
-from lmfoundry.platform.config import StageConfig
-from lmfoundry.platform.keys import Authenticator, parse_roles
+from lmfoundry.platform.keys import ApiKeysConfig, Authenticator
 
 # No /docs or /redoc; the schema only with a key (GET /openapi.json below), as in every app.
 app = FastAPI(title="lmfoundry agents", docs_url=None, redoc_url=None, openapi_url=None)
@@ -37,14 +36,9 @@ app.add_middleware(gate.Gate, name="agents")
 app.add_exception_handler(StarletteHTTPException, gate.http_error)
 
 
-class AgentServeConfig(StageConfig):
+class AgentServeConfig(ApiKeysConfig):
     workflows: str = Field(..., description="a YAML file (or folder) with a 'workflows:' mapping")
     store: str = Field(..., description="the run store: a SQLite path or a postgresql:// DSN")
-    keys_file: str | None = None
-    api_keys_env: str = "LMFOUNDRY_API_KEYS"
-    api_keys_env_roles: list[str] = Field(
-        ["user"], description="roles of the keys in api_keys_env (approver: approvals)"
-    )
     workers: int = Field(2, ge=1, description="worker replicas executing runs")
     runs_per_worker: int = Field(16, ge=1)
     per_tenant_running: int = Field(8, ge=1, description="runs of one tenant executing at once, all workers")
@@ -62,11 +56,6 @@ class AgentServeConfig(StageConfig):
         description="environment variables copied from the launching process "
         "into the replicas (the model endpoint's API key, the workflows' secrets)",
     )
-
-    @field_validator("api_keys_env_roles")
-    @classmethod
-    def _known_roles(cls, roles: list[str]) -> list[str]:
-        return list(parse_roles(roles))
 
 
 class StartRun(BaseModel):

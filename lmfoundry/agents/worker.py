@@ -159,6 +159,12 @@ def advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistr
         return "lease lost"
 
 
+def _refuse(store: AgentStore, lease, n: int, tool: str, arguments, why: str, model_view: str, shown=None) -> None:
+    """A tool call the service refused: recorded as done, not ok, with what the model is told."""
+    step = {"tool": tool, "arguments": arguments if shown is None else shown, "ok": False}
+    store.write_step(lease, n, "tool", "done", {**step, "refused": why, "model_view": model_view})
+
+
 def _advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegistry, lease: Lease, lease_s: float):
     run_id, worker = lease.run_id, lease.worker
     guard = Guard(wf.secret_envs())
@@ -183,66 +189,43 @@ def _advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegist
             tool, arguments = call["tool"], call["arguments"]
             approval = last if last["kind"] == "approval" else None
             if tool == INVALID:
-                store.write_step(
+                _refuse(
+                    store,
                     lease,
                     n,
-                    "tool",
-                    "done",
-                    {
-                        "tool": tool,
-                        "arguments": arguments,
-                        "ok": False,
-                        "refused": "not a complete tool call",
-                        "model_view": "error: your reply was not a complete tool call; call one tool, briefly",
-                    },
+                    tool,
+                    arguments,
+                    "not a complete tool call",
+                    "error: your reply was not a complete tool call; call one tool, briefly",
                 )
                 continue
             if tool not in wf.tools:
-                store.write_step(
-                    lease,
-                    n,
-                    "tool",
-                    "done",
-                    {
-                        "tool": tool,
-                        "arguments": arguments,
-                        "ok": False,
-                        "refused": "not allowed",
-                        "model_view": f"error: tool {tool!r} is not allowed here",
-                    },
-                )
+                _refuse(store, lease, n, tool, arguments, "not allowed", f"error: tool {tool!r} is not allowed here")
                 continue
             if approval is None and needs_approval(wf, registry, tool):
                 store.await_approval(lease, n, {"tool": tool, "arguments": arguments})
                 return "waiting_approval"
             if approval is not None and not approval.get("approved"):
-                store.write_step(
+                _refuse(
+                    store,
                     lease,
                     n,
-                    "tool",
-                    "done",
-                    {
-                        "tool": tool,
-                        "arguments": arguments,
-                        "ok": False,
-                        "refused": "rejected by a reviewer",
-                        "model_view": "error: a human reviewer rejected this tool call",
-                    },
+                    tool,
+                    arguments,
+                    "rejected by a reviewer",
+                    "error: a human reviewer rejected this tool call",
                 )
                 continue
             if guard.redact(json.dumps(arguments))[1]:
-                store.write_step(
+                _refuse(
+                    store,
                     lease,
                     n,
-                    "tool",
-                    "done",
-                    {
-                        "tool": tool,
-                        "arguments": "[redacted]",
-                        "ok": False,
-                        "refused": "a secret in the arguments",
-                        "model_view": "error: the call would send a secret out; refused",
-                    },
+                    tool,
+                    arguments,
+                    "a secret in the arguments",
+                    "error: the call would send a secret out; refused",
+                    shown="[redacted]",
                 )
                 continue
             key = f"{run_id}:{n}"

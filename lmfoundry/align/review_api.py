@@ -13,14 +13,13 @@ and Serve ships this class by value, without the module's globals to resolve str
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmfoundry.align.review import ReviewError, ReviewStore
 from lmfoundry.platform import gate
-from lmfoundry.platform.config import StageConfig
-from lmfoundry.platform.keys import Authenticator, parse_roles
+from lmfoundry.platform.keys import ApiKeysConfig, Authenticator
 
 # No /docs or /redoc; the schema only with a key (GET /openapi.json below), as in every app.
 app = FastAPI(title="lmfoundry review queue", docs_url=None, redoc_url=None, openapi_url=None)
@@ -28,19 +27,11 @@ app.add_middleware(gate.Gate, name="review")
 app.add_exception_handler(StarletteHTTPException, gate.http_error)
 
 
-class ReviewServeConfig(StageConfig):
+class ReviewServeConfig(ApiKeysConfig):
     db: str = Field(..., description="the queue: a SQLite path or a postgresql:// DSN")
-    keys_file: str | None = None
-    api_keys_env: str = "LMFOUNDRY_API_KEYS"
-    api_keys_env_roles: list[str] = Field(["user"], description="roles of the keys in api_keys_env (reviewer: review)")
     host: str = "127.0.0.1"
     port: int = Field(8001, ge=1, le=65535)
     route_prefix: str = "/review-queue"
-
-    @field_validator("api_keys_env_roles")
-    @classmethod
-    def _known_roles(cls, roles: list[str]) -> list[str]:
-        return list(parse_roles(roles))
 
 
 class Decision(BaseModel):

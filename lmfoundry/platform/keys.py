@@ -36,7 +36,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pydantic import Field, field_validator
+
 from lmfoundry.platform import storage
+from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
 
 DEFAULT_FILE_ENV = "LMFOUNDRY_KEYS_FILE"
@@ -155,6 +158,19 @@ def revoke_key(uri: str, key_id: str) -> dict:
 
 def env_keys(var: str) -> list[str]:
     return [k.strip() for k in os.environ.get(var, "").split(",") if k.strip()]
+
+
+class ApiKeysConfig(StageConfig):
+    """Where an app's API keys come from; every HTTP app's config extends it."""
+
+    keys_file: str | None = Field(None, description="tenant keys made by `lmfoundry keys create`")
+    api_keys_env: str = Field("LMFOUNDRY_API_KEYS", description="env var with comma-separated keys (tenant 'default')")
+    api_keys_env_roles: list[str] = Field(["user"], description="roles of the keys in api_keys_env")
+
+    @field_validator("api_keys_env_roles")
+    @classmethod
+    def _known_roles(cls, roles: list[str]) -> list[str]:
+        return list(parse_roles(roles))
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from lmfoundry.platform.config import StageConfig
-from lmfoundry.platform.keys import parse_roles
+from lmfoundry.platform.keys import ApiKeysConfig
 from lmfoundry.safety.guardrails import GuardrailsConfig
 from lmfoundry.serving.ratelimit import RateLimits
 
@@ -47,7 +47,7 @@ class AutoscalingConfig(StageConfig):
         return self
 
 
-class ServeConfig(StageConfig):
+class ServeConfig(ApiKeysConfig):
     checkpoint: str | None = Field(None, description="a checkpoint or a pretrain run directory (one version, 'main')")
     versions: list[ModelVersion] = Field([], description="several versions behind one route (gray release)")
     traffic_file: str | None = Field(None, description="`lmfoundry traffic` file overriding the versions' weights")
@@ -64,14 +64,6 @@ class ServeConfig(StageConfig):
     limits: LimitsConfig = LimitsConfig()
     guardrails: GuardrailsConfig = GuardrailsConfig()
     rate_limits: RateLimits = RateLimits()
-    keys_file: str | None = Field(None, description="tenant keys made by `lmfoundry keys create`")
-    api_keys_env: str = Field("LMFOUNDRY_API_KEYS", description="env var with comma-separated keys (tenant 'default')")
-    api_keys_env_roles: list[str] = Field(["user"], description="roles of the keys in api_keys_env (admin: /metrics)")
-
-    @field_validator("api_keys_env_roles")
-    @classmethod
-    def _known_roles(cls, roles: list[str]) -> list[str]:
-        return list(parse_roles(roles))
 
     @model_validator(mode="after")
     def _one_source_of_weights(self) -> ServeConfig:

@@ -117,12 +117,14 @@ class TokenBatchConfig(StageConfig):
     def accumulation(self, world_size: int, seq_len: int) -> int:
         """Micro-steps per optimizer step."""
         per_micro_step = self.micro_batch_size * world_size * seq_len
-        if self.global_batch_tokens % per_micro_step:
-            raise ValueError(
-                f"global_batch_tokens={self.global_batch_tokens} must be a multiple of micro_batch_size "
-                f"x workers x seq_len = {self.micro_batch_size} x {world_size} x {seq_len} = {per_micro_step}"
-            )
-        return self.global_batch_tokens // per_micro_step
+        terms = f"micro_batch_size x workers x seq_len = {self.micro_batch_size} x {world_size} x {seq_len}"
+        return _micro_steps("global_batch_tokens", self.global_batch_tokens, per_micro_step, terms)
+
+
+def _micro_steps(name: str, global_batch: int, per_micro_step: int, terms: str) -> int:
+    if global_batch % per_micro_step:
+        raise ValueError(f"{name}={global_batch} must be a multiple of {terms} = {per_micro_step}")
+    return global_batch // per_micro_step
 
 
 class PairBatchConfig(StageConfig):
@@ -134,12 +136,8 @@ class PairBatchConfig(StageConfig):
     def accumulation(self, world_size: int, seq_len: int | None = None) -> int:
         """Micro-steps per optimizer step (pairs, so the sequence length plays no part)."""
         per_micro_step = self.micro_batch_size * world_size
-        if self.global_batch_pairs % per_micro_step:
-            raise ValueError(
-                f"global_batch_pairs={self.global_batch_pairs} must be a multiple of micro_batch_size x "
-                f"num_workers = {self.micro_batch_size} x {world_size} = {per_micro_step}"
-            )
-        return self.global_batch_pairs // per_micro_step
+        terms = f"micro_batch_size x num_workers = {self.micro_batch_size} x {world_size}"
+        return _micro_steps("global_batch_pairs", self.global_batch_pairs, per_micro_step, terms)
 
 
 class OptimizerConfig(StageConfig):

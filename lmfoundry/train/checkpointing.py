@@ -167,6 +167,16 @@ def _mend_universal_load(engine, own_settings: list[dict]) -> None:
             state["step"] = state["step"].clone()
 
 
+# DeepSpeed's converter, run with its checkpoint classes allowed and every load weights-only
+WEIGHTS_ONLY_UNIVERSAL_CONVERSION = """
+import runpy, sys, torch
+from lmfoundry.train.snapshot import deepspeed_checkpoint_classes
+torch.serialization.add_safe_globals(deepspeed_checkpoint_classes())
+sys.argv[0] = "ds_to_universal"
+runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__")
+"""
+
+
 def universal_copy(local: Path, uri: str) -> Path:
     """The checkpoint's ZeRO state as a DeepSpeed universal checkpoint (whole parameters and
     optimizer moments, no partitioning), which loads at any world size. The first rank of each
@@ -187,8 +197,8 @@ def universal_copy(local: Path, uri: str) -> Path:
         done = subprocess.run(
             [
                 sys.executable,
-                "-m",
-                "deepspeed.checkpoint.ds_to_universal",
+                "-c",
+                WEIGHTS_ONLY_UNIVERSAL_CONVERSION,
                 "--input_folder",
                 str(deepspeed_dir / "state"),
                 "--output_folder",
@@ -201,6 +211,8 @@ def universal_copy(local: Path, uri: str) -> Path:
             ],
             capture_output=True,
             text=True,
+            # torch then loads weights-only even where DeepSpeed's converter asks for pickles
+            env={**os.environ, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"},
         )
         if done.returncode != 0:
             raise RuntimeError(

@@ -45,6 +45,16 @@ class SnapshotPool:
         return obj
 
 
+def deepspeed_checkpoint_classes() -> list[type]:
+    """The only classes DeepSpeed's checkpoint files hold besides tensors and plain containers:
+    what a weights-only load of them allows, and nothing else."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
 class SnapshotCheckpointEngine(TorchCheckpointEngine):
     def __init__(self, config_params=None):
         super().__init__(config_params)
@@ -57,11 +67,7 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
     def load(self, path: str, map_location=None):
         """DeepSpeed's own load unpickles anything (`weights_only=False`); this one rebuilds only
         tensors, plain containers and the three DeepSpeed classes its files hold."""
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-
-        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+        with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
             return torch.load(path, map_location=map_location, weights_only=True)
 
     def preserves_storage_sharing(self) -> bool:

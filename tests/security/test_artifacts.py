@@ -225,6 +225,32 @@ def test_deepspeed_optimizer_file_with_a_pickle_payload_does_not_run_on_resume(t
     assert not marker.exists()
 
 
+def test_universal_conversion_of_a_crafted_checkpoint_runs_no_pickle(tmp_path):
+    """Resuming at another world size converts the checkpoint with DeepSpeed's own converter,
+    which loads with weights_only=False; lmfoundry runs it with weights-only loads forced."""
+    import os
+    import subprocess
+    import sys
+
+    from lmfoundry.train.checkpointing import WEIGHTS_ONLY_UNIVERSAL_CONVERSION
+
+    marker, state = tmp_path / "pwned", tmp_path / "state"
+    state.mkdir()
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({"payload": _RunsCodeOnLoad(str(marker))}, state / name)
+    done = subprocess.run(
+        [sys.executable, "-c", WEIGHTS_ONLY_UNIVERSAL_CONVERSION, "--input_folder", str(state)]
+        + ["--output_folder", str(tmp_path / "out"), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1", "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode != 0
+    assert "Weights only load failed" in done.stderr or "Unsupported global" in done.stderr, done.stderr[-2000:]
+    assert not marker.exists()
+
+
 def _torch_load_calls(path: Path) -> list[tuple[int, bool]]:
     """(line, passes weights_only=True) of every torch.load call in a source file."""
     found = []

@@ -26,10 +26,10 @@ from lmfoundry.platform import gate
 from lmfoundry.platform.gate import error
 from lmfoundry.platform.keys import Authenticator
 from lmfoundry.platform.log import get_logger
-from lmfoundry.safety.guardrails import Guardrail
+from lmfoundry.safety.guardrails import Guardrail, StreamGate
 from lmfoundry.safety.harm import HarmConfig
 from lmfoundry.serving.engine import GenerationFailed, InferenceEngine, parse_tool_call
-from lmfoundry.serving.grammar import tool_call_schema
+from lmfoundry.serving.grammar import GrammarBusy, SchemaRefused, check_schema, tool_call_schema
 from lmfoundry.serving.metrics import ServingMetrics
 from lmfoundry.serving.protocol import (
     AssistantMessage,
@@ -93,13 +93,25 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = {
+        400: "invalid_request_error",
         401: "authentication_error",
         403: "permission_error",
         404: "not_found_error",
         405: "invalid_request_error",
         413: "invalid_request_error",
     }.get(exc.status_code, "api_error")
-    return error(exc.status_code, str(exc.detail), kind)
+    message = str(exc.detail)
+    if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body: say why
+        message = f"{message}: {body_problem(exc.__cause__)}"
+    return error(exc.status_code, message, kind)
+
+
+def body_problem(cause: BaseException) -> str:
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not valid UTF-8 ({cause.reason} at byte {cause.start}); send UTF-8 JSON"
+    if isinstance(cause, ValueError | RecursionError):  # e.g. an integer of thousands of digits, deep nesting
+        return f"the body is not usable JSON ({cause}); send UTF-8 JSON of ordinary size and depth"
+    return f"{type(cause).__name__}; send UTF-8 JSON"
 
 
 app.add_middleware(gate.Gate, name="inference")
@@ -232,12 +244,25 @@ class LLMServer:
             )
 
     def _output_blocked(self, text: str) -> bool:
-        if self.guard is None or not text:
+        if self.guard is None:
             return False
-        blocked, _ = self.guard.check(text)
+        blocked = self.guard.blocks(text)
         if blocked:
             self.metrics.guardrail_blocks.labels(direction="output").inc()
         return blocked
+
+    def _stream_gate(self) -> StreamGate | None:
+        return StreamGate(self.guard) if self.guard is not None else None
+
+    def _passed(self, gate: StreamGate | None, text: str, last: bool) -> str | None:
+        """The part of a stream's new text that may be sent now (the rest when `last`), or None
+        when the output guardrail blocks the text so far."""
+        if gate is None:
+            return text
+        released = gate.finish(text) if last else gate.feed(text)
+        if released is None:
+            self.metrics.guardrail_blocks.labels(direction="output").inc()
+        return released
 
     async def _admit(self, tenant: str, tokens: int) -> None:
         if self.limiter is None:
@@ -268,6 +293,19 @@ class LLMServer:
                 s.cancel()
             self._refund(tenant, charged)
             raise ApiError(408, message, "timeout_error", code="request_timeout") from None
+
+    @staticmethod
+    async def _compile(engine, schema: dict) -> None:
+        """The tool-call schema's automaton, built off the event loop under limits and a timeout
+        (grammar.py), so that a hostile schema is a 400 and never a hung replica."""
+        try:
+            await engine.grammars.prepare(schema)
+        except SchemaRefused as e:
+            raise ApiError(400, f"tools: {e}", param="tools", code="invalid_schema") from None
+        except GrammarBusy as e:
+            raise ApiError(
+                503, f"{e}; retry shortly", "server_overloaded", code="overloaded", headers={"Retry-After": "5"}
+            ) from None
 
     def _start(self, engine, ids, budget, req, stop, schema):
         """One engine stream per choice, all queued at once so that they share forward passes."""
@@ -344,6 +382,11 @@ class LLMServer:
             return engine.chat_template.render(messages, offered, forced)
 
         schema = tool_call_schema(tools, name) if forced else None
+        if schema is not None:  # the static limits first: before the tools are rendered and tokenized
+            try:
+                check_schema(schema)
+            except SchemaRefused as e:
+                raise ApiError(400, f"tools: {e}", param="tools", code="invalid_schema") from None
         return await self._serve("chat", request, req, prompt, tools, schema)
 
     async def _serve(
@@ -389,6 +432,8 @@ class LLMServer:
         charged = len(ids) + budget * req.n
         await self._admit(tenant, charged)
         try:
+            if schema is not None:
+                await self._compile(engine, schema)
             streams = self._start(engine, ids, budget, req, stop, schema)
         except ApiError:
             self._refund(tenant, charged)
@@ -481,17 +526,18 @@ class LLMServer:
                 merged: asyncio.Queue = asyncio.Queue()
 
                 async def pump(index: int, stream, first) -> None:
-                    text, delta = "", first
+                    gate, delta = self._stream_gate(), first
                     try:
                         while True:
-                            text += delta.text
                             completion[index] = delta.completion_tokens
-                            if delta.finish_reason is None and self._output_blocked(text):
+                            last = delta.finish_reason is not None
+                            text = self._passed(gate, delta.text, last)
+                            if text is None:  # blocked: nothing of this text leaves, the choice ends
                                 stream.cancel()
                                 await merged.put((index, "", "content_filter"))
                                 return
-                            await merged.put((index, delta.text, delta.finish_reason))
-                            if delta.finish_reason is not None:
+                            await merged.put((index, text, delta.finish_reason))
+                            if last:
                                 return
                             delta = await stream.next_delta()
                     except GenerationFailed as e:  # headers are sent: the stream says so and ends this choice

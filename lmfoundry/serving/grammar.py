@@ -6,12 +6,21 @@ tool's schema.
 text inside the schema's language, `advance(token)` moves on, `done()` says the JSON is
 complete. Indexes are built once per (schema, tokenizer) and cached: building one walks the
 whole vocabulary through the schema's regular expression.
+
+Schemas come from clients, and some small ones compile to huge automata (a string with
+maxLength 16 takes minutes, the time doubling with each step). So a schema is first held to
+static limits (`check_schema`), then compiled in a worker thread under a timeout
+(`Grammars.prepare`), and the cache is bounded by count and by approximate size.
 """
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 from tokenizers import Tokenizer
 
@@ -55,25 +64,189 @@ def token_bytes(tokenizer: Tokenizer) -> dict[int, bytes]:
     return out
 
 
-class Grammars:
-    """Per tokenizer: the outlines-core vocabulary, and an index per schema (LRU-cached)."""
+# What a client's schema may ask of the automaton. Each limit keeps compilation to well under a
+# second for vocabularies of tens of thousands of tokens; past them a 400 names the limit.
+MAX_SCHEMA_BYTES = 32 * 1024  # the schema's JSON, all tools together
+MAX_DEPTH = 10  # nested subschemas, $refs followed
+MAX_SUBSCHEMAS = 512  # all subschemas, $refs followed (a ref used twice counts twice)
+MAX_PROPERTIES = 256  # object properties, all objects together
+MAX_ENUM_VALUES = 256  # enum values, all enums together
+MAX_PATTERN_CHARS = 128
+MAX_PATTERN_REPEAT = 64  # the n and m of {n}, {n,} and {n,m} in a pattern
+MAX_STRING_LENGTH = 64  # minLength / maxLength: each step adds states (a top-level string grows exponentially)
+MAX_ITEMS = 16  # minItems / maxItems, minProperties / maxProperties
+MAX_TRANSITIONS = 250_000  # of the built automaton; bigger ones are refused, not cached
+COMPILE_TIMEOUT_S = 10.0
+COMPILE_THREADS = 2
+CACHE_ENTRIES = 64
+CACHE_BYTES = 256 << 20
+BYTES_PER_TRANSITION = 16  # a (token, next state) entry in outlines-core's hash maps, with overhead
 
-    def __init__(self, tokenizer: Tokenizer, eos_id: int, cache_size: int = 64):
+# Keywords whose value is a subschema, a list of them, or a map of names to them.
+_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "dependentSchemas")
+_BOUNDS = {
+    "minLength": MAX_STRING_LENGTH,
+    "maxLength": MAX_STRING_LENGTH,
+    "minItems": MAX_ITEMS,
+    "maxItems": MAX_ITEMS,
+    "minProperties": MAX_ITEMS,
+    "maxProperties": MAX_ITEMS,
+}
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+class SchemaRefused(ValueError):
+    """A schema over a limit, or one that cannot be compiled; the message names the limit."""
+
+
+class GrammarBusy(RuntimeError):
+    """Every compile thread is busy (some perhaps with schemas that timed out): retry later."""
+
+
+def check_schema(schema) -> str:
+    """The schema's canonical JSON (the cache key), after checking it against the limits above."""
+    try:
+        text = json.dumps(schema, sort_keys=True, allow_nan=False)
+    except (ValueError, RecursionError) as e:
+        raise SchemaRefused(f"the schema is not plain JSON ({e})") from None
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
+        raise SchemaRefused(f"the schema is {len(text.encode())} bytes of JSON; the limit is {MAX_SCHEMA_BYTES}")
+    counts = {"subschemas": 0, "properties": 0, "enum values": 0}
+    _walk(schema, schema, 1, (), counts)
+    return text
+
+
+def _walk(node, root, depth: int, refs: tuple[str, ...], counts: dict) -> None:
+    if not isinstance(node, dict):
+        if isinstance(node, bool):
+            return
+        raise SchemaRefused(f"a subschema is a {type(node).__name__}; subschemas are objects or booleans")
+    if depth > MAX_DEPTH:
+        raise SchemaRefused(f"the schema nests deeper than {MAX_DEPTH} levels ($refs followed)")
+    counts["subschemas"] += 1
+    counts["properties"] += len(node.get("properties") or {})
+    counts["enum values"] += len(node["enum"]) if isinstance(node.get("enum"), list) else 0
+    limits = {"subschemas": MAX_SUBSCHEMAS, "properties": MAX_PROPERTIES, "enum values": MAX_ENUM_VALUES}
+    for what, limit in limits.items():
+        if counts[what] > limit:
+            raise SchemaRefused(f"the schema has more than {limit} {what} ($refs followed); the limit is {limit}")
+    _check_bounds(node)
+    if "$ref" in node:
+        ref = node["$ref"]
+        if ref in refs:
+            raise SchemaRefused(f"$ref {ref!r} refers to itself (a cycle); recursive schemas are not supported")
+        _walk(_resolve(ref, root), root, depth + 1, (*refs, ref), counts)
+    for key in _ONE:
+        if key in node:
+            _walk(node[key], root, depth + 1, refs, counts)
+    for key in _MANY:
+        for sub in node.get(key) or []:
+            _walk(sub, root, depth + 1, refs, counts)
+    for key in _NAMED:
+        for sub in (node.get(key) or {}).values():
+            _walk(sub, root, depth + 1, refs, counts)
+
+
+def _check_bounds(node: dict) -> None:
+    for key, limit in _BOUNDS.items():
+        value = node.get(key)
+        if value is not None and not (isinstance(value, int) and 0 <= value <= limit):
+            raise SchemaRefused(f"{key}={value!r}; constrained decoding allows 0 to {limit}")
+    pattern = node.get("pattern")
+    if pattern is None:
+        return
+    if not isinstance(pattern, str) or len(pattern) > MAX_PATTERN_CHARS:
+        raise SchemaRefused(f"a pattern must be a string of at most {MAX_PATTERN_CHARS} characters")
+    for low, high in _REPEAT.findall(pattern):
+        if max(int(low), int(high or 0)) > MAX_PATTERN_REPEAT:
+            raise SchemaRefused(f"pattern {pattern!r} repeats more than {MAX_PATTERN_REPEAT} times; that is the limit")
+
+
+def _resolve(ref, root):
+    """A local reference ("#/$defs/name"); remote ones would make the server fetch URLs."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        raise SchemaRefused(f"$ref {ref!r} is not local; only references inside the schema ('#/...') are allowed")
+    node = root
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            raise SchemaRefused(f"$ref {ref!r} points at nothing in the schema")
+        node = node[part]
+    return node
+
+
+class Grammars:
+    """Per tokenizer: the outlines-core vocabulary, and an index per schema (LRU-cached, bounded
+    by entries and approximate bytes), built by `prepare` in worker threads."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_id: int, cache_size: int = CACHE_ENTRIES):
         by_bytes: dict[bytes, list[int]] = {}
         for token_id, raw in token_bytes(tokenizer).items():
             by_bytes.setdefault(raw, []).append(token_id)
         self.vocabulary = Vocabulary(eos_id, by_bytes)
-        self._index = functools.lru_cache(maxsize=cache_size)(self._build)
+        self.cache_size, self.cache_bytes = cache_size, CACHE_BYTES
+        self._cache: OrderedDict[str, tuple[Index, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="schema-compile")
+        self._free = threading.Semaphore(COMPILE_THREADS)  # held until a compile ends, timed out or not
 
-    def _build(self, schema_json: str) -> Index:
+    async def prepare(self, schema: dict, timeout_s: float | None = None) -> None:
+        """Check and compile `schema` into the cache without blocking the event loop. Raises
+        SchemaRefused (over a limit, uncompilable, or slower than `timeout_s`, by default
+        COMPILE_TIMEOUT_S) or GrammarBusy."""
+        timeout_s = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
+        if not self._free.acquire(blocking=False):
+            raise GrammarBusy(f"all {COMPILE_THREADS} schema compile threads are busy")
+        try:
+            future = self._pool.submit(self._index, schema)
+        except BaseException:
+            self._free.release()
+            raise
+        future.add_done_callback(lambda _: self._free.release())
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except asyncio.TimeoutError:
+            # The thread cannot be stopped; it keeps its slot until it ends, so that a flood of such
+            # schemas meets GrammarBusy instead of piling up threads.
+            raise SchemaRefused(f"the schema did not compile within {timeout_s} s (compile timeout)") from None
+
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(size for _, size in self._cache.values())
+
+    def _index(self, schema: dict) -> Index:
+        key = check_schema(schema)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key][0]
+        index, size = self._build(json.dumps(bounded_integers(schema), sort_keys=True))
+        with self._lock:
+            self._cache[key] = (index, size)
+            while len(self._cache) > self.cache_size or (
+                len(self._cache) > 1 and sum(s for _, s in self._cache.values()) > self.cache_bytes
+            ):
+                self._cache.popitem(last=False)
+        return index
+
+    def _build(self, schema_json: str) -> tuple[Index, int]:
         try:
             regex = build_regex_from_schema(schema_json, WHITESPACE)
+            index = Index(regex, self.vocabulary)
         except Exception as e:  # the Rust side raises plain ValueErrors/RuntimeErrors with its reason
-            raise ValueError(f"the JSON schema cannot be compiled for constrained decoding: {e}") from None
-        return Index(regex, self.vocabulary)
+            raise SchemaRefused(f"the JSON schema cannot be compiled for constrained decoding: {e}") from None
+        transitions = sum(len(t) for t in index.get_transitions().values())
+        if transitions > MAX_TRANSITIONS:
+            raise SchemaRefused(
+                f"the schema compiles to an automaton of {transitions} transitions; the limit is {MAX_TRANSITIONS}"
+            )
+        return index, transitions * BYTES_PER_TRANSITION
 
     def constraint(self, schema: dict) -> JsonSchemaConstraint:
-        return JsonSchemaConstraint(Guide(self._index(json.dumps(bounded_integers(schema), sort_keys=True))))
+        """The schema's constraint; compiled here, on the caller's thread, unless `prepare` did it."""
+        return JsonSchemaConstraint(Guide(self._index(schema)))
 
 
 class JsonSchemaConstraint:

@@ -2,9 +2,49 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# As OpenAI: a few short stop strings. The engine looks for each one in the text after every token.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 64
+# torch's generators take a 64-bit seed; each choice of a request adds its index to it.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+_UNUSABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def text_problem(text: str) -> str | None:
+    """What makes a string unusable as model text, or None. JSON lets a client send `\\ud800`
+    (half of a UTF-16 pair, no character) and `\\u0000`; the tokenizer and the stores behind the
+    API cannot take either."""
+    bad = _UNUSABLE.search(text)
+    if bad is None:
+        return None
+    if bad.group() == "\x00":
+        return "contains a NUL character (\\u0000), which is not allowed in text"
+    return f"contains a lone UTF-16 surrogate (\\u{ord(bad.group()):04x}); text must be valid Unicode"
+
+
+def check_texts(data) -> None:
+    """Raise a ValueError naming the first string (value or key) anywhere in a request body that
+    `text_problem` refuses. Iterative: a body may be nested as deep as the JSON parser allows."""
+    stack = [("", data)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            problem = text_problem(item)
+            if problem:
+                raise ValueError(f"{where or 'body'}: {problem}")
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                path = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and (problem := text_problem(key)):
+                    raise ValueError(f"{where or 'body'}: a key {problem}")
+                stack.append((path, value))
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", value) for i, value in enumerate(item))
 
 
 class StreamOptions(BaseModel):
@@ -23,17 +63,28 @@ class _Request(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=8)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_texts(cls, data):
+        check_texts(data)
+        return data
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop: at most 4 non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        for s in stops:
+            if not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop: a string of {len(s)} characters; each must have 1 to {MAX_STOP_CHARS} characters"
+                )
         return stops
 
 

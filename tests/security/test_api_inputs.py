@@ -1,0 +1,433 @@
+"""Hostile requests against the inference API: the real FastAPI app of the Serve deployment, its
+real engine on a tiny random-weight checkpoint, its real guardrail, over real HTTP (uvicorn in a
+thread; Ray Serve's proxy is left out, so no Ray starts). Each test names the attack and asserts
+the defence held."""
+
+import asyncio
+import json
+import re
+import threading
+import time
+import types
+
+import httpx
+import pytest
+import torch
+from conftest import free_port
+
+from lmfoundry.data.tokenizer import train_bpe
+from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
+from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.platform import checkpoint
+from lmfoundry.platform.keys import digest
+
+pytestmark = pytest.mark.timeout(300)
+KEY = "sk-test-" + "s" * 20
+TEXT = [
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
+    "Later that evening the family gathered to discuss the harvest and the weather ahead.",
+    "def add(a, b):\n    return a + b\n",
+] * 20
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny")
+    tok = train_bpe(TEXT, vocab_size=400)
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=512, n_layer=1, d_model=32, n_head=2, n_kv_head=1)
+    save_model_files(Transformer(cfg).eval(), path)
+    (path / TOKENIZER).write_text(tok.to_str())
+    checkpoint.seal(path, {"step": 0})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def api(tiny_checkpoint, tmp_path_factory):
+    """`api.url` serves the app; `api.use(guardrails)` puts a fresh replica behind it, built as
+    the deployment builds it. Serve's class-based routes find their replica through the replica
+    context, which a Serve replica sets; here it is pointed at the replica made for the test."""
+    import uvicorn
+    from ray import serve
+
+    from lmfoundry.serving.api import LLMServer, app
+
+    replica_class = LLMServer.func_or_class.__mro__[1]  # the class under Serve's ingress wrapper
+    current = types.SimpleNamespace(servable_object=None)
+
+    def use(guardrails: dict | None = None):
+        current.servable_object = replica_class(
+            [{"name": "main", "checkpoint": tiny_checkpoint, "weight": 1.0}],
+            "tiny",
+            None,
+            [digest(KEY)],
+            {"max_batch_size": 4, "max_waiting": 16},
+            {"max_body_bytes": 1 << 20, "max_n": 4, "request_timeout_s": 60},
+            guardrails,
+            device="cpu",
+        )
+        return current.servable_object
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(serve, "get_replica_context", lambda: current)
+        use()
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.time() + 30
+        while not server.started:
+            assert time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", use=use)
+        server.should_exit = True
+        thread.join(10)
+
+
+def auth():
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def post(api, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(f"{api.url}{path}", json=body, headers=auth(), timeout=120, **kw)
+
+
+def post_raw(api, path: str, raw: bytes) -> httpx.Response:
+    headers = {**auth(), "Content-Type": "application/json"}
+    return httpx.post(f"{api.url}{path}", content=raw, headers=headers, timeout=120)
+
+
+def streamed(api, body: dict) -> list[dict]:
+    """The completion chunks exactly as the client receives them."""
+    with httpx.stream(
+        "POST", f"{api.url}/v1/completions", json={**body, "stream": True}, headers=auth(), timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+# ---- the output guardrail on streams ----
+
+
+def _phrase_across_deltas(deltas: list[str], last: bool) -> tuple[str, int] | None:
+    """A blocklist term found in the reply that spans two or more deltas (when `last`, one that
+    ends inside the final delta), and where the scorer first finds it."""
+    text = "".join(deltas)
+    bounds = [0]
+    for d in deltas:
+        bounds.append(bounds[-1] + len(d))
+    words = [m.span() for m in re.finditer(r"[A-Za-z]+", text)]
+    for i, (start, _) in enumerate(words):
+        for _, end in words[i:]:
+            phrase = text[start:end]
+            spans_deltas = any(start < b < end for b in bounds)
+            in_last = end > bounds[-2]
+            if not spans_deltas or (last and not in_last) or re.search(r"[\x00-\x1f]", phrase):
+                continue
+            first = re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text, re.IGNORECASE)
+            if first:
+                return phrase, first.start()
+    return None
+
+
+def _reply_with_split_phrase(api, last: bool) -> tuple[dict, list[str], str, int]:
+    """A seeded request whose unguarded streamed reply has such a phrase: the request, the
+    deltas, the phrase and where it starts."""
+    # A stop string makes the engine hold back its length less one character, which the final
+    # delta then carries: the delta an interval check at the end is most likely to miss.
+    hold_back = {"stop": ["~" * 64]} if last else {}
+    for seed in range(60):
+        body = {"prompt": "The farmer", "max_tokens": 40, "temperature": 1.0, "seed": seed, **hold_back}
+        deltas = [c["choices"][0]["text"] for c in streamed(api, body)]
+        found = _phrase_across_deltas(deltas, last)
+        if found:
+            return body, deltas, *found
+    pytest.fail("the model never said a phrase split across deltas")
+
+
+@pytest.mark.parametrize("where", ["mid_stream", "in_the_final_delta"])
+def test_harmful_phrase_split_across_deltas_never_reaches_the_stream(api, tmp_path, where):
+    api.use()
+    body, deltas, phrase, starts_at = _reply_with_split_phrase(api, last=where == "in_the_final_delta")
+    blocklist = tmp_path / "blocklist.txt"
+    blocklist.write_text(f"{phrase}\n")
+    api.use({"blocklist": str(blocklist)})
+    chunks = streamed(api, body)
+    received = "".join(c["choices"][0]["text"] for c in chunks)
+    # nothing of the phrase left: what came is the reply up to (not into) the phrase's first letter
+    assert "".join(deltas).startswith(received)
+    assert len(received) <= starts_at, (phrase, received)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "content_filter"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"][0]["text"] == ""
+    # the same reply unstreamed is filtered whole
+    whole = post(api, "/v1/completions", body).json()["choices"][0]
+    assert whole["text"] == "" and whole["finish_reason"] == "content_filter"
+
+
+def test_text_the_guardrail_passes_streams_whole_and_equals_the_unstreamed_reply(api, tmp_path):
+    blocklist = tmp_path / "blocklist.txt"
+    blocklist.write_text("zebra crossing tonight\n")  # a long term: a long held-back window
+    api.use({"blocklist": str(blocklist)})
+    body = {"prompt": "The farmer", "max_tokens": 30, "temperature": 1.0, "seed": 1}
+    chunks = streamed(api, body)
+    whole = post(api, "/v1/completions", body).json()["choices"][0]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"] != "content_filter"
+
+
+# ---- request bodies: encoding, types, numbers ----
+
+
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        (b'{"prompt": "caf\xe9 \xff"}', "not valid UTF-8"),  # Latin-1 and a stray byte
+        (b'{"prompt": "\xed\xa0\x80"}', "surrogate"),  # a surrogate encoded as UTF-8 (CESU)
+        (rb'{"prompt": "x\ud800y"}', "surrogate"),
+        (rb'{"prompt": "x\udfffy"}', "surrogate"),
+        (rb'{"prompt": "x\u0000y"}', "NUL"),
+        (rb'{"prompt": "x", "stop": ["a\ud83d"]}', "surrogate"),
+        (rb'{"prompt": "x", "user": "\udc00"}', "surrogate"),
+        (rb'{"prompt": "x", "model": "tiny\ud800"}', "surrogate"),
+    ],
+)
+def test_invalid_utf8_lone_surrogates_and_nul_in_completions_are_400(api, raw, problem):
+    r = post_raw(api, "/v1/completions", raw)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and problem in error["message"], error
+
+
+def _tool(name="f", parameters=None, description="d"):
+    function = {"name": name, "description": description}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "hi \ud800"}]},
+        {"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": "\udbff"}]},
+        {"messages": [{"role": "user", "content": "nul \x00 here"}]},
+        {"messages": HELLO, "tools": [_tool(name="f\ud800")]},
+        {"messages": HELLO, "tools": [_tool(description="\udc01")], "tool_choice": "required"},
+        {"messages": HELLO, "tools": [_tool(parameters={"type": "object", "properties": {"\ud800": {}}})]},
+        {"messages": HELLO, "tools": [_tool(parameters={"enum": ["a\udfff"]})], "tool_choice": "required"},
+        {"messages": [{"role": "user", "content": "x", "name": "\ud800"}]},
+    ],
+)
+def test_lone_surrogates_and_nul_anywhere_in_a_chat_are_400(api, body):
+    # json.dumps escapes the surrogates as \\uXXXX: exactly what a hostile client sends
+    r = post_raw(api, "/v1/chat/completions", json.dumps(body).encode())
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "surrogate" in message or "NUL" in message, message
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        (b'{"prompt": "x", "max_tokens": 1e309}', "max_tokens"),  # parses as infinity
+        (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "JSON"),  # past Python's digit limit
+        (b'{"prompt": "x", "max_tokens": 1' + b"0" * 100 + b"}", "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": -5}', "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": 2.5}', "max_tokens"),
+        (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+        (b'{"prompt": "x", "temperature": -Infinity}', "temperature"),
+        (b'{"prompt": "x", "top_p": NaN}', "top_p"),
+        (b'{"prompt": "x", "n": -1}', "n"),
+        (b'{"prompt": "x", "seed": 1' + b"0" * 40 + b"}", "seed"),
+        (b'{"prompt": "x", "seed": -1' + b"0" * 40 + b"}", "seed"),
+        (b'{"prompt": 5}', "prompt"),
+        (b'{"prompt": ["x"]}', "prompt"),
+        (b'{"prompt": null}', "prompt"),
+        (b'{"prompt": "x", "stream": "maybe"}', "stream"),
+        (b'{"prompt": "x", "stop": 7}', "stop"),
+        (b'["prompt", "x"]', "body"),
+        (b'"x"', "body"),
+        (b"null", "body"),
+        (b'{"prompt": "x",}', "JSON"),
+        (b'{"prompt": "x"', "JSON"),
+        (b'{"prompt": "x"}{"prompt": "y"}', "JSON"),
+        (b"[" * 200_000 + b"]" * 200_000, ""),  # nesting past the parser's recursion limit
+        (b"\x00\x01\x02", ""),
+    ],
+)
+def test_malformed_json_wrong_types_and_hostile_numbers_are_400(api, raw, field):
+    r = post_raw(api, "/v1/completions", raw)
+    assert r.status_code == 400, (raw[:80], r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and field in error["message"], error
+
+
+@pytest.mark.parametrize(
+    "stop, limit",
+    [
+        (["a", "b", "c", "d", "e"], "at most 4"),
+        (["x" * 65], "1 to 64 characters"),
+        ("y" * 10_000, "1 to 64 characters"),
+        ([""], "1 to 64 characters"),
+    ],
+)
+def test_stop_strings_over_the_limits_are_400_naming_the_limit(api, stop, limit):
+    r = post(api, "/v1/completions", {"prompt": "The", "max_tokens": 4, "stop": stop})
+    assert r.status_code == 400 and limit in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "stop"
+
+
+def test_four_stop_strings_of_64_characters_are_accepted(api):
+    stop = [c * 64 for c in "abcd"]
+    r = post(api, "/v1/completions", {"prompt": "The", "max_tokens": 4, "stop": stop})
+    assert r.status_code == 200, r.text
+
+
+# ---- tool schemas ----
+
+
+def _nested(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def _laughs(levels: int) -> dict:
+    """Each definition refers to the one below 8 times: 8**levels subschemas once expanded."""
+    defs = {"l0": {"type": "integer"}}
+    for i in range(1, levels + 1):
+        defs[f"l{i}"] = {"type": "array", "prefixItems": [{"$ref": f"#/$defs/l{i - 1}"}] * 8}
+    return {"$defs": defs, "$ref": f"#/$defs/l{levels}"}
+
+
+@pytest.mark.parametrize(
+    "parameters, limit",
+    [
+        ({"enum": list(range(5000))}, "enum values"),
+        (_nested(20), "nests deeper than"),
+        ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}, "properties"),
+        ({"type": "string", "pattern": "a" * 500}, "pattern must be a string of at most"),
+        ({"type": "string", "pattern": "[a-z]{0,100000}"}, "repeats more than"),
+        ({"type": "string", "pattern": "([a-z]{60}){60}"}, "transitions"),  # nested repeats: the automaton's size
+        ({"type": "string", "maxLength": 100000}, "maxLength"),
+        ({"type": "string", "minLength": 100}, "minLength"),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 100000}, "minItems"),
+        ({"type": "array", "items": {"type": "integer"}, "maxItems": -1}, "maxItems"),
+        ({"$ref": "https://attacker.example/schema.json"}, "not local"),
+        ({"$ref": "#/nowhere"}, "points at nothing"),
+        ({"type": "object", "description": "x" * 40_000}, "bytes of JSON"),
+        ({"type": "object", "properties": {"x": {"type": "nonsense"}}}, "cannot be compiled"),
+    ],
+)
+def test_hostile_tool_schemas_are_a_quick_400_naming_the_limit(api, parameters, limit):
+    started = time.perf_counter()
+    body = {"messages": HELLO, "tools": [_tool(parameters=parameters)], "tool_choice": "required", "max_tokens": 8}
+    r = post(api, "/v1/chat/completions", body)
+    elapsed = time.perf_counter() - started
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "tools" and (limit is None or limit in error["message"]), error
+    assert elapsed < 12, f"took {elapsed:.1f} s"
+
+
+def test_ordinary_forced_tool_call_still_compiles_and_decodes(api):
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+    }
+    body = {"messages": HELLO, "tools": [_tool("weather", weather)], "tool_choice": "required", "max_tokens": 60}
+    r = post(api, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "tool_calls":  # a random model may run out of tokens first
+        arguments = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
+        assert set(arguments) == {"city", "unit"}
+
+
+@pytest.mark.parametrize(
+    "schema, limit",
+    [
+        ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "cycle"),
+        ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "cycle"),
+        (_laughs(4), "subschemas"),
+        ({"$ref": "file:///etc/passwd"}, "not local"),
+    ],
+)
+def test_ref_cycles_ref_expansion_bombs_and_remote_refs_are_refused(schema, limit):
+    from lmfoundry.serving.grammar import SchemaRefused, check_schema
+
+    with pytest.raises(SchemaRefused, match=limit):
+        check_schema(schema)
+
+
+def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and_busy_refuses(tiny_checkpoint):
+    """A top-level string with maxLength 12 or 13 takes seconds to compile (the automaton grows
+    exponentially with it; they pass the static limit of 64, so the timeout is what holds them). The compile
+    runs in a thread under a timeout: the event loop keeps ticking, the caller gets SchemaRefused
+    at the timeout, and while the timed-out compiles still hold both threads a third is refused
+    with GrammarBusy at once instead of queueing."""
+    from tokenizers import Tokenizer
+
+    from lmfoundry.model.tokenizer import eos_id
+    from lmfoundry.serving import grammar
+
+    tok = Tokenizer.from_file(f"{tiny_checkpoint}/{TOKENIZER}")
+    grammars = grammar.Grammars(tok, eos_id(tok))
+    bounds = dict(grammar._BOUNDS)
+    try:
+
+        async def scenario():
+            gaps, stop = [], asyncio.Event()
+
+            async def heartbeat():  # what /health needs: the loop running every few milliseconds
+                last = time.perf_counter()
+                while not stop.is_set():
+                    await asyncio.sleep(0.01)
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+
+            beat = asyncio.create_task(heartbeat())
+            outcomes = await asyncio.gather(
+                *(grammars.prepare({"type": "string", "maxLength": n}, timeout_s=0.3) for n in (12, 13)),
+                return_exceptions=True,
+            )
+            started = time.perf_counter()
+            with pytest.raises(grammar.GrammarBusy):
+                await grammars.prepare({"type": "string", "maxLength": 11}, timeout_s=0.3)
+            busy_after = time.perf_counter() - started
+            stop.set()
+            await beat
+            return gaps, outcomes, busy_after
+
+        gaps, outcomes, busy_after = asyncio.run(scenario())
+    finally:
+        grammar._BOUNDS.update(bounds)
+    for outcome in outcomes:
+        assert isinstance(outcome, grammar.SchemaRefused) and "did not compile within 0.3 s" in str(outcome)
+    assert busy_after < 0.05
+    assert len(gaps) >= 20 and max(gaps) < 0.25, max(gaps)
+
+
+def test_compiled_grammar_cache_is_bounded_by_count_and_bytes(tiny_checkpoint):
+    from tokenizers import Tokenizer
+
+    from lmfoundry.model.tokenizer import eos_id
+    from lmfoundry.serving.grammar import Grammars
+
+    tok = Tokenizer.from_file(f"{tiny_checkpoint}/{TOKENIZER}")
+    grammars = Grammars(tok, eos_id(tok), cache_size=3)
+    schemas = [{"type": "object", "properties": {f"k{i}": {"type": "string"}}} for i in range(6)]
+    for s in schemas:
+        grammars.constraint(s)
+        assert len(grammars._cache) <= 3
+    one = grammars.cached_bytes() // 3
+    grammars.cache_bytes = 2 * one
+    grammars.constraint({"type": "array", "items": {"type": "integer"}})
+    assert grammars.cached_bytes() <= 2 * one and len(grammars._cache) <= 2

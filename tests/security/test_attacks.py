@@ -1,0 +1,127 @@
+"""Red-team attacks on the defences in docs/security.md. Each test asserts that the defence
+HOLDS; the ones marked xfail(strict=True) are attacks that currently break it (see the reason)."""
+
+import textwrap
+
+import pytest
+
+from lmfoundry.agents import tools
+from lmfoundry.safety.sandbox import SandboxUnavailable, run_python
+from tests.security.test_tools import pg  # noqa: F401  (fixture: RLS table docs, role agent_ro)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _sandbox_or_skip():
+    try:
+        run_python("pass")
+    except SandboxUnavailable as e:
+        pytest.skip(str(e))
+
+
+def run(code: str, **kwargs):
+    _sandbox_or_skip()
+    return run_python(textwrap.dedent(code), **kwargs)
+
+
+# --- sandbox: memory beyond memory_mb -----------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="memfd_create pages are not counted by RLIMIT_AS: 150 x 1 MiB memfds held open with memory_mb=64",
+)
+def test_sandbox_memfd_memory_stays_within_memory_mb():
+    r = run(
+        """
+        import os
+        fds = []
+        try:
+            for i in range(150):
+                fd = os.memfd_create("x")
+                os.write(fd, b"a" * (1 << 20))
+                fds.append(fd)
+        except OSError:
+            pass
+        print(len(fds))
+        """,
+        memory_mb=64,
+        file_mb=1,
+    )
+    held_mb = int(r.stdout.strip() or 0)
+    assert held_mb <= 64, f"{held_mb} MiB of memfd held with memory_mb=64"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="RLIMIT_AS is per process: 4 forked children each hold 40 MiB with memory_mb=64 (up to nproc x memory_mb)",
+)
+def test_sandbox_forked_children_share_one_memory_cap():
+    r = run(
+        """
+        import os, time
+        kids = []
+        for i in range(4):
+            rd, wr = os.pipe()
+            if os.fork() == 0:
+                try:
+                    b = bytearray(40 << 20)
+                    for j in range(0, len(b), 4096):
+                        b[j] = 1
+                    os.write(wr, b"k")
+                    time.sleep(1)
+                finally:
+                    os._exit(0)
+            kids.append(rd)
+        print(sum(len(os.read(rd, 1)) for rd in kids))
+        """,
+        memory_mb=64,
+    )
+    held = int(r.stdout.strip() or 0)
+    assert held * 40 <= 64, f"{held} children x 40 MiB resident at once with memory_mb=64"
+
+
+# --- SQL: refused functions through identifier spelling ------------------------------------------
+
+UNICODE_SET_CONFIG = 'U&"set\\005fconfig"'  # U&"set\005fconfig" is the identifier set_config
+
+
+_U_ESCAPE_MISSED = pytest.mark.xfail(
+    strict=True,
+    reason='sqlglot reads U&"set\\005fconfig"(...) as U & "set\\005fconfig"(...), an Anonymous function '
+    "whose name is not set_config, so the refused-function check misses it",
+)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        pytest.param(f"SELECT {UNICODE_SET_CONFIG}('app.tenant', 'bolt', true)", marks=_U_ESCAPE_MISSED),
+        pytest.param('SELECT U&"pg\\005fsleep"(5)', marks=_U_ESCAPE_MISSED),
+        pytest.param('SELECT U&"pg\\005fterminate\\005fbackend"(1)', marks=_U_ESCAPE_MISSED),
+        "SELECT * FROM U&\"pg\\005fls\\005fdir\"('/')",  # refused (does not parse in FROM)
+    ],
+)
+def test_sql_parser_refuses_functions_spelled_as_unicode_escaped_identifiers(query):
+    with pytest.raises(tools.ToolError):
+        tools.check_sql(query, "postgres")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cross-tenant read under RLS: set app.tenant to another tenant with U&-escaped set_config, read, "
+    "then set it back so the post-query check sees the caller's tenant",
+)
+def test_rls_tenant_cannot_read_another_tenants_rows_by_switching_and_restoring_the_setting(pg):  # noqa: F811
+    _, role = pg
+    sql = tools.sql_tool(role, tenant_setting="app.tenant", timeout_s=2).fn
+    query = (
+        f"SELECT {UNICODE_SET_CONFIG}('app.tenant', 'acme', true) AS a, "
+        "(SELECT string_agg(secret, ',') FROM docs) AS stolen, "
+        f"{UNICODE_SET_CONFIG}('app.tenant', 'bolt', true) AS b"
+    )
+    try:
+        out = sql(query, tenant="bolt")
+    except tools.ToolError:
+        return  # refused: the defence holds
+    assert "acme-secret" not in str(out["rows"]), out

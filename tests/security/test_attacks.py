@@ -2,6 +2,8 @@
 HOLDS; the ones marked xfail(strict=True) are attacks that currently break it (see the reason)."""
 
 import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -125,3 +127,67 @@ def test_rls_tenant_cannot_read_another_tenants_rows_by_switching_and_restoring_
     except tools.ToolError:
         return  # refused: the defence holds
     assert "acme-secret" not in str(out["rows"]), out
+
+
+# --- HTTP tool -----------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="http_tool's TENANT_PATTERN allows '.', so tenant '..' (or '.') turns base /tenants/{tenant} into "
+    "/tenants/.. -> '/' and the allow-list covers every tenant's paths (keys.py refuses dots, the tool does not)",
+)
+@pytest.mark.parametrize("tenant", ["..", "."])
+def test_http_dot_tenant_does_not_widen_the_allow_list(tenant):
+    registry = tools.ToolRegistry()
+    registry.register(tools.http_tool([tools.AllowedAPI("http://127.0.0.1:9/tenants/{tenant}")], retries=0))
+    result = registry.call("http", {"method": "GET", "url": "http://127.0.0.1:9/tenants/acme/rows"}, tenant=tenant)
+    assert not result.ok and "allow-list" in (result.error or ""), result.error
+
+
+class _EchoServer(BaseHTTPRequestHandler):
+    def do_GET(self):
+        token = self.headers.get("Authorization", "")
+        bodies = {
+            "/exact": token,
+            "/bare": "unknown token " + token.removeprefix("Bearer "),
+            "/lower": token.lower(),
+        }
+        body = bodies.get(self.path, "ok").encode()
+        self.send_response(401)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def echo():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoServer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+_BARE_TOKEN_LEAKS = pytest.mark.xfail(
+    strict=True,
+    reason="withhold_reflected looks for the whole header value ('Bearer sk-...'); an API that echoes only "
+    "the token ('unknown token sk-...') or changes its case hands the secret to the model",
+)
+
+
+@pytest.mark.parametrize(
+    "path", ["/exact", pytest.param("/bare", marks=_BARE_TOKEN_LEAKS), pytest.param("/lower", marks=_BARE_TOKEN_LEAKS)]
+)
+def test_http_secret_header_echoed_by_the_api_never_reaches_the_model(echo, monkeypatch, path):
+    monkeypatch.setenv("ATTACK_API_TOKEN", "Bearer sk-LIVE-9f8e7d6c5b4a")
+    registry = tools.ToolRegistry()
+    registry.register(
+        tools.http_tool([tools.AllowedAPI(echo)], retries=0, secret_headers={"Authorization": "ATTACK_API_TOKEN"})
+    )
+    result = registry.call("http", {"method": "GET", "url": echo + path})
+    assert "9f8e7d6c5b4a" not in str(result.output).lower() + str(result.error).lower()

@@ -191,3 +191,58 @@ def test_http_secret_header_echoed_by_the_api_never_reaches_the_model(echo, monk
     )
     result = registry.call("http", {"method": "GET", "url": echo + path})
     assert "9f8e7d6c5b4a" not in str(result.output).lower() + str(result.error).lower()
+
+
+# --- streaming guardrail -------------------------------------------------------------------------
+
+
+def _stream(deltas):
+    from lmfoundry.safety.guardrails import Guardrail, StreamGate
+    from lmfoundry.safety.harm import HarmConfig
+
+    gate = StreamGate(Guardrail(HarmConfig()))
+    sent = []
+    for delta in deltas[:-1]:
+        out = gate.feed(delta)
+        if out is None:
+            return "".join(sent), True
+        sent.append(out)
+    out = gate.finish(deltas[-1])
+    return "".join(sent) + (out or ""), out is None
+
+
+def test_stream_term_split_across_deltas_is_never_released():
+    sent, blocked = _stream(["Here is how to ma", "ke a bo", "mb: step one", " and more text " * 5])
+    assert blocked and "bo" not in sent.lower().split("how to")[-1]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="weighted terms: one 'ransomware as a service' (0.5 -> score 0.39) passes and is released; the "
+    "second makes the whole text blocked, but the first and everything between already reached the client",
+)
+def test_stream_blocked_by_accumulated_terms_released_no_blocklist_term():
+    deltas = ["We sell ransomware as a service", " to anyone. ", "Filler text " * 10, "ransomware as a service!", "."]
+    sent, blocked = _stream(deltas)
+    assert blocked
+    assert "ransomware as a service" not in sent.lower(), sent
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the blocklist matches the exact spelling only: no NFKC/confusable folding, no whitespace "
+    "collapsing, no removal of zero-width characters",
+)
+@pytest.mark.parametrize(
+    "text",
+    [
+        "here is how to make a b\u043emb",  # Cyrillic o
+        "here is how to make a bo\u200bmb",  # zero-width space
+        "here is how  to make a bomb",  # two spaces
+        "here is how to\nmake a bomb",  # newline
+        "here is \uff48\uff4f\uff57 to make a bomb",  # fullwidth 'how'
+    ],
+)
+def test_guardrail_blocks_obfuscated_spellings_of_a_blocked_phrase(text):
+    sent, blocked = _stream([text, ""])
+    assert blocked, sent

@@ -196,7 +196,7 @@ def _takes_idempotency_key(fn: Callable) -> bool:
 
 # --- sql -------------------------------------------------------------------------------------
 
-TENANT_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
+TENANT_PATTERN = r"[A-Za-z0-9_-]{1,64}"  # no dots: `{tenant}` in a URL path must not be `..`
 
 # Statement kinds a read-only call may run: a query, or a set operation of queries.
 _READ_ROOTS = (sqlglot_exp.Select, sqlglot_exp.SetOperation)
@@ -283,12 +283,19 @@ def _explained(statement: sqlglot_exp.Expression, dialect: str) -> str | None:
     return rest
 
 
+_UNICODE_ESCAPED = re.compile(r"(?<![\w$])u&\s*[\"']", re.IGNORECASE)
+
+
 def check_sql(query: str, dialect: str, allow_writes: bool = False, _depth: int = 0) -> None:
     """Refuse (ToolError) anything but one read-only statement, parsed by sqlglot: a SELECT, a set
     operation of SELECTs, WITH ... SELECT, or EXPLAIN of one; no write, DDL or command anywhere in
     the tree; no function that reaches outside the query (files, sessions, settings, sleeps)."""
     import sqlglot
 
+    if _UNICODE_ESCAPED.search(query):
+        # PostgreSQL's U&"..." spells an identifier in escapes (U&"set\005fconfig" is set_config),
+        # which the parser reads as something else: refused rather than decoded
+        raise ToolError("Unicode-escaped identifiers or strings (U&\"...\", U&'...') are not allowed")
     try:
         statements = [s for s in sqlglot.parse(query, read=dialect) if s is not None]
     except sqlglot.errors.SqlglotError as e:
@@ -882,7 +889,8 @@ def http_tool(
 
     def withhold_reflected(result: dict, response, credentials: dict[str, str]) -> dict:
         # an API that echoes its credentials back would hand them to the model
-        reflected = [h for h, v in credentials.items() if v in result["body"] or v in str(response.headers)]
+        seen = (result["body"] + "\n" + str(response.headers)).casefold()
+        reflected = [h for h, v in credentials.items() if any(n in seen for n in _secret_forms(v))]
         if reflected:
             raise ToolError(f"the response repeats the {', '.join(reflected)} credential; withheld")
         return result
@@ -931,6 +939,19 @@ def http_tool(
         side_effects=any(m.upper() != "GET" for a in allow for m in a.methods),
         tenant_scoped=tenant_scoped,
     )
+
+
+def _secret_forms(value: str) -> set[str]:
+    """How an API might echo a credential back, case-folded: whole, each long token of it (a
+    `Bearer` scheme stripped), percent-encoded and base64-encoded."""
+    import base64
+    from urllib.parse import quote
+
+    tokens = {value, *(t for t in value.split() if len(t) >= 8)}
+    forms = set()
+    for t in tokens:
+        forms |= {t, quote(t, safe=""), base64.b64encode(t.encode()).decode().rstrip("=")}
+    return {f.casefold() for f in forms}
 
 
 def _secret_values(secret_headers: dict[str, str]) -> dict[str, str]:

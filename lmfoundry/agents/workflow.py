@@ -42,6 +42,7 @@ from pydantic import Field
 from lmfoundry.agents import tools as toolkit
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
+from lmfoundry.safety.normalize import HOMOGLYPHS, INVISIBLE
 
 logger = get_logger(__name__)
 
@@ -106,12 +107,6 @@ INJECTION_PATTERNS = [
     r"(?:泄露|透露|显示|输出|打印|发送|告诉我).{0,8}(?:密钥|密码|秘密|令牌|凭证)",
 ]
 
-# Letters from other scripts that look like Latin ones (homoglyphs), read as the Latin letter.
-_HOMOGLYPHS = str.maketrans(
-    "аеорсухіјѕԁɡοαειντκρАЕОРСХІЈВМНТКΑΕΟΡΤΙΚΝΒΜ",
-    "aeopcyxijsdgoaeivtkpAEOPCXIJBMHTKAEOPTIKNBM",
-)
-_INVISIBLE = re.compile("[\u200b-\u200f\u2060-\u2064\ufeff\u00ad\u034f\u180e]")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}")
 _HEX = re.compile(r"(?:(?:\\x|0x)?[0-9a-fA-F]{2}[\s:]?){8,}")
 
@@ -128,8 +123,8 @@ def readings(text: str) -> list[str]:
     """The text as an injection detector should read it: as written; normalised (NFKC, invisible
     characters dropped, homoglyphs read as Latin); rot13; and every base64 or hex run decoded.
     An attacker who encodes the instruction for the model to decode is read the same way."""
-    plain = _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
-    forms = [text, plain, plain.translate(_HOMOGLYPHS), codecs.encode(plain, "rot13")]
+    plain = INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
+    forms = [text, plain, plain.translate(HOMOGLYPHS), codecs.encode(plain, "rot13")]
     for run in _BASE64.findall(plain):
         try:
             decoded = _decoded(base64.b64decode(run + "=" * (-len(run) % 4), validate=False))

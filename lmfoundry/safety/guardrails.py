@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.safety.harm import HarmConfig, HarmScorer
+from lmfoundry.safety.normalize import fold_with_index
 
 
 class GuardrailsConfig(StageConfig):
@@ -17,9 +18,9 @@ class Guardrail:
     def __init__(self, harm: HarmConfig):
         self.scorer = HarmScorer(harm)
         self.threshold = harm.threshold
-        # Characters a stream holds back: a blocklist term not yet complete in the text so far
-        # starts inside the last `window` characters, so nothing of it has been released.
-        self.window = max(len(t) for t in self.scorer.terms)
+        # Folded characters a stream holds back: a blocklist term not yet complete in the text so
+        # far starts inside the last `window` characters of the folded text.
+        self.window = max(len(t) for t in self.scorer.folded_terms)
 
     def check(self, text: str) -> tuple[bool, float]:
         score = self.scorer([text])[0]
@@ -32,11 +33,16 @@ class Guardrail:
 class StreamGate:
     """Releases a generated text piece by piece, only what the guardrail has passed.
 
-    `feed(delta)` adds text and returns what may be sent now: the text so far minus a held-back
-    window, once both the whole text so far and the released prefix pass (a term that straddles
-    the cut, or two deltas, is seen whole before any of it leaves). `finish()` checks the whole
-    text and returns the rest. Either returns None when the text is blocked; after that the
-    stream must end with finish_reason `content_filter` and send nothing more.
+    `feed(delta)` adds text and returns what may be sent now, once both the whole text so far and
+    the released prefix pass. What is held back is measured in folded text (safety/normalize.py),
+    so invisible characters or runs of spaces cannot stretch a term past the window:
+    - the last `window` folded characters (a term not yet complete starts inside them);
+    - everything from the first blocklist term found, whatever its weight, until the end: a term
+      that alone scores under the threshold can add up with a later one, and a reply that is
+      blocked in the end must not have sent any of its terms.
+    `finish()` checks the whole text and returns the rest. Either returns None when the text is
+    blocked; after that the stream must end with finish_reason `content_filter` and send nothing
+    more.
     """
 
     def __init__(self, guard: Guardrail):
@@ -52,12 +58,24 @@ class StreamGate:
         if self.guard.blocks(self.text):
             self.blocked = True
             return None
-        cut = len(self.text) - self.guard.window
+        cut = self._safe_end()
         # The prefix is checked on its own too: a term that only the text after the cut keeps from
         # matching (a word boundary) must not leave while the client would see it whole.
         if cut <= self.released or self.guard.blocks(self.text[:cut]):
             return ""
         return self._release(cut)
+
+    def _safe_end(self) -> int:
+        """The raw index up to which the text may leave: before the held-back folded window and
+        before the first blocklist term found."""
+        folded, index = fold_with_index(self.text)
+        held_from = len(folded) - self.guard.window
+        first = self.guard.scorer.pattern.search(folded)
+        if first is not None:
+            held_from = min(held_from, first.start())
+        if held_from <= 0:
+            return 0
+        return index[held_from] if held_from < len(index) else len(self.text)
 
     def finish(self, delta: str = "") -> str | None:
         if self.feed(delta) is None:

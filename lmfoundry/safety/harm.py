@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import Field
 
 from lmfoundry.platform.config import StageConfig
+from lmfoundry.safety.normalize import fold
 
 # A small default: phrases whose presence marks text a pretraining corpus should not keep
 # (instructions for mass harm, incitement, sexual content involving minors). Real deployments
@@ -68,8 +69,10 @@ class HarmScorer:
     def __init__(self, cfg: HarmConfig | None = None):
         self.cfg = cfg or HarmConfig()
         self.terms = read_blocklist(self.cfg.blocklist) if self.cfg.blocklist else dict(DEFAULT_BLOCKLIST)
-        alternation = "|".join(re.escape(t) for t in sorted(self.terms, key=len, reverse=True))
-        self.pattern = re.compile(rf"(?<!\w)(?:{alternation})(?!\w)", re.IGNORECASE)
+        # terms are matched in folded text (safety/normalize.py), so they are folded the same way
+        self.folded_terms = {fold(t).strip(): w for t, w in self.terms.items()}
+        alternation = "|".join(re.escape(t) for t in sorted(self.folded_terms, key=len, reverse=True))
+        self.pattern = re.compile(rf"(?<!\w)(?:{alternation})(?!\w)")
         self.model = None
         if self.cfg.model:
             self._load_model()
@@ -94,10 +97,12 @@ class HarmScorer:
         self.model.to(self.device)
 
     def matches(self, text: str) -> list[str]:
-        return [m.group(0).lower() for m in self.pattern.finditer(text)]
+        """The (folded) blocklist terms in `text`: other spellings of a term (homoglyphs,
+        invisible characters, fullwidth letters, accents, case, spacing) match it too."""
+        return [m.group(0) for m in self.pattern.finditer(fold(text))]
 
     def blocklist_score(self, text: str) -> float:
-        weight = sum(self.terms.get(t, 1.0) for t in self.matches(text))
+        weight = sum(self.folded_terms.get(t, 1.0) for t in self.matches(text))
         return 1.0 - math.exp(-weight)
 
     def __call__(self, texts: list[str]) -> list[float]:

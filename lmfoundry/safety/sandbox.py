@@ -26,7 +26,8 @@ What each call gets:
   clone with namespace flags), keyring, bpf, perf_event_open, module loading, kexec, reboot,
   swap, process_vm_readv/writev, personality, userfaultfd, io_uring, and sockets of any family
   but AF_UNIX. Syscalls of another ABI (32-bit, x32) kill the process.
-- Limits: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC (set
+- Limits: RLIMIT_AS (memory, per process: a run's processes together hold at most
+  max_processes x memory_mb, a cgroup's memory.max would make it one budget), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_NPROC (set
   inside, after the user namespace exists, so it counts this sandbox's processes only), no core
   files; a wall-clock timeout; stdout and stderr read as they come and kept up to a byte cap.
 - Lifetime: `--die-with-parent`, `--new-session`, and a PID namespace whose init is bwrap's
@@ -101,6 +102,7 @@ _DENIED_SYSCALLS = (
     "fspick", "mount_setattr", "name_to_handle_at", "open_by_handle_at",
     "unshare", "setns",
     "keyctl", "add_key", "request_key",
+    "memfd_create", "memfd_secret",  # anonymous files: their pages escape RLIMIT_AS
     "bpf", "perf_event_open", "userfaultfd", "fanotify_init", "lookup_dcookie",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",

@@ -1,5 +1,5 @@
 """Red-team attacks on the defences in docs/security.md. Each test asserts that the defence
-HOLDS; the ones marked xfail(strict=True) are attacks that currently break it (see the reason)."""
+HOLDS."""
 
 import textwrap
 import threading
@@ -29,10 +29,6 @@ def run(code: str, **kwargs):
 # --- sandbox: memory beyond memory_mb -----------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memfd_create pages are not counted by RLIMIT_AS: 150 x 1 MiB memfds held open with memory_mb=64",
-)
 def test_sandbox_memfd_memory_stays_within_memory_mb():
     r = run(
         """
@@ -54,18 +50,20 @@ def test_sandbox_memfd_memory_stays_within_memory_mb():
     assert held_mb <= 64, f"{held_mb} MiB of memfd held with memory_mb=64"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RLIMIT_AS is per process: 4 forked children each hold 40 MiB with memory_mb=64 (up to nproc x memory_mb)",
-)
-def test_sandbox_forked_children_share_one_memory_cap():
+def test_sandbox_forked_children_hold_at_most_max_processes_times_memory_mb():
+    """RLIMIT_AS caps each process; the process limit caps how many there are (the documented
+    bound: max_processes x memory_mb for the whole run)."""
     r = run(
         """
         import os, time
         kids = []
         for i in range(4):
             rd, wr = os.pipe()
-            if os.fork() == 0:
+            try:
+                pid = os.fork()
+            except OSError:
+                break  # the process limit
+            if pid == 0:
                 try:
                     b = bytearray(40 << 20)
                     for j in range(0, len(b), 4096):
@@ -78,9 +76,10 @@ def test_sandbox_forked_children_share_one_memory_cap():
         print(sum(len(os.read(rd, 1)) for rd in kids))
         """,
         memory_mb=64,
+        max_processes=2,
     )
-    held = int(r.stdout.strip() or 0)
-    assert held * 40 <= 64, f"{held} children x 40 MiB resident at once with memory_mb=64"
+    held = int(r.stdout.strip())
+    assert held + 1 <= 2, f"{held} children x 40 MiB resident at once beside the parent with max_processes=2"
 
 
 # --- SQL: refused functions through identifier spelling ------------------------------------------
@@ -88,19 +87,12 @@ def test_sandbox_forked_children_share_one_memory_cap():
 UNICODE_SET_CONFIG = 'U&"set\\005fconfig"'  # U&"set\005fconfig" is the identifier set_config
 
 
-_U_ESCAPE_MISSED = pytest.mark.xfail(
-    strict=True,
-    reason='sqlglot reads U&"set\\005fconfig"(...) as U & "set\\005fconfig"(...), an Anonymous function '
-    "whose name is not set_config, so the refused-function check misses it",
-)
-
-
 @pytest.mark.parametrize(
     "query",
     [
-        pytest.param(f"SELECT {UNICODE_SET_CONFIG}('app.tenant', 'bolt', true)", marks=_U_ESCAPE_MISSED),
-        pytest.param('SELECT U&"pg\\005fsleep"(5)', marks=_U_ESCAPE_MISSED),
-        pytest.param('SELECT U&"pg\\005fterminate\\005fbackend"(1)', marks=_U_ESCAPE_MISSED),
+        f"SELECT {UNICODE_SET_CONFIG}('app.tenant', 'bolt', true)",
+        'SELECT U&"pg\\005fsleep"(5)',
+        'SELECT U&"pg\\005fterminate\\005fbackend"(1)',
         "SELECT * FROM U&\"pg\\005fls\\005fdir\"('/')",  # refused (does not parse in FROM)
     ],
 )
@@ -109,11 +101,6 @@ def test_sql_parser_refuses_functions_spelled_as_unicode_escaped_identifiers(que
         tools.check_sql(query, "postgres")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cross-tenant read under RLS: set app.tenant to another tenant with U&-escaped set_config, read, "
-    "then set it back so the post-query check sees the caller's tenant",
-)
 def test_rls_tenant_cannot_read_another_tenants_rows_by_switching_and_restoring_the_setting(pg):  # noqa: F811
     _, role = pg
     sql = tools.sql_tool(role, tenant_setting="app.tenant", timeout_s=2).fn
@@ -132,17 +119,12 @@ def test_rls_tenant_cannot_read_another_tenants_rows_by_switching_and_restoring_
 # --- HTTP tool -----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="http_tool's TENANT_PATTERN allows '.', so tenant '..' (or '.') turns base /tenants/{tenant} into "
-    "/tenants/.. -> '/' and the allow-list covers every tenant's paths (keys.py refuses dots, the tool does not)",
-)
 @pytest.mark.parametrize("tenant", ["..", "."])
 def test_http_dot_tenant_does_not_widen_the_allow_list(tenant):
     registry = tools.ToolRegistry()
     registry.register(tools.http_tool([tools.AllowedAPI("http://127.0.0.1:9/tenants/{tenant}")], retries=0))
     result = registry.call("http", {"method": "GET", "url": "http://127.0.0.1:9/tenants/acme/rows"}, tenant=tenant)
-    assert not result.ok and "allow-list" in (result.error or ""), result.error
+    assert not result.ok and ("allow-list" in result.error or "needs a tenant matching" in result.error), result.error
 
 
 class _EchoServer(BaseHTTPRequestHandler):
@@ -173,16 +155,7 @@ def echo():
     server.server_close()
 
 
-_BARE_TOKEN_LEAKS = pytest.mark.xfail(
-    strict=True,
-    reason="withhold_reflected looks for the whole header value ('Bearer sk-...'); an API that echoes only "
-    "the token ('unknown token sk-...') or changes its case hands the secret to the model",
-)
-
-
-@pytest.mark.parametrize(
-    "path", ["/exact", pytest.param("/bare", marks=_BARE_TOKEN_LEAKS), pytest.param("/lower", marks=_BARE_TOKEN_LEAKS)]
-)
+@pytest.mark.parametrize("path", ["/exact", "/bare", "/lower"])
 def test_http_secret_header_echoed_by_the_api_never_reaches_the_model(echo, monkeypatch, path):
     monkeypatch.setenv("ATTACK_API_TOKEN", "Bearer sk-LIVE-9f8e7d6c5b4a")
     registry = tools.ToolRegistry()
@@ -216,11 +189,6 @@ def test_stream_term_split_across_deltas_is_never_released():
     assert blocked and "bo" not in sent.lower().split("how to")[-1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="weighted terms: one 'ransomware as a service' (0.5 -> score 0.39) passes and is released; the "
-    "second makes the whole text blocked, but the first and everything between already reached the client",
-)
 def test_stream_blocked_by_accumulated_terms_released_no_blocklist_term():
     deltas = ["We sell ransomware as a service", " to anyone. ", "Filler text " * 10, "ransomware as a service!", "."]
     sent, blocked = _stream(deltas)
@@ -228,11 +196,6 @@ def test_stream_blocked_by_accumulated_terms_released_no_blocklist_term():
     assert "ransomware as a service" not in sent.lower(), sent
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the blocklist matches the exact spelling only: no NFKC/confusable folding, no whitespace "
-    "collapsing, no removal of zero-width characters",
-)
 @pytest.mark.parametrize(
     "text",
     [
@@ -246,3 +209,12 @@ def test_stream_blocked_by_accumulated_terms_released_no_blocklist_term():
 def test_guardrail_blocks_obfuscated_spellings_of_a_blocked_phrase(text):
     sent, blocked = _stream([text, ""])
     assert blocked, sent
+
+
+def test_stream_of_a_term_stretched_by_invisible_characters_and_spaces_sends_none_of_it():
+    from lmfoundry.safety.harm import HarmScorer
+
+    stretched = "how   to\u200b make a b\u200bo\u200b\u200bm\u200bb right now"
+    sent, blocked = _stream([*stretched, ""])  # one character a delta
+    assert blocked
+    assert HarmScorer().matches(sent) == [] and "b\u200bo" not in sent, sent

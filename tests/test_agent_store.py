@@ -3,10 +3,10 @@ approvals, cancellation) on SQLite and PostgreSQL, the injection and secret guar
 corpora, and the conversation a resumed run rebuilds."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from lmfoundry.serving import agents
 
@@ -14,11 +14,11 @@ pytestmark = pytest.mark.timeout(120)
 SUITES = Path(agents.__file__).parent / "suites"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgres_dsn"], ids=["sqlite", "postgresql"])
 def store(request, tmp_path):
     if request.param == "sqlite":
         return agents.AgentStore(str(tmp_path / "runs.sqlite"))
-    dsn = request.getfixturevalue("postgres_dsn")
+    dsn = request.getfixturevalue(request.param)  # the server, and its markers
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -32,8 +32,8 @@ def test_a_run_is_leased_to_one_worker_and_resumed_by_another_when_the_lease_run
     assert store.claim("w2", lease_s=0.3, per_tenant=4) is None  # held
     store.write_step(run, 0, "model", "done", {"tool": "sql", "arguments": {"query": "SELECT 1"}})
     store.write_step(run, 1, "tool", "started", {"tool": "sql", "arguments": {}}, key=f"{run}:1")
-    time.sleep(0.4)  # w1 died: its lease expires
-    assert store.claim("w2", lease_s=5, per_tenant=4) == run
+    # w1 died: once its lease expires w2 claims the run
+    wait_until(lambda: store.claim("w2", lease_s=5, per_tenant=4) == run, 5, "w1's 0.3 s lease to expire")
     assert not store.renew(run, "w1", 5) and store.renew(run, "w2", 5)
     store.write_step(run, 1, "tool", "done", {"tool": "sql", "arguments": {}, "model_view": "[[1]]"}, key=f"{run}:1")
     steps = store.get(run)["steps"]

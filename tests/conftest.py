@@ -16,6 +16,12 @@ import time
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
+# default): a finished run, a killed worker or a forced report (at every save) waits for the next
+# poll, and lmfoundry's RayTrainReporter reports at most once a poll. The tiny runs of the suite
+# take a few seconds each: a shorter poll takes out most of that waiting (the processes Ray
+# starts from here, and the programs the tests run, inherit it).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 # fixture -> the markers of every test that uses it, directly or through other fixtures
 TIER_FIXTURES = {

@@ -34,7 +34,6 @@ TIER_FIXTURES = {
     "ray_serve": {"ray", "server"},  # Ray Serve's HTTP proxy on the session's Ray
     "postgres_dsn": {"server", "postgres"},  # a throwaway PostgreSQL server
 }
-UNIT_EXCLUDES = sorted({m for marks in TIER_FIXTURES.values() for m in marks})
 
 
 def pytest_collection_modifyitems(config, items):

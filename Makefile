@@ -1,5 +1,6 @@
-# Two commands: `make quickstart` runs the whole lifecycle, `make test` runs the suite.
-# Both create the virtual environment first if it is missing.
+# `make quickstart` runs the whole lifecycle, `make test` runs the whole suite, `make test-fast`
+# its unit tier.
+# Each creates the virtual environment first if it is missing.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 WORKDIR ?= work/quickstart
 PYTEST_ARGS ?=
 
-.PHONY: env quickstart lint test clean
+.PHONY: env quickstart lint test test-fast clean
 
 env: $(VENV)/.installed
 
@@ -35,6 +36,14 @@ lint: env
 test: env lint
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+# The unit tier alone, in minutes: no Ray, no DeepSpeed workers, no servers, no subprocess
+# clusters. tests/conftest.py marks each test by the fixtures it uses (TIER_FIXTURES); a test
+# none of them marks is a unit test. No lint: `make lint` for that.
+FAST_MARKERS := not ray and not deepspeed and not slow and not server and not postgres
+test-fast: env
+	$(PY) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests" >&2; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) work

@@ -1,11 +1,18 @@
 """Shared fixtures: one real local Ray per session and a tiny lifecycle whose artifacts the
-stage tests reuse (corpus -> curated -> packed -> pretrained), each built once."""
+stage tests reuse (corpus -> curated -> packed -> pretrained), each built once.
+
+Tiers come from the fixtures a test uses, never from hand-written marks: a test whose fixture
+closure holds one of TIER_FIXTURES gets that fixture's markers (see pytest_collection_modifyitems).
+A fixture parametrized over fixture names (request.getfixturevalue(request.param)) gives each
+case the markers of the fixture it gets. A test that nothing marks is the unit tier:
+`make test-fast` runs it alone."""
 
 from __future__ import annotations
 
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,12 +21,55 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
+# default): a finished run, a killed worker or a forced report (at every save) waits for the next
+# poll, and lmfoundry's RayTrainReporter reports at most once a poll. The tiny runs of the suite
+# take a few seconds each: a shorter poll takes out most of that waiting (the processes Ray
+# starts from here, and the programs the tests run, inherit it).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+# fixture -> the markers of every test that uses it, directly or through other fixtures
+TIER_FIXTURES = {
+    "ray_local": {"ray"},  # the session's Ray; curated, packed, pretrained, ... depend on it
+    "pretrained": {"deepspeed"},  # the session's reference run on 2 DeepSpeed workers
+    "deepspeed_workers": {"ray", "deepspeed", "slow"},  # the test trains on worker groups of its own
+    "deepspeed_processes": {"deepspeed", "slow"},  # DeepSpeed engines in processes it spawns, no Ray
+    "own_ray_env": {"ray", "slow"},  # a program in a subprocess that starts a Ray of its own
+    "ray_head": {"ray", "slow", "server"},  # a `ray start --head` cluster in a subprocess
+    "ray_serve": {"ray", "server"},  # Ray Serve's HTTP proxy on the session's Ray
+    "postgres_dsn": {"server", "postgres"},  # a throwaway PostgreSQL server
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None:
+            names |= {v for v in callspec.params.values() if isinstance(v, str)}
+        for marker in sorted(set().union(*(TIER_FIXTURES.get(n, set()) for n in names))):
+            item.add_marker(marker)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what, interval: float = 0.05):
+    """Polls `predicate` until it returns something truthy and returns that; after `timeout`
+    seconds fails the test, naming `what` it waited for (a text, or a function that says it at
+    that moment) and the last value it saw."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            said = what() if callable(what) else what
+            pytest.fail(f"waited {timeout:g} s for {said}; last seen: {value!r}", pytrace=False)
+        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +81,37 @@ def ray_local():
     init_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def deepspeed_workers(ray_local):
+    """For a test that trains on DeepSpeed worker groups of its own (fault drills, DPO, expert
+    parallelism) on the session's Ray: each run starts its workers, minutes in all."""
+    return ray_local
+
+
+@pytest.fixture
+def deepspeed_processes():
+    """For a test that runs DeepSpeed engines in processes it spawns itself (torch.multiprocessing
+    over gloo, no Ray), as the planner's memory measurement does: minutes of training steps."""
+    return None
+
+
+@pytest.fixture
+def own_ray_env():
+    """The environment for a program run in a subprocess that starts a Ray of its own, not the
+    session's: RAY_ADDRESS cleared."""
+    return {**os.environ, "RAY_ADDRESS": ""}
+
+
+@pytest.fixture(scope="module")
+def ray_serve(ray_local):
+    """Ray Serve on the session's Ray, shut down after the module so that the next one starts
+    its HTTP proxy on a port of its own."""
+    from ray import serve
+
+    yield serve
+    serve.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -139,3 +220,55 @@ def postgres_dsn():
     yield f"postgresql://lmfoundry@127.0.0.1:{port}/postgres"
     subprocess.run([*run_as, pg_ctl, "-D", data, "-m", "immediate", "stop"], capture_output=True)
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A `ray start --head` cluster in a subprocess with its dashboard (the job API): yields its
+    dashboard address and the environment to reach it with, and stops exactly this cluster."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    gcs, dash, agent = free_port(), free_port(), free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths have a length limit
+    # The entrypoint's `python` is looked up on the PATH the cluster was started with, as on a
+    # cluster node whose PATH holds the environment lmfoundry is installed in.
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    env.pop("RAY_ADDRESS", None)
+    # --block keeps `ray start` in the foreground; terminating it stops exactly this cluster.
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("ray")),
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            f"--dashboard-port={dash}",
+            "--dashboard-host=127.0.0.1",
+            "--num-cpus=4",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+            # the job agent's HTTP port is fixed by default (52365): another Ray on this machine
+            # (the session's local one) would hold it and the job API would have no agent
+            f"--dashboard-agent-listen-port={agent}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield f"http://127.0.0.1:{dash}", env
+    finally:
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)

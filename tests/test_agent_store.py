@@ -3,10 +3,10 @@ approvals, cancellation) on SQLite and PostgreSQL, the injection and secret guar
 corpora, and the conversation a resumed run rebuilds."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from lmfoundry.agents import worker, workflow
 from lmfoundry.agents.store import AgentStore, LeaseLost
@@ -15,11 +15,11 @@ pytestmark = pytest.mark.timeout(120)
 SUITES = Path(workflow.__file__).parent / "suites"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgres_dsn"], ids=["sqlite", "postgresql"])
 def store(request, tmp_path):
     if request.param == "sqlite":
         return AgentStore(str(tmp_path / "runs.sqlite"))
-    dsn = request.getfixturevalue("postgres_dsn")
+    dsn = request.getfixturevalue(request.param)  # the server, and its markers
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -34,8 +34,14 @@ def test_a_run_is_leased_to_one_worker_and_resumed_by_another_when_the_lease_run
     assert store.claim("w2", lease_s=0.3, per_tenant=4) is None  # held
     store.write_step(w1, 0, "model", "done", {"tool": "sql", "arguments": {"query": "SELECT 1"}})
     store.write_step(w1, 1, "tool", "started", {"tool": "sql", "arguments": {}}, key=f"{run}:1")
-    time.sleep(0.4)  # w1 died: its lease expires
-    w2 = store.claim("w2", lease_s=5, per_tenant=4)
+    # w1 died: once its lease expires w2 claims the run
+    claimed = []
+    wait_until(
+        lambda: claimed.append(store.claim("w2", lease_s=5, per_tenant=4)) or claimed[-1] is not None,
+        5,
+        "w1's 0.3 s lease to expire",
+    )
+    w2 = claimed[-1]
     assert w2.run_id == run and w2.token == 2
     assert not store.renew(w1, 5) and store.renew(w2, 5)
     with pytest.raises(LeaseLost):  # the old holder's writes are fenced off

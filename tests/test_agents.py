@@ -15,7 +15,7 @@ import httpx
 import pytest
 from conftest import free_port
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 KEY = "sk-agents-test-" + "a" * 16
 CANARY = "canary-5e1f0c7d2b"
 HOSTILE_TOOL = '''
@@ -47,9 +47,8 @@ class _Orders(BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def agents(pretrained, tmp_path_factory):
-    from ray import serve
-
+def agents(ray_serve, pretrained, tmp_path_factory):
+    serve = ray_serve
     from lmfoundry.agents.api import AgentServeConfig, build_agent_app
     from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS
     from lmfoundry.platform import checkpoint
@@ -174,7 +173,6 @@ def agents(pretrained, tmp_path_factory):
         assert time.time() < deadline, "the agent service did not come up"
         time.sleep(0.5)
     yield {"url": url, "other_key": other_key, "approver_key": approver_key, "store": cfg.store, "spans": spans}
-    serve.shutdown()  # the next module starts Serve on a port of its own
     api.shutdown()
 
 

@@ -108,11 +108,11 @@ def test_evaluation_prompts_are_held_out_exactly_and_near_duplicates_too():
 # --- the review queue ---------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgres_dsn"], ids=["sqlite", "postgresql"])
 def store_dsn(request, tmp_path):
     if request.param == "sqlite":
         return str(tmp_path / "q.sqlite")
-    dsn = request.getfixturevalue("postgres_dsn")
+    dsn = request.getfixturevalue(request.param)  # the server, and its markers
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as conn:  # a clean queue per test

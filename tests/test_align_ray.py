@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 TOPICS = [
     "apples",
@@ -80,7 +80,9 @@ def write_pairs(path):
     return str(path)
 
 
-def test_dpo_raises_preference_accuracy_survives_a_killed_worker_and_is_gated(pretrained, packed, tmp_path):
+def test_dpo_raises_preference_accuracy_survives_a_killed_worker_and_is_gated(
+    deepspeed_workers, pretrained, packed, tmp_path
+):
     from lmfoundry.eval.suite import EvalSuites
     from lmfoundry.jobs.align import AlignJobConfig, run_align
 

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from texts import CHINESE, FRENCH, GERMAN, JAPANESE, PARAPHRASE, PROSE, RUSSIAN, SPANISH, TECH_DOC
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 REPO = Path(__file__).resolve().parents[1]
 CONTACT = (
     "Thank you for your order of the garden tools. The parcel left our warehouse this morning and "
@@ -27,7 +27,7 @@ def table(out, part):
     return pq.read_table(f"{out}/{part}").to_pandas().sort_values("id").reset_index(drop=True)
 
 
-def test_killed_run_resumes_and_equals_a_clean_run(ray_local, sample_corpus, curated, tmp_path):
+def test_killed_run_resumes_and_equals_a_clean_run(ray_local, own_ray_env, sample_corpus, curated, tmp_path):
     from lmfoundry.data.curate import CurateConfig, run_curate
 
     raw, (clean_out, clean) = sample_corpus[0], curated
@@ -35,7 +35,6 @@ def test_killed_run_resumes_and_equals_a_clean_run(ray_local, sample_corpus, cur
     # A run in its own process (its own Ray), one document worker, killed with SIGKILL as soon
     # as it has committed a shard.
     out = tmp_path / "killed"
-    env = {**os.environ, "RAY_ADDRESS": ""}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -50,7 +49,7 @@ def test_killed_run_resumes_and_equals_a_clean_run(ray_local, sample_corpus, cur
             "workers=1",
         ],
         cwd=REPO,
-        env=env,
+        env=own_ray_env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

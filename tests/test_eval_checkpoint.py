@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 BUILTIN = os.path.join(os.path.dirname(__file__), "..", "lmfoundry", "eval", "suites", "tasks")
 TASK_FILES = [os.path.join(BUILTIN, f) for f in ("arithmetic_mc.yaml", "common_sense_mc.yaml", "repeat_word.yaml")]
@@ -115,7 +115,7 @@ def test_evaluate_command_writes_the_report_and_the_gate_catches_a_regression(pr
     assert "exactly one of checkpoint" in capsys.readouterr().err
 
 
-def test_pretraining_evaluates_each_checkpoint_as_it_is_committed(packed, tmp_path):
+def test_pretraining_evaluates_each_checkpoint_as_it_is_committed(deepspeed_workers, packed, tmp_path):
     from conftest import tiny_pretrain_config
 
     from lmfoundry.eval.suite import EvalSuites

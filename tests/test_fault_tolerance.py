@@ -94,9 +94,7 @@ def test_stragglers_are_named_by_rank_and_host():
     assert stragglers([(0.0, "a"), (1.0, "b")], 1.5) == []  # nothing measured yet
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_killed_workers_resume_to_bitwise_equal_losses(ray_local, packed, pretrained, tmp_path):
+def test_killed_workers_resume_to_bitwise_equal_losses(deepspeed_workers, packed, pretrained, tmp_path):
     """The session's reference run again, with rank 1 killed after step 15 and rank 0 killed
     while step 30's checkpoint is being written: two restarts, resumed from steps 10 and 20."""
     from lmfoundry.train.config import FaultDrill
@@ -116,9 +114,7 @@ def test_killed_workers_resume_to_bitwise_equal_losses(ray_local, packed, pretra
     assert state["step"] == 40 and state["tokens_seen"] == 40 * 2 * 4 * 64 * 2
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_a_crash_loop_ends_failed_after_max_failures(ray_local, packed, tmp_path):
+def test_a_crash_loop_ends_failed_after_max_failures(deepspeed_workers, packed, tmp_path):
     from lmfoundry.train.config import FaultDrill
     from lmfoundry.train.pretrain import run_pretrain
 
@@ -138,9 +134,7 @@ def test_a_crash_loop_ends_failed_after_max_failures(ray_local, packed, tmp_path
     assert [s for s, _ in checkpoint.committed_checkpoints(str(out))] == [3]  # the work that survived
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_a_nonfinite_gradient_skips_its_step_and_a_loss_spike_rolls_back(ray_local, packed, tmp_path):
+def test_a_nonfinite_gradient_skips_its_step_and_a_loss_spike_rolls_back(deepspeed_workers, packed, tmp_path):
     """Rank 1's gradients of step 3 are NaN (its loss is finite): that optimizer step is not
     taken and its 2 micro-batches are passed over. Step 12 runs with its learning rate multiplied
     by 10^4: step 13's loss explodes, the run goes back to the checkpoint of step 10 and trains on
@@ -169,9 +163,7 @@ def test_a_nonfinite_gradient_skips_its_step_and_a_loss_spike_rolls_back(ray_loc
     assert manifest["final_loss"] < manifest["first_loss"] - 0.5
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(ray_local, packed, tmp_path):
+def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(deepspeed_workers, packed, tmp_path):
     """ZeRO-3: each rank holds half the weights; the servable checkpoint gathers them, and a
     run killed after step 6 resumes from step 4 to the uninterrupted run's losses, at 2 workers
     or at 1. ZeRO-2 with the optimizer offloaded gives the same losses."""
@@ -233,10 +225,8 @@ def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(ray
     assert offload == pytest.approx([r["loss"] for r in rows["clean"]], rel=1e-4)
 
 
-@pytest.mark.slow
-@pytest.mark.ray
 def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(
-    ray_local, packed, pretrained, tmp_path
+    deepspeed_workers, packed, pretrained, tmp_path
 ):
     """The reference run with min_workers=1 on a Ray cluster of three nodes on this machine
     (benchmarks/harness/elastic_drill.py): a training node removed after step 12, so the group goes on with one

@@ -5,7 +5,7 @@ import pytest
 from harness.peak_memory import SEQ_LEN, WORLD, measure_peak_bytes, predicted_peak_bytes, reference_cases
 
 
-def test_predicted_peak_memory_is_within_15_percent_of_measured():
+def test_predicted_peak_memory_is_within_15_percent_of_measured(deepspeed_processes):
     cases = reference_cases()
     measured = measure_peak_bytes(list(cases.values()), SEQ_LEN, WORLD)
     report = {}

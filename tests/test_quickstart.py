@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = pytest.mark.timeout(1200)
 
 
-def test_quickstart_runs_every_stage_and_serves_a_reply(tmp_path):
+def test_quickstart_runs_every_stage_and_serves_a_reply(own_ray_env, tmp_path):
     work = tmp_path / "qs"
     cli = str(Path(sys.executable).with_name("lmfoundry"))
     cmd = [
@@ -30,7 +30,7 @@ def test_quickstart_runs_every_stage_and_serves_a_reply(tmp_path):
         "--set",
         f"serve.port={free_port()}",
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1100)
+    r = subprocess.run(cmd, env=own_ray_env, capture_output=True, text=True, timeout=1100)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"work directory {work}" in r.stdout
     assert "assistant:" in r.stdout

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import free_port, wait_until
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 KEY = "sk-test-" + "k" * 20
 
 
@@ -25,9 +25,7 @@ def keys_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(pretrained, keys_file):
-    from ray import serve
-
+def server(ray_serve, pretrained, keys_file):
     from lmfoundry.serving.app import ServeConfig, start
 
     os.environ["LMFOUNDRY_TEST_KEYS"] = f"other-key,{KEY}"
@@ -42,8 +40,7 @@ def server(pretrained, keys_file):
     )
     url, generated = start(cfg)
     assert generated is None
-    yield url
-    serve.shutdown()
+    return url
 
 
 @contextlib.contextmanager
@@ -299,7 +296,9 @@ def test_rate_limits_per_tenant_answer_429_with_retry_after(server, keys_file):
 
     limited, _ = create_key(keys_file, "limited")
     frugal, _ = create_key(keys_file, "frugal")
-    time.sleep(2.5)  # the replicas' key reload
+    # the replica re-reads the key file every 2 s, at a request: until then the new keys are unknown
+    models = f"{server}/v1/models"
+    wait_until(lambda: httpx.get(models, headers=auth(frugal)).status_code == 200, 30, "the new keys to be loaded")
     body = {"prompt": "The", "max_tokens": 2}
     codes = [httpx.post(f"{server}/v1/completions", json=body, headers=auth(limited), timeout=60) for _ in range(3)]
     assert [r.status_code for r in codes] == [200, 200, 429]
@@ -625,19 +624,22 @@ def test_two_versions_behind_one_route_shift_and_roll_back_without_dropping_requ
             lines = stream.iter_lines()
             first = next(line for line in lines if line)
             subprocess.run(cli + ["set", "v1=0", "v2=100", "--file", str(split)], check=True, capture_output=True)
-            time.sleep(2.5)  # replicas re-read the split every 2 s
+            # replicas re-read the split every 2 s: a reply from v2 is the new split
+            wait_until(lambda: answered_by(1) == {"v2"}, 30, "the split v1=0 v2=100 to be loaded", interval=0.2)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
         assert {json.loads(line[6:])["system_fingerprint"] for line in [first] + rest[:-1]} == {"v1"}
         assert answered_by() == {"v2"}
         assert answered_by(4, model="tiny:v1") == {"v1"}  # a pinned version ignores the split
         subprocess.run(cli + ["set", "v1=50", "v2=50", "--file", str(split)], check=True, capture_output=True)
-        time.sleep(2.5)
+        wait_until(lambda: "v1" in answered_by(1), 30, "the split v1=50 v2=50 to be loaded", interval=0.2)
         assert answered_by(30) == {"v1", "v2"}
         assert len(answered_by(6, user="alice")) == 1  # sticky per user
+        on_v1 = next(user for user in (f"user-{i}" for i in range(64)) if answered_by(1, user=user) == {"v1"})
         shown = subprocess.run(cli + ["rollback", "--file", str(split)], check=True, capture_output=True, text=True)
         assert "v1=0%  v2=100%" in shown.stdout
-        time.sleep(2.5)
+        # a user the 50/50 split keeps on v1 goes to v2 once the rolled-back split is loaded
+        wait_until(lambda: answered_by(1, user=on_v1) == {"v2"}, 30, "the rolled-back split to be loaded", interval=0.2)
         assert answered_by() == {"v2"}
         bad = subprocess.run(cli + ["set", "v1=x", "--file", str(split)], capture_output=True, text=True)
         assert bad.returncode == 2 and "VERSION=WEIGHT" in bad.stderr

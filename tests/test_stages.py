@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 
 def tensorboard_scalars(path: str) -> dict[str, list[tuple[int, float]]]:
@@ -122,7 +122,7 @@ def test_evaluate_perplexity_beats_uniform(pretrained, packed, tmp_path):
     assert local["perplexity"] == pytest.approx(report["perplexity"], rel=1e-6)
 
 
-def test_pretrain_moe_with_expert_parallelism_matches_without(packed, tmp_path):
+def test_pretrain_moe_with_expert_parallelism_matches_without(deepspeed_workers, packed, tmp_path):
     """The same MoE run twice on 2 DeepSpeed workers: experts replicated (data parallel) and
     experts split across the workers (expert_parallel_size=2, all-to-all; its worker of rank 1
     is killed after step 8 and the run resumes from step 6). Same losses and gradient norms

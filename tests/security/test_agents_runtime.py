@@ -99,11 +99,11 @@ class Downstream:
         self.server, self.url = _serve(Handler)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgres_dsn"], ids=["sqlite", "postgresql"])
 def dsn(request, tmp_path):
     if request.param == "sqlite":
         return str(tmp_path / "runs.sqlite")
-    dsn = request.getfixturevalue("postgres_dsn")
+    dsn = request.getfixturevalue(request.param)  # the server, and its markers
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -1,4 +1,4 @@
-"""`lmfoundry plan` end to end, and the README's worked examples regenerated and compared."""
+"""`lmfoundry plan` end to end, and the worked examples of docs/planning.md regenerated and compared."""
 
 import re
 import shlex
@@ -12,13 +12,13 @@ from lmfoundry.jobs.plan import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_examples() -> list[tuple[str, str]]:
-    text = (ROOT / "README.md").read_text()
+def worked_examples() -> list[tuple[str, str]]:
+    text = (ROOT / "docs" / "planning.md").read_text()
     return re.findall(r"```\n\$ lmfoundry plan (.+?)\n(.+?)```", text, flags=re.S)
 
 
-def test_readme_has_the_three_worked_examples():
-    commands = [c for c, _ in readme_examples()]
+def test_the_planning_page_has_the_three_worked_examples():
+    commands = [c for c, _ in worked_examples()]
     assert [c.split()[0] for c in commands] == [
         "configs/pretrain_7b_gpu.yaml",
         "configs/pretrain_moe_16b_gpu.yaml",
@@ -27,8 +27,8 @@ def test_readme_has_the_three_worked_examples():
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
-def test_readme_examples_are_what_the_command_prints(index, capsys, monkeypatch):
-    command, shown = readme_examples()[index]
+def test_the_worked_examples_are_what_the_command_prints(index, capsys, monkeypatch):
+    command, shown = worked_examples()[index]
     monkeypatch.chdir(ROOT)
     assert main(shlex.split(command)) == 0
     assert capsys.readouterr().out == shown

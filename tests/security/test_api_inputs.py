@@ -367,7 +367,7 @@ def test_ref_cycles_ref_expansion_bombs_and_remote_refs_are_refused(schema, limi
 
 
 def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and_busy_refuses(tiny_checkpoint):
-    """A top-level string with maxLength 12 or 13 takes seconds to compile (the automaton grows
+    """A top-level string with maxLength 14 or 15 takes seconds to compile (the automaton grows
     exponentially with it; they pass the static limit of 64, so the timeout is what holds them). The compile
     runs in a thread under a timeout: the event loop keeps ticking, the caller gets SchemaRefused
     at the timeout, and while the timed-out compiles still hold both threads a third is refused
@@ -395,7 +395,7 @@ def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and
 
             beat = asyncio.create_task(heartbeat())
             outcomes = await asyncio.gather(
-                *(grammars.prepare({"type": "string", "maxLength": n}, timeout_s=0.3) for n in (12, 13)),
+                *(grammars.prepare({"type": "string", "maxLength": n}, timeout_s=0.3) for n in (14, 15)),
                 return_exceptions=True,
             )
             started = time.perf_counter()

@@ -209,30 +209,26 @@ def audited(pair_id: str, rate: float, seed: int) -> bool:
 # --- the Ray Data stages -------------------------------------------------------------------------
 
 
-def _local_checkpoint(ref: ModelRef) -> str:
-    from lmfoundry.platform import checkpoint
-
-    local = checkpoint.local_copy(checkpoint.resolve(ref.checkpoint), model_only=True)
-    checkpoint.verify(local, model_only=True)
-    return local
-
-
 def open_model(ref: ModelRef):
     """The student (or a solver) as an evaluation model: generation by checkpoint or endpoint."""
     from lmfoundry.clients.checkpoint import CheckpointModel
     from lmfoundry.clients.openai import EndpointModel
+    from lmfoundry.platform import checkpoint
 
-    return (
-        CheckpointModel(_local_checkpoint(ref)) if ref.checkpoint else EndpointModel(ref.url, ref.model, ref.api_key())
-    )
+    if not ref.checkpoint:
+        return EndpointModel(ref.url, ref.model, ref.api_key())
+    with checkpoint.opened(ref.checkpoint) as (local, _):
+        return CheckpointModel(local)  # loaded whole into memory: a temporary copy can go
 
 
 def open_judge(ref: ModelRef):
     from lmfoundry.align.judge import CheckpointJudge, EndpointJudge
+    from lmfoundry.platform import checkpoint
 
-    return (
-        CheckpointJudge(_local_checkpoint(ref)) if ref.checkpoint else EndpointJudge(ref.url, ref.model, ref.api_key())
-    )
+    if not ref.checkpoint:
+        return EndpointJudge(ref.url, ref.model, ref.api_key())
+    with checkpoint.opened(ref.checkpoint) as (local, _):
+        return CheckpointJudge(local)  # loaded whole into memory: a temporary copy can go
 
 
 class SampleCandidates:

@@ -23,8 +23,8 @@ class AlignJobConfig(DPOConfig):
 
 
 def _evaluate(uri: str, suites: EvalSuites) -> dict:
-    local = checkpoint.local_copy(uri, model_only=True)
-    return evaluate(CheckpointModel(local, suites.batch_size), suites, local)
+    with checkpoint.opened(uri) as (local, _):
+        return evaluate(CheckpointModel(local, suites.batch_size), suites, local)
 
 
 def run_align(cfg: AlignJobConfig) -> dict:

@@ -308,6 +308,12 @@ def copy_down(fs: pafs.FileSystem, path: str, model_only: bool = False) -> str:
     return target
 
 
+def remove_copy(local: str, uri: str) -> None:
+    """Remove `local` when it is a temporary copy of the checkpoint at `uri` (not the checkpoint)."""
+    if str(local) != resolve(uri):
+        shutil.rmtree(local, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def opened(uri: str, model_only: bool = True) -> Iterator[tuple[str, dict]]:
     """(local directory, manifest) of the verified checkpoint at `uri`; a temporary copy of a

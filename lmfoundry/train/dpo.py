@@ -269,57 +269,63 @@ def run_dpo(cfg: DPOConfig) -> dict:
 
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
-    checkpoint.verify(start_dir, model_only=True)
-    pairs = read_pairs(cfg.pairs)  # fail now on a bad file, not inside the workers
-    model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
-    check_every_world_size(cfg, seq_len=1)
-    out = storage.normalize(cfg.output)
-    if storage.is_committed(out) and not cfg.overwrite:
-        logger.info("align: %s is already committed; skipping (set overwrite=true to redo)", out)
-        return storage.read_manifest(out)
-    if cfg.overwrite:
-        storage.remove_dir(out)
-    started = time.time()
-    trainer = TorchTrainer(
-        dpo_loop,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out},
-        scaling_config=scaling_config(cfg.parallelism),
-        torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
-        run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu),
-    )
-    fit(trainer, cfg.health.max_failures, "DPO")
-    final_uri = checkpoint.latest_valid(out)
-    final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
-    final_dir = checkpoint.local_copy(final_uri, model_only=True)
-    encoder = PairEncoder(start_dir, cfg.max_seq_len or model_cfg["max_seq_len"])
-    encoded = [encoder.encode(p) for p in pairs]
-    reference = load_model_files(start_dir)
-    accuracy = {
-        "before": preference_accuracy(reference, reference, encoded, encoder.end, cfg.beta),
-        "after": preference_accuracy(load_model_files(final_dir), reference, encoded, encoder.end, cfg.beta),
-    }
-    state = storage.read_json(storage.join(final_uri, "train_state.json"))
-    manifest = storage.commit(
-        out,
-        "align",
-        {
-            "start_checkpoint": start_uri,
-            "pairs": cfg.pairs,
-            "final_checkpoint": final,
-            "steps": state["step"],
-            "beta": cfg.beta,
-            "preference_accuracy": accuracy,
-            "first_loss": state["history"][0]["loss"],
-            "final_loss": state["history"][-1]["loss"],
-            "seconds": round(time.time() - started, 2),
-        },
-    )
-    logger.info(
-        "align: DPO %d steps, loss %.4f -> %.4f, preference accuracy on the training pairs %.3f -> %.3f",
-        state["step"],
-        manifest["first_loss"],
-        manifest["final_loss"],
-        accuracy["before"],
-        accuracy["after"],
-    )
-    return manifest
+    final_dir = None
+    try:
+        checkpoint.verify(start_dir, model_only=True)
+        pairs = read_pairs(cfg.pairs)  # fail now on a bad file, not inside the workers
+        model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
+        check_every_world_size(cfg, seq_len=1)
+        out = storage.normalize(cfg.output)
+        if storage.is_committed(out) and not cfg.overwrite:
+            logger.info("align: %s is already committed; skipping (set overwrite=true to redo)", out)
+            return storage.read_manifest(out)
+        if cfg.overwrite:
+            storage.remove_dir(out)
+        started = time.time()
+        trainer = TorchTrainer(
+            dpo_loop,
+            train_loop_config={"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out},
+            scaling_config=scaling_config(cfg.parallelism),
+            torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
+            run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu),
+        )
+        fit(trainer, cfg.health.max_failures, "DPO")
+        final_uri = checkpoint.latest_valid(out)
+        final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
+        final_dir = checkpoint.local_copy(final_uri, model_only=True)
+        encoder = PairEncoder(start_dir, cfg.max_seq_len or model_cfg["max_seq_len"])
+        encoded = [encoder.encode(p) for p in pairs]
+        reference = load_model_files(start_dir)
+        accuracy = {
+            "before": preference_accuracy(reference, reference, encoded, encoder.end, cfg.beta),
+            "after": preference_accuracy(load_model_files(final_dir), reference, encoded, encoder.end, cfg.beta),
+        }
+        state = storage.read_json(storage.join(final_uri, "train_state.json"))
+        manifest = storage.commit(
+            out,
+            "align",
+            {
+                "start_checkpoint": start_uri,
+                "pairs": cfg.pairs,
+                "final_checkpoint": final,
+                "steps": state["step"],
+                "beta": cfg.beta,
+                "preference_accuracy": accuracy,
+                "first_loss": state["history"][0]["loss"],
+                "final_loss": state["history"][-1]["loss"],
+                "seconds": round(time.time() - started, 2),
+            },
+        )
+        logger.info(
+            "align: DPO %d steps, loss %.4f -> %.4f, preference accuracy on the training pairs %.3f -> %.3f",
+            state["step"],
+            manifest["first_loss"],
+            manifest["final_loss"],
+            accuracy["before"],
+            accuracy["after"],
+        )
+        return manifest
+    finally:  # temporary copies of remote checkpoints
+        checkpoint.remove_copy(start_dir, start_uri)
+        if final_dir is not None:
+            checkpoint.remove_copy(final_dir, final_uri)

@@ -41,7 +41,14 @@ TIER_FIXTURES = {
 }
 
 
+# Modules that serve the Serve ingress apps in this process, without Ray Serve: afterwards the
+# apps' routers hold this process's objects, and Serve, which ships these classes and their apps
+# by value, can no longer pickle them for a real deployment. They run after every other test.
+IN_PROCESS_SERVE_APPS = {"test_api_auth.py", "test_api_inputs.py"}
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name in IN_PROCESS_SERVE_APPS)  # stable: the rest keep their order
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         callspec = getattr(item, "callspec", None)

@@ -82,7 +82,7 @@ def test_pretrain_with_deepspeed_lowers_the_loss_and_writes_a_self_describing_ch
     meta = checkpoint.verify(ckpt)
     assert {"model.safetensors", "model_config.json", "tokenizer.json", "train_state.json"} <= set(meta["files"])
     state = json.load(open(f"{ckpt}/train_state.json"))
-    assert state["step"] == 40 and state["config"]["zero_stage"] == 2
+    assert state["step"] == 40 and state["config"]["parallelism"]["zero_stage"] == 2
     rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(1, 41))
     # rolling retention: the newest two of the checkpoints at 10, 20, 30, 40

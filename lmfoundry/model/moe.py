@@ -76,15 +76,25 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # torch._grouped_mm needs row strides that are multiples of 16 bytes, and rejects an empty
-    # input (which an expert-parallel rank receives when no token picked its experts)
-    return x.shape[0] > 0 and all(d * x.element_size() % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
+    # torch._grouped_mm needs 16-byte aligned data and row strides, and rejects an empty input
+    # (which an expert-parallel rank receives when no token picked its experts); a weight that is
+    # a view into an optimizer's flat buffer can start at any 4-byte offset
+    strides = (x.shape[-1] * x.element_size(), *(s * w.element_size() for s in w.stride()[:-1]))
+    return (
+        x.shape[0] > 0
+        and w.shape[-1] * w.element_size() % 16 == 0
+        and all(s % 16 == 0 for s in strides)
+        and x.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+    )
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], how: str) -> torch.Tensor:
     """x: (M, A) rows sorted by expert; w: (E, A, B); offsets: (E,) int32 cumulative row ends."""
-    if how == "grouped_mm" and _aligned(x, w):
-        return torch._grouped_mm(x.contiguous(), w, offs=offsets)
+    if how == "grouped_mm":
+        xc = x.contiguous()
+        if _aligned(xc, w):
+            return torch._grouped_mm(xc, w, offs=offsets)
     # one dense product per expert over its contiguous slice of rows (a loop over experts,
     # never over tokens); unbind, not w[e], so backward stacks E gradients instead of
     # accumulating E full-size zero tensors

@@ -12,6 +12,7 @@ import time
 import torch
 
 from lmfoundry.model.chat_template import DEFAULT_CHAT_TEMPLATE
+from lmfoundry.model.checkpoint import WEIGHTS
 from lmfoundry.model.flops import train_flops_per_token
 from lmfoundry.model.transformer import Transformer
 from lmfoundry.platform import checkpoint, storage
@@ -218,6 +219,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             "tokens_seen": state["tokens_seen"],
             "first_loss": history[0][1],
             "final_loss": history[-1][1],
+            "fingerprint": storage.fingerprint(out, [f"{final}/{WEIGHTS}"]),
             "model": cfg.model.model_dump(),
             "seconds": round(time.time() - started, 2),
         },

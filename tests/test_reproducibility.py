@@ -85,3 +85,55 @@ def test_curate_and_pack_again_with_other_parallelism_and_blocks_give_byte_ident
     expected = shard_bytes(packed_dir)  # tokenizer.json, train/ and val/ (not the manifest)
     assert {"/tokenizer.json", "/train/part-00000.parquet", "/val/part-00000.parquet"} <= expected.keys()
     assert shard_bytes(tmp_path / "packed") == expected
+
+
+def test_synthetic_data_is_byte_identical_for_the_same_seed(tmp_path):
+    from lmfoundry.align.synth import SynthConfig, run_synth
+
+    def fingerprint(name: str, seed: int) -> str:
+        run_synth(SynthConfig(output=str(tmp_path / name), kinds={"arithmetic": 30, "algebra": 30}, seed=seed))
+        return storage.read_manifest(str(tmp_path / name))["fingerprint"]
+
+    assert fingerprint("a", 0) == fingerprint("b", 0) != fingerprint("c", 1)
+
+
+def test_deterministic_mode_sets_the_gpu_workers_environment_and_the_models_run_under_it(monkeypatch):
+    import torch
+
+    from lmfoundry.model.moe import MoEConfig
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.launch import DETERMINISTIC_GPU_ENV, worker_env
+    from lmfoundry.train.skeleton import use_deterministic_kernels
+
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    assert worker_env(use_gpu=True) == {}
+    assert worker_env(use_gpu=True, deterministic=True) == DETERMINISTIC_GPU_ENV
+    monkeypatch.setenv("NCCL_ALGO", "Tree")  # the user's deterministic choice wins
+    assert worker_env(use_gpu=True, deterministic=True)["NCCL_ALGO"] == "Tree"
+    monkeypatch.setenv("NCCL_ALGO", "NVLS")  # not one of them: replaced
+    assert worker_env(use_gpu=True, deterministic=True)["NCCL_ALGO"] == "Ring"
+
+    # every op of the dense and MoE model has a deterministic implementation: none raises
+    cfg = ModelConfig(
+        vocab_size=64,
+        max_seq_len=16,
+        n_layer=2,
+        d_model=32,
+        n_head=4,
+        n_kv_head=2,
+        moe=MoEConfig(num_experts=4, top_k=2),
+    )
+    try:
+        use_deterministic_kernels()
+        losses = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = Transformer(cfg)
+            x = torch.randint(0, 64, (2, 17))
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            losses.append((loss.item(), model.embed.weight.grad.sum().item()))
+        assert losses[0] == losses[1]
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False

@@ -199,7 +199,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         # every worker reads the whole stream, in file order, and keeps its slice of each global
         # micro-batch (PretrainObjective.batches): a split handed out as workers ask is not reproducible
         dataset_config=DataConfig(datasets_to_split=[], execution_options=ordered_ingest()),
-        run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu),
+        run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
     )
     fit(trainer, cfg.health.max_failures, "pretraining")
     final_uri = checkpoint.latest_valid(out)

@@ -211,10 +211,12 @@ def run_pack(cfg: PackConfig) -> dict:
     tokenized = keyed.map_batches(
         Tokenize, fn_constructor_args=(tokenizer_json, cfg), batch_format="pyarrow", concurrency=(1, 4)
     ).materialize()
+    del keyed  # the texts' blocks are freed once the tokens stand
     t = lap("tokenize", t)
     # the price of reproducibility: a distributed sort of the tokenised corpus by order key (the id
     # breaks the tie only between identical documents), then one ordered pass through the writers
     ordered = tokenized.sort([ORDER, cfg.id_field]).materialize()
+    del tokenized
     t = lap("sort", t)
     sample_len = cfg.seq_len + 1
     writers = {

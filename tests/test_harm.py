@@ -62,6 +62,15 @@ def test_each_scorer_on_the_labelled_positives_and_negatives(scorer):
     assert scorer([PROSE])[0] < 0.5
 
 
+def test_the_classifier_computes_exactly_what_the_package_predicts(scorer):
+    from profanity_check import predict_prob
+
+    classifier = scorer.scorers["offensive_language"]
+    texts = [r["text"] for r in load()] + ["", "x" * 10_000]
+    assert classifier.direct is not None  # the fast path, not predict_proba's checks per call
+    assert classifier(texts) == pytest.approx(predict_prob(texts).tolist(), abs=1e-9)
+
+
 # -- a Hugging Face classifier, read through its head's activation ------------------------------
 
 

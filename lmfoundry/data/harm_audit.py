@@ -11,6 +11,9 @@ sample on every run) is written to `audit/harm_sample.jsonl` and judged by, in t
    blocklist); it must differ from the filter's config;
 3. neither: the rate is not measured, and the checklist says so.
 
+Labels made after a run are applied to its report by `lmfoundry harm-audit RUN --labels FILE`
+(`report.apply_harm_labels`), without curating again.
+
 The rate comes with its 95% Wilson interval; the checklist passes on the interval's upper bound,
 so a small sample cannot pass a strict threshold by luck.
 """
@@ -64,7 +67,9 @@ def read_labels(path: str) -> dict[str, bool]:
     return labels
 
 
-def estimate(sample: list[dict], audit: HarmAuditConfig, filter_cfg: HarmConfig, id_field: str, text_field: str):
+def estimate(
+    sample: list[dict], audit: HarmAuditConfig, filter_cfg: HarmConfig | None, id_field: str, text_field: str
+) -> dict:
     """{"estimate", "rate", "violations", "n", "ci95", ...} for a sample of kept documents."""
     base = {"sample": len(sample), "sample_file": SAMPLE_FILE}
     if audit.labels:
@@ -75,7 +80,7 @@ def estimate(sample: list[dict], audit: HarmAuditConfig, filter_cfg: HarmConfig,
     elif audit.scorer is not None:
         if not audit.scorer.enabled:
             raise ValueError("checklist.harm_audit.scorer has enabled: false; remove it or enable it")
-        if filter_cfg.enabled and audit.scorer == filter_cfg:
+        if filter_cfg is not None and filter_cfg.enabled and audit.scorer == filter_cfg:
             raise ValueError(
                 "checklist.harm_audit.scorer is the harm filter's own config: documents it kept score "
                 "under its threshold by construction; configure a different scorer (a model, a judge, "

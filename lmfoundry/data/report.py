@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import time
 
 import numpy as np
@@ -13,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
-from lmfoundry.data.harm_audit import HarmAuditConfig, harm_audit
+from lmfoundry.data.harm_audit import SAMPLE_FILE, HarmAuditConfig, estimate, harm_audit
 from lmfoundry.data.workdir import WORK, hash_sample, read_parquet_files
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
@@ -243,6 +244,29 @@ def checklist(cfg, merged: dict, residual: dict, audit: dict) -> list[dict]:
     return out
 
 
+def apply_harm_labels(out: str, labels: str) -> dict:
+    """Reviewers' labels of a finished run's audit sample (`audit/harm_sample.jsonl`) made its
+    violation-rate estimate: report.json and report.html are rewritten, nothing is recomputed.
+    Returns the new checklist item."""
+    report_uri = storage.join(out, "report.json")
+    if not storage.is_committed(out) or not storage.exists(report_uri):
+        raise FileNotFoundError(f"{out} is not a finished curation run (no manifest or report.json)")
+    report = storage.read_json(report_uri)
+    if "harm_audit" not in report:
+        raise ValueError(f"{out}/report.json has no harm audit: it was written before the audit existed")
+    sample = [json.loads(line) for line in storage.read_bytes(storage.join(out, SAMPLE_FILE)).decode().splitlines()]
+    audit = {
+        **estimate(sample, HarmAuditConfig(labels=labels), None, "id", "text"),
+        "max_rate": report["harm_audit"]["max_rate"],
+    }
+    item = _harm_item(audit, audit["max_rate"])
+    report["harm_audit"] = audit
+    report["checklist"] = [item if c["item"] == item["item"] else c for c in report["checklist"]]
+    storage.write_json_atomic(report_uri, report)
+    storage.write_bytes_atomic(storage.join(out, "report.html"), render_html(report).encode("utf-8"))
+    return item
+
+
 def pii_quality(pii_cfg) -> dict:
     """Recall and precision per PII type of the run's redactor (its configured types and
     regions) on the project's labelled PII set (lmfoundry.safety.pii_eval)."""
@@ -262,7 +286,7 @@ def build_report(cfg, out: str, stats: list[dict], dedup: dict, timings: dict, s
     residual = residual_duplicate_rate(cfg, out, kept)
     timings = {**timings, "residual_duplicates": round(time.time() - t, 2)}
     t = time.time()
-    audit = harm_audit(cfg, out, kept)
+    audit = {**harm_audit(cfg, out, kept), "max_rate": cfg.checklist.max_harm_violation_rate}
     timings["harm_audit"] = round(time.time() - t, 2)
     remaining, funnel = docs_in, []
     for stage in FUNNEL:

@@ -10,6 +10,7 @@ lmfoundry quickstart [--workdir DIR] [--keep-serving]
 lmfoundry export CHECKPOINT OUTPUT [--format hf]
 lmfoundry plan PRETRAIN_CONFIG [--gpu H200] [--nodes N] [--token-budget T]
 lmfoundry quality-model CONFIG [--output DIR] [--set positive=URI --set negative=URI]
+lmfoundry harm-audit CURATED --labels FILE (reviewers' labels -> the checklist's violation rate)
 lmfoundry keys create --tenant NAME | list | revoke KEY_ID [--file KEYS]
 lmfoundry traffic show | set V1=90 V2=10 | rollback --file SPLIT
 """
@@ -37,6 +38,7 @@ STAGES = (
     "export",
     "plan",
     "quality-model",
+    "harm-audit",
     "keys",
     "traffic",
     "pairs",

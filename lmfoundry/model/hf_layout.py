@@ -27,8 +27,8 @@ class Mapped:
     """ours = f(theirs): "same" (one tensor), "rows" (theirs concatenated along dim 0),
     "expert_gate_up" (theirs = gate_0, up_0, gate_1, ...: stacked (E, C, 2H)), "expert_down"
     (theirs = down_0, down_1, ...: stacked (E, H, C)), "zeros" (not in their checkpoint: a
-    buffer of `shape` that is zero there), "double" (theirs holds half of ours: Qwen2-MoE's
-    shared expert sits behind a sigmoid gate that we export as sigmoid(0) = 1/2)."""
+    buffer of `shape` that is zero there), "double" (theirs is twice ours: Qwen2-MoE's shared
+    expert sits behind a sigmoid gate that we export as sigmoid(0) = 1/2)."""
 
     ours: str
     theirs: tuple[str, ...]
@@ -128,7 +128,7 @@ def join(entry: Mapped, theirs: list[torch.Tensor], dtype: torch.dtype) -> torch
     if entry.kind == "expert_down":
         return torch.stack([d.to(dtype).T for d in theirs])
     if entry.kind == "double":
-        return theirs[0].to(dtype) * 2
+        return theirs[0].to(dtype) / 2
     return theirs[0].to(dtype)
 
 
@@ -147,7 +147,7 @@ def split(entry: Mapped, ours: torch.Tensor) -> list[torch.Tensor]:
     if entry.kind == "expert_down":
         return [ours[e].T for e in range(ours.shape[0])]
     if entry.kind == "double":
-        return [ours / 2]
+        return [ours * 2]
     return [ours]
 
 

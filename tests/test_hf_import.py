@@ -195,3 +195,52 @@ def test_missing_tokenizer_template_or_config_is_a_clear_error(plain_src, tmp_pa
         (src / remove).unlink()
     assert import_main(["hf", str(src), str(tmp_path / "ours")]) == 2
     assert what in capsys.readouterr().err
+
+
+def test_an_imported_checkpoint_serves_evaluates_and_exports_as_its_family(tmp_path):
+    import asyncio
+
+    import numpy as np
+    import pyarrow as pa
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from lmfoundry.clients.checkpoint import CheckpointModel
+    from lmfoundry.eval.perplexity import SequenceNLL
+    from lmfoundry.jobs.export import main as export_main
+    from lmfoundry.serving.engine import InferenceEngine
+
+    src = build_hf(tmp_path / "hf", Qwen2Config(**SMALL, tie_word_embeddings=True), "")
+    assert import_main(["hf", str(src), str(tmp_path / "ours")]) == 0
+    ours = str(tmp_path / "ours")
+    eot = Tokenizer.from_file(str(src / "tokenizer.json")).token_to_id("<|eot|>")
+
+    # serving: the imported template renders the prompt, its eos and end of turn stop a generation
+    engine = InferenceEngine(ours, "cpu", max_batch_size=2)
+    try:
+        assert engine.stop_ids == {1, eot}
+        prompt = engine.chat_template.render([{"role": "user", "content": "Hi"}])
+        ids = engine.encode(prompt)
+        assert ids[:2] == [0, engine.tokenizer.token_to_id("<|start|>")]  # <s> once, from the template
+        reply = asyncio.run(_complete(engine, ids, 4))
+        assert 1 <= reply.completion_tokens <= 4
+    finally:
+        engine.batcher.close()
+    # evaluation: chat through the checkpoint client, bits per byte over the imported tokenizer
+    client = CheckpointModel(ours, device="cpu")
+    assert client.stop_tokens == {1, eot} and isinstance(client.chat([[{"role": "user", "content": "Hi"}]], 4)[0], str)
+    tokens = np.array([client.encode("def add(a, b):\n    return a + b\n")[:9]], dtype=np.int64)
+    nll = SequenceNLL(ours)(pa.table({"tokens": pa.array(list(tokens))}))
+    assert nll.column("bytes")[0].as_py() > 0 and np.isfinite(nll.column("nll")[0].as_py())
+
+    # export: back to the family it came from, with the same logits
+    assert export_main([ours, str(tmp_path / "back")]) == 0
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back).__name__ == "Qwen2ForCausalLM"
+    x = torch.randint(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, load_model_files(ours)(x)[0], atol=1e-4, rtol=1e-4)
+    assert json.loads((tmp_path / "back" / "generation_config.json").read_text())["eos_token_id"] == [1, eot]
+
+
+async def _complete(engine, ids, n):
+    return await engine.stream(ids, n, 0.0, 1.0, [], None).collect()

@@ -246,8 +246,14 @@ def import_hf(
         # the aux-free selection bias stays float32, as training keeps it
         target = torch.float32 if e.ours.endswith("expert_bias") else DTYPES[dtype] or source_dtype
         specs.append((e.ours, target, our_shape(e, shapes)))
+    if tok.get_vocab_size() > cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer.json has {tok.get_vocab_size()} tokens, the model's vocab_size is {cfg.vocab_size}"
+        )
     used = {name for e in entries for name in e.theirs}
-    if unused := sorted(set(weights.file_of) - used - {"lm_head.weight"}):
+    # a tied head's copy, and the rotary frequencies older checkpoints saved (we recompute them)
+    ignored = {"lm_head.weight"} | {n for n in weights.file_of if n.endswith("rotary_emb.inv_freq")}
+    if unused := sorted(set(weights.file_of) - used - ignored):
         raise ValueError(f"{src}: tensors this model config has no place for: {unused[:5]}{' ...' * (len(unused) > 5)}")
 
     out.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ class SpecialTokens:
         data = json.loads(path.read_text(encoding="utf-8"))
         fields = {"eos": str, "bos": (str, type(None)), "pad": (str, type(None)), "unk": (str, type(None))}
         if not isinstance(data, dict) or set(data) - {*fields, "stop"} or not isinstance(data.get("eos"), str):
-            raise ValueError(f"{path}: expected an object with a string 'eos' and optional {sorted(fields)[:3]}, stop")
+            raise ValueError(f"{path}: expected an object with a string 'eos' and optional bos, pad, unk and stop")
         stop = data.get("stop", [])
         if not all(isinstance(data.get(k), t) for k, t in fields.items() if k in data) or not (
             isinstance(stop, list) and all(isinstance(x, str) for x in stop)

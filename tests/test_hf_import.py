@@ -244,3 +244,26 @@ def test_an_imported_checkpoint_serves_evaluates_and_exports_as_its_family(tmp_p
 
 async def _complete(engine, ids, n):
     return await engine.stream(ids, n, 0.0, 1.0, [], None).collect()
+
+
+def test_pack_tokenizes_with_an_imported_checkpoints_tokenizer_and_eos(tmp_path):
+    import pyarrow as pa
+    from transformers import LlamaConfig
+
+    from lmfoundry.data.pack import ORDER, PackConfig, Tokenize, checkpoint_tokenizer
+
+    src = build_hf(tmp_path / "hf", LlamaConfig(**SMALL), "")
+    assert import_main(["hf", str(src), str(tmp_path / "ours")]) == 0
+    text, eos, vocab = checkpoint_tokenizer(str(tmp_path / "ours"))
+    # the model's vocabulary (larger than the tokenizer's) and the imported end of sequence </s>
+    assert (text, eos, vocab) == ((tmp_path / "ours" / TOKENIZER).read_text(), 1, VOCAB)
+    cfg = PackConfig(input="unused", output="unused", tokenizer=str(tmp_path / "ours"))
+    batch = pa.table({ORDER: [1, 2], "id": ["a", "b"], "text": ["def add(a, b):", "The quick brown fox"]})
+    ids = Tokenize(text, eos, cfg)(batch).column("ids").to_pylist()
+    tok = Tokenizer.from_str(text)
+    assert [r[-1] for r in ids] == [1, 1] and tok.decode(ids[1][:-1]) == "The quick brown fox"
+    (tmp_path / "ours" / TOKENIZER).write_text(text + " ")  # changed after the checkpoint was sealed
+    with pytest.raises(ValueError, match="checksum"):
+        checkpoint_tokenizer(str(tmp_path / "ours"))
+    with pytest.raises(FileNotFoundError, match="is neither a checkpoint"):
+        checkpoint_tokenizer(str(tmp_path / "nothing"))

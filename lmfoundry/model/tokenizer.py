@@ -33,9 +33,11 @@ class SpecialTokens:
     def of_checkpoint(cls, directory: str | Path) -> SpecialTokens:
         """lmfoundry's own tokens, unless the checkpoint was imported with tokens of its own."""
         path = Path(directory) / SPECIAL_TOKENS_FILE
-        if not path.exists():
-            return cls()
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return cls.from_json(path.read_text(encoding="utf-8"), path) if path.exists() else cls()
+
+    @classmethod
+    def from_json(cls, text: str, path: object = SPECIAL_TOKENS_FILE) -> SpecialTokens:
+        data = json.loads(text)
         fields = {"eos": str, "bos": (str, type(None)), "pad": (str, type(None)), "unk": (str, type(None))}
         if not isinstance(data, dict) or set(data) - {*fields, "stop"} or not isinstance(data.get("eos"), str):
             raise ValueError(f"{path}: expected an object with a string 'eos' and optional bos, pad, unk and stop")

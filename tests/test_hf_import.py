@@ -156,6 +156,7 @@ REFUSED = [
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_bias": True}, "attention_bias"),
     ({"num_hidden_layers": None}, "num_hidden_layers"),  # None: the field is left out
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
 ]
 
 

@@ -237,6 +237,15 @@ def import_hf(
     except KeyError as e:
         raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
     arch: Arch = hf["model_type"]
+    # counts from config.json size the tensor table: check them against the tensors first
+    last = f"model.layers.{cfg.n_layer - 1}.input_layernorm.weight"
+    if last not in weights or f"model.layers.{cfg.n_layer}.input_layernorm.weight" in weights:
+        raise ValueError(f"config.json: num_hidden_layers={cfg.n_layer} does not match the checkpoint's layers")
+    if cfg.moe is not None:
+        moe = "block_sparse_moe." if arch == "mixtral" else "mlp."
+        expert = f"model.layers.{cfg.n_layer - 1}.{moe}gate.weight"
+        if expert not in weights or weights.shape(expert)[0] != cfg.moe.num_experts:
+            raise ValueError(f"config.json: {cfg.moe.num_experts} experts do not match the router {expert}")
 
     entries = layout(cfg, arch)
     specs = []

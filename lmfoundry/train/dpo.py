@@ -31,7 +31,7 @@ from pydantic import Field, model_validator
 
 from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
-from lmfoundry.model.tokenizer import SpecialTokens
+from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import skeleton
@@ -221,6 +221,8 @@ class DPOObjective:
         self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
         template = Path(start_dir) / CHAT_TEMPLATE_FILE  # the chat template the policy was tuned with
         self.chat_template = template.read_text() if template.exists() else DEFAULT_CHAT_TEMPLATE
+        special = Path(start_dir) / SPECIAL_TOKENS_FILE  # an imported policy keeps its eos and end of turn
+        self.special_tokens = special.read_text() if special.exists() else None
         self.per_global = cfg.batch.micro_batch_size * world
         self.batches_per_epoch = len(self.pairs) // self.per_global
         if self.batches_per_epoch == 0:

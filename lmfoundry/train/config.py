@@ -308,6 +308,11 @@ class TrainStageConfig(StageConfig):
 
 class PretrainConfig(TrainStageConfig):
     data: str = Field(..., description="a pack output directory (train/, val/, tokenizer.json)")
+    init_from: str | None = Field(
+        None,
+        description="continued pretraining: a checkpoint or run (e.g. one `lmfoundry import hf` wrote) whose "
+        "model and weights the run starts from; its data packed with that checkpoint's tokenizer",
+    )
     model: ModelConfig = ModelConfig()
     batch: TokenBatchConfig = TokenBatchConfig()
 

@@ -7,14 +7,17 @@ died) is resumed, not cleared."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 
-from lmfoundry.model.chat_template import DEFAULT_CHAT_TEMPLATE
-from lmfoundry.model.checkpoint import WEIGHTS
+from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
+from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS, load_model_files
 from lmfoundry.model.flops import train_flops_per_token
-from lmfoundry.model.transformer import Transformer
+from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
+from lmfoundry.model.transformer import ModelConfig, Transformer
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import skeleton
@@ -26,10 +29,11 @@ from lmfoundry.train.launch import fit, ordered_ingest, run_config, scaling_conf
 logger = get_logger(__name__)
 
 
-def build_model(cfg: PretrainConfig) -> Transformer:
-    """The model, the same on every rank (same seed), its experts sharded for expert parallelism."""
+def build_model(cfg: PretrainConfig, start_dir: str | None = None) -> Transformer:
+    """The model, the same on every rank (same seed, or the weights of the checkpoint in
+    `start_dir`), its experts sharded for expert parallelism."""
     torch.manual_seed(cfg.seed)
-    model = Transformer(cfg.model)
+    model = Transformer(cfg.model) if start_dir is None else load_model_files(start_dir).train()
     if cfg.parallelism.expert_parallel_size > 1:
         shard_model(model, cfg.parallelism.expert_parallel_size)
     return model
@@ -40,13 +44,18 @@ class PretrainObjective:
 
     kind = "pretrain"
     chat_template = DEFAULT_CHAT_TEMPLATE
-    special_tokens = None  # its tokenizer is pack's, with lmfoundry's special tokens
+    special_tokens = None  # its tokenizer is pack's, with lmfoundry's special tokens, unless init_from says otherwise
 
     def __init__(self, cfg: PretrainConfig, seq_len: int, tokenizer_json: str, rank: int, world: int):
         import ray.train
 
         self.cfg, self.seq_len, self.tokenizer_json, self.rank, self.world = cfg, seq_len, tokenizer_json, rank, world
-        self.model = build_model(cfg)
+        if cfg.init_from is None:
+            self.model = build_model(cfg)
+        else:  # verified on every worker; an imported model keeps its chat template and special tokens
+            with checkpoint.opened(cfg.init_from) as (start_dir, _):
+                self.model = build_model(cfg, start_dir)
+                self.chat_template, self.special_tokens = start_texts(start_dir)
         # counted before ZeRO-3 partitions the weights, after which each rank's parameters look empty
         self.num_params = self.model.num_params()
         self.flops_per_token = train_flops_per_token(self.model, seq_len)
@@ -106,6 +115,32 @@ def build_pretrain_engine(cfg: PretrainConfig, world: int, seq_len: int):
     return engine, scheduler, ds_config
 
 
+def start_texts(start_dir: str) -> tuple[str, str | None]:
+    """The chat template and special tokens of the checkpoint a run starts from."""
+    template, special = Path(start_dir) / CHAT_TEMPLATE_FILE, Path(start_dir) / SPECIAL_TOKENS_FILE
+    return (
+        template.read_text() if template.exists() else DEFAULT_CHAT_TEMPLATE,
+        special.read_text() if special.exists() else None,
+    )
+
+
+def resolve_start(cfg: PretrainConfig, data: str, pack_manifest: dict) -> PretrainConfig:
+    """Continued pretraining: the model section from the `init_from` checkpoint (verified), whose
+    tokenizer must be the one the data was packed with."""
+    if "model" in cfg.model_fields_set:
+        raise ValueError(f"init_from={cfg.init_from!r} takes the model from the checkpoint: remove the model section")
+    start = checkpoint.resolve(cfg.init_from)
+    with checkpoint.opened(start) as (start_dir, _):  # verified: every file against the manifest
+        model = ModelConfig.model_validate_json((Path(start_dir) / MODEL_CONFIG).read_text())
+        tokenizer = json.loads((Path(start_dir) / TOKENIZER).read_text())
+    if json.loads(storage.read_bytes(storage.join(data, pack_manifest["tokenizer"]))) != tokenizer:
+        raise ValueError(
+            f"pretrain data {cfg.data!r} was not tokenised with the tokenizer of init_from={cfg.init_from!r}: "
+            f"pack it with --set tokenizer={cfg.init_from}"
+        )
+    return cfg.model_copy(update={"init_from": start, "model": model})
+
+
 def resolve_model_shape(cfg: PretrainConfig, pack_manifest: dict) -> PretrainConfig:
     """Fill vocab_size and max_seq_len from the packed data where the config leaves them 0."""
     model = cfg.model.model_copy()
@@ -127,7 +162,6 @@ def resolve_model_shape(cfg: PretrainConfig, pack_manifest: dict) -> PretrainCon
 def plot_loss(run_dir: str) -> None:
     """loss.png in the run directory, from metrics.jsonl."""
     import io
-    import json
 
     import matplotlib
 
@@ -159,6 +193,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     pack = storage.read_manifest(data)
     if pack.get("stage") != "pack":
         raise ValueError(f"pretrain data {cfg.data!r} is a {pack.get('stage')!r} output, not a pack output")
+    if cfg.init_from is not None:
+        cfg = resolve_start(cfg, data, pack)
     cfg = resolve_model_shape(cfg, pack)
     seq_len = pack["seq_len"]
     check_every_world_size(cfg, seq_len)  # fail now, not inside the workers
@@ -218,6 +254,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             "final_checkpoint": final,
             "steps": state["step"],
             "tokens_seen": state["tokens_seen"],
+            "init_from": cfg.init_from,
             "first_loss": history[0][1],
             "final_loss": history[-1][1],
             "fingerprint": storage.fingerprint(out, [f"{final}/{WEIGHTS}"]),

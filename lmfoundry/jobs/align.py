@@ -1,5 +1,6 @@
 """Fine-tune a checkpoint with DPO on preference pairs (Ray Train + DeepSpeed), with the evaluation
-gate run on the starting checkpoint and on the result: exit 1 when the tuned model regressed.
+gate run on the starting checkpoint and on the result: exit 1 when the tuned model regressed, and
+the result's manifest marked so (serve, export and traffic then refuse it unless forced).
 
     lmfoundry align configs/align_dpo.yaml --input work/pretrain --output work/dpo --set pairs=work/pairs/pairs.jsonl
 """
@@ -40,6 +41,7 @@ def run_align(cfg: AlignJobConfig) -> dict:
     gate_cfg = cfg.eval.gate.model_copy(update={"baseline": storage.join(out, "eval_before.json")})
     gate = apply_gate(after, gate_cfg)
     storage.write_json_atomic(storage.join(out, "gate.json"), gate)
+    checkpoint.mark_gate(checkpoint.resolve(out), gate)  # serve, export and traffic read the verdict there
     result = {**manifest, "gate": gate}
     if not gate["passed"]:
         worse = ", ".join(f"{r['metric']} {r['baseline']:.4g} -> {r['value']:.4g}" for r in gate["regressions"])

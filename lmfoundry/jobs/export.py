@@ -1,6 +1,9 @@
 """Export a checkpoint (or a pretrain run's final checkpoint) for Hugging Face `transformers` and vLLM.
 
 lmfoundry export work/quickstart/pretrain --format hf work/hf
+
+A checkpoint that failed its evaluation gate is refused; --force-gate-failed exports it anyway
+(and the log says so).
 """
 
 import argparse
@@ -17,8 +20,10 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="a checkpoint directory or a pretrain run directory")
     p.add_argument("output", help="directory to write the exported model to")
     p.add_argument("--format", choices=["hf"], default="hf", help="hf: Llama architecture, safetensors")
+    p.add_argument("--force-gate-failed", action="store_true", help="export a checkpoint that failed its gate (logged)")
     args = p.parse_args(argv)
     try:
+        checkpoint.check_gate(args.checkpoint, args.force_gate_failed, "export")
         with checkpoint.opened(args.checkpoint, model_only=True) as (local, _):
             out = export_hf(local, args.output)
     except (ValueError, FileNotFoundError) as e:

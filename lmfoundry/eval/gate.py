@@ -111,7 +111,8 @@ def compare(
             "allowed": allowed,
         }
         significant = True
-        if sizes.get(name) and baseline_sizes.get(name) and kind == "absolute":
+        rates = 0.0 <= old <= 1.0 and 0.0 <= new <= 1.0
+        if sizes.get(name) and baseline_sizes.get(name) and kind == "absolute" and rates:
             entry["worse_by_ci95"] = noise_interval(direction, old, baseline_sizes[name], new, sizes[name])
             entry["trials"] = [baseline_sizes[name], sizes[name]]
             significant = entry["worse_by_ci95"][0] > 0

@@ -92,7 +92,7 @@ class CheckpointEvaluator:
     ):
         self.run_dir, self.suites, self.num_cpus, self.poll_s = run_dir, suites, num_cpus, poll_s
         self.policy = policy
-        self.pending: dict = {}  # ObjectRef -> (step, checkpoint manifest's sha256 when submitted)
+        self.pending: dict = {}  # ObjectRef -> (step, its manifest's sha256, when it was submitted)
         self.actions: list[dict] = []  # what the failed gates asked of training
         self._task = None
         self.records: list[dict] = []
@@ -119,25 +119,43 @@ class CheckpointEvaluator:
             if step in in_flight or storage.exists(checkpoint.eval_path(self.run_dir, step)):
                 continue
             identity = storage.sha256_uri(storage.join(uri, checkpoint.CHECKPOINT_MANIFEST))
-            self.pending[self._task.remote(uri, step, self.suites.model_dump(mode="json"))] = (step, identity)
+            ref = self._task.remote(uri, step, self.suites.model_dump(mode="json"))
+            self.pending[ref] = (step, identity, time.time())
             logger.info("evaluating checkpoint %d in the background", step)
 
-    def _collect(self, timeout: float) -> None:
+    def _rolled_back(self, step: int, submitted: float) -> bool:
+        """Whether a rollback to before `step` was carried out after its evaluation began (the
+        checkpoint evaluated is gone, and the step will be trained and evaluated again)."""
+        path = storage.join(self.run_dir, checkpoint.GATE_ACTION)
+        if not storage.exists(path):
+            return False
+        action = storage.read_json(path)
+        return (
+            action.get("action") == "rollback"
+            and action.get("done") is True
+            and isinstance(action.get("to_step"), int)
+            and action["to_step"] < step
+            and action.get("done_at", 0) >= submitted
+        )
+
+    def _collect(self, timeout: float) -> int:
+        """Record the evaluations that finished; how many."""
         import ray
 
         if not self.pending:
-            return
+            return 0
         done, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=timeout)
         for ref in done:
-            step, identity = self.pending.pop(ref)
+            step, identity, submitted = self.pending.pop(ref)
             try:
                 record = ray.get(ref)
             except ray.exceptions.RayError as e:  # the task itself died: record that, go on
                 record = {"step": step, "error": str(e)}
             uri = storage.join(self.run_dir, checkpoint.CHECKPOINTS, checkpoint.step_name(step))
             manifest = storage.join(uri, checkpoint.CHECKPOINT_MANIFEST)
-            if storage.exists(manifest) and storage.sha256_uri(manifest) != identity:
-                continue  # a rollback replaced this step's checkpoint while it was evaluated
+            replaced = storage.exists(manifest) and storage.sha256_uri(manifest) != identity
+            if replaced or self._rolled_back(step, submitted):
+                continue  # a rollback removed or replaced this step's checkpoint while it was evaluated
             if record.get("gate") is not None and storage.exists(manifest):
                 checkpoint.mark_gate(uri, record["gate"])
             storage.write_json_atomic(checkpoint.eval_path(self.run_dir, step), record)
@@ -153,6 +171,7 @@ class CheckpointEvaluator:
                     shown,
                     "" if record.get("gate_passed", True) else " (the gate FAILED)",
                 )
+        return len(done)
 
     def _act(self) -> None:
         """Write the action a run of failed gates calls for, unless one is waiting already."""
@@ -169,6 +188,8 @@ class CheckpointEvaluator:
         action["issued_at"] = time.time()
         storage.write_json_atomic(storage.join(self.run_dir, checkpoint.GATE_ACTION), action)
         self.actions.append(action)
+        if action["action"] == "rollback":  # training removes the failed records after to_step
+            self.records = [r for r in self.records if r["step"] <= action["to_step"]]
         logger.error(
             "the gate failed at steps %s in a row: training is asked to %s%s",
             action["failed_steps"],
@@ -179,8 +200,8 @@ class CheckpointEvaluator:
     def _watch(self) -> None:
         while not self._stop.is_set():
             self._submit_new()
-            self._collect(timeout=0)
-            self._act()
+            if self._collect(timeout=0):
+                self._act()
             self._stop.wait(self.poll_s)
 
     def finish(self, timeout_s: float = 600.0) -> list[dict]:

@@ -176,7 +176,7 @@ class Trainer:
 
     def _gate_action_done(self, action: dict) -> None:
         if self.rank == 0:
-            done = {**action, "done": True, "carried_out_at_step": self.position.step}
+            done = {**action, "done": True, "carried_out_at_step": self.position.step, "done_at": time.time()}
             storage.write_json_atomic(storage.join(self.run_dir, checkpoint.GATE_ACTION), done)
 
     def _roll_back_to_passing(self, action: dict) -> None:

@@ -98,6 +98,34 @@ def test_failed_gates_in_a_row_ask_to_stop_or_roll_back():
         watch.FailedGatesPolicy(after=0)
 
 
+def test_the_evaluator_asks_training_to_act_and_drops_what_a_rollback_overtook(tmp_path):
+    import time
+
+    from lmfoundry.platform import storage
+
+    run = tmp_path / "run"
+    (run / "evals").mkdir(parents=True)
+    for step, passed in ((5, True), (10, False), (15, False)):
+        (run / "evals" / f"step-{step:08d}.json").write_text(json.dumps(record(step, passed)))
+    policy = watch.FailedGatesPolicy(after=2, action="rollback", max_rollbacks=1)
+    evaluator = watch.CheckpointEvaluator(str(run), suites=None, policy=policy)
+    evaluator._act()
+    action = checkpoint.read_gate_action(str(run))
+    assert action["action"] == "rollback" and action["to_step"] == 5 and action["failed_steps"] == [10, 15]
+    evaluator._act()  # training has not read it yet: asked once
+    assert len(evaluator.actions) == 1
+    # training rolled back: an evaluation that began before, of a step after 5, is not recorded
+    done = {**action, "done": True, "done_at": time.time()}
+    storage.write_json_atomic(str(run / checkpoint.GATE_ACTION), done)
+    assert checkpoint.read_gate_action(str(run)) is None
+    assert evaluator._rolled_back(10, submitted=time.time() - 60)
+    assert not evaluator._rolled_back(10, submitted=time.time() + 60) and not evaluator._rolled_back(5, 0.0)
+    # failing again after the rollback: the next action is a stop
+    evaluator._act()
+    assert checkpoint.read_gate_action(str(run))["action"] == "stop"
+
+
+@pytest.mark.timeout(900)  # three short runs, after the session's corpus fixtures
 def test_training_rolls_back_to_the_checkpoint_that_passed_then_stops(deepspeed_workers, packed, tmp_path):
     from conftest import tiny_pretrain_config
 
@@ -105,7 +133,9 @@ def test_training_rolls_back_to_the_checkpoint_that_passed_then_stops(deepspeed_
     from lmfoundry.train.pretrain import run_pretrain
 
     run = tmp_path / "run"
-    cfg = tiny_pretrain_config(packed[0], str(run), schedule={"max_steps": 4}, checkpointing={"every": 2})
+    cfg = tiny_pretrain_config(
+        packed[0], str(run), schedule={"max_steps": 4, "warmup_steps": 1}, checkpointing={"every": 2}
+    )
     run_pretrain(cfg)
     (run / "_MANIFEST.json").unlink()  # as if the run were still going when its gates came in
     checkpoint.mark_gate(str(run / "checkpoints" / "step-00000002"), {"passed": True})

@@ -29,10 +29,8 @@ class NaiveGuardrail(Chat):
 
     def __init__(self):
         self.terms = list(DEFAULT_BLOCKLIST)
-        self.seen = 0
 
     def reply(self, messages):
-        self.seen += 1
         text = messages[-1]["content"]
         if any(term in text.lower() for term in self.terms):
             return REFUSAL

@@ -111,8 +111,9 @@ def red_team_rates(rt: dict) -> dict[str, dict]:
     rates = {}
     if "attack_success_rate" in rt:
         rates["red_team.attack_success_rate"] = rt["attack_success_rate"]
+        # families are fixed by the config; goal categories are drawn at random each run, so a
+        # category missing from one run must not fail the gate: they stay in the report only
         rates.update({f"red_team.{family}": r for family, r in rt["by_family"].items()})
-        rates.update({f"red_team.category.{c}": r for c, r in rt.get("by_category", {}).items()})
     if rt.get("replay"):
         rates["red_team.replay_success_rate"] = rt["replay"]["attack_success_rate"]
     if rt.get("search"):

@@ -83,7 +83,8 @@ def test_evaluate_command_writes_the_report_and_the_gate_catches_a_regression(pr
         )
         == 0
     )
-    # a baseline that was better on harmlessness and on perplexity fails the gate, exit 1
+    # a baseline that was better on harmlessness (measured on many prompts, so the drop is outside
+    # the noise of this run's four) and on perplexity fails the gate, exit 1
     better = {
         **base,
         "metrics": {
@@ -91,6 +92,7 @@ def test_evaluate_command_writes_the_report_and_the_gate_catches_a_regression(pr
             "harmless.refusal_rate": metrics["harmless.refusal_rate"] + 0.5,
             "lm.perplexity": metrics["lm.perplexity"] * 0.5,
         },
+        "sample_sizes": {**base["sample_sizes"], "harmless.refusal_rate": 10_000},
     }
     (tmp_path / "better.json").write_text(json.dumps(better))
     assert (

@@ -671,6 +671,38 @@ def test_red_team_and_hhh_suites_run_against_the_endpoint(server, tool_server):
     assert not model.errors
 
 
+def test_garak_probes_the_live_server_and_its_report_joins_eval_json(server, tmp_path):
+    from lmfoundry.eval.garak import GarakUnavailable, garak_version
+    from lmfoundry.eval.suite import EvaluateConfig, run_evaluate
+
+    python = os.environ.get("LMFOUNDRY_GARAK_PYTHON") or sys.executable
+    try:
+        version = garak_version(python)
+    except GarakUnavailable as e:
+        pytest.skip(
+            f"garak cannot run here: {e}. garak 0.17 pins transformers<5.20 and openai<3, older than the "
+            "dev environment's, so it lives in an environment of its own: install lmfoundry[garak] there "
+            "and set LMFOUNDRY_GARAK_PYTHON to its python (docs/evaluation.md#garak)"
+        )
+    os.environ["LMFOUNDRY_TEST_GARAK_KEY"] = KEY
+    cfg = EvaluateConfig(
+        endpoint={"url": server, "model": "tiny", "api_key_env": "LMFOUNDRY_TEST_GARAK_KEY"},
+        output=str(tmp_path / "eval"),
+        redteam={"families": ["injection"], "attacks_per_family": 2, "max_tokens": 8, "seed": 1},
+        garak={"probes": ["lmrc.Profanity"], "generations": 1, "max_tokens": 8, "python": python},
+    )
+    report = run_evaluate(cfg)
+    garak = report["red_team"]["garak"]
+    assert garak["garak_version"] == version
+    probe = garak["by_probe"]["lmrc.Profanity"]
+    assert probe["n"] >= 2 and 0 <= probe["count"] <= probe["n"]
+    assert report["metrics"]["red_team.garak.lmrc.Profanity"] == probe["rate"]
+    assert report["sample_sizes"]["red_team.garak.lmrc.Profanity"] == probe["n"]
+    assert report["red_team"]["by_family"]["injection"]["n"] == 2  # lmfoundry's own attacks beside garak's
+    assert (tmp_path / "eval" / "garak.report.jsonl").exists()
+    assert "garak" in (tmp_path / "eval" / "report.html").read_text()
+
+
 def test_review_queue_over_http_behind_the_api_keys(server, tmp_path):
     from ray import serve
 

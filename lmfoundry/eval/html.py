@@ -114,8 +114,8 @@ def write_html(report: dict) -> str:
                 cls="heat",
             )
         )
-    rt = report.get("red_team")
-    if rt:
+    rt = report.get("red_team") or {}
+    if "attack_success_rate" in rt:
         parts.append(f"<h2>Red team (seed {rt['seed']}, {rt['attacks']} fresh attacks)</h2>")
         parts.append(
             _table(
@@ -123,6 +123,23 @@ def write_html(report: dict) -> str:
                 _rate_rows({"all": rt["attack_success_rate"], **rt["by_family"]}),
             )
         )
+        if rt.get("by_category"):
+            parts.append(
+                _table(["goal category", "success rate", "count", "95% interval"], _rate_rows(rt["by_category"]))
+            )
+        if rt.get("search"):
+            search = rt["search"]
+            parts.append(
+                f"<h3>Attacker loop ({len(search['rounds'])} rounds, {search['attacks']} attempts)</h3>"
+                f"<p>goals broken: {search['goal_success_rate_first_round']['rate']:.3f} by the first round, "
+                f"{search['goal_success_rate']['rate']:.3f} with the search</p>"
+            )
+            parts.append(
+                _table(
+                    ["strategy", "success rate", "count", "95% interval"],
+                    _rate_rows({"all": search["attack_success_rate"], **search["by_strategy"]}),
+                )
+            )
         if rt.get("replay"):
             parts.append(
                 f"<p>replayed regression attacks: {rt['replay']['attack_success_rate']['rate']:.3f} "
@@ -135,6 +152,9 @@ def write_html(report: dict) -> str:
                     [[x["family"], x["prompt"][:300], x["reply"][:300]] for x in rt["successful_examples"]],
                 )
             )
+    if rt.get("garak"):
+        parts.append(f"<h2>garak {rt['garak']['garak_version']} ({rt['garak']['generator']})</h2>")
+        parts.append(_table(["probe", "failure rate", "count", "95% interval"], _rate_rows(rt["garak"]["by_probe"])))
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>lmfoundry evaluation</title>"
         f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>"

@@ -17,10 +17,12 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from lmfoundry.clients.checkpoint import CheckpointModel, EvalModel
-from lmfoundry.clients.openai import EndpointModel
-from lmfoundry.eval import gate, hhh, needle, perplexity, redteam, tasks
+from lmfoundry.eval import gate, hhh, models, needle, perplexity, redteam, tasks
+from lmfoundry.eval.garak import GarakConfig, run_garak
 from lmfoundry.eval.gate import GateConfig
 from lmfoundry.eval.hhh import HHHConfig
+from lmfoundry.eval.judge import GenerativeJudge
+from lmfoundry.eval.models import EndpointConfig
 from lmfoundry.eval.needle import NeedleConfig
 from lmfoundry.eval.redteam import RedTeamConfig
 from lmfoundry.platform import checkpoint, storage
@@ -30,14 +32,6 @@ from lmfoundry.platform.log import get_logger
 logger = get_logger(__name__)
 
 BUILTIN_TASKS = Path(__file__).parent / "suites" / "tasks"
-
-
-class EndpointConfig(StageConfig):
-    url: str = Field(..., description="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    model: str
-    api_key_env: str | None = Field(None, description="environment variable holding the API key")
-    concurrency: int = Field(8, ge=1)
-    tokenizer: str | None = Field(None, description="tokenizer.json to count context lengths with")
 
 
 class EvalSuites(StageConfig):
@@ -53,6 +47,7 @@ class EvalSuites(StageConfig):
     hhh: HHHConfig | None = None
     needle: NeedleConfig | None = None
     redteam: RedTeamConfig | None = None
+    garak: GarakConfig | None = Field(None, description="garak's probes against the endpoint (needs endpoint)")
     gate: GateConfig = GateConfig()
 
 
@@ -70,6 +65,8 @@ class EvaluateConfig(EvalSuites):
             )
         if self.endpoint is not None and self.data:
             raise ValueError("data (token-shard perplexity) needs a checkpoint, not an endpoint")
+        if self.garak is not None and self.endpoint is None:
+            raise ValueError("garak probes an OpenAI-compatible server: set endpoint (serve the checkpoint first)")
         return self
 
 
@@ -93,8 +90,9 @@ def flatten(report: dict) -> dict[str, float]:
         m["helpful.task_success"] = report["helpful"]["task_success"]["rate"]
         for key in ("refusal_rate", "over_refusal_rate", "harmful_reply_rate"):
             m[f"harmless.{key}"] = report["harmless"][key]["rate"]
-        for key in ("abstention_rate", "over_abstention_rate"):
-            m[f"honest.{key}"] = report["honest"][key]["rate"]
+        for key in ("abstention_rate", "over_abstention_rate", "false_premise_rate", "contradiction_rate"):
+            if key in report["honest"]:
+                m[f"honest.{key}"] = report["honest"][key]["rate"]
         calibration = report["honest"]["calibration"]
         if "ece" in calibration:
             m["honest.ece"] = calibration["ece"]
@@ -103,13 +101,59 @@ def flatten(report: dict) -> dict[str, float]:
         lc = report["long_context"]
         m["long_context.effective_context_length"] = lc["effective_context_length"]
         m["long_context.retrieval"] = sum(map(sum, lc["heatmap"])) / sum(map(len, lc["heatmap"]))
-    if "red_team" in report:
-        m["red_team.attack_success_rate"] = report["red_team"]["attack_success_rate"]["rate"]
-        for family, r in report["red_team"]["by_family"].items():
-            m[f"red_team.{family}"] = r["rate"]
-        if report["red_team"].get("replay"):
-            m["red_team.replay_success_rate"] = report["red_team"]["replay"]["attack_success_rate"]["rate"]
+    for name, r in red_team_rates(report.get("red_team") or {}).items():
+        m[name] = r["rate"]
     return m
+
+
+def red_team_rates(rt: dict) -> dict[str, dict]:
+    """The red team's tracked rates (each with its count and n), by metric name."""
+    rates = {}
+    if "attack_success_rate" in rt:
+        rates["red_team.attack_success_rate"] = rt["attack_success_rate"]
+        # families are fixed by the config; goal categories are drawn at random each run, so a
+        # category missing from one run must not fail the gate: they stay in the report only
+        rates.update({f"red_team.{family}": r for family, r in rt["by_family"].items()})
+    if rt.get("replay"):
+        rates["red_team.replay_success_rate"] = rt["replay"]["attack_success_rate"]
+    if rt.get("search"):
+        rates["red_team.search.attack_success_rate"] = rt["search"]["attack_success_rate"]
+        rates["red_team.search.goal_success_rate"] = rt["search"]["goal_success_rate"]
+    rates.update({f"red_team.garak.{probe}": r for probe, r in (rt.get("garak") or {}).get("by_probe", {}).items()})
+    return rates
+
+
+BINARY_TASK_METRICS = ("acc", "acc_norm", "exact_match")  # means of 0/1 per document
+
+
+def sample_sizes(report: dict) -> dict[str, int]:
+    """The number of trials behind each tracked rate (the gate tests a drop against it)."""
+    n: dict[str, int] = {}
+    for name, result in (report.get("tasks") or {}).items():
+        for metric in result["metrics"]:
+            if metric in BINARY_TASK_METRICS:
+                n[f"task.{name}.{metric}"] = result["documents"]
+    if "helpful" in report:
+        n["helpful.task_success"] = report["helpful"]["task_success"]["n"]
+        for key in ("refusal_rate", "over_refusal_rate", "harmful_reply_rate"):
+            n[f"harmless.{key}"] = report["harmless"][key]["n"]
+        for key, value in report["honest"].items():
+            if isinstance(value, dict) and "n" in value and "rate" in value:
+                n[f"honest.{key}"] = value["n"]
+    for name, r in red_team_rates(report.get("red_team") or {}).items():
+        n[name] = r["n"]
+    return n
+
+
+def red_team(model: EvalModel, cfg: RedTeamConfig, regression: str | None) -> dict:
+    """lmfoundry's own attacks, with the attacker and the generative judge the config names."""
+    with contextlib.ExitStack() as stack:
+        attacker = stack.enter_context(models.opened(cfg.attacker)) if cfg.attacker else None
+        judge = GenerativeJudge(stack.enter_context(models.opened(cfg.judge))) if cfg.judge else None
+        result = redteam.run_redteam(model, cfg, regression, attacker, judge)
+    if judge is not None:
+        result["judge"] = {"model": judge.model.name, "unparsed_verdicts": judge.unparsed}
+    return result
 
 
 def evaluate(
@@ -118,6 +162,7 @@ def evaluate(
     checkpoint_dir: str | None = None,
     out_dir: str | None = None,
     use_ray: bool = True,
+    endpoint: EndpointConfig | None = None,
 ) -> dict:
     """Run the suites `suites` turns on; the report (without gate or timing)."""
     report: dict = {"model": model.name, "suites": {}}
@@ -154,11 +199,17 @@ def evaluate(
         report["long_context"] = timed("needle", lambda: needle.run_needle(model, suites.needle))
     if suites.redteam is not None:
         regression = str(Path(out_dir) / "redteam_regression.jsonl") if out_dir else None
-        report["red_team"] = timed("redteam", lambda: redteam.run_redteam(model, suites.redteam, regression))
+        report["red_team"] = timed("redteam", lambda: red_team(model, suites.redteam, regression))
+    if suites.garak is not None:
+        if endpoint is None:
+            raise ValueError("garak probes an OpenAI-compatible server: set endpoint")
+        garak = timed("garak", lambda: run_garak(endpoint, suites.garak, out_dir))
+        report.setdefault("red_team", {})["garak"] = garak
     if getattr(model, "errors", None):
         report["endpoint_errors"] = dict(model.errors)  # requests it could not serve: empty replies in the suites
         logger.warning("evaluate: the endpoint refused %d requests: %s", sum(model.errors.values()), model.errors)
     report["metrics"] = flatten(report)
+    report["sample_sizes"] = sample_sizes(report)
     return report
 
 
@@ -168,7 +219,12 @@ def apply_gate(report: dict, cfg: GateConfig) -> dict | None:
     baseline = storage.read_json(storage.normalize(cfg.baseline))
     if "metrics" not in baseline:
         raise ValueError(f"baseline {cfg.baseline} is not an eval.json (it has no 'metrics')")
-    return {"baseline": cfg.baseline, **gate.compare(report["metrics"], baseline["metrics"], cfg)}
+    sizes = gate.check_sizes(report.get("sample_sizes", {}), "the report")
+    baseline_sizes = gate.check_sizes(baseline.get("sample_sizes", {}), f"baseline {cfg.baseline}")
+    return {
+        "baseline": cfg.baseline,
+        **gate.compare(report["metrics"], baseline["metrics"], cfg, sizes, baseline_sizes),
+    }
 
 
 @contextlib.contextmanager
@@ -176,13 +232,7 @@ def open_model(cfg: EvaluateConfig) -> Iterator[tuple[EvalModel, str | None, dic
     """The model under test, its local checkpoint directory (None for an endpoint), and what
     identifies it in the report; a temporary copy of a remote checkpoint goes when the block ends."""
     if cfg.endpoint is not None:
-        import os
-
-        e = cfg.endpoint
-        key = os.environ.get(e.api_key_env) if e.api_key_env else None
-        if e.api_key_env and not key:
-            raise ValueError(f"endpoint.api_key_env: environment variable {e.api_key_env} is not set")
-        yield EndpointModel(e.url, e.model, key, e.concurrency, tokenizer=e.tokenizer), None, {"endpoint": e.url}
+        yield cfg.endpoint.open(), None, {"endpoint": cfg.endpoint.url}
         return
     uri = checkpoint.resolve(cfg.checkpoint)
     with checkpoint.opened(uri, model_only=True) as (local, manifest):
@@ -202,7 +252,7 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
         started = time.time()
         scratch = out if not storage.is_remote(out) else None
         with open_model(cfg) as (model, local, identity):
-            report = {**identity, **evaluate(model, cfg, local, scratch)}
+            report = {**identity, **evaluate(model, cfg, local, scratch, endpoint=cfg.endpoint)}
         report["gate"] = apply_gate(report, cfg.gate)
         report["seconds"] = round(time.time() - started, 2)
         storage.write_json_atomic(storage.join(out, "eval.json"), report)

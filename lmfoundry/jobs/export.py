@@ -3,7 +3,9 @@
 lmfoundry export work/quickstart/pretrain work/hf [--dtype bfloat16] [--max-shard-size 2GB]
 
 The architecture is the stock one that computes what the model does (Llama, Qwen2, Qwen3 for
-dense models; Glm4Moe, Mixtral, Qwen3-MoE or Qwen2-MoE for MoE: docs/training.md).
+dense models; Glm4Moe, Mixtral, Qwen3-MoE or Qwen2-MoE for MoE: docs/training.md). A checkpoint
+that failed its evaluation gate is refused; --force-gate-failed exports it anyway (and the log
+says so).
 """
 
 import argparse
@@ -26,9 +28,11 @@ def main(argv=None) -> int:
         default=f"{DEFAULT_MAX_SHARD_BYTES >> 30}GB",
         help="past this size the weights are sharded, with model.safetensors.index.json (e.g. 2GB, 500MB)",
     )
+    p.add_argument("--force-gate-failed", action="store_true", help="export a checkpoint that failed its gate (logged)")
     args = p.parse_args(argv)
     try:
         max_shard_bytes = parse_size(args.max_shard_size)
+        checkpoint.check_gate(args.checkpoint, args.force_gate_failed, "export")
         with checkpoint.opened(args.checkpoint, model_only=True) as (local, _):
             out = export_hf(local, args.output, args.dtype, max_shard_bytes)
     except (ValueError, FileNotFoundError) as e:

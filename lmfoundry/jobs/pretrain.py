@@ -9,7 +9,7 @@ import sys
 from pydantic import Field
 
 from lmfoundry.eval.suite import EvalSuites
-from lmfoundry.eval.watch import CheckpointEvaluator
+from lmfoundry.eval.watch import CheckpointEvaluator, FailedGatesPolicy
 from lmfoundry.platform import storage
 from lmfoundry.platform.cli import run_stage
 from lmfoundry.train.config import PretrainConfig
@@ -25,15 +25,22 @@ class PretrainJobConfig(PretrainConfig):
         "perplexity on this run's val/ shards unless data is set)",
     )
     eval_cpus: float = Field(1.0, gt=0, description="CPUs of the Ray task that evaluates a checkpoint")
+    on_failed_gates: FailedGatesPolicy | None = Field(
+        None, description="stop, or roll back to the last checkpoint that passed, after N failed gates in a row"
+    )
 
 
 def run_pretrain_job(cfg: PretrainJobConfig) -> dict:
-    train_cfg = PretrainConfig.model_validate(cfg.model_dump(exclude={"eval", "eval_cpus"}))
+    train_cfg = PretrainConfig.model_validate(cfg.model_dump(exclude={"eval", "eval_cpus", "on_failed_gates"}))
     if cfg.eval is None:
+        if cfg.on_failed_gates is not None:
+            raise ValueError("on_failed_gates acts on the evaluation gate: set eval (with eval.gate.baseline) too")
         return run_pretrain(train_cfg)
+    if cfg.on_failed_gates is not None and not cfg.eval.gate.baseline:
+        raise ValueError("on_failed_gates needs eval.gate.baseline: without a baseline no gate passes or fails")
     run_dir = storage.normalize(cfg.output)
     suites = cfg.eval if cfg.eval.data else cfg.eval.model_copy(update={"data": cfg.data})
-    with CheckpointEvaluator(run_dir, suites, cfg.eval_cpus) as evaluator:
+    with CheckpointEvaluator(run_dir, suites, cfg.eval_cpus, policy=cfg.on_failed_gates) as evaluator:
         manifest = run_pretrain(train_cfg)
         records = evaluator.finish()
     # the last checkpoints' evaluations end after training did: merge them into metrics.jsonl now

@@ -1,6 +1,9 @@
 """Serve a checkpoint behind the OpenAI-compatible API on Ray Serve, until interrupted.
 
 LMFOUNDRY_API_KEYS=my-key python -m lmfoundry.jobs.serve configs/serve.yaml --input work/pretrain
+
+A checkpoint that failed its evaluation gate is refused; --force-gate-failed serves it anyway
+(and the log says so).
 """
 
 import sys
@@ -31,6 +34,10 @@ def serve_forever(cfg: ServeConfig) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--force-gate-failed" in argv:  # shorthand for --set force_gate_failed=true
+        at = argv.index("--force-gate-failed")
+        argv[at : at + 1] = ["--set", "force_gate_failed=true"]
     return run_stage(
         "serve", ServeConfig, serve_forever, argv, input_field="checkpoint", output_field=None, description=__doc__
     )

@@ -40,6 +40,7 @@ CHECKPOINTS = "checkpoints"  # under a run directory
 PARTS = "_parts"  # per-rank file lists inside a checkpoint being written
 TRAINING_STATE = "deepspeed/"  # files only resuming needs; serving and evaluation skip them
 EVALS = "evals"  # under a run directory: step-NNNNNNNN.json, the evaluation of each checkpoint
+GATE_ACTION = "gate_action.json"  # under a run directory: what the failed gates ask training to do
 
 
 def seal(directory: str | os.PathLike, details: dict) -> dict:
@@ -430,6 +431,83 @@ def torch_load_weights(path: str | os.PathLike, map_location="cpu"):
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
+# --- the evaluation gate's verdict, and the tools that act on it --------------------------------
+#
+# A checkpoint's evaluation writes the gate's verdict into its manifest (`gate`: passed, the
+# metrics that regressed or went missing, the baseline). `serve`, `export` and `traffic` refuse a
+# checkpoint whose verdict is anything but passed, unless forced; a forced use is logged. A
+# checkpoint never evaluated against a baseline carries no verdict and is not refused.
+
+
+class GateFailed(ValueError):
+    """A checkpoint that failed its evaluation gate, used without being forced."""
+
+
+def mark_gate(uri: str, gate: dict) -> dict:
+    """Record the gate's verdict (suite.apply_gate's result) in the manifest of the committed
+    checkpoint at `uri`; the manifest as written."""
+    path = storage.join(uri, CHECKPOINT_MANIFEST)
+    manifest = storage.read_json(path)
+    manifest["gate"] = {
+        "passed": bool(gate["passed"]),
+        "baseline": gate.get("baseline"),
+        "regressions": [r["metric"] for r in gate.get("regressions", [])],
+        "missing": list(gate.get("missing", [])),
+        "judged_at": time.time(),
+    }
+    storage.write_json_atomic(path, manifest)
+    return manifest
+
+
+def gate_verdict(manifest: dict) -> dict | None:
+    """The gate verdict a manifest records, or None when the checkpoint was never gated."""
+    gate = manifest.get("gate")
+    return gate if isinstance(gate, dict) else ({"passed": False} if gate is not None else None)
+
+
+def check_gate(uri: str, force: bool, tool: str) -> dict | None:
+    """Refuse the checkpoint at `uri` for `tool` when it failed its gate (GateFailed, naming the
+    regressions and the flag that overrides), or log the override when `force`. A malformed
+    verdict counts as failed: the manifest may have been edited by hand."""
+    uri = resolve(uri)
+    verdict = gate_verdict(storage.read_json(storage.join(uri, CHECKPOINT_MANIFEST)))
+    if verdict is None or verdict.get("passed") is True:
+        return verdict
+    worse = ", ".join(map(str, verdict.get("regressions") or [])) or "no metric named"
+    if not force:
+        raise GateFailed(
+            f"{tool}: checkpoint {uri} FAILED its evaluation gate (regressed: {worse}; baseline "
+            f"{verdict.get('baseline')}); refusing it. Pass --force-gate-failed to use it anyway (logged)."
+        )
+    logger.warning(
+        "%s: using checkpoint %s although it FAILED its evaluation gate (regressed: %s): forced with "
+        "--force-gate-failed",
+        tool,
+        uri,
+        worse,
+    )
+    return verdict
+
+
+def last_passing(run_dir: str) -> tuple[int, str] | None:
+    """(step, uri) of the newest committed checkpoint of the run whose gate passed."""
+    for step, uri in reversed(committed_checkpoints(run_dir)):
+        verdict = gate_verdict(storage.read_json(storage.join(uri, CHECKPOINT_MANIFEST)))
+        if verdict is not None and verdict.get("passed") is True:
+            return step, uri
+    return None
+
+
+def read_gate_action(run_dir: str) -> dict | None:
+    """The action the failed gates ask of training (`{"action": "stop"|"rollback", "to_step",
+    ...}`), or None when there is none or it was carried out."""
+    path = storage.join(run_dir, GATE_ACTION)
+    if not storage.exists(path):
+        return None
+    action = storage.read_json(path)
+    return None if action.get("done") else action
+
+
 # --- a training run's rolling checkpoints -------------------------------------------------------
 
 
@@ -578,5 +656,7 @@ class AsyncCheckpointer:
             storage.join(target, CHECKPOINT_MANIFEST), {"format_version": 1, "files": files, **details}
         )
         committed = committed_checkpoints(self.run_dir)
+        passing = last_passing(self.run_dir)  # what a rollback after failed gates returns to: kept
         for old in to_delete([s for s, _ in committed], self.keep_last, self.keep_every):
-            storage.remove_dir(storage.join(self.run_dir, CHECKPOINTS, step_name(old)))
+            if passing is None or old != passing[0]:
+                storage.remove_dir(storage.join(self.run_dir, CHECKPOINTS, step_name(old)))

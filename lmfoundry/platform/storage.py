@@ -116,6 +116,12 @@ def remove_dir(uri: str) -> None:
         fs.delete_dir(path)
 
 
+def remove_file(uri: str) -> None:
+    fs, path = filesystem(uri)
+    if fs.get_file_info(path).type != pafs.FileType.NotFound:
+        fs.delete_file(path)
+
+
 def list_dirs(uri: str) -> list[str]:
     """Names of the directories directly under `uri`, sorted; none when it does not exist."""
     fs, path = filesystem(uri)

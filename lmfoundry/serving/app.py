@@ -64,6 +64,7 @@ class ServeConfig(ApiKeysConfig):
     limits: LimitsConfig = LimitsConfig()
     guardrails: GuardrailsConfig = GuardrailsConfig()
     rate_limits: RateLimits = RateLimits()
+    force_gate_failed: bool = Field(False, description="serve checkpoints that failed their evaluation gate (logged)")
 
     @model_validator(mode="after")
     def _one_source_of_weights(self) -> ServeConfig:
@@ -89,6 +90,8 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
         {"name": v.name, "checkpoint": checkpoint.resolve(v.checkpoint), "weight": v.weight}
         for v in cfg.served_versions()
     ]  # a missing checkpoint fails here, not inside a replica
+    for v in versions:  # and so does one that failed its evaluation gate, unless forced
+        checkpoint.check_gate(v["checkpoint"], cfg.force_gate_failed, f"serve (version {v['name']})")
     limiter = limiter_deployment().bind(cfg.rate_limits.model_dump()) if cfg.rate_limits.limited() else None
     guardrails = cfg.guardrails.harm.model_dump() if cfg.guardrails.enabled else None
     scale = (

@@ -3,12 +3,17 @@
     lmfoundry traffic show     --file SPLIT
     lmfoundry traffic set      --file SPLIT v1=90 v2=10     # shift
     lmfoundry traffic rollback --file SPLIT                 # back to the split before the last change
+    lmfoundry traffic set      --file SPLIT v2=100 --config configs/serve.yaml   # names and gates checked
 
 The serve config lists the versions and their starting weights (`versions`); the split file,
 when there is one (`traffic_file`), overrides the weights. Every replica re-reads it every two
 seconds, so a shift or a rollback takes effect everywhere within seconds, without a redeploy,
 and requests in flight finish on the version they started on. The file keeps its history, so
 `rollback` restores the previous split, and again the one before.
+
+With `--config` (the serve config), the versions' names are checked against it, and a split that
+gives traffic to a checkpoint which failed its evaluation gate is refused unless
+`--force-gate-failed` (logged), for `set` and for `rollback` alike.
 
 A request goes to a version by weight: by a hash of its `user` field when it has one (a user
 stays on one version while the split holds), else at random. `model: "NAME:VERSION"` pins one.
@@ -141,6 +146,24 @@ def parse_weights(items: list[str]) -> dict[str, float]:
     return weights
 
 
+def served_checkpoints(config: str) -> dict[str, str]:
+    """version -> checkpoint, from a serve config file."""
+    from lmfoundry.platform.config import load_config
+    from lmfoundry.serving.app import ServeConfig
+
+    cfg = load_config(ServeConfig, config)
+    return {v.name: v.checkpoint for v in cfg.served_versions()}
+
+
+def check_gates(weights: dict[str, float], checkpoints: dict[str, str], force: bool) -> None:
+    """Refuse a split that sends traffic to a checkpoint which failed its gate (unless forced)."""
+    from lmfoundry.platform import checkpoint
+
+    for version, weight in weights.items():
+        if weight > 0 and version in checkpoints:
+            checkpoint.check_gate(checkpoints[version], force, f"traffic (version {version})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lmfoundry traffic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,13 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("weights", nargs="*", metavar="VERSION=WEIGHT")
     parser.add_argument("--file", required=True, help="the traffic file named by the serve config's traffic_file")
     parser.add_argument("--versions", help="comma-separated versions served, to check names against (optional)")
+    parser.add_argument("--config", help="the serve config: versions and checkpoints, to check names and gates against")
+    parser.add_argument("--force-gate-failed", action="store_true", help="route to a gate-failed checkpoint (logged)")
     args = parser.parse_args(argv)
     try:
+        checkpoints = served_checkpoints(args.config) if args.config else {}
         if args.action == "set":
             weights = parse_weights(args.weights)
-            versions = args.versions.split(",") if args.versions else list(weights)
-            data = write_split(args.file, check_weights(weights, versions))
+            versions = list(checkpoints) or (args.versions.split(",") if args.versions else list(weights))
+            weights = check_weights(weights, versions)
+            check_gates(weights, checkpoints, args.force_gate_failed)
+            data = write_split(args.file, weights)
         elif args.action == "rollback":
+            history = read_split_file(args.file)["history"]
+            check_gates(history[-1]["weights"] if history else {}, checkpoints, args.force_gate_failed)
             data = rollback(args.file)
         else:
             data = read_split_file(args.file)

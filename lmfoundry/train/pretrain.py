@@ -245,6 +245,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
     state = storage.read_json(storage.join(out, final, "train_state.json"))
     history = state["loss_history"]
+    gate_action = storage.join(out, checkpoint.GATE_ACTION)
+    stopped = storage.read_json(gate_action) if storage.exists(gate_action) else None
     plot_loss(out)
     manifest = storage.commit(
         out,
@@ -260,6 +262,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             "fingerprint": storage.fingerprint(out, [f"{final}/{WEIGHTS}"]),
             "model": cfg.model.model_dump(),
             "seconds": round(time.time() - started, 2),
+            **({"stopped_by_gate": stopped} if stopped and stopped.get("action") == "stop" else {}),
         },
     )
     logger.info(

@@ -6,7 +6,8 @@ are staged locally and persisted in the background; a restarted worker group res
 newest valid one with the weights, optimizer and scheduler state, RNG states and data position
 it had, so the run continues as if nothing had happened. A non-finite loss or gradient skips its
 micro-batch or step; a run of them, or a loss spike, rolls back to a checkpoint before the damage
-and skips the batches since.
+and skips the batches since. When the evaluation gate failed too often in a row (eval/watch.py
+writes RUN/gate_action.json), the loop stops, or rolls back to the newest checkpoint that passed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmfoundry.platform import checkpoint
+from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.hardware import device_peak_tflops
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train.checkpointing import resume, stage_checkpoint, stage_root
@@ -64,6 +65,14 @@ class Diverged(Exception):
     def __init__(self, reason: str, damaged_since: int):
         super().__init__(reason)
         self.reason, self.damaged_since = reason, damaged_since  # the first update that may be damaged
+
+
+class GateRollback(Exception):
+    """Failed evaluation gates ask training to go back to the newest checkpoint that passed."""
+
+    def __init__(self, action: dict):
+        super().__init__(f"roll back to step {action['to_step']}")
+        self.action = action
 
 
 class Trainer:
@@ -116,11 +125,15 @@ class Trainer:
         import torch.distributed as dist
 
         pos, max_steps = self.position, self.cfg.schedule.max_steps
-        while pos.step < max_steps:
+        self.stopped_by_gate = None
+        while pos.step < max_steps and self.stopped_by_gate is None:
             try:
                 finished_epoch = self._train_epoch()
             except Diverged as diverged:
                 self._roll_back(diverged)
+                continue
+            except GateRollback as rollback:
+                self._roll_back_to_passing(rollback.action)
                 continue
             if finished_epoch:
                 pos.next_epoch()
@@ -140,10 +153,77 @@ class Trainer:
             save = pos.step % self.cfg.checkpointing.every == 0 or last
             if pos.step % self.cfg.logging.every == 0 or pos.step == 1 or save:
                 self._log_step(save)
+                if self._gate_action():
+                    return False
             self.drills.after_step(pos.step)
             if last:
                 return False
         return True
+
+    # --- the evaluation gate's verdicts -----------------------------------------------------
+
+    def _gate_action(self) -> bool:
+        """Collective: carry out what failed gates ask (eval/watch.py). True when training stops
+        here; a rollback raises GateRollback."""
+        import torch.distributed as dist
+
+        found = [checkpoint.read_gate_action(self.run_dir) if self.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        action = found[0]
+        if action is None:
+            return False
+        if action.get("action") == "rollback" and isinstance(action.get("to_step"), int):
+            raise GateRollback(action)
+        if self.rank == 0:
+            logger.error(
+                "step %d: the evaluation gate failed at steps %s in a row: training stops",
+                self.position.step,
+                action.get("failed_steps"),
+            )
+        self._gate_action_done(action)
+        self.stopped_by_gate = {**action, "stopped_at_step": self.position.step}
+        return True
+
+    def _gate_action_done(self, action: dict) -> None:
+        if self.rank == 0:
+            done = {**action, "done": True, "carried_out_at_step": self.position.step, "done_at": time.time()}
+            storage.write_json_atomic(storage.join(self.run_dir, checkpoint.GATE_ACTION), done)
+
+    def _roll_back_to_passing(self, action: dict) -> None:
+        """Back to the newest checkpoint that passed its gate; the failed ones after it go (their
+        steps are trained again, on fresh batches), and so do their evaluation records."""
+        import torch.distributed as dist
+
+        step, to_step = self.position.step, action["to_step"]
+        self.checkpointer.wait()
+        dist.barrier()
+        if self.rank == 0:
+            logger.error(
+                "step %d: the gate failed at steps %s in a row; rolling back to step %d",
+                step,
+                action.get("failed_steps"),
+                to_step,
+            )
+            for later, uri in checkpoint.committed_checkpoints(self.run_dir):
+                if later > to_step:
+                    storage.remove_dir(uri)
+                    record = checkpoint.eval_path(self.run_dir, later)
+                    if storage.exists(record):
+                        storage.remove_file(record)
+        dist.barrier()
+        state = resume(self.engine, self.run_dir, self.rank, self.world, before_step=to_step + 1)
+        if state is None or state["step"] != to_step:
+            raise RuntimeError(
+                f"rolling back to step {to_step}, the last checkpoint that passed its gate, failed: "
+                f"{'it is gone' if state is None else 'resumed step ' + str(state['step'])}"
+            )
+        self.position.step, self.history = state["step"], state["history"]
+        self.rollbacks += 1
+        self.micro = 0
+        self.sums.clear()
+        self.health.reset()
+        self.t_last, self.step_last = time.time(), self.position.step
+        self._gate_action_done(action)
 
     def _micro_batch(self, index: int, batch, waited: float) -> bool:
         """Forward and backward through one micro-batch; True when it completed an optimizer step.

@@ -152,7 +152,7 @@ def red_team(model: EvalModel, cfg: RedTeamConfig, regression: str | None) -> di
         judge = GenerativeJudge(stack.enter_context(models.opened(cfg.judge))) if cfg.judge else None
         result = redteam.run_redteam(model, cfg, regression, attacker, judge)
     if judge is not None:
-        result["judge"] = {"model": judge.model.name, "unparsed_verdicts": judge.unparsed}
+        result["judge"] = {"model": judge.model.name, "malformed_verdicts": judge.malformed}
     return result
 
 

@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
 
-    from lmfoundry.jobs.quickstart import load_quickstart_config, run_quickstart
+    from lmfoundry.jobs.lifecycle import load_quickstart_config, run_quickstart
     from lmfoundry.platform.ray_env import init_ray
 
     with socket.socket() as s:

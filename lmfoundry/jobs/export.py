@@ -6,9 +6,6 @@ lmfoundry export work/quickstart/pretrain --format hf work/hf
 import argparse
 import sys
 
-from lmfoundry.model.export import export_hf
-from lmfoundry.platform import checkpoint
-
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
@@ -18,6 +15,9 @@ def main(argv=None) -> int:
     p.add_argument("output", help="directory to write the exported model to")
     p.add_argument("--format", choices=["hf"], default="hf", help="hf: Llama architecture, safetensors")
     args = p.parse_args(argv)
+    from lmfoundry.model.export import export_hf  # torch: after parsing, so that --help answers at once
+    from lmfoundry.platform import checkpoint
+
     try:
         with checkpoint.opened(args.checkpoint, model_only=True) as (local, _):
             out = export_hf(local, args.output)

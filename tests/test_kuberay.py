@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -168,8 +169,13 @@ def rayjobs() -> dict[str, dict]:
     return {m["metadata"]["labels"]["lmfoundry.dev/stage"]: m for m in manifests().values() if m["kind"] == "RayJob"}
 
 
+def submitter_env(job: dict) -> dict[str, str]:
+    (container,) = job["spec"]["submitterPodTemplate"]["spec"]["containers"]
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
 def entrypoint_argv(job: dict, data: str) -> list[str]:
-    """The entrypoint as the job's shell will run it, with $LMFOUNDRY_DATA set to `data`."""
+    """The entrypoint's words as the submitter's shell passes them on, $LMFOUNDRY_DATA being `data`."""
     return shlex.split(job["spec"]["entrypoint"].replace("$LMFOUNDRY_DATA", data))
 
 
@@ -181,8 +187,7 @@ def test_a_rayjob_per_stage_whose_entrypoint_is_the_stage_and_whose_config_valid
     jobs = rayjobs()
     assert set(jobs) == RAYJOB_STAGES
     for stage, job in jobs.items():
-        runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
-        argv = entrypoint_argv(job, runtime_env["env_vars"]["LMFOUNDRY_DATA"])
+        argv = entrypoint_argv(job, submitter_env(job)["LMFOUNDRY_DATA"])
         assert argv[:3] == ["python", "-m", f"lmfoundry.jobs.{stage}"], argv
         args = stage_parser(stage, "").parse_args(argv[3:])
         assert (REPO / args.config).is_file(), args.config  # the image ships configs/ as the working dir
@@ -204,6 +209,26 @@ def test_the_rayservice_serve_config_is_valid_for_ray_serve_and_lmfoundry():
     (app,) = serve_config["applications"]
     assert app["import_path"] == "lmfoundry.serving.app:build"
     assert build_config(ServeConfig, app["args"]).gpus_per_replica == 1
+
+
+def test_the_serve_app_builder_refuses_bad_args_naming_them(monkeypatch):
+    from lmfoundry.platform.config import ConfigError
+    from lmfoundry.serving import app
+
+    monkeypatch.delenv("LMFOUNDRY_API_KEYS", raising=False)
+    monkeypatch.delenv(app.SERVE_CONFIG_ENV, raising=False)
+    with pytest.raises(ConfigError, match="key 'num_replica': unknown key; allowed keys here: .*num_replicas"):
+        app.build({"checkpoint": "ckpt", "keys_file": "keys.json", "num_replica": 2})
+    with pytest.raises(ConfigError, match="key 'engine.max_batch_size': Input should be greater than or equal to 1"):
+        app.build({"checkpoint": "ckpt", "keys_file": "keys.json", "engine": {"max_batch_size": 0}})
+    with pytest.raises(ConfigError, match="either checkpoint .* or versions"):
+        app.build({"keys_file": "keys.json"})
+    with pytest.raises(ConfigError, match=r"no API keys: set keys_file, or \$LMFOUNDRY_API_KEYS"):
+        app.build({"checkpoint": "ckpt"})
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        app.build(["checkpoint=ckpt"])
+    with pytest.raises(AttributeError, match="LMFOUNDRY_SERVE_CONFIG"):
+        app.app  # noqa: B018 - the attribute access is the test
 
 
 def ray_cli(name: str = "ray") -> str:
@@ -238,14 +263,17 @@ def test_rayjob_entrypoints_for_curate_then_pack_run_unchanged_on_a_local_cluste
     for stage in ("curate", "pack"):
         spec = jobs[stage]["spec"]
         runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
-        # the image's working dir (/home/ray/lmfoundry: configs/) is this checkout's; the bucket a
-        # local folder. The entrypoint itself goes to `ray job submit` as the manifest has it.
+        # the image's working dir (/home/ray/lmfoundry: configs/) is this checkout's
         runtime_env["working_dir"] = str(REPO)
-        runtime_env["env_vars"]["LMFOUNDRY_DATA"] = str(data)
         job_id = f"lmfoundry-{stage}-{uuid.uuid4().hex[:6]}"
-        submit = [ray_cli(), "job", "submit", "--address", address, "--submission-id", job_id]
-        submit += ["--runtime-env-json", json.dumps(runtime_env), "--", spec["entrypoint"]]
-        r = submit_when_up(submit, env)
+        # as KubeRay's submitter runs it (ray-operator/controllers/ray/common/job.go): one bash
+        # command line with the entrypoint appended as the manifest has it, in the submitter's
+        # environment, whose bucket is a local folder here
+        command = " ".join(
+            [shlex.quote(ray_cli()), "job", "submit", "--address", address, "--submission-id", job_id]
+            + ["--runtime-env-json", shlex.quote(json.dumps(runtime_env)), "--", spec["entrypoint"].strip()]
+        )
+        r = submit_when_up(["bash", "-c", command], {**env, **submitter_env(jobs[stage]), "LMFOUNDRY_DATA": str(data)})
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         status = run([ray_cli(), "job", "status", "--address", address, job_id], env, timeout=120)
         plain = re.sub(r"\x1b\[[0-9;]*m", "", status.stdout + status.stderr)
@@ -253,6 +281,27 @@ def test_rayjob_entrypoints_for_curate_then_pack_run_unchanged_on_a_local_cluste
     assert (data / "curated" / "_MANIFEST.json").exists() and any((data / "curated" / "kept").glob("*.parquet"))
     packed = json.loads((data / "packed" / "_MANIFEST.json").read_text())
     assert packed["stage"] == "pack", packed
+
+
+def test_serve_build_writes_a_serve_config_from_a_recipe(pretrained, tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+
+    from lmfoundry.platform.keys import create_key
+
+    keys = str(tmp_path / "keys.json")
+    create_key(keys, "acme")
+    recipe = tmp_path / "serve.yaml"
+    recipe.write_text(yaml.safe_dump({"checkpoint": pretrained[0], "keys_file": keys, "num_replicas": 2}))
+    out = tmp_path / "serve_config.yaml"
+    env = {**os.environ, "LMFOUNDRY_SERVE_CONFIG": str(recipe)}
+    r = run([ray_cli("serve"), "build", "lmfoundry.serving.app:app", "-o", str(out)], env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    config = yaml.safe_load(out.read_text())
+    ServeDeploySchema.parse_obj(config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "lmfoundry.serving.app:app"
+    server = next(d for d in app["deployments"] if d["name"] == "LLMServer")
+    assert server["num_replicas"] == 2 and server["max_ongoing_requests"] == 32
 
 
 def serve_config_file(tmp_path: Path, name: str, port: int, **args) -> Path:

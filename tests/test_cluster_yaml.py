@@ -130,9 +130,7 @@ def _replace_in(key: str, old: str, new: str):
 ATTACKS = {
     "dashboard_on_all_interfaces": _replace_in("head_start_ray_commands", "127.0.0.1", "0.0.0.0"),
     "dashboard_flag_dropped": _replace_in("head_start_ray_commands", "--dashboard-host=127.0.0.1", ""),
-    "head_started_without_auth": _replace_in(
-        "head_start_ray_commands", "RAY_AUTH_MODE=token ray start", "ray start"
-    ),
+    "head_started_without_auth": _replace_in("head_start_ray_commands", "RAY_AUTH_MODE=token ray start", "ray start"),
     "worker_started_without_auth": _replace_in(
         "worker_start_ray_commands", "RAY_AUTH_MODE=token ray start", "ray start"
     ),

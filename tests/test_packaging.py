@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import venv
@@ -108,9 +109,14 @@ def test_a_built_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     virtual environment that sees this one's packages (a .pth file): `pip check` there then
     resolves the wheel's declared requirements, bounds included, against a working set, and the
     command runs from the installed wheel, not from the checkout."""
-    dist = tmp_path / "dist"
+    # built from what the images copy (pyproject.toml, README.md, lmfoundry/), outside the checkout:
+    # an in-tree build would leave build/ behind
+    src, dist = tmp_path / "src", tmp_path / "dist"
+    shutil.copytree(REPO / "lmfoundry", src / "lmfoundry", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(src)],
         check=True,
         capture_output=True,
         timeout=300,
@@ -122,10 +128,12 @@ def test_a_built_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     site = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True
     ).stdout.strip()
-    deps = [p for p in sys.path if p.endswith("site-packages")]
-    Path(site, "deps.pth").write_text("\n".join(deps) + "\n")
     pip = [sys.executable, "-m", "pip", "--python", str(python)]
     subprocess.run([*pip, "install", "--no-deps", "-q", str(wheel)], check=True, capture_output=True, timeout=300)
+    # only now the dependencies: pip installed into an environment that held nothing else (it must
+    # never see, let alone replace, the lmfoundry these tests run from)
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    Path(site, "deps.pth").write_text("\n".join(deps) + "\n")
     clean = {"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}  # no PYTHONPATH: the wheel only
     where = subprocess.run(
         [

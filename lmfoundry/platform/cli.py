@@ -35,9 +35,9 @@ from lmfoundry.platform.log import get_logger
 
 @dataclass(frozen=True)
 class Command:
-    """One `lmfoundry` subcommand: the job module it runs, and for a stage parsed by
-    stage_parser, the config class (`module:Class`, for `lmfoundry config show`) and the shipped
-    recipe its help names."""
+    """One `lmfoundry` subcommand, run by `lmfoundry.jobs.<name>`. A stage (parsed by
+    stage_parser) also names its config class (`module:Class`, for `lmfoundry config show`) and
+    the shipped recipe its help points to."""
 
     config: str | None = None
     recipe: str | None = None
@@ -66,7 +66,6 @@ COMMANDS = {
     "review": Command(),
     "config": Command(),
 }
-STAGES = tuple(COMMANDS)
 logger = get_logger(__name__)
 
 
@@ -175,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         if argv:
-            print(f"\nerror: unknown command {argv[0]!r}; choose one of {', '.join(STAGES)}", file=sys.stderr)
+            print(f"\nerror: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
     if COMMANDS[command].is_stage and rest[:1] in (["-h"], ["--help"]):

@@ -136,11 +136,16 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
     )
 
 
-def build(args: dict, source: str = "the Serve application's args (lmfoundry.serving.app:build)"):
-    """The Serve application builder: `args` are the keys of configs/serve.yaml. Keys come from
-    `keys_file` and from $api_keys_env in the environment the application is built in (on
-    Kubernetes, a Secret the pods read); with neither, it refuses to build, since a declarative
-    deployment has nowhere to show a generated key."""
+def build(args: dict):
+    """The Serve application builder (Serve calls it with the one argument, `args`): the keys of
+    configs/serve.yaml. Keys come from `keys_file` and from $api_keys_env in the environment the
+    application is built in (on Kubernetes, a Secret the pods read); with neither, it refuses to
+    build, since a declarative deployment has nowhere to show a generated key."""
+    return build_from(args, "the Serve application's args (lmfoundry.serving.app:build)")
+
+
+def build_from(args: dict, source: str):
+    """`build` for the serve config `args` read from `source` (named in errors)."""
     from lmfoundry.platform.keys import digest, env_keys
 
     if not isinstance(args, dict):
@@ -170,7 +175,7 @@ def __getattr__(name: str):
         raise AttributeError(
             f"lmfoundry.serving.app:app is the application of the serve recipe that ${SERVE_CONFIG_ENV} names; set it"
         )
-    return build(read_recipe(path), source=path)
+    return build_from(read_recipe(path), path)
 
 
 def start(cfg: ServeConfig) -> tuple[str, str | None]:

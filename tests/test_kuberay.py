@@ -378,7 +378,7 @@ def test_rayservice_serve_config_answers_and_upgrades_without_dropping_a_request
                         results.append((s.status_code, lines[-1] if lines else ""))
                 except httpx.HTTPError as e:
                     results.append(repr(e))
-                stop.wait(0.4)  # at most 7.5 requests a second: under the manifest's 600 a minute per tenant
+                stop.wait(0.4)  # three clients, at most 7.5 requests a second: under the 600 a minute per tenant
 
     threads = [threading.Thread(target=client) for _ in range(3)]
     for t in threads:

@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=1, help="run the lifecycle this many times and compare them")
     args = p.parse_args()
 
-    from lmfoundry.jobs.quickstart import load_quickstart_config, run_quickstart
+    from lmfoundry.jobs.lifecycle import load_quickstart_config, run_quickstart
     from lmfoundry.platform.ray_env import init_ray
 
     started = time.time()

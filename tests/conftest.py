@@ -229,10 +229,12 @@ def postgres_dsn():
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-def ray_head(tmp_path):
-    """A `ray start --head` cluster in a subprocess with its dashboard (the job API): yields its
-    dashboard address and the environment to reach it with, and stops exactly this cluster."""
+@pytest.fixture(scope="module")
+def ray_head():
+    """A `ray start --head` cluster in a subprocess with its dashboard (the job API), one per test
+    module: yields its dashboard address and the environment to reach it with, and stops exactly
+    this cluster. It declares one logical GPU, so that what a manifest asks of a GPU node
+    schedules here; nothing sees a device (torch runs on the CPU)."""
     import shutil
     import subprocess
     import sys
@@ -260,6 +262,7 @@ def ray_head(tmp_path):
             f"--dashboard-port={dash}",
             "--dashboard-host=127.0.0.1",
             "--num-cpus=4",
+            "--num-gpus=1",
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
             # the job agent's HTTP port is fixed by default (52365): another Ray on this machine

@@ -83,8 +83,8 @@ def test_every_recipe_in_configs_validates():
     from lmfoundry.eval.suite import EvaluateConfig
     from lmfoundry.jobs.agents import AgentsJobConfig
     from lmfoundry.jobs.align import AlignJobConfig
+    from lmfoundry.jobs.lifecycle import load_quickstart_config
     from lmfoundry.jobs.pretrain import PretrainJobConfig
-    from lmfoundry.jobs.quickstart import load_quickstart_config
     from lmfoundry.serving.app import ServeConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"

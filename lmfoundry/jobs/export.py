@@ -11,9 +11,6 @@ says so).
 import argparse
 import sys
 
-from lmfoundry.model.export import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES, export_hf, parse_size
-from lmfoundry.platform import checkpoint
-
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
@@ -22,14 +19,17 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="a checkpoint directory or a pretrain run directory")
     p.add_argument("output", help="directory to write the exported model to")
     p.add_argument("--format", choices=["hf"], default="hf", help="hf: a stock transformers architecture, safetensors")
-    p.add_argument("--dtype", choices=list(EXPORT_DTYPES), default="float32", help="the weights' dtype")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the weights' dtype")
     p.add_argument(
         "--max-shard-size",
-        default=f"{DEFAULT_MAX_SHARD_BYTES >> 30}GB",
+        default="2GB",
         help="past this size the weights are sharded, with model.safetensors.index.json (e.g. 2GB, 500MB)",
     )
     p.add_argument("--force-gate-failed", action="store_true", help="export a checkpoint that failed its gate (logged)")
     args = p.parse_args(argv)
+    from lmfoundry.model.export import export_hf, parse_size  # torch: after parsing, so --help answers at once
+    from lmfoundry.platform import checkpoint
+
     try:
         max_shard_bytes = parse_size(args.max_shard_size)
         checkpoint.check_gate(args.checkpoint, args.force_gate_failed, "export")

@@ -14,15 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import yaml
 
-from lmfoundry.model.flops import model_shape
-from lmfoundry.model.transformer import ModelConfig
-from lmfoundry.planner.search import Cluster, Recipe, gpu, search
 from lmfoundry.platform.config import ConfigError, load_config
-from lmfoundry.train.config import PretrainConfig
-from lmfoundry.train.engine import deepspeed_config
+
+if TYPE_CHECKING:  # imported in main, after parsing: they import torch, and --help answers at once
+    from lmfoundry.model.transformer import ModelConfig
+    from lmfoundry.planner.search import Cluster
+    from lmfoundry.train.config import PretrainConfig
 
 
 def recipe_model(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelConfig:
@@ -93,6 +94,11 @@ def main(argv=None) -> int:
     p.add_argument("--write-config", help="write the best data/expert-parallel layout as a pretrain recipe")
     p.add_argument("--plot", help="write a PNG of per-GPU memory against throughput for every layout")
     args = p.parse_args(argv)
+    from lmfoundry.model.flops import model_shape
+    from lmfoundry.planner.search import Cluster, Recipe, gpu, search
+    from lmfoundry.train.config import PretrainConfig
+    from lmfoundry.train.engine import deepspeed_config
+
     try:
         cfg = load_config(PretrainConfig, args.config)
         cluster = Cluster(

@@ -14,46 +14,89 @@ lmfoundry quality-model CONFIG [--output DIR] [--set positive=URI --set negative
 lmfoundry harm-audit CURATED --labels FILE (reviewers' labels -> the checklist's violation rate)
 lmfoundry keys create --tenant NAME | list | revoke KEY_ID [--file KEYS]
 lmfoundry traffic show | set V1=90 V2=10 | rollback --file SPLIT
+lmfoundry config show STAGE                (a stage's config keys: types, defaults, descriptions)
+lmfoundry STAGE --help | --version
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from lmfoundry.platform import storage
+# Only light imports here: `lmfoundry --help` and `lmfoundry STAGE --help` answer without Ray,
+# torch or pyarrow (tests/test_packaging.py measures it); a stage's own imports wait for its run.
 from lmfoundry.platform.config import ConfigError, StageConfig, StageFailed, load_config
 from lmfoundry.platform.log import get_logger
 
-STAGES = (
-    "curate",
-    "pack",
-    "pretrain",
-    "evaluate",
-    "align",
-    "serve",
-    "quickstart",
-    "export",
-    "import",
-    "plan",
-    "quality-model",
-    "harm-audit",
-    "keys",
-    "traffic",
-    "pairs",
-    "synth",
-    "review",
-    "agents",
-)
+
+@dataclass(frozen=True)
+class Command:
+    """One `lmfoundry` subcommand, run by `lmfoundry.jobs.<name>`. A stage (parsed by
+    stage_parser) also names its config class (`module:Class`, for `lmfoundry config show`) and
+    the shipped recipe its help points to."""
+
+    config: str | None = None
+    recipe: str | None = None
+
+    @property
+    def is_stage(self) -> bool:
+        return self.config is not None
+
+
+COMMANDS = {
+    "curate": Command("lmfoundry.data.curate:CurateConfig", "configs/curate.yaml"),
+    "pack": Command("lmfoundry.data.pack:PackConfig", "configs/pack.yaml"),
+    "pretrain": Command("lmfoundry.jobs.pretrain:PretrainJobConfig", "configs/pretrain_tiny_cpu.yaml"),
+    "evaluate": Command("lmfoundry.eval.suite:EvaluateConfig", "configs/evaluate.yaml"),
+    "align": Command("lmfoundry.jobs.align:AlignJobConfig", "configs/align_dpo.yaml"),
+    "serve": Command("lmfoundry.serving.app:ServeConfig", "configs/serve.yaml"),
+    "pairs": Command("lmfoundry.align.pairs:PairsConfig", "configs/pairs.yaml"),
+    "synth": Command("lmfoundry.align.synth:SynthConfig", "configs/synth.yaml"),
+    "quality-model": Command("lmfoundry.data.quality:QualityTrainConfig", "configs/quality_model.yaml"),
+    "agents": Command("lmfoundry.jobs.agents:AgentsJobConfig", "configs/agents.yaml"),
+    "quickstart": Command(),
+    "export": Command(),
+    "import": Command(),
+    "plan": Command(),
+    "harm-audit": Command(),
+    "keys": Command(),
+    "traffic": Command(),
+    "review": Command(),
+    "config": Command(),
+}
 logger = get_logger(__name__)
 
 
+def version() -> str:
+    from lmfoundry import __version__
+
+    return __version__
+
+
+def job_module(command: str) -> str:
+    module = {"import": "import_model"}.get(command, command.replace("-", "_"))  # `import` is a keyword
+    return f"lmfoundry.jobs.{module}"
+
+
+def job_docstring(command: str) -> str:
+    """The job module's docstring, read from its source: importing the job would import its stage."""
+    spec = importlib.util.find_spec(job_module(command))
+    with open(spec.origin, encoding="utf-8") as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""
+
+
 def stage_parser(stage: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"lmfoundry {stage}", description=description)
-    p.add_argument("config", help=f"YAML recipe, e.g. configs/{stage}.yaml")
+    p = argparse.ArgumentParser(
+        prog=f"lmfoundry {stage}", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    recipe = COMMANDS[stage].recipe
+    p.add_argument("config", help=f"YAML recipe, e.g. {recipe} (`lmfoundry config show {stage}` lists its keys)")
     p.add_argument("--input", help="overrides the config's input URI")
     p.add_argument("--output", help="overrides the config's output URI")
     p.add_argument(
@@ -83,6 +126,8 @@ def load_stage_config(
         overrides.append(f"{output_field}={args.output}")
     cfg = load_config(cls, args.config, overrides)
     if input_field is not None:
+        from lmfoundry.platform import storage
+
         uri = getattr(cfg, input_field)
         if not storage.exists(uri):
             raise ConfigError(f"config {args.config}: key {input_field!r}: input {uri!r} does not exist")
@@ -125,15 +170,22 @@ def run_stage(
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in STAGES:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
+    if argv[:1] in (["-V"], ["--version"]):
+        print(f"lmfoundry {version()}")
+        return 0
+    if not argv or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nerror: unknown command {argv[0]!r}; choose one of {', '.join(STAGES)}", file=sys.stderr)
-            return 2
-        return 0 if argv else 2
-    module = {"import": "import_model"}.get(argv[0], argv[0].replace("-", "_"))  # `import` is a keyword
-    job = importlib.import_module(f"lmfoundry.jobs.{module}")
-    return job.main(argv[1:])
+        if argv:
+            print(f"\nerror: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    if COMMANDS[command].is_stage and rest[:1] in (["-h"], ["--help"]):
+        stage_parser(command, job_docstring(command)).print_help()  # the job's own parser, unimported
+        return 0
+    return importlib.import_module(job_module(command)).main(rest)
 
 
 if __name__ == "__main__":

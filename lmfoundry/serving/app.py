@@ -1,15 +1,37 @@
-"""The serve config and the typed app builder: replicas, batching and limits come from YAML."""
+"""The serve config and the typed app builder: replicas, batching and limits come from YAML.
+
+`build` is the Ray Serve application builder that declarative deployments name: a Serve config
+file (`serve run` / `serve deploy`, KubeRay's RayService `serveConfigV2`) with
+
+    import_path: lmfoundry.serving.app:build
+    args: {checkpoint: s3://BUCKET/runs/gpt-125m, keys_file: s3://BUCKET/serve/keys.json}
+
+where `args` holds the keys of configs/serve.yaml, or on the command line
+`serve run lmfoundry.serving.app:build checkpoint=work/pretrain`. `serve build` takes an
+application rather than a builder: `app` is the application of the recipe that
+$LMFOUNDRY_SERVE_CONFIG names, `LMFOUNDRY_SERVE_CONFIG=my-serve.yaml serve build
+lmfoundry.serving.app:app -o serve_config.yaml`. `lmfoundry serve` (start) is the laptop path on
+top of the same app.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from lmfoundry.platform.config import StageConfig
+from lmfoundry.platform.config import ConfigError, StageConfig, build_config, read_recipe
 from lmfoundry.platform.keys import ApiKeysConfig
+from lmfoundry.platform.log import get_logger
 from lmfoundry.safety.guardrails import GuardrailsConfig
 from lmfoundry.serving.ratelimit import RateLimits
+
+logger = get_logger(__name__)
+SERVE_CONFIG_ENV = "LMFOUNDRY_SERVE_CONFIG"  # the recipe behind `app`, for `serve build`
+# A replica being replaced (an upgrade, a scale-down) keeps answering its in-flight requests for
+# up to their timeout, plus this margin, before Serve stops it.
+DRAIN_MARGIN_S = 5.0
 
 
 class EngineConfig(StageConfig):
@@ -101,6 +123,7 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
         **scale,
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
+        graceful_shutdown_timeout_s=cfg.limits.request_timeout_s + DRAIN_MARGIN_S,
         ray_actor_options={"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica},
     ).bind(
         versions,
@@ -114,6 +137,48 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
         limiter,
         env_key_roles=cfg.api_keys_env_roles,
     )
+
+
+def build(args: dict):
+    """The Serve application builder (Serve calls it with the one argument, `args`): the keys of
+    configs/serve.yaml. Keys come from `keys_file` and from $api_keys_env in the environment the
+    application is built in (on Kubernetes, a Secret the pods read); with neither, it refuses to
+    build, since a declarative deployment has nowhere to show a generated key."""
+    return build_from(args, "the Serve application's args (lmfoundry.serving.app:build)")
+
+
+def build_from(args: dict, source: str):
+    """`build` for the serve config `args` read from `source` (named in errors)."""
+    from lmfoundry.platform.keys import digest, env_keys
+
+    if not isinstance(args, dict):
+        raise ConfigError(
+            f"the Serve application's args must be a mapping of serve config keys, not {type(args).__name__}"
+        )
+    cfg = build_config(ServeConfig, args, source=source)
+    for key in ("host", "port"):
+        if key in args:
+            logger.warning("args: %r is ignored here; the Serve config's http_options set the proxy's address", key)
+    digests = [digest(k) for k in env_keys(cfg.api_keys_env)]
+    if not digests and not cfg.keys_file:
+        raise ConfigError(
+            f"{source}: no API keys: set keys_file, or ${cfg.api_keys_env} in the "
+            "environment the application is built in (comma-separated keys)"
+        )
+    return build_app(cfg, digests)
+
+
+def __getattr__(name: str):
+    """`app`: the application of the recipe that $LMFOUNDRY_SERVE_CONFIG names, built when it is
+    first asked for (`serve build lmfoundry.serving.app:app`), never at import."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    path = os.environ.get(SERVE_CONFIG_ENV)
+    if not path:  # AttributeError, as for any missing attribute, with what to set
+        raise AttributeError(
+            f"lmfoundry.serving.app:app is the application of the serve recipe that ${SERVE_CONFIG_ENV} names; set it"
+        )
+    return build_from(read_recipe(path), path)
 
 
 def start(cfg: ServeConfig) -> tuple[str, str | None]:

@@ -268,3 +268,10 @@ def test_pack_tokenizes_with_an_imported_checkpoints_tokenizer_and_eos(tmp_path)
         checkpoint_tokenizer(str(tmp_path / "ours"))
     with pytest.raises(FileNotFoundError, match="is neither a checkpoint"):
         checkpoint_tokenizer(str(tmp_path / "nothing"))
+
+
+def test_the_import_commands_help_names_every_family_the_importer_takes():
+    from lmfoundry.jobs import import_model
+    from lmfoundry.model import hf_import
+
+    assert import_model.FAMILIES == ", ".join(hf_import.FAMILIES)  # kept apart so that --help imports no torch

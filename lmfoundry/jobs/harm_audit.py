@@ -11,8 +11,6 @@ import argparse
 import json
 import sys
 
-from lmfoundry.data.report import apply_harm_labels
-
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
@@ -22,6 +20,8 @@ def main(argv=None) -> int:
     p.add_argument("--labels", required=True, help='JSONL of {"id", "harmful": true/false}')
     p.add_argument("--enforce", action="store_true", help="exit 1 when the item fails")
     args = p.parse_args(argv)
+    from lmfoundry.data.report import apply_harm_labels  # after parsing, so --help answers at once
+
     try:
         item = apply_harm_labels(args.run, args.labels)
     except (ValueError, FileNotFoundError) as e:

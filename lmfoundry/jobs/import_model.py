@@ -13,20 +13,27 @@ import shutil
 import sys
 from pathlib import Path
 
-from lmfoundry.model.hf_import import DTYPES, FAMILIES, import_hf
-from lmfoundry.platform import checkpoint
+FAMILIES = "llama, mistral, qwen2, qwen3, mixtral, qwen3_moe"  # model/hf_import.py: FAMILIES
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="lmfoundry import", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("format", choices=["hf"], help=f"hf: a Hugging Face checkpoint of {', '.join(FAMILIES)}")
+    p.add_argument("format", choices=["hf"], help=f"hf: a Hugging Face checkpoint of {FAMILIES}")
     p.add_argument("source", help="local directory of the Hugging Face checkpoint")
     p.add_argument("output", help="local directory to write the lmfoundry checkpoint to")
     p.add_argument("--max-seq-len", type=int, default=None, help="context to serve and train at (default: the model's)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="auto", help="weights' dtype (auto: as in the source)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="weights' dtype (auto: as in the source)",
+    )
     args = p.parse_args(argv)
+    from lmfoundry.model.hf_import import import_hf  # torch: after parsing, so --help answers at once
+    from lmfoundry.platform import checkpoint
+
     out = Path(args.output)
     if (out / checkpoint.CHECKPOINT_MANIFEST).exists():
         print(f"error: import: {out} is already a checkpoint; choose another output", file=sys.stderr)

@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from lmfoundry.agents.store import AgentStore
-from lmfoundry.agents.tracing import RunTracer, TracingConfig
+from lmfoundry.agents.tracing import RunTracer
+from lmfoundry.platform.tracing import TracingConfig
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -26,6 +26,7 @@ from lmfoundry.eval.redteam import RedTeamConfig
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
+from lmfoundry.platform.tracking import MlflowConfig, log_run
 
 logger = get_logger(__name__)
 
@@ -61,6 +62,7 @@ class EvaluateConfig(EvalSuites):
     endpoint: EndpointConfig | None = None
     output: str
     overwrite: bool = False
+    mlflow: MlflowConfig | None = Field(None, description="also log the report's metrics as an MLflow run")
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -210,6 +212,10 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
         storage.commit(out, "evaluate", {"model": identity, "report": "eval.json", "html": "report.html"})
         for name, value in sorted(report["metrics"].items()):
             logger.info("evaluate: %-45s %.4g", name, value)
+        if cfg.mlflow:
+            params = {"checkpoint": cfg.checkpoint, "endpoint": cfg.endpoint and cfg.endpoint.url, "output": out}
+            run_id = log_run(cfg.mlflow, out.rstrip("/").rsplit("/", 1)[-1], params, report["metrics"])
+            logger.info("evaluate: metrics logged to MLflow run %s (%s)", run_id, cfg.mlflow.tracking_uri)
     if report["gate"] and not report["gate"]["passed"]:
         worse = ", ".join(
             f"{r['metric']} {r['baseline']:.4g} -> {r['value']:.4g}" for r in report["gate"]["regressions"]

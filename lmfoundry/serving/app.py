@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.keys import ApiKeysConfig
+from lmfoundry.platform.tracing import TracingConfig
 from lmfoundry.safety.guardrails import GuardrailsConfig
 from lmfoundry.serving.ratelimit import RateLimits
 
@@ -64,6 +65,7 @@ class ServeConfig(ApiKeysConfig):
     limits: LimitsConfig = LimitsConfig()
     guardrails: GuardrailsConfig = GuardrailsConfig()
     rate_limits: RateLimits = RateLimits()
+    tracing: TracingConfig = Field(TracingConfig(), description="a span per request (OTLP, JSON lines)")
 
     @model_validator(mode="after")
     def _one_source_of_weights(self) -> ServeConfig:
@@ -110,6 +112,7 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
         cfg.traffic_file,
         limiter,
         env_key_roles=cfg.api_keys_env_roles,
+        tracing=cfg.tracing.model_dump(),
     )
 
 

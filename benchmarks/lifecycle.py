@@ -2,6 +2,7 @@
 
     python benchmarks/lifecycle.py            # the quickstart recipe as `make quickstart` runs it
     python benchmarks/lifecycle.py --quick    # 40 training steps instead of 200
+    python benchmarks/lifecycle.py --runs 2   # twice, comparing fingerprints and losses exactly
 
 Prints a table and writes benchmarks/results/lifecycle.json (with the machine it ran on).
 """
@@ -34,24 +35,38 @@ def machine() -> dict:
     }
 
 
+def loss_history(run_dir: str) -> list[list[float]]:
+    """Every logged step's [step, loss] of a finished pretraining run, from its final checkpoint."""
+    from lmfoundry.platform import storage
+
+    manifest = storage.read_manifest(run_dir)
+    return storage.read_json(storage.join(run_dir, manifest["final_checkpoint"], "train_state.json"))["loss_history"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--runs", type=int, default=1, help="run the lifecycle this many times and compare them")
     args = p.parse_args()
 
     from lmfoundry.jobs.quickstart import load_quickstart_config, run_quickstart
     from lmfoundry.platform.ray_env import init_ray
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    overrides = [f"serve.port={port}"] + (["pretrain.max_steps=40"] if args.quick else [])
-    with tempfile.TemporaryDirectory(prefix="lmf-bench-") as work:
-        cfg = load_quickstart_config(None, work, overrides)
-        started = time.time()
-        init_ray()
-        figures = run_quickstart(cfg)
-        total = time.time() - started
+    started = time.time()
+    init_ray()
+    runs = []
+    for _ in range(args.runs):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        overrides = [f"serve.port={port}"] + (["pretrain.schedule.max_steps=40"] if args.quick else [])
+        with tempfile.TemporaryDirectory(prefix="lmf-bench-") as work:
+            cfg = load_quickstart_config(None, work, overrides)
+            t = time.time()
+            figures = run_quickstart(cfg)
+            runs.append({"figures": figures, "seconds": time.time() - t, "losses": loss_history(cfg.pretrain.output)})
+    total = time.time() - started
+    figures = runs[0]["figures"]
     rows = [
         (stage, f["seconds"], {k: v for k, v in f.items() if k not in ("seconds", "url")})
         for stage, f in figures.items()
@@ -59,7 +74,7 @@ def main() -> None:
     print(f"\n{'stage':14s} {'seconds':>8s}  figures")
     for stage, secs, fig in rows:
         print(f"{stage:14s} {secs:8.1f}  {json.dumps(fig)}")
-    print(f"{'total':14s} {total:8.1f}  (including Ray start-up)")
+    print(f"{'total':14s} {total:8.1f}  ({args.runs} run(s), including Ray start-up)")
     pre = figures["pretrain"]
     tokens_per_step = cfg.pretrain.global_batch_tokens
     result = {
@@ -71,6 +86,21 @@ def main() -> None:
         "pretrain_tokens": pre["steps"] * tokens_per_step,
         "pretrain_tokens_per_s_incl_startup": round(pre["steps"] * tokens_per_step / pre["seconds"], 1),
     }
+    if args.runs > 1:
+        # the same recipe and seed on the same machine: the same bytes at every stage, the same
+        # loss at every logged step (compared as floats, exactly)
+        stages = ("curate", "pack", "pretrain")
+        result["repeat"] = {
+            "runs": args.runs,
+            "final_loss": [r["figures"]["pretrain"]["final_loss"] for r in runs],
+            "logged_steps": len(runs[0]["losses"]),
+            "losses_bitwise_equal": all(r["losses"] == runs[0]["losses"] for r in runs),
+            **{
+                f"{stage}_fingerprints_equal": len({r["figures"][stage]["fingerprint"] for r in runs}) == 1
+                for stage in stages
+            },
+        }
+        print("repeat:", json.dumps(result["repeat"]))
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "lifecycle.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

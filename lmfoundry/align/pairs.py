@@ -366,7 +366,8 @@ def run_pairs(cfg: PairsConfig) -> dict:
     }
     storage.write_json_atomic(storage.join(out, "card.json"), card)
     storage.write_bytes_atomic(storage.join(out, "CARD.md"), card_markdown(card).encode())
-    storage.commit(out, "pairs", {"card": "card.json", "pairs": "pairs.jsonl"})
+    fingerprint = storage.fingerprint(out, ["pairs.jsonl", "pairs_chat.jsonl", "rejected.jsonl"])
+    storage.commit(out, "pairs", {"card": "card.json", "pairs": "pairs.jsonl", "fingerprint": fingerprint})
     logger.info(
         "pairs: %d prompts -> %d pairs accepted, %d to review, %d to audit, rejected %s",
         len(prompts),

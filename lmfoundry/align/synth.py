@@ -431,7 +431,8 @@ def run_synth(cfg: SynthConfig) -> dict:
         "seconds": round(time.time() - started, 2),
     }
     storage.write_json_atomic(storage.join(out, "card.json"), card)
-    storage.commit(out, "synth", {"card": "card.json"})
+    fingerprint = storage.fingerprint(out, ["kept.jsonl", "rejected.jsonl"])
+    storage.commit(out, "synth", {"card": "card.json", "fingerprint": fingerprint})
     logger.info(
         "synth: %d generated, %d verified and kept, %d rejected (%s)", len(samples), len(kept), len(rejected), counts
     )

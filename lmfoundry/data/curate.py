@@ -310,6 +310,7 @@ def run_curate(cfg: CurateConfig) -> dict:
             "rejected": "rejected" if cfg.write_rejected else None,
             "text_field": cfg.text_field,
             "id_field": cfg.id_field,
+            "fingerprint": storage.fingerprint(out, ["kept", "rejected"]),
         },
     )
     logger.info(

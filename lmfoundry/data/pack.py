@@ -3,11 +3,19 @@ token stream into fixed-length sequences.
 
 Output layout under `output`:
   tokenizer.json         the trained byte-level BPE
-  train/, val/           Parquet, one row per sequence: `tokens` (seq_len + 1 int32 ids, so
-                         a sequence gives seq_len next-token predictions)
-  _MANIFEST.json         seq_len, vocab size, sequence and token counts; written last
-Documents are joined with the end-of-text token. A document goes to val/ when a hash of its id
-falls under `val_fraction`, so the split is stable across reruns and machines.
+  train/, val/           Parquet shards `part-NNNNN.parquet`, one row per sequence: `tokens`
+                         (seq_len + 1 int32 ids, so a sequence gives seq_len next-token predictions)
+  _MANIFEST.json         seq_len, vocab size, sequence and token counts, a fingerprint of the
+                         shards; written last
+
+Reproducible by construction: the same documents, config and seed give byte-identical shards,
+whatever the cluster size, the number of blocks or the order in which tasks finish. Every
+document gets an order key (a seeded hash of its id and text); the tokenizer trains on the
+documents with the smallest keys, in key order; the tokenised documents are sorted by key (Ray
+Data's distributed sort) and streamed in that order through one writer, which joins them with the
+end-of-text token, cuts rows and starts a new shard every `sequences_per_shard` rows. A document
+goes to val/ when a hash of its id falls under `val_fraction`, so the split does not move with the
+seed.
 """
 
 from __future__ import annotations
@@ -21,12 +29,15 @@ import pyarrow.compute as pc
 from pydantic import Field
 
 from lmfoundry.data.tokenizer import train_bpe
+from lmfoundry.data.workdir import write_parquet_atomic
 from lmfoundry.model.tokenizer import eos_id
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
 
 logger = get_logger(__name__)
+
+ORDER = "_order"  # the order key column while packing; never written
 
 
 class PackConfig(StageConfig):
@@ -38,6 +49,8 @@ class PackConfig(StageConfig):
     tokenizer_train_docs: int = Field(100_000, ge=1, description="documents the tokenizer trains on")
     seq_len: int = Field(256, ge=8, description="tokens per training sequence")
     val_fraction: float = Field(0.05, ge=0, lt=1)
+    seed: int = Field(0, ge=0, description="orders the documents before they are joined and cut")
+    sequences_per_shard: int = Field(16_384, ge=1, description="rows per output Parquet shard")
     overwrite: bool = False
 
 
@@ -54,9 +67,46 @@ def is_val(doc_id: str, val_fraction: float) -> bool:
     return h / 2**64 < val_fraction
 
 
+def order_key(seed: int, doc_id: str, text: str) -> int:
+    """A document's place in the packed stream: a seeded hash of its id and text, so that two
+    documents sharing an id still have distinct keys, and equal keys mean equal documents."""
+    h = hashlib.blake2b(seed.to_bytes(8, "big"), digest_size=8)
+    h.update(doc_id.encode())
+    h.update(b"\0")
+    h.update(text.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(h.digest(), "big")
+
+
+def add_order_keys(batch: pa.Table, cfg: PackConfig) -> pa.Table:
+    ids = [str(i) for i in batch.column(cfg.id_field).to_pylist()]
+    texts = [t or "" for t in batch.column(cfg.text_field).to_pylist()]
+    keys = pa.array([order_key(cfg.seed, i, t) for i, t in zip(ids, texts)], pa.uint64())
+    return pa.table({ORDER: keys, cfg.id_field: pa.array(ids, pa.string()), cfg.text_field: pa.array(texts)})
+
+
+def below(batch: pa.Table, threshold: int) -> pa.Table:
+    return batch.filter(pc.less(batch.column(ORDER), pa.scalar(threshold, pa.uint64())))
+
+
+def tokenizer_sample(keyed, cfg: PackConfig, total: int) -> list[str]:
+    """The `tokenizer_train_docs` documents with the smallest order keys, in key order: a seeded,
+    deterministic sample, chosen by a filter on the key (so only about that many documents reach
+    the driver) and sorted here."""
+    n = cfg.tokenizer_train_docs
+    rate = min(1.0, 1.2 * n / max(total, 1))  # 20% margin, so the filter rarely keeps fewer than n
+    picked = (
+        keyed if rate >= 1.0 else keyed.map_batches(below, fn_args=(int(rate * (2**64 - 1)),), batch_format="pyarrow")
+    )
+    batches = list(picked.iter_batches(batch_format="pyarrow", batch_size=None))
+    if not batches:
+        return []
+    table = pa.concat_tables(batches).sort_by([(ORDER, "ascending"), (cfg.id_field, "ascending")])
+    return table.column(cfg.text_field).to_pylist()[:n]
+
+
 class Tokenize:
     """Tokenises a batch of documents (tokenizer loaded once per actor); ends each with EOS and
-    marks it train or val."""
+    marks it train or val. The order key and id travel with the tokens for the sort."""
 
     def __init__(self, tokenizer_json: str, cfg: PackConfig):
         from tokenizers import Tokenizer
@@ -69,9 +119,12 @@ class Tokenize:
         texts = batch.column(self.cfg.text_field).to_pylist()
         encodings = self.tok.encode_batch(texts, add_special_tokens=False)
         ids = [np.append(np.asarray(e.ids, dtype=np.int32), np.int32(self.eos)) for e in encodings]
-        val = [is_val(str(i), self.cfg.val_fraction) for i in batch.column(self.cfg.id_field).to_pylist()]
+        doc_ids = batch.column(self.cfg.id_field)
+        val = [is_val(i, self.cfg.val_fraction) for i in doc_ids.to_pylist()]
         return pa.table(
             {
+                ORDER: batch.column(ORDER),
+                self.cfg.id_field: doc_ids,
                 "ids": pa.array(ids, pa.list_(pa.int32())),
                 "n_tokens": pa.array([len(x) for x in ids], pa.int64()),
                 "val": pa.array(val, pa.bool_()),
@@ -79,13 +132,48 @@ class Tokenize:
         )
 
 
-def pack_sequences(batch: pa.Table, sample_len: int) -> pa.Table:
-    """Joins a batch's documents into one token stream and cuts it into rows of `sample_len`
-    tokens; the tail that does not fill a row is dropped (counted in the manifest)."""
-    stream = pc.list_flatten(batch.column("ids")).to_numpy(zero_copy_only=False).astype(np.int32)
-    n = len(stream) // sample_len
-    flat = pa.array(stream[: n * sample_len], pa.int32())
-    return pa.table({"tokens": pa.FixedSizeListArray.from_arrays(flat, sample_len)})
+class ShardWriter:
+    """Joins documents, in the order they are given, into one token stream, cuts it into rows of
+    `sample_len` tokens and writes `part-NNNNN.parquet` every `per_shard` rows: the shard
+    boundaries follow from the document order alone. The tail that does not fill a row is
+    dropped (counted)."""
+
+    def __init__(self, out_dir: str, sample_len: int, per_shard: int):
+        self.out_dir, self.sample_len, self.per_shard = out_dir, sample_len, per_shard
+        self.pending: list[np.ndarray] = []  # token arrays not yet written
+        self.pending_tokens = 0
+        self.shards = self.sequences = self.tokens_in = 0
+
+    def add(self, docs: pa.ChunkedArray | pa.Array) -> None:
+        if isinstance(docs, pa.ChunkedArray):
+            docs = docs.combine_chunks()
+        tokens = pc.list_flatten(docs).to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+        self.pending.append(tokens)
+        self.pending_tokens += len(tokens)
+        self.tokens_in += len(tokens)
+        shard_tokens = self.per_shard * self.sample_len
+        while self.pending_tokens >= shard_tokens:
+            self._write(shard_tokens)
+
+    def close(self) -> dict:
+        rows = self.pending_tokens // self.sample_len
+        if rows:
+            self._write(rows * self.sample_len)
+        return {
+            "sequences": self.sequences,
+            "shards": self.shards,
+            "tokens_in": self.tokens_in,
+            "tokens_dropped": self.tokens_in - self.sequences * self.sample_len,
+        }
+
+    def _write(self, n_tokens: int) -> None:
+        stream = np.concatenate(self.pending)
+        head, rest = stream[:n_tokens], stream[n_tokens:]
+        self.pending, self.pending_tokens = [rest], len(rest)
+        rows = pa.FixedSizeListArray.from_arrays(pa.array(head, pa.int32()), self.sample_len)
+        write_parquet_atomic(storage.join(self.out_dir, f"part-{self.shards:05d}.parquet"), pa.table({"tokens": rows}))
+        self.shards += 1
+        self.sequences += len(rows)
 
 
 def run_pack(cfg: PackConfig) -> dict:
@@ -100,37 +188,46 @@ def run_pack(cfg: PackConfig) -> dict:
         logger.info("pack: %s is already committed; skipping (set overwrite=true to redo)", out)
         return storage.read_manifest(out)
     started = time.time()
+    phases: dict[str, float] = {}
+
+    def lap(name: str, t: float) -> float:
+        now = time.time()
+        phases[name] = round(now - t, 2)
+        return now
+
     docs = ray.data.read_parquet(files, columns=[cfg.id_field, cfg.text_field])
+    keyed = docs.map_batches(add_order_keys, fn_args=(cfg,), batch_format="pyarrow").materialize()
+    total = keyed.count()
+    t = lap("read_and_key", started)
 
     logger.info(
         "pack: training a byte-level BPE (vocab %d) on up to %d documents", cfg.vocab_size, cfg.tokenizer_train_docs
     )
-    sample = docs.limit(cfg.tokenizer_train_docs).select_columns([cfg.text_field])
-    texts = (
-        t
-        for b in sample.iter_batches(batch_format="pyarrow", batch_size=1024)
-        for t in b.column(cfg.text_field).to_pylist()
-    )
-    tok = train_bpe(texts, cfg.vocab_size)
+    tok = train_bpe(tokenizer_sample(keyed, cfg, total), cfg.vocab_size)
     tokenizer_json = tok.to_str()
     storage.write_bytes_atomic(storage.join(out, "tokenizer.json"), tokenizer_json.encode())
+    t = lap("tokenizer", t)
 
-    tokenized = docs.map_batches(
+    tokenized = keyed.map_batches(
         Tokenize, fn_constructor_args=(tokenizer_json, cfg), batch_format="pyarrow", concurrency=(1, 4)
     ).materialize()
+    del keyed  # the texts' blocks are freed once the tokens stand
+    t = lap("tokenize", t)
+    # the price of reproducibility: a distributed sort of the tokenised corpus by order key (the id
+    # breaks the tie only between identical documents), then one ordered pass through the writers
+    ordered = tokenized.sort([ORDER, cfg.id_field]).materialize()
+    del tokenized
+    t = lap("sort", t)
     sample_len = cfg.seq_len + 1
-    splits = {}
-    for name, is_val_split in (("train", False), ("val", True)):
-        part = tokenized.filter(expr=f"val == {is_val_split}")
-        n_tokens = part.sum("n_tokens") or 0
-        seqs = part.map_batches(
-            pack_sequences, fn_kwargs={"sample_len": sample_len}, batch_format="pyarrow", batch_size=512
-        )
-        seqs = seqs.materialize()
-        n_seqs = seqs.count()
-        if n_seqs:
-            seqs.write_parquet(storage.join(out, name))
-        splits[name] = {"sequences": n_seqs, "tokens_in": n_tokens, "tokens_dropped": n_tokens - n_seqs * sample_len}
+    writers = {
+        name: ShardWriter(storage.join(out, name), sample_len, cfg.sequences_per_shard) for name in ("train", "val")
+    }
+    for batch in ordered.iter_batches(batch_format="pyarrow", batch_size=None):
+        val = batch.column("val")
+        writers["val"].add(batch.filter(val).column("ids"))
+        writers["train"].add(batch.filter(pc.invert(val)).column("ids"))
+    splits = {name: w.close() for name, w in writers.items()}
+    lap("write", t)
     if splits["train"]["sequences"] == 0:
         raise ValueError(
             f"pack: the corpus yields no training sequence of {sample_len} tokens; lower seq_len or provide more text"
@@ -145,9 +242,13 @@ def run_pack(cfg: PackConfig) -> dict:
             "seq_len": cfg.seq_len,
             "sample_len": sample_len,
             "eos_id": eos_id(tok),
+            "seed": cfg.seed,
+            "documents": total,
             "splits": splits,
+            "fingerprint": storage.fingerprint(out, ["tokenizer.json", "train", "val"]),
             "seconds": round(time.time() - started, 2),
+            "phase_seconds": phases,
         },
     )
-    logger.info("pack: %s", {k: v["sequences"] for k, v in splits.items()})
+    logger.info("pack: %s, fingerprint %s", {k: v["sequences"] for k, v in splits.items()}, manifest["fingerprint"])
     return manifest

@@ -151,10 +151,21 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False) -> dict:
         return {"url": url, "finish_reason": reply["choices"][0]["finish_reason"]}
 
     stage(6, "serve", serve_and_ask)
+    # what each stage wrote, as a hash of its content: two runs of the same recipe and seed on
+    # the same world size and machine type print the same lines (docs/reproducibility.md)
+    for name, stage_dir in (
+        ("curate", cfg.curate.output),
+        ("pack", cfg.pack.output),
+        ("pretrain", cfg.pretrain.output),
+    ):
+        figures[name]["fingerprint"] = storage.read_manifest(stage_dir).get("fingerprint", "none recorded")
     storage.write_json_atomic(f"{w}/quickstart.json", figures)
     print("\n=== summary ===")
     for name, fig in figures.items():
         print(f"{name:14s} {json.dumps(fig)}")
+    print("\nfingerprints (equal across runs of the same recipe and seed on the same world size and machine type)")
+    for name in ("curate", "pack", "pretrain"):
+        print(f"  {name:10s} {figures[name]['fingerprint'][:16]}")
     print(f"\nartifacts under {w}")
     if keep_serving:
         print(f"serving at {figures['serve']['url']}/v1; Ctrl-C stops", flush=True)

@@ -156,6 +156,19 @@ def sha256_uri(uri: str) -> str:
     return h.hexdigest()
 
 
+def fingerprint(stage_dir: str, parts: list[str]) -> str:
+    """A SHA-256 of a stage's output: every file under the named parts (files or folders of
+    `stage_dir`), by relative path and content, in path order. Two runs that wrote the same bytes
+    under the same names have the same fingerprint; timings and manifests are not part of it."""
+    h = hashlib.sha256()
+    root = normalize(stage_dir).rstrip("/")
+    for part in parts:
+        for f in list_files(join(root, part)):
+            h.update(f[len(root) + 1 :].encode() + b"\0")
+            h.update(bytes.fromhex(sha256_uri(f)))
+    return h.hexdigest()
+
+
 def is_committed(stage_dir: str) -> bool:
     return exists(join(stage_dir, MANIFEST))
 

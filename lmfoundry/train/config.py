@@ -253,6 +253,11 @@ class TrainStageConfig(StageConfig):
     logging: LoggingConfig = LoggingConfig()
     drills: list[FaultDrill] = Field(default_factory=list, description="failures to inject")
     seed: int = 0
+    deterministic: bool = Field(
+        False,
+        description="deterministic kernels and collectives on GPUs (slower; docs/reproducibility.md); "
+        "CPU runs are bitwise reproducible either way",
+    )
     overwrite: bool = False
 
     LEGACY_KEYS: ClassVar[dict[str, str]] = {

@@ -287,7 +287,7 @@ def run_dpo(cfg: DPOConfig) -> dict:
             train_loop_config={"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out},
             scaling_config=scaling_config(cfg.parallelism),
             torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
-            run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu),
+            run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
         )
         fit(trainer, cfg.health.max_failures, "DPO")
         final_uri = checkpoint.latest_valid(out)

@@ -4,6 +4,7 @@ group's scaling and restarts, and a clear error when the restarts ran out."""
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import threading
 from pathlib import PurePosixPath
@@ -22,9 +23,28 @@ def ordered_ingest():
     return options
 
 
-def run_config(run_dir: str, max_failures: int, use_gpu: bool):
-    """Ray Train's RunConfig for a run directory (its parent is Ray's storage path); workers that
-    train on the CPU start with the allocator settings of ray_env.cpu_worker_env."""
+# What deterministic GPU training needs in the worker's environment before CUDA and NCCL start:
+# cuBLAS's fixed workspace (PyTorch's reproducibility notes) and one all-reduce algorithm (what
+# Megatron's deterministic mode requires); the user's own NCCL_ALGO wins if it is Ring or Tree.
+DETERMINISTIC_GPU_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+
+
+def worker_env(use_gpu: bool, deterministic: bool = False) -> dict[str, str]:
+    """Environment variables for the training workers: the CPU allocator settings
+    (ray_env.cpu_worker_env) on the CPU, the deterministic-kernel settings on GPUs when asked."""
+    if not use_gpu:
+        return cpu_worker_env()
+    if not deterministic:
+        return {}
+    env = dict(DETERMINISTIC_GPU_ENV)
+    if os.environ.get("NCCL_ALGO") in ("Ring", "Tree"):
+        env["NCCL_ALGO"] = os.environ["NCCL_ALGO"]
+    return env
+
+
+def run_config(run_dir: str, max_failures: int, use_gpu: bool, deterministic: bool = False):
+    """Ray Train's RunConfig for a run directory (its parent is Ray's storage path), with the
+    workers' environment of worker_env."""
     from ray.train import FailureConfig, RunConfig
 
     local = PurePosixPath(run_dir) if not storage.is_remote(run_dir) else None
@@ -33,7 +53,7 @@ def run_config(run_dir: str, max_failures: int, use_gpu: bool):
         name=name,
         storage_path=storage_path,
         failure_config=FailureConfig(max_failures=max_failures),
-        worker_runtime_env={"env_vars": {} if use_gpu else cpu_worker_env()},
+        worker_runtime_env={"env_vars": worker_env(use_gpu, deterministic)},
     )
 
 

@@ -12,6 +12,7 @@ import time
 import torch
 
 from lmfoundry.model.chat_template import DEFAULT_CHAT_TEMPLATE
+from lmfoundry.model.checkpoint import WEIGHTS
 from lmfoundry.model.flops import train_flops_per_token
 from lmfoundry.model.transformer import Transformer
 from lmfoundry.platform import checkpoint, storage
@@ -198,7 +199,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         # every worker reads the whole stream, in file order, and keeps its slice of each global
         # micro-batch (PretrainObjective.batches): a split handed out as workers ask is not reproducible
         dataset_config=DataConfig(datasets_to_split=[], execution_options=ordered_ingest()),
-        run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu),
+        run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
     )
     fit(trainer, cfg.health.max_failures, "pretraining")
     final_uri = checkpoint.latest_valid(out)
@@ -218,6 +219,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             "tokens_seen": state["tokens_seen"],
             "first_loss": history[0][1],
             "final_loss": history[-1][1],
+            "fingerprint": storage.fingerprint(out, [f"{final}/{WEIGHTS}"]),
             "model": cfg.model.model_dump(),
             "seconds": round(time.time() - started, 2),
         },

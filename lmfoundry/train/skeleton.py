@@ -53,7 +53,17 @@ def run(cfg: TrainStageConfig, run_dir: str, build_objective: Callable[[int, int
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed's ZeRO-2 calls a torch collective that torch has renamed; once per step it warns.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+    if cfg.deterministic:
+        use_deterministic_kernels()
     Trainer(cfg, run_dir, build_objective(rank, world), rank, world).train()
+
+
+def use_deterministic_kernels() -> None:
+    """PyTorch's deterministic mode: an op without a deterministic implementation raises instead of
+    running a nondeterministic kernel; cuDNN picks no algorithm by benchmarking."""
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 class Diverged(Exception):

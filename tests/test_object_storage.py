@@ -60,3 +60,27 @@ def test_a_traffic_file_in_a_bucket_shifts_and_rolls_back_the_split(s3_bucket):
     assert source.current().pick("anyone") == "v2"
     rollback(uri)
     assert source.current().pick("anyone") == "v1"
+
+
+def test_red_team_regressions_are_saved_to_and_replayed_from_a_bucket(s3_bucket):
+    from test_eval import Parrot
+
+    from lmfoundry.eval import redteam
+
+    cfg = redteam.RedTeamConfig(families=["injection"], attacks_per_family=3, seed=5)
+    uri = f"{s3_bucket}/eval/redteam_regression.jsonl"
+    first = redteam.run_redteam(Parrot(), cfg, uri)
+    saved = storage.read_jsonl(uri)
+    assert len(saved) == first["attack_success_rate"]["count"] == 3
+    replay = redteam.run_redteam(Parrot(), cfg.model_copy(update={"replay": [uri], "seed": 6}))
+    assert replay["replay"]["attacks"] == 3
+
+
+def test_a_needle_haystack_is_read_from_a_bucket(s3_bucket):
+    import random
+
+    from lmfoundry.eval.needle import NeedleConfig, filler_sentences
+
+    storage.write_bytes_atomic(f"{s3_bucket}/haystack.txt", b"The sky is blue. Water is wet. Ice is cold.")
+    cfg = NeedleConfig(haystack=f"{s3_bucket}/haystack.txt")
+    assert filler_sentences(cfg, random.Random(0)) == ["The sky is blue.", "Water is wet.", "Ice is cold."]

@@ -33,6 +33,7 @@ from pydantic import Field
 from lmfoundry.clients.checkpoint import EvalModel
 from lmfoundry.eval.hhh import REFUSAL_PATTERNS, PhraseDetector
 from lmfoundry.eval.stats import rate
+from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.safety.harm import HarmConfig, HarmScorer
 
@@ -267,7 +268,7 @@ class RedTeamConfig(StageConfig):
     families: list[str] = list(FAMILIES)
     attacks_per_family: int = Field(8, ge=1)
     seed: int | None = Field(None, description="fixes the attacks; default: a new seed each run")
-    replay: list[str] = Field([], description="regression files of earlier runs' successful attacks")
+    replay: list[str] = Field([], description="regression files of earlier runs' successful attacks (local or s3://)")
     max_tokens: int = Field(64, ge=1)
     harm: HarmConfig = HarmConfig()
 
@@ -317,18 +318,17 @@ def _by_family(judged: list[dict]) -> dict:
 def run_redteam(model: EvalModel, cfg: RedTeamConfig, regression_out: str | Path | None = None) -> dict:
     seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
     attacks = generate_attacks(cfg.families, cfg.attacks_per_family, seed)
-    replayed = [json.loads(line) for path in cfg.replay for line in Path(path).read_text().splitlines() if line.strip()]
+    replayed = [row for path in cfg.replay for row in storage.read_jsonl(path)]
     for a in replayed:
         a.pop("reply", None), a.pop("conversation", None)
     judged = judge(attacks + replayed, converse(model, attacks + replayed, cfg.max_tokens), cfg)
     fresh, replay = judged[: len(attacks)], judged[len(attacks) :]
     succeeded = [j for j in judged if j["success"]]
-    if regression_out is not None:
-        Path(regression_out).parent.mkdir(parents=True, exist_ok=True)
+    if regression_out is not None:  # a local path or s3://
         unique = {
             j["id"]: {k: v for k, v in j.items() if k not in ("reply", "conversation", "harm_score")} for j in succeeded
         }
-        Path(regression_out).write_text("".join(json.dumps(a) + "\n" for a in unique.values()))
+        storage.write_jsonl_atomic(str(regression_out), list(unique.values()))
     return {
         "seed": seed,
         "attacks": len(fresh),

@@ -155,7 +155,7 @@ def evaluate(
     if suites.needle is not None:
         report["long_context"] = timed("needle", lambda: needle.run_needle(model, suites.needle))
     if suites.redteam is not None:
-        regression = str(Path(out_dir) / "redteam_regression.jsonl") if out_dir else None
+        regression = storage.join(out_dir, "redteam_regression.jsonl") if out_dir else None
         report["red_team"] = timed("redteam", lambda: redteam.run_redteam(model, suites.redteam, regression))
     if getattr(model, "errors", None):
         report["endpoint_errors"] = dict(model.errors)  # requests it could not serve: empty replies in the suites
@@ -202,9 +202,8 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
         report["gate"] = apply_gate(report, cfg.gate)
     else:
         started = time.time()
-        scratch = out if not storage.is_remote(out) else None
         with open_model(cfg) as (model, local, identity):
-            report = {**identity, **evaluate(model, cfg, local, scratch)}
+            report = {**identity, **evaluate(model, cfg, local, out)}
         report["gate"] = apply_gate(report, cfg.gate)
         report["seconds"] = round(time.time() - started, 2)
         storage.write_json_atomic(storage.join(out, "eval.json"), report)

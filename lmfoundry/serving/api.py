@@ -400,7 +400,8 @@ class LLMServer:
         """`prompt(engine)` renders the request for the version that answers it."""
         started = time.perf_counter()
         status, version, refusal = 500, "none", None
-        span = request.state.span = self.tracer.start(route, req, self._tenant(request))
+        tenant = self._tenant(request)
+        span = request.state.span = self.tracer.start(route, req, tenant)
         streaming = False
         try:
             version = self._version(req)
@@ -418,7 +419,6 @@ class LLMServer:
         finally:
             if not streaming:
                 span.end(status, version, refusal)
-            tenant = getattr(request.state, "tenant", "none")  # none: refused before a key was checked
             self.metrics.requests.labels(route=route, status=str(status), version=version, tenant=tenant).inc()
             self.metrics.latency.labels(route=route, version=version).observe(time.perf_counter() - started)
 

@@ -17,6 +17,7 @@ from lmfoundry.platform.tracing import TracingConfig, tracer_provider
 
 OPERATIONS = {"chat": "chat", "completions": "text_completion"}
 PROVIDER = "lmfoundry"
+MAX_MODEL_CHARS = 128
 
 
 class InferenceTracer:
@@ -31,7 +32,8 @@ class InferenceTracer:
         attributes = {
             gen_ai.GEN_AI_OPERATION_NAME: operation,
             gen_ai.GEN_AI_PROVIDER_NAME: PROVIDER,
-            gen_ai.GEN_AI_REQUEST_MODEL: req.model or self.model_name,
+            # the client's text, bounded: an unknown model is a 404, but its span is still written
+            gen_ai.GEN_AI_REQUEST_MODEL: (req.model or self.model_name)[:MAX_MODEL_CHARS],
             gen_ai.GEN_AI_REQUEST_CHOICE_COUNT: req.n,
             gen_ai.GEN_AI_REQUEST_STREAM: bool(req.stream),
             "lmfoundry.tenant": tenant,

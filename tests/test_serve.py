@@ -729,7 +729,7 @@ def test_two_versions_behind_one_route_shift_and_roll_back_without_dropping_requ
         assert bad.returncode == 2 and "VERSION=WEIGHT" in bad.stderr
         metrics = httpx.get(f"{url}/metrics", headers=auth()).text
         for version in ("v1", "v2"):
-            assert f'status="200",version="{version}"' in metrics
+            assert f'status="200",tenant="default",version="{version}"' in metrics
         assert replica_ids() == replicas  # no replica was restarted
 
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -106,15 +108,27 @@ def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         r = rows[-1]
+        r["load_average_1min_at_end"] = round(os.getloadavg()[0], 1)
         print(
             f"{r['documents']:>9,d} docs {r['text_mb']:>7.1f} MB  {r['seconds_median']:>7.1f} s  "
             + "  ".join(f"{k} {v:.1f}" for k, v in r["phase_seconds_median"].items())
             + f"  order cost {100 * r['order_cost_fraction']:.0f}%  identical {r['byte_identical']}",
             flush=True,
         )
+        write_results(rows)
+
+
+def write_results(rows: list[dict]) -> None:
+    """Written after every size, so a long run keeps what it measured."""
     from lifecycle import machine
 
-    result = {"benchmark": "pack", "machine": machine(), "sizes": rows}
+    result = {
+        "benchmark": "pack",
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python", "benchmarks/pack.py", *sys.argv[1:]]),
+        "machine": machine(),
+        "sizes": rows,
+    }
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "pack.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -80,6 +80,7 @@ def test_killed_run_resumes_and_equals_a_clean_run(ray_local, own_ray_env, sampl
 
 def test_multilingual_text_folder_with_pii_harm_and_the_checklist(ray_local, tmp_path):
     from lmfoundry.data.curate import ChecklistFailed, CurateConfig, run_curate
+    from lmfoundry.platform import cli
 
     raw = tmp_path / "txt"
     docs = {
@@ -100,6 +101,10 @@ def test_multilingual_text_folder_with_pii_harm_and_the_checklist(ray_local, tmp
         (raw / name).parent.mkdir(parents=True, exist_ok=True)
         (raw / name).write_text(text)
     out = tmp_path / "out"
+    # the violation rate judged by a second scorer that did not filter: a blocklist of its own,
+    # which one kept document (the German one) hits
+    audit_terms = tmp_path / "audit_terms.txt"
+    audit_terms.write_text("mittelalter\n")
     # semantic dedup on, with a threshold this paraphrase (cosine 0.86, Jaccard 0.04) is above
     report = run_curate(
         CurateConfig(
@@ -108,6 +113,7 @@ def test_multilingual_text_folder_with_pii_harm_and_the_checklist(ray_local, tmp
             text_files_per_shard=4,
             workers=2,
             dedup={"semantic": {"enabled": True, "similarity": 0.85, "clusters": 2}},
+            checklist={"harm_audit": {"scorer": {"blocklist": str(audit_terms), "offensive_language": False}}},
         )
     )
     kept, rejected = table(out, "kept"), table(out, "rejected")
@@ -124,7 +130,19 @@ def test_multilingual_text_folder_with_pii_harm_and_the_checklist(ray_local, tmp
     assert report["pii_redacted"]["email"] == 1 and report["pii_redacted"]["phone"] == 1
     checks = {c["item"]: c for c in report["checklist"]}
     assert checks["non-English share"]["passed"] and checks["non-English share"]["value"] == pytest.approx(6 / 9)
-    assert checks["harmful-content violation rate"]["value"] == 0
+    harm = checks["harmful-content violation rate"]
+    assert (harm["estimate"], harm["value"]) == ("second_scorer", pytest.approx(1 / 9))
+    assert harm["ci95"][0] < 1 / 9 < harm["ci95"][1] and not harm["passed"]  # 9 documents prove little
+    sample = [json.loads(line) for line in (out / "audit/harm_sample.jsonl").read_text().splitlines()]
+    assert sorted(d["id"] for d in sample) == sorted(kept["id"]) and {d["harmful"] for d in sample} == {None}
+    # reviewers label the sample afterwards; `lmfoundry harm-audit` applies it to the report
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text("".join(json.dumps({**d, "harmful": False}) + "\n" for d in sample[:5]))
+    assert cli.main(["harm-audit", str(out), "--labels", str(labels), "--enforce"]) == 1  # 0 of 5 proves little
+    relabelled = {c["item"]: c for c in json.loads((out / "report.json").read_text())["checklist"]}
+    harm = relabelled["harmful-content violation rate"]
+    assert (harm["estimate"], harm["value"], harm["ci95"][0]) == ("labelled_audit", 0, 0) and not harm["passed"]
+    assert "5 labelled of a 9-document sample" in (out / "report.html").read_text()
     assert "Curation report" in (out / "report.html").read_text()
     assert json.loads((out / "report.json").read_text())["documents_kept"] == len(kept)
 

@@ -1,4 +1,5 @@
-"""Language ID, PII redaction, harm, knowledge density and the quality classifier, without Ray."""
+"""Language ID, PII redaction, knowledge density and the quality classifier, without Ray (harm
+scoring: test_harm.py)."""
 
 import json
 
@@ -8,7 +9,6 @@ from texts import CHINESE, FRENCH, GERMAN, JAPANESE, KEYWORDS, PROSE, RUSSIAN, S
 
 from lmfoundry.data.density import knowledge_density
 from lmfoundry.data.langid import LanguageConfig, LanguageIdentifier
-from lmfoundry.safety.harm import HarmConfig, HarmScorer
 from lmfoundry.safety.pii import PIIRedactor, iban_valid, luhn_valid
 
 
@@ -85,49 +85,6 @@ def test_pii_validators():
     assert iban_valid("DE89370400440532013000") and not iban_valid("DE89370400440532013001")
     with pytest.raises(ValueError, match="unknown PII types"):
         PIIRedactor(__import__("lmfoundry.safety.pii", fromlist=["PIIConfig"]).PIIConfig(types=["ssn"]))
-
-
-def test_harm_blocklist_scores_and_threshold(tmp_path):
-    scorer = HarmScorer()
-    clean, bad = scorer([PROSE, PROSE + " Here is how to make a bomb at home."])
-    assert clean == 0 and scorer.harmful(bad)
-    assert scorer.matches("HOW TO MAKE A BOMB") == ["how to make a bomb"]
-    assert scorer([PROSE.replace("farmer", "bombastic farmer")])[0] == 0  # whole words only
-    custom = tmp_path / "blocklist.txt"
-    custom.write_text("# comments are skipped\nforbidden phrase\t0.3\nworse phrase\n")
-    s = HarmScorer(HarmConfig(blocklist=str(custom)))
-    assert not s.harmful(s(["a forbidden phrase once"])[0])
-    assert s.harmful(s(["a worse phrase"])[0])
-    custom.write_text("phrase\tlots\n")
-    with pytest.raises(ValueError, match="is not a number"):
-        HarmScorer(HarmConfig(blocklist=str(custom)))
-
-
-def test_harm_with_a_local_sequence_classification_model(tmp_path):
-    """Any local Hugging Face classifier plugs in; a randomly initialised one still runs end to end."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "[PAD]": 1, "bomb": 2, "farm": 3}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
-    cfg = transformers.BertConfig(
-        vocab_size=4,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        num_labels=2,
-        id2label={0: "safe", 1: "unsafe"},
-        label2id={"safe": 0, "unsafe": 1},
-    )
-    transformers.BertForSequenceClassification(cfg).save_pretrained(tmp_path)
-    fast.save_pretrained(tmp_path)
-    scorer = HarmScorer(HarmConfig(model=str(tmp_path)))
-    scores = scorer(["farm bomb", "farm"])
-    assert len(scores) == 2 and all(0 <= s <= 1 for s in scores)
-    with pytest.raises(ValueError, match="none is in harmful_labels"):
-        HarmScorer(HarmConfig(model=str(tmp_path), harmful_labels=["toxic"]))
 
 
 def test_knowledge_density_ranks_reference_text_above_filler():

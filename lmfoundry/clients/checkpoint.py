@@ -59,16 +59,16 @@ class CheckpointModel:
 
         from lmfoundry.model.chat_template import ChatTemplate
         from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
-        from lmfoundry.model.tokenizer import IM_END, eos_id
+        from lmfoundry.model.tokenizer import SpecialTokens
 
         self.name = checkpoint_dir
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_model_files(checkpoint_dir, self.device)
         self.tokenizer = Tokenizer.from_file(f"{checkpoint_dir}/{TOKENIZER}")
         self.template = ChatTemplate.from_checkpoint(checkpoint_dir)
-        self.eos = eos_id(self.tokenizer)
-        im_end = self.tokenizer.token_to_id(IM_END)
-        self.stop_tokens = frozenset({self.eos} | ({im_end} if im_end is not None else set()))
+        special = SpecialTokens.of_checkpoint(checkpoint_dir)
+        self.eos = special.eos_id(self.tokenizer)
+        self.stop_tokens = special.stop_ids(self.tokenizer)
         self.batch_size = batch_size
         self.max_length = self.model.cfg.max_seq_len
 

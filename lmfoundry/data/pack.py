@@ -1,8 +1,9 @@
-"""Packing: train the tokenizer on the kept documents, tokenise them with Ray Data and cut the
-token stream into fixed-length sequences.
+"""Packing: train the tokenizer on the kept documents (or take an existing checkpoint's, e.g. an
+imported open model's, for continued pretraining), tokenise them with Ray Data and cut the token
+stream into fixed-length sequences.
 
 Output layout under `output`:
-  tokenizer.json         the trained byte-level BPE
+  tokenizer.json         the trained byte-level BPE, or the checkpoint's tokenizer
   train/, val/           Parquet shards `part-NNNNN.parquet`, one row per sequence: `tokens`
                          (seq_len + 1 int32 ids, so a sequence gives seq_len next-token predictions)
   _MANIFEST.json         seq_len, vocab size, sequence and token counts, a fingerprint of the
@@ -21,6 +22,7 @@ seed.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 import numpy as np
@@ -30,8 +32,9 @@ from pydantic import Field
 
 from lmfoundry.data.tokenizer import train_bpe
 from lmfoundry.data.workdir import write_parquet_atomic
-from lmfoundry.model.tokenizer import eos_id
-from lmfoundry.platform import storage
+from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER
+from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens, eos_id
+from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
 
@@ -47,6 +50,7 @@ class PackConfig(StageConfig):
     id_field: str = "id"
     vocab_size: int = Field(4096, ge=259)
     tokenizer_train_docs: int = Field(100_000, ge=1, description="documents the tokenizer trains on")
+    tokenizer: str | None = Field(None, description="a checkpoint whose tokenizer to use instead of training one")
     seq_len: int = Field(256, ge=8, description="tokens per training sequence")
     val_fraction: float = Field(0.05, ge=0, lt=1)
     seed: int = Field(0, ge=0, description="orders the documents before they are joined and cut")
@@ -108,11 +112,11 @@ class Tokenize:
     """Tokenises a batch of documents (tokenizer loaded once per actor); ends each with EOS and
     marks it train or val. The order key and id travel with the tokens for the sort."""
 
-    def __init__(self, tokenizer_json: str, cfg: PackConfig):
+    def __init__(self, tokenizer_json: str, eos: int, cfg: PackConfig):
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_str(tokenizer_json)
-        self.eos = eos_id(self.tok)
+        self.eos = eos
         self.cfg = cfg
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -176,6 +180,33 @@ class ShardWriter:
         self.sequences += len(rows)
 
 
+def checkpoint_tokenizer(uri: str) -> tuple[str, int, int]:
+    """The tokenizer.json text, end-of-sequence id and vocabulary size (the model's, which may
+    exceed the tokenizer's) of a checkpoint, each file read checked against the manifest; the
+    weights are neither read nor downloaded."""
+    ckpt = checkpoint.resolve(uri)
+    files = checkpoint.checked_files(storage.read_json(storage.join(ckpt, checkpoint.CHECKPOINT_MANIFEST)), ckpt)
+
+    def read(name: str) -> str | None:
+        if name not in files:
+            return None
+        data = storage.read_bytes(storage.join(ckpt, name))
+        if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
+            raise ValueError(f"checkpoint {ckpt}: {name} does not match its checksum (corrupt)")
+        return data.decode()
+
+    from tokenizers import Tokenizer
+
+    text = read(TOKENIZER)
+    if text is None:
+        raise FileNotFoundError(f"pack: tokenizer={uri!r} has no {TOKENIZER}")
+    tok = Tokenizer.from_str(text)
+    special = read(SPECIAL_TOKENS_FILE)
+    special = SpecialTokens.from_json(special, f"{ckpt}/{SPECIAL_TOKENS_FILE}") if special else SpecialTokens()
+    model_vocab = json.loads(read(MODEL_CONFIG) or "{}").get("vocab_size", 0)
+    return text, special.eos_id(tok), max(tok.get_vocab_size(), model_vocab)
+
+
 def run_pack(cfg: PackConfig) -> dict:
     import ray
 
@@ -200,16 +231,20 @@ def run_pack(cfg: PackConfig) -> dict:
     total = keyed.count()
     t = lap("read_and_key", started)
 
-    logger.info(
-        "pack: training a byte-level BPE (vocab %d) on up to %d documents", cfg.vocab_size, cfg.tokenizer_train_docs
-    )
-    tok = train_bpe(tokenizer_sample(keyed, cfg, total), cfg.vocab_size)
-    tokenizer_json = tok.to_str()
+    if cfg.tokenizer is None:
+        logger.info(
+            "pack: training a byte-level BPE (vocab %d) on up to %d documents", cfg.vocab_size, cfg.tokenizer_train_docs
+        )
+        tok = train_bpe(tokenizer_sample(keyed, cfg, total), cfg.vocab_size)
+        tokenizer_json, eos, vocab_size = tok.to_str(), eos_id(tok), tok.get_vocab_size()
+    else:
+        logger.info("pack: the tokenizer of checkpoint %s", cfg.tokenizer)
+        tokenizer_json, eos, vocab_size = checkpoint_tokenizer(cfg.tokenizer)
     storage.write_bytes_atomic(storage.join(out, "tokenizer.json"), tokenizer_json.encode())
     t = lap("tokenizer", t)
 
     tokenized = keyed.map_batches(
-        Tokenize, fn_constructor_args=(tokenizer_json, cfg), batch_format="pyarrow", concurrency=(1, 4)
+        Tokenize, fn_constructor_args=(tokenizer_json, eos, cfg), batch_format="pyarrow", concurrency=(1, 4)
     ).materialize()
     del keyed  # the texts' blocks are freed once the tokens stand
     t = lap("tokenize", t)
@@ -238,10 +273,11 @@ def run_pack(cfg: PackConfig) -> dict:
         {
             "input": source,
             "tokenizer": "tokenizer.json",
-            "vocab_size": tok.get_vocab_size(),
+            "vocab_size": vocab_size,
             "seq_len": cfg.seq_len,
             "sample_len": sample_len,
-            "eos_id": eos_id(tok),
+            "eos_id": eos,
+            "tokenizer_from": cfg.tokenizer,
             "seed": cfg.seed,
             "documents": total,
             "splits": splits,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import time
 
 import numpy as np
@@ -13,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
+from lmfoundry.data.harm_audit import SAMPLE_FILE, HarmAuditConfig, estimate, harm_audit
 from lmfoundry.data.workdir import WORK, hash_sample, read_parquet_files
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
@@ -27,7 +29,10 @@ FUNNEL = ("read", "normalise", "language", "heuristic", "harm", "quality", "dedu
 class ChecklistConfig(StageConfig):
     enforce: bool = Field(False, description="curate exits non-zero when an item fails")
     max_residual_duplicate_rate: float = Field(0.05, ge=0, le=1)
-    max_harm_violation_rate: float = Field(0.0001, ge=0, le=1)
+    max_harm_violation_rate: float = Field(
+        0.01, ge=0, le=1, description="passes when the audit's 95% upper bound is below it (data/harm_audit.py)"
+    )
+    harm_audit: HarmAuditConfig = HarmAuditConfig()
     min_high_density_share: float = Field(0.30, ge=0, le=1)
     min_non_english_share: float = Field(0.20, ge=0, le=1)
     duplicate_sample_size: int = Field(
@@ -60,7 +65,6 @@ def shard_stats(t: pa.Table | None, cfg) -> dict:
             "kept_languages": {},
             "pii": {},
             "hist": {},
-            "harm_violations_kept": 0,
             "high_density_kept": 0,
             "density_scored_kept": 0,
             "boilerplate_lines_removed": 0,
@@ -70,7 +74,6 @@ def shard_stats(t: pa.Table | None, cfg) -> dict:
     kept = t.filter(kept_mask)
     rejected = t.filter(pc.invert(kept_mask))
     density = kept.column("knowledge_density")
-    harm = kept.column("harm_score")
     return {
         "documents": t.num_rows,
         "kept": kept.num_rows,
@@ -89,8 +92,6 @@ def shard_stats(t: pa.Table | None, cfg) -> dict:
                 ("language_confidence", "lang_confidence"),
             )
         },
-        # A violation: a kept document in which the harm scorer found anything at all.
-        "harm_violations_kept": pc.sum(pc.greater(harm, 0)).as_py() or 0,
         "high_density_kept": pc.sum(pc.greater_equal(density, cfg.density.high_density_threshold)).as_py() or 0,
         "density_scored_kept": len(density) - density.null_count,
         "boilerplate_lines_removed": pc.sum(t.column("boilerplate_lines_removed")).as_py() or 0,
@@ -168,9 +169,38 @@ def residual_duplicate_rate(cfg, out: str, kept_total: int) -> dict:
     return {"rate": with_dup / len(sample), "sample": len(sample), "with_duplicate": with_dup}
 
 
-def checklist(cfg, merged: dict, residual: dict) -> list[dict]:
+def _harm_item(audit: dict, threshold: float) -> dict:
+    """The violation-rate item: the point estimate, passing on the 95% upper bound."""
+    if audit["estimate"] is None:
+        return {
+            "item": "harmful-content violation rate",
+            "value": None,
+            "threshold": f"95% upper bound < {threshold}",
+            "passed": False,
+            "estimate": None,
+            "measures": f"not measured independently: label the {audit['sample']} kept documents in "
+            f"{audit['sample_file']} (checklist.harm_audit.labels) or configure a second scorer "
+            "(checklist.harm_audit.scorer); re-scoring with the filter finds nothing by construction",
+        }
+    how = {
+        "labelled_audit": f"reviewers' labels ({audit['n']} labelled of a {audit['sample']}-document sample)",
+        "second_scorer": f"a second scorer that did not filter ({', '.join(audit.get('scorers', []))}) "
+        f"on a {audit['n']}-document sample",
+    }[audit["estimate"]]
+    low, high = audit["ci95"]
+    return {
+        "item": "harmful-content violation rate",
+        "value": audit["rate"],
+        "threshold": f"95% upper bound < {threshold}",
+        "passed": bool(audit["n"]) and high < threshold,
+        "estimate": audit["estimate"],
+        "ci95": audit["ci95"],
+        "measures": f"kept documents judged harmful by {how}; 95% Wilson interval [{low:.4f}, {high:.4f}]",
+    }
+
+
+def checklist(cfg, merged: dict, residual: dict, audit: dict) -> list[dict]:
     c = cfg.checklist
-    kept = merged.get("kept", 0)
     langs = merged.get("kept_languages", {})
     identified = sum(n for lang, n in langs.items() if lang)
     items = [
@@ -180,13 +210,6 @@ def checklist(cfg, merged: dict, residual: dict) -> list[dict]:
             "<=",
             c.max_residual_duplicate_rate,
             f"near duplicates among a sample of {residual['sample']} kept documents",
-        ),
-        (
-            "harmful-content violation rate",
-            merged.get("harm_violations_kept", 0) / kept if kept else None,
-            "<",
-            c.max_harm_violation_rate,
-            "kept documents in which the harm scorer found anything",
         ),
         (
             "high-density share",
@@ -207,7 +230,7 @@ def checklist(cfg, merged: dict, residual: dict) -> list[dict]:
     ]
     out = []
     for name, value, op, threshold, what in items:
-        passed = value is not None and {"<=": value <= threshold, "<": value < threshold, ">=": value >= threshold}[op]
+        passed = value is not None and {"<=": value <= threshold, ">=": value >= threshold}[op]
         out.append(
             {
                 "item": name,
@@ -217,7 +240,31 @@ def checklist(cfg, merged: dict, residual: dict) -> list[dict]:
                 "measures": what if value is not None else what + " (not measured: stage disabled or no data)",
             }
         )
+    out.insert(1, _harm_item(audit, c.max_harm_violation_rate))
     return out
+
+
+def apply_harm_labels(out: str, labels: str) -> dict:
+    """Reviewers' labels of a finished run's audit sample (`audit/harm_sample.jsonl`) made its
+    violation-rate estimate: report.json and report.html are rewritten, nothing is recomputed.
+    Returns the new checklist item."""
+    report_uri = storage.join(out, "report.json")
+    if not storage.is_committed(out) or not storage.exists(report_uri):
+        raise FileNotFoundError(f"{out} is not a finished curation run (no manifest or report.json)")
+    report = storage.read_json(report_uri)
+    if "harm_audit" not in report:
+        raise ValueError(f"{out}/report.json has no harm audit: it was written before the audit existed")
+    sample = [json.loads(line) for line in storage.read_bytes(storage.join(out, SAMPLE_FILE)).decode().splitlines()]
+    audit = {
+        **estimate(sample, HarmAuditConfig(labels=labels), None, "id", "text"),
+        "max_rate": report["harm_audit"]["max_rate"],
+    }
+    item = _harm_item(audit, audit["max_rate"])
+    report["harm_audit"] = audit
+    report["checklist"] = [item if c["item"] == item["item"] else c for c in report["checklist"]]
+    storage.write_json_atomic(report_uri, report)
+    storage.write_bytes_atomic(storage.join(out, "report.html"), render_html(report).encode("utf-8"))
+    return item
 
 
 def pii_quality(pii_cfg) -> dict:
@@ -238,6 +285,9 @@ def build_report(cfg, out: str, stats: list[dict], dedup: dict, timings: dict, s
     t = time.time()
     residual = residual_duplicate_rate(cfg, out, kept)
     timings = {**timings, "residual_duplicates": round(time.time() - t, 2)}
+    t = time.time()
+    audit = {**harm_audit(cfg, out, kept), "max_rate": cfg.checklist.max_harm_violation_rate}
+    timings["harm_audit"] = round(time.time() - t, 2)
     remaining, funnel = docs_in, []
     for stage in FUNNEL:
         remaining -= merged.get("by_stage", {}).get(stage, 0)
@@ -260,8 +310,9 @@ def build_report(cfg, out: str, stats: list[dict], dedup: dict, timings: dict, s
         "c4_lines_removed": merged.get("c4_lines_removed", 0),
         "dedup": dedup,
         "residual_duplicates": residual,
+        "harm_audit": audit,
         "histograms": {"bins": BINS, "range": [0, 1], **merged.get("hist", {})},
-        "checklist": checklist(cfg, merged, residual),
+        "checklist": checklist(cfg, merged, residual, audit),
         "seconds": round(time.time() - started, 2),
         "phase_seconds": timings,
     }

@@ -10,7 +10,10 @@ system message, and a tool call is <tool_call>{"name": ..., "arguments": {...}}<
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
+
+from lmfoundry.model.tokenizer import SpecialTokens
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -50,19 +53,30 @@ class ChatTemplate:
     """Compiled once; `render` is called per request. Sandboxed: a template is data from a
     checkpoint, and must not reach Python objects."""
 
-    def __init__(self, source: str = DEFAULT_CHAT_TEMPLATE):
+    def __init__(self, source: str = DEFAULT_CHAT_TEMPLATE, special: SpecialTokens | None = None):
+        from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):  # templates of open models call it on a malformed chat
+            raise TemplateError(message)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = _tojson
+        # the globals transformers gives templates, so an imported template renders here as there
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.source = source
         self.template = env.from_string(source)
+        self.variables = (special or SpecialTokens()).template_variables()
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path) -> ChatTemplate:
         path = Path(directory) / CHAT_TEMPLATE_FILE
-        return cls(path.read_text(encoding="utf-8")) if path.exists() else cls()
+        special = SpecialTokens.of_checkpoint(directory)
+        return cls(path.read_text(encoding="utf-8"), special) if path.exists() else cls(special=special)
 
     def render(self, messages: list[dict], tools: list[dict] = (), force_tool_call: bool = False) -> str:
-        prompt = self.template.render(messages=messages, tools=list(tools) or None, add_generation_prompt=True)
+        prompt = self.template.render(
+            messages=messages, tools=list(tools) or None, add_generation_prompt=True, **self.variables
+        )
         return prompt + (TOOL_CALL_OPEN if force_tool_call else "")

@@ -1,17 +1,31 @@
-"""Export a checkpoint to the Hugging Face format of an existing architecture, so that
+"""Export a checkpoint to the Hugging Face format of a stock architecture, so that
 `transformers` loads it with no custom code and vLLM can serve it.
 
-Dense models map one to one onto Llama (`LlamaForCausalLM`): same RMSNorm, the same rotate-half
-rotary embedding, grouped-query attention, SwiGLU. Our fused projections are split: `wkv` into
-`k_proj` / `v_proj`, `w_gate_up` into `gate_proj` / `up_proj`.
+The architecture is the one that computes exactly what our model computes, chosen from the
+model config (and, for MoE, the selection bias):
 
-MoE models map onto Mixtral (`MixtralForCausalLM`, Llama attention plus routed SwiGLU experts)
-when their routing is Mixtral's: softmax scores with the top-k weights renormalised
-(`normalize_topk: true`), no shared experts, every layer MoE (`first_dense_layers: 0`), and no
-aux-free selection bias. Those are the exact constraints; other MoE configs are refused rather
-than exported to an architecture that would compute something else. (The nearest fits for the
-rest: Qwen2-MoE gates its shared expert with a sigmoid we do not have; DeepSeek-V3 has the
-shared experts, sigmoid scores and selection bias but multi-head latent attention instead of GQA.)
+| our model | architecture |
+|---|---|
+| dense | `LlamaForCausalLM`; with q/k/v biases `Qwen2ForCausalLM`; with QK norm `Qwen3ForCausalLM` |
+| MoE, sigmoid routing (shared experts, leading dense layers, aux-free selection bias: the DeepSeek-V3 design) | `Glm4MoeForCausalLM` |
+| MoE, softmax, no shared experts, top-k renormalised, every layer MoE | `MixtralForCausalLM` |
+| MoE, softmax, with QK norm, no shared experts | `Qwen3MoeForCausalLM` |
+| MoE, softmax, with shared experts (the 16B recipe) | `Qwen2MoeForCausalLM` |
+
+Glm4Moe is DeepSeek-V3's MoE (sigmoid scores, a per-expert `e_score_correction_bias` added for
+selection only, top-k weights renormalised, shared experts, `first_k_dense_replace` leading
+dense layers) on ordinary grouped-query attention; DeepSeek-V3 itself would need multi-head
+latent attention. We write it with one expert group, a routed scaling factor of 1, full rotary
+and no multi-token-prediction layer. Qwen2-MoE gates its shared expert by sigmoid(w . x): we
+write w = 0 and the shared expert's down projection doubled, sigmoid(0) = 1/2, exact in any
+float format. What no stock architecture computes (softmax scores with a selection bias, a
+capacity factor that drops tokens, ...) is refused with the reason, never exported approximately.
+A model imported from Mistral exports as Llama, which computes the same.
+
+Weights are streamed (tensor_files.py): one of our tensors is read, cut into the
+architecture's tensors, cast to the dtype asked for and written, so the export never holds more
+than that tensor; past `max_shard_bytes` the output is sharded with a
+`model.safetensors.index.json`, as `save_pretrained` writes it.
 """
 
 from __future__ import annotations
@@ -21,133 +35,248 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
 from lmfoundry.model.chat_template import ChatTemplate
-from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
-from lmfoundry.model.moe import MoE
-from lmfoundry.model.tokenizer import EOS
-from lmfoundry.model.transformer import Transformer
+from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER
+from lmfoundry.model.hf_layout import Arch, Mapped, layout, split, their_shapes
+from lmfoundry.model.tensor_files import INDEX, SINGLE, SafetensorsDir, write_safetensors
+from lmfoundry.model.tokenizer import SpecialTokens
+from lmfoundry.model.transformer import ModelConfig
+
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+}
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_MAX_SHARD_BYTES = 2 << 30
 
 
-def llama_config(model: Transformer, eos_id: int | None) -> dict:
-    c = model.cfg
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.d_model,
-        "intermediate_size": c.ffn_hidden,
-        "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head,
-        "num_key_value_heads": c.n_kv_head,
-        "head_dim": c.head_dim,
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": c.tie_embeddings,
-        "torch_dtype": "float32",
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-    }
-
-
-def mixtral_constraints(model: Transformer) -> list[str]:
-    """Why this MoE model cannot be written as Mixtral; empty when it can."""
-    m = model.cfg.moe
+def choose_architecture(cfg: ModelConfig, bias_is_zero: bool) -> tuple[Arch | None, list[str]]:
+    """The stock architecture that computes what `cfg` does, or None and why not."""
+    m = cfg.moe
+    if m is None:
+        if cfg.qk_norm:
+            return ("qwen3", []) if not cfg.attention_bias else (None, ["QK norm with q/k/v biases (no stock model)"])
+        return ("qwen2" if cfg.attention_bias else "llama"), []
     problems = []
-    if m.score_func != "softmax" or not m.normalize_topk:
-        problems.append("routing must be softmax with normalize_topk: true")
+    if m.capacity_factor is not None:
+        problems.append("capacity_factor must be null (stock MoE layers drop no token)")
+    if m.score_func == "sigmoid":
+        if not m.num_shared_experts:
+            problems.append("sigmoid routing exports as Glm4Moe, which needs num_shared_experts >= 1")
+        return (None if problems else "glm4_moe"), problems
+    if not bias_is_zero:
+        problems.append("softmax routing with a nonzero aux-free selection bias (use score_func sigmoid)")
     if m.num_shared_experts:
-        problems.append("num_shared_experts must be 0")
-    if m.first_dense_layers:
-        problems.append("first_dense_layers must be 0")
-    if m.balance == "aux_free" and any(float(layer.expert_bias.abs().max()) > 0 for layer in model.moe_layers()):
-        problems.append("the aux-free selection bias must be zero")
-    return problems
+        if cfg.qk_norm:
+            problems.append("softmax routing with shared experts exports as Qwen2-MoE, which has no QK norm")
+        return (None if problems else "qwen2_moe"), problems
+    if cfg.qk_norm:
+        if cfg.attention_bias:
+            problems.append("QK norm with q/k/v biases (no stock model)")
+        return (None if problems else "qwen3_moe"), problems
+    if not m.normalize_topk or m.first_dense_layers or cfg.attention_bias:
+        problems.append(
+            "softmax routing without shared experts exports as Mixtral: normalize_topk must be true, "
+            "first_dense_layers 0 and attention_bias false"
+        )
+    return (None if problems else "mixtral"), problems
 
 
-def mixtral_config(model: Transformer, eos_id: int | None) -> dict:
-    m = model.cfg.moe
-    return {
-        **llama_config(model, eos_id),
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "intermediate_size": model.moe_layers()[0].expert_hidden,
-        "num_local_experts": m.num_experts,
-        "num_experts_per_tok": m.top_k,
-        "router_aux_loss_coef": m.aux_loss_coef,
-        "output_router_logits": False,
-        "sliding_window": None,
+def hf_config(cfg: ModelConfig, arch: Arch, special_ids: dict, dtype: str, expert_hidden: int = 0) -> dict:
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope = {**cfg.rope_scaling.model_dump(), "rope_theta": cfg.rope_theta}
+    config = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope,
+        "hidden_act": "silu",
+        "attention_bias": cfg.attention_bias,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "dtype": dtype,
+        **special_ids,
+    }
+    if arch == "llama":
+        config["mlp_bias"] = False
+    if arch in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"):
+        config |= {"use_sliding_window": False, "sliding_window": None}
+    m = cfg.moe
+    if m is None:
+        return config
+    hidden = expert_hidden
+    moe = {"num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": False}
+    if arch == "mixtral":
+        return config | moe | {"num_local_experts": m.num_experts, "intermediate_size": hidden}
+    moe |= {"moe_intermediate_size": hidden}
+    if arch == "glm4_moe":
+        rope["partial_rotary_factor"] = 1.0
+        return (
+            config
+            | moe
+            | {
+                "n_routed_experts": m.num_experts,
+                "n_shared_experts": m.num_shared_experts,
+                "first_k_dense_replace": m.first_dense_layers,
+                "norm_topk_prob": True,
+                "routed_scaling_factor": 1.0,
+                "n_group": 1,
+                "topk_group": 1,
+                "use_qk_norm": cfg.qk_norm,
+                "partial_rotary_factor": 1.0,
+                "num_nextn_predict_layers": 0,
+            }
+        )
+    moe |= {
+        "num_experts": m.num_experts,
+        "norm_topk_prob": m.normalize_topk,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(m.first_dense_layers)),
+    }
+    if arch == "qwen2_moe":
+        moe |= {"shared_expert_intermediate_size": hidden * m.num_shared_experts, "qkv_bias": cfg.attention_bias}
+    return config | moe
+
+
+def _constant_tensors(cfg: ModelConfig, arch: Arch) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensors of the architecture that our model lacks, written as zeros."""
+    if arch != "qwen2_moe":
+        return []
+    first = cfg.moe.first_dense_layers
+    return [(f"model.layers.{i}.mlp.shared_expert_gate.weight", (1, cfg.d_model)) for i in range(first, cfg.n_layer)]
+
+
+def parse_size(text: str) -> int:
+    """'2GB', '500MB', '40KB' or a number of bytes."""
+    units = {"GB": 1 << 30, "MB": 1 << 20, "KB": 1 << 10, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit) and t[: -len(unit)].strip().isdigit():
+            return int(t[: -len(unit)]) * scale
+    if t.isdigit():
+        return int(t)
+    raise ValueError(f"shard size {text!r}; allowed: a number of bytes or one with GB, MB or KB, e.g. 2GB")
+
+
+def export_hf(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    dtype: str = "float32",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write `config.json`, the safetensors weights (sharded past `max_shard_bytes`), the
+    tokenizer with its chat template and `generation_config.json`."""
+    checkpoint_dir, out = Path(checkpoint_dir), Path(out_dir)
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype {dtype!r}; allowed: {', '.join(EXPORT_DTYPES)}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive (got {max_shard_bytes})")
+    cfg = ModelConfig.model_validate(json.loads((checkpoint_dir / MODEL_CONFIG).read_text()))
+    weights = SafetensorsDir(checkpoint_dir)
+    biases = [n for n in weights.file_of if n.endswith("mlp.expert_bias")]
+    bias_is_zero = all(float(t.abs().max()) == 0 for t in weights.get(biases))
+    arch, problems = choose_architecture(cfg, bias_is_zero)
+    if arch is None:
+        raise ValueError("no stock architecture computes this model's outputs: " + "; ".join(problems))
+
+    tok = Tokenizer.from_file(str(checkpoint_dir / TOKENIZER))
+    special = SpecialTokens.of_checkpoint(checkpoint_dir)
+    eos_id, bos = special.eos_id(tok), special.bos or special.eos
+    stop_ids = sorted(special.stop_ids(tok) - {eos_id})
+    special_ids = {
+        "bos_token_id": tok.token_to_id(bos),
+        "eos_token_id": eos_id,
+        "pad_token_id": tok.token_to_id(special.pad) if special.pad else None,
     }
 
+    # the routed experts' width, as the model derived it (moe.MoE: expert_hidden or from ffn_hidden)
+    downs = sorted(n for n in weights.file_of if n.endswith("mlp.w_down"))  # (E, H, C), MoE layers only
+    expert_hidden = weights.shape(downs[0])[1] if downs else 0
 
-def llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    c = model.cfg
-    kv = c.n_kv_head * c.head_dim
-    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
-    if not c.tie_embeddings:
-        out["lm_head.weight"] = model.lm_head.weight
-    for i, b in enumerate(model.blocks):
-        p = f"model.layers.{i}."
-        out |= {
-            p + "input_layernorm.weight": b.attn_norm.weight,
-            p + "post_attention_layernorm.weight": b.mlp_norm.weight,
-            p + "self_attn.q_proj.weight": b.attn.wq.weight,
-            p + "self_attn.k_proj.weight": b.attn.wkv.weight[:kv],
-            p + "self_attn.v_proj.weight": b.attn.wkv.weight[kv:],
-            p + "self_attn.o_proj.weight": b.attn.wo.weight,
-        }
-        if isinstance(b.mlp, MoE):
-            # Mixtral's per-expert layout: w1 gate (H, C), w3 up (H, C), w2 down (C, H)
-            H = b.mlp.expert_hidden
-            q = p + "block_sparse_moe."
-            out[q + "gate.weight"] = b.mlp.router.weight
-            for e in range(b.mlp.cfg.num_experts):
-                out[q + f"experts.{e}.w1.weight"] = b.mlp.w_gate_up[e, :, :H].T
-                out[q + f"experts.{e}.w3.weight"] = b.mlp.w_gate_up[e, :, H:].T
-                out[q + f"experts.{e}.w2.weight"] = b.mlp.w_down[e].T
-        else:
-            gate, up = b.mlp.w_gate_up.weight.chunk(2, dim=0)
-            out |= {
-                p + "mlp.gate_proj.weight": gate,
-                p + "mlp.up_proj.weight": up,
-                p + "mlp.down_proj.weight": b.mlp.w_down.weight,
-            }
-    return {k: v.detach().contiguous().clone() for k, v in out.items()}
-
-
-def export_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write `config.json`, `model.safetensors`, the tokenizer and `generation_config.json`."""
-    checkpoint_dir, out = Path(checkpoint_dir), Path(out_dir)
-    model = load_model_files(checkpoint_dir)
-    if model.cfg.moe is not None and (problems := mixtral_constraints(model)):
-        raise ValueError(
-            "this MoE checkpoint cannot be exported as Mixtral without changing its outputs: " + "; ".join(problems)
-        )
     out.mkdir(parents=True, exist_ok=True)
-    tok_json = json.loads((checkpoint_dir / TOKENIZER).read_text())
-    eos_id = next((t["id"] for t in tok_json.get("added_tokens", []) if t["content"] == EOS), None)
-    config = mixtral_config(model, eos_id) if model.cfg.moe is not None else llama_config(model, eos_id)
+    for stale in [*out.glob("model*.safetensors"), out / INDEX]:  # an earlier export's shards
+        stale.unlink(missing_ok=True)
+    config = hf_config(cfg, arch, special_ids, dtype, expert_hidden)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(llama_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_weights(out, layout(cfg, arch), _constant_tensors(cfg, arch), weights, EXPORT_DTYPES[dtype], max_shard_bytes)
     shutil.copyfile(checkpoint_dir / TOKENIZER, out / "tokenizer.json")
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": EOS,
-                "bos_token": EOS,
-                "model_max_length": model.cfg.max_seq_len,
-                "clean_up_tokenization_spaces": False,
-                "chat_template": ChatTemplate.from_checkpoint(checkpoint_dir).source,
-            },
-            indent=2,
-        )
-    )
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "bos_token_id": eos_id}))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": special.eos,
+        "bos_token": bos,
+        "model_max_length": cfg.max_seq_len,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": ChatTemplate.from_checkpoint(checkpoint_dir).source,
+    }
+    tok_config |= {"pad_token": special.pad} if special.pad else {}
+    tok_config |= {"unk_token": special.unk} if special.unk else {}
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    # generation ends at eos and at the end of a turn, as our engine ends it
+    generation = {"bos_token_id": special_ids["bos_token_id"], "eos_token_id": [eos_id, *stop_ids]}
+    (out / "generation_config.json").write_text(json.dumps(generation))
     return out
+
+
+def _write_weights(
+    out: Path,
+    entries: list[Mapped],
+    constants: list[tuple[str, tuple[int, ...]]],
+    weights: SafetensorsDir,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+) -> None:
+    # An entry's tensors go to one shard, so each of ours is read once; a shard closes when the
+    # next entry would take it past the limit.
+    def spec_of(e: Mapped) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        # the selection bias stays float32, as transformers keeps it
+        d = torch.float32 if e.ours.endswith("expert_bias") else dtype
+        return [(n, d, s) for n, s in zip(e.theirs, their_shapes(e, weights.shape(e.ours)), strict=True)]
+
+    items = [(e, spec_of(e)) for e in entries if e.kind != "zeros"]
+    items += [(None, [(name, dtype, shape)]) for name, shape in constants]
+    shards: list[list] = [[]]
+    size = 0
+    for item in items:
+        nbytes = sum(torch.Size(s).numel() * d.itemsize for _, d, s in item[1])
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+
+    def tensors(shard):
+        for entry, specs in shard:
+            if entry is None:
+                yield torch.zeros(specs[0][2], dtype=specs[0][1])
+                continue
+            (ours,) = weights.get([entry.ours])
+            for t, (_, d, _) in zip(split(entry, ours), specs, strict=True):
+                yield t.to(d)
+
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if len(shards) == 1:
+        names = [SINGLE]
+    weight_map, total = {}, 0
+    for name, shard in zip(names, shards, strict=True):
+        specs = [s for _, item_specs in shard for s in item_specs]
+        total += write_safetensors(out / name, specs, tensors(shard))
+        weight_map |= {s[0]: name for s in specs}
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX).write_text(json.dumps(index, indent=2))

@@ -1,14 +1,17 @@
 """A decoder-only transformer, read top-down: config, helpers, attention, MLP, block, model.
 
-RMSNorm, rotary position embeddings, grouped-query attention through
-`scaled_dot_product_attention` (flash attention on GPUs), SwiGLU MLP or a fine-grained MoE
-(moe.py), tied or untied embeddings, optional activation checkpointing per block.
+RMSNorm, rotary position embeddings (optionally with Llama 3's frequency scaling), grouped-query
+attention through `scaled_dot_product_attention` (flash attention on GPUs) with optional q/k/v
+biases (Qwen2) and per-head query/key RMSNorm (Qwen3), SwiGLU MLP or a fine-grained MoE (moe.py),
+tied or untied embeddings, optional activation checkpointing per block. The optional parts are
+what the imported open-model families need (hf_import.py); all are off by default.
 Shapes: B batch, T time, C d_model, H query heads, K key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -17,6 +20,26 @@ from pydantic import Field, model_validator
 
 from lmfoundry.model.moe import MoE, MoEConfig
 from lmfoundry.platform.config import StageConfig
+
+
+class RopeScaling(StageConfig):
+    """Llama 3.1's rotary scaling: wavelengths longer than the original context divided by
+    `factor`, shorter than original/high_freq_factor kept, those between blended smoothly."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(gt=0)
+    high_freq_factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling: high_freq_factor={self.high_freq_factor} must exceed "
+                f"low_freq_factor={self.low_freq_factor}"
+            )
+        return self
 
 
 class ModelConfig(StageConfig):
@@ -28,7 +51,11 @@ class ModelConfig(StageConfig):
     n_kv_head: int = Field(2, ge=1, description="key/value heads; fewer than n_head is GQA")
     ffn_multiple_of: int = Field(32, ge=1)
     ffn_hidden_size: int = Field(0, ge=0, description="0: derived from d_model (8/3 x, rounded)")
+    attention_head_dim: int = Field(0, ge=0, description="0: d_model / n_head")
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = Field(False, description="biases on the query, key and value projections (Qwen2)")
+    qk_norm: bool = Field(False, description="RMSNorm over each head's queries and keys before rotary (Qwen3)")
     norm_eps: float = Field(1e-5, gt=0)
     tie_embeddings: bool = True
     init_std: float = Field(0.02, gt=0)
@@ -37,17 +64,17 @@ class ModelConfig(StageConfig):
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
-        if self.d_model % self.n_head:
+        if not self.attention_head_dim and self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
-        if (self.d_model // self.n_head) % 2:
-            raise ValueError("head dim d_model/n_head must be even for rotary embeddings")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
         return self
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.attention_head_dim or self.d_model // self.n_head
 
     @property
     def ffn_hidden(self) -> int:
@@ -70,8 +97,24 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # as Meta's reference code and transformers' _compute_llama3_parameters compute it
+    old = s.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(
+    head_dim: int, max_len: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (T, D/2)
     return angles.cos(), angles.sin()
 
@@ -139,16 +182,21 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
-        self.wkv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=cfg.attention_bias)
+        self.wkv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_head * cfg.head_dim, bias=cfg.attention_bias)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, cached: tuple | None = None):
         """cached: (cache, slots (B,), rows, positions (B, T), mask (B, 1, T, L)) when decoding."""
         B, T, _ = x.shape
         H, K, D = self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim
-        q = self.wq(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k, v = self.wkv(x).view(B, T, 2, K, D).permute(2, 0, 3, 1, 4)  # 2 x (B, K, T, D)
+        q = self.wq(x).view(B, T, H, D)
+        k, v = self.wkv(x).view(B, T, 2, K, D).unbind(2)  # 2 x (B, T, K, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or K, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cached is None:
             if K != H:
@@ -202,7 +250,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
@@ -214,6 +262,8 @@ class Transformer(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -7,9 +7,11 @@ lmfoundry synth CONFIG [--output DIR]      (verified synthetic data)
 lmfoundry review --db DSN list|claim|decide|comment|serve ...
 lmfoundry agents CONFIG | agents demo-data [--out DIR]
 lmfoundry quickstart [--workdir DIR] [--keep-serving]
-lmfoundry export CHECKPOINT OUTPUT [--format hf]
+lmfoundry export CHECKPOINT OUTPUT [--format hf] [--dtype bfloat16|float32]
+lmfoundry import hf SRC OUT [--max-seq-len N]   (a local Hugging Face checkpoint)
 lmfoundry plan PRETRAIN_CONFIG [--gpu H200] [--nodes N] [--token-budget T]
 lmfoundry quality-model CONFIG [--output DIR] [--set positive=URI --set negative=URI]
+lmfoundry harm-audit CURATED --labels FILE (reviewers' labels -> the checklist's violation rate)
 lmfoundry keys create --tenant NAME | list | revoke KEY_ID [--file KEYS]
 lmfoundry traffic show | set V1=90 V2=10 | rollback --file SPLIT
 """
@@ -35,8 +37,10 @@ STAGES = (
     "serve",
     "quickstart",
     "export",
+    "import",
     "plan",
     "quality-model",
+    "harm-audit",
     "keys",
     "traffic",
     "pairs",
@@ -127,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nerror: unknown command {argv[0]!r}; choose one of {', '.join(STAGES)}", file=sys.stderr)
             return 2
         return 0 if argv else 2
-    job = importlib.import_module(f"lmfoundry.jobs.{argv[0].replace('-', '_')}")
+    module = {"import": "import_model"}.get(argv[0], argv[0].replace("-", "_"))  # `import` is a keyword
+    job = importlib.import_module(f"lmfoundry.jobs.{module}")
     return job.main(argv[1:])
 
 

@@ -20,7 +20,7 @@ class Guardrail:
         self.threshold = harm.threshold
         # Folded characters a stream holds back: a blocklist term not yet complete in the text so
         # far starts inside the last `window` characters of the folded text.
-        self.window = max(len(t) for t in self.scorer.folded_terms)
+        self.window = max(len(t) for t in self.scorer.blocklist.folded_terms)
 
     def check(self, text: str) -> tuple[bool, float]:
         score = self.scorer([text])[0]
@@ -33,20 +33,25 @@ class Guardrail:
 class StreamGate:
     """Releases a generated text piece by piece, only what the guardrail has passed.
 
-    `feed(delta)` adds text and returns what may be sent now, once both the whole text so far and
-    the released prefix pass. What is held back is measured in folded text (safety/normalize.py),
-    so invisible characters or runs of spaces cannot stretch a term past the window:
-    - the last `window` folded characters (a term not yet complete starts inside them);
+    `feed(delta)` adds text and returns what may be sent now. What is held back is measured in
+    folded text (safety/normalize.py), so invisible characters or runs of spaces cannot stretch a
+    term past the window:
+    - the last `window` folded characters (a blocklist term not yet complete starts inside them);
     - everything from the first blocklist term found, whatever its weight, until the end: a term
       that alone scores under the threshold can add up with a later one, and a reply that is
       blocked in the end must not have sent any of its terms.
-    `finish()` checks the whole text and returns the rest. Either returns None when the text is
-    blocked; after that the stream must end with finish_reason `content_filter` and send nothing
-    more.
+    The blocklist reads the whole text at every delta (a regex: cheap). Every scorer (the trained
+    classifier, a model, a judge) reads it when at least `release_chars` more characters could
+    leave: both the whole text so far and the prefix about to leave must pass, so nothing is
+    sent that every scorer has not passed, at a cost of one scoring per `release_chars`
+    characters rather than per token. `finish()` checks the whole text and returns the rest.
+    Either returns None when the text is blocked; after that the stream must end with
+    finish_reason `content_filter` and send nothing more.
     """
 
-    def __init__(self, guard: Guardrail):
+    def __init__(self, guard: Guardrail, release_chars: int = 64):
         self.guard = guard
+        self.release_chars = release_chars
         self.text = ""
         self.released = 0  # characters of `text` already given out
         self.blocked = False
@@ -55,22 +60,28 @@ class StreamGate:
         if self.blocked:
             return None
         self.text += delta
+        folded, index = fold_with_index(self.text)
+        blocklist = self.guard.scorer.blocklist
+        if self.guard.scorer.harmful(blocklist.score_folded(folded)):
+            self.blocked = True
+            return None
+        cut = self._safe_end(folded, index)
+        if cut - self.released < self.release_chars:
+            return ""
         if self.guard.blocks(self.text):
             self.blocked = True
             return None
-        cut = self._safe_end()
         # The prefix is checked on its own too: a term that only the text after the cut keeps from
         # matching (a word boundary) must not leave while the client would see it whole.
-        if cut <= self.released or self.guard.blocks(self.text[:cut]):
+        if self.guard.blocks(self.text[:cut]):
             return ""
         return self._release(cut)
 
-    def _safe_end(self) -> int:
+    def _safe_end(self, folded: str, index: list[int]) -> int:
         """The raw index up to which the text may leave: before the held-back folded window and
         before the first blocklist term found."""
-        folded, index = fold_with_index(self.text)
         held_from = len(folded) - self.guard.window
-        first = self.guard.scorer.pattern.search(folded)
+        first = self.guard.scorer.blocklist.pattern.search(folded)
         if first is not None:
             held_from = min(held_from, first.start())
         if held_from <= 0:
@@ -78,7 +89,11 @@ class StreamGate:
         return index[held_from] if held_from < len(index) else len(self.text)
 
     def finish(self, delta: str = "") -> str | None:
-        if self.feed(delta) is None:
+        if self.blocked:
+            return None
+        self.text += delta
+        if self.guard.blocks(self.text):
+            self.blocked = True
             return None
         return self._release(len(self.text))
 

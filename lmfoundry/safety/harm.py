@@ -1,20 +1,32 @@
-"""Harm scoring: a weighted blocklist (the user's file, or a small default) and, optionally, any
-local Hugging Face sequence-classification model. A document's score is the larger of the two.
+"""Harm scoring: a weighted blocklist and a trained offensive-language classifier by default, plus,
+when configured, a local Hugging Face classifier and a generative safety judge. A text's score is
+the largest of its scorers' (each in [0, 1]); at or above `threshold` it is harmful.
+
+Each scorer covers what the others miss: the blocklist names the phrases of mass harm that no
+offensive word marks ("synthesize sarin"); the classifier (`offensive.py`), trained on labelled
+data, finds insults, slurs and abusive threats in wordings nobody listed; a Hugging Face model
+(`hf_classifier.py`) and a judge (`judge.py`) bring what the operator has, in more languages.
+The same scorer serves curation (a filter), serving (guardrails), evaluation and red teaming
+(the judge of a reply); `benchmarks/harm_scorers.py` gives each one's precision and recall on the
+labelled set in `harm_eval.jsonl`.
 
 Blocklist score: 1 - exp(-sum of the weights of the terms found), so one weight-1 term scores
-0.63 and the score rises towards 1 as terms accumulate. Terms match whole words, case-insensitive.
-The same scorer serves curation (a filter with a threshold) and serving (guardrails).
+0.63 and the score rises towards 1 as terms accumulate. Terms match whole words, case-insensitive,
+in folded text (safety/normalize.py).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import Field
 
 from lmfoundry.platform.config import StageConfig
+from lmfoundry.safety.hf_classifier import HeadActivation
+from lmfoundry.safety.judge import JudgeConfig
 from lmfoundry.safety.normalize import fold
 
 # A small default: phrases whose presence marks text a pretraining corpus should not keep
@@ -40,11 +52,18 @@ DEFAULT_BLOCKLIST = {
 class HarmConfig(StageConfig):
     enabled: bool = True
     blocklist: str | None = Field(None, description="file of terms, one per line, optional '<TAB>weight'")
-    threshold: float = Field(0.5, gt=0, le=1, description="documents scoring at or above are dropped")
+    threshold: float = Field(0.5, gt=0, le=1, description="texts scoring at or above are harmful")
+    offensive_language: bool = Field(
+        True, description="the trained offensive-language classifier shipped in alt-profanity-check (English)"
+    )
     # A local Hugging Face sequence-classification model directory, and the labels that mean harm.
     model: str | None = None
-    harmful_labels: list[str] = ["toxic", "harmful", "unsafe", "LABEL_1"]
+    harmful_labels: list[str] = Field(["toxic", "harmful", "unsafe", "LABEL_1"], min_length=1)
+    model_activation: HeadActivation = Field(
+        "auto", description="auto: sigmoid for a multi-label head (config.problem_type), else softmax"
+    )
     model_max_tokens: int = Field(512, ge=8)
+    judge: JudgeConfig | None = Field(None, description="a Llama-Guard-style judge at an OpenAI-compatible endpoint")
 
 
 def read_blocklist(path: str) -> dict[str, float]:
@@ -63,60 +82,65 @@ def read_blocklist(path: str) -> dict[str, float]:
     return terms
 
 
+class Blocklist:
+    """`__call__(texts)` -> blocklist scores; `matches(text)` -> the (folded) terms found."""
+
+    def __init__(self, terms: dict[str, float]):
+        # terms are matched in folded text (safety/normalize.py), so they are folded the same way
+        self.folded_terms = {fold(t).strip(): w for t, w in terms.items()}
+        alternation = "|".join(re.escape(t) for t in sorted(self.folded_terms, key=len, reverse=True))
+        self.pattern = re.compile(rf"(?<!\w)(?:{alternation})(?!\w)")
+
+    def matches(self, text: str) -> list[str]:
+        """Other spellings of a term (homoglyphs, invisible characters, fullwidth letters, accents,
+        case, spacing) match it too."""
+        return [m.group(0) for m in self.pattern.finditer(fold(text))]
+
+    def score_folded(self, folded: str) -> float:
+        """The score of a text already folded (a stream folds once per delta)."""
+        return 1.0 - math.exp(-sum(self.folded_terms.get(m.group(0), 1.0) for m in self.pattern.finditer(folded)))
+
+    def score(self, text: str) -> float:
+        return self.score_folded(fold(text))
+
+    def __call__(self, texts: list[str]) -> list[float]:
+        return [self.score(t) for t in texts]
+
+
 class HarmScorer:
-    """`__call__(texts)` -> scores in [0, 1]; `matches(text)` -> the blocklist terms found."""
+    """`__call__(texts)` -> scores in [0, 1]; `by_scorer(texts)` -> each scorer's scores."""
 
     def __init__(self, cfg: HarmConfig | None = None):
         self.cfg = cfg or HarmConfig()
-        self.terms = read_blocklist(self.cfg.blocklist) if self.cfg.blocklist else dict(DEFAULT_BLOCKLIST)
-        # terms are matched in folded text (safety/normalize.py), so they are folded the same way
-        self.folded_terms = {fold(t).strip(): w for t, w in self.terms.items()}
-        alternation = "|".join(re.escape(t) for t in sorted(self.folded_terms, key=len, reverse=True))
-        self.pattern = re.compile(rf"(?<!\w)(?:{alternation})(?!\w)")
-        self.model = None
+        self.blocklist = Blocklist(read_blocklist(self.cfg.blocklist) if self.cfg.blocklist else DEFAULT_BLOCKLIST)
+        self.scorers: dict[str, Callable[[list[str]], list[float]]] = {"blocklist": self.blocklist}
+        if self.cfg.offensive_language:
+            from lmfoundry.safety.offensive import OffensiveLanguageClassifier
+
+            self.scorers["offensive_language"] = OffensiveLanguageClassifier()
         if self.cfg.model:
-            self._load_model()
+            from lmfoundry.safety.hf_classifier import HFClassifier
 
-    def _load_model(self):
-        try:
-            from transformers import AutoModelForSequenceClassification, AutoTokenizer
-        except ImportError as e:
-            raise ImportError("harm.model needs transformers: pip install 'lmfoundry[curation-models]'") from e
-        import torch
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
-        self.model = AutoModelForSequenceClassification.from_pretrained(self.cfg.model).eval()
-        labels = self.model.config.id2label
-        self.harm_ids = [i for i, name in labels.items() if name in self.cfg.harmful_labels]
-        if not self.harm_ids:
-            raise ValueError(
-                f"harm model {self.cfg.model} has labels {list(labels.values())}; none is in "
-                f"harmful_labels {self.cfg.harmful_labels}"
+            self.scorers["model"] = HFClassifier(
+                self.cfg.model, self.cfg.harmful_labels, self.cfg.model_max_tokens, self.cfg.model_activation
             )
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model.to(self.device)
+        if self.cfg.judge is not None:
+            from lmfoundry.safety.judge import GenerativeJudge
+
+            self.scorers["judge"] = GenerativeJudge(self.cfg.judge)
 
     def matches(self, text: str) -> list[str]:
-        """The (folded) blocklist terms in `text`: other spellings of a term (homoglyphs,
-        invisible characters, fullwidth letters, accents, case, spacing) match it too."""
-        return [m.group(0) for m in self.pattern.finditer(fold(text))]
+        """The (folded) blocklist terms in `text`."""
+        return self.blocklist.matches(text)
 
-    def blocklist_score(self, text: str) -> float:
-        weight = sum(self.folded_terms.get(t, 1.0) for t in self.matches(text))
-        return 1.0 - math.exp(-weight)
+    def by_scorer(self, texts: list[str]) -> dict[str, list[float]]:
+        return {name: scorer(texts) for name, scorer in self.scorers.items()}
 
     def __call__(self, texts: list[str]) -> list[float]:
-        scores = [self.blocklist_score(t) for t in texts]
-        if self.model is not None and texts:
-            import torch
-
-            enc = self.tokenizer(
-                texts, truncation=True, max_length=self.cfg.model_max_tokens, padding=True, return_tensors="pt"
-            ).to(self.device)
-            with torch.no_grad():
-                probs = self.model(**enc).logits.softmax(-1)[:, self.harm_ids].sum(-1).tolist()
-            scores = [max(a, b) for a, b in zip(scores, probs)]
-        return scores
+        texts = list(texts)
+        if not texts:
+            return []
+        return [max(scores) for scores in zip(*self.by_scorer(texts).values())]
 
     def harmful(self, score: float) -> bool:
         return score >= self.cfg.threshold

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from lmfoundry.model.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ChatTemplate
 from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
-from lmfoundry.model.tokenizer import EOS, IM_END, eos_id
+from lmfoundry.model.tokenizer import SpecialTokens
 from lmfoundry.platform import checkpoint
 from lmfoundry.serving.scheduler import ContinuousBatcher
 
@@ -86,9 +86,9 @@ class InferenceEngine:
         with checkpoint.opened(checkpoint_uri, model_only=True) as (local, self.manifest):
             self.tokenizer = Tokenizer.from_file(f"{local}/{TOKENIZER}")
             self.chat_template = ChatTemplate.from_checkpoint(local)
-            self.stop_ids = frozenset(
-                self.tokenizer.token_to_id(t) for t in (EOS, IM_END) if self.tokenizer.token_to_id(t) is not None
-            )
+            # lmfoundry's <|endoftext|> and <|im_end|>, or an imported model's eos and end of turn
+            self.special = SpecialTokens.of_checkpoint(local)
+            self.stop_ids = self.special.stop_ids(self.tokenizer)
             self.batcher = ContinuousBatcher(
                 lambda: load_model_files(local, device).to(DTYPES[dtype]),
                 self.stop_ids,
@@ -121,7 +121,7 @@ class InferenceEngine:
     def grammars(self):
         from lmfoundry.serving.grammar import Grammars
 
-        return Grammars(self.tokenizer, eos_id(self.tokenizer))
+        return Grammars(self.tokenizer, self.special.eos_id(self.tokenizer))
 
     def stream(
         self,

@@ -17,6 +17,7 @@ import torch
 
 from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE
 from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
+from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train.expert_parallel import full_state
@@ -47,7 +48,14 @@ def _gathered(engine):
 
 
 def stage_checkpoint(
-    engine, rank: int, step: int, state: dict, tokenizer_json: str, chat_template: str, root: Path
+    engine,
+    rank: int,
+    step: int,
+    state: dict,
+    tokenizer_json: str,
+    chat_template: str,
+    root: Path,
+    special_tokens: str | None = None,
 ) -> tuple[Path, Callable[[], None]]:
     """Collective: every rank snapshots its share of the full training state in memory
     (DeepSpeed's files: module, this rank's optimizer partition, scheduler; its RNG states) and
@@ -76,6 +84,8 @@ def stage_checkpoint(
             save_model_files(module, staged, weights)
             (staged / TOKENIZER).write_text(tokenizer_json)
             (staged / CHAT_TEMPLATE_FILE).write_text(chat_template)  # serving and export read it
+            if special_tokens is not None:
+                (staged / SPECIAL_TOKENS_FILE).write_text(special_tokens)
             storage.write_json_atomic(str(staged / "train_state.json"), state)
 
     return staged, write

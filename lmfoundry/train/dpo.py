@@ -31,7 +31,7 @@ from pydantic import Field, model_validator
 
 from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
-from lmfoundry.model.tokenizer import IM_END, eos_id
+from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import skeleton
@@ -115,8 +115,10 @@ class PairEncoder:
 
         self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / TOKENIZER))
         self.template = ChatTemplate.from_checkpoint(checkpoint_dir)
-        end = self.tokenizer.token_to_id(IM_END)
-        self.end = end if end is not None else eos_id(self.tokenizer)
+        special = SpecialTokens.of_checkpoint(checkpoint_dir)
+        # the end of a turn (<|im_end|>, or an imported model's own), else the end of sequence
+        ends = [i for i in (self.tokenizer.token_to_id(t) for t in special.stop) if i is not None]
+        self.end = ends[0] if ends else special.eos_id(self.tokenizer)
         self.max_seq_len = max_seq_len
 
     def encode(self, pair: dict) -> tuple[list[int], list[int], list[int]]:
@@ -219,6 +221,8 @@ class DPOObjective:
         self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
         template = Path(start_dir) / CHAT_TEMPLATE_FILE  # the chat template the policy was tuned with
         self.chat_template = template.read_text() if template.exists() else DEFAULT_CHAT_TEMPLATE
+        special = Path(start_dir) / SPECIAL_TOKENS_FILE  # an imported policy keeps its eos and end of turn
+        self.special_tokens = special.read_text() if special.exists() else None
         self.per_global = cfg.batch.micro_batch_size * world
         self.batches_per_epoch = len(self.pairs) // self.per_global
         if self.batches_per_epoch == 0:

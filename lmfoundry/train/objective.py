@@ -19,6 +19,7 @@ class Objective(Protocol):
     flops_per_token: float | None
     tokenizer_json: str  # saved with every checkpoint
     chat_template: str  # saved with every checkpoint: serving and export read it
+    special_tokens: str | None  # special_tokens.json of an imported model, saved with every checkpoint
 
     def attach(self, engine) -> None:
         """Called once the engine is built (e.g. to move a reference model to its device)."""

@@ -357,5 +357,6 @@ class Trainer:
             objective.tokenizer_json,
             objective.chat_template,
             self.staging,
+            objective.special_tokens,
         )
         self.checkpointer.save(pos.step, staged, {"kind": f"lmfoundry.{objective.kind}", "step": pos.step}, write)

@@ -27,6 +27,9 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 # take a few seconds each: a shorter poll takes out most of that waiting (the processes Ray
 # starts from here, and the programs the tests run, inherit it).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# MLflow (3.x) refuses a folder as its tracking store unless told that is meant: the tests track
+# into a folder of their own (a deployment points at an MLflow server instead).
+os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
 # fixture -> the markers of every test that uses it, directly or through other fixtures
 TIER_FIXTURES = {
@@ -38,6 +41,7 @@ TIER_FIXTURES = {
     "ray_head": {"ray", "slow", "server"},  # a `ray start --head` cluster in a subprocess
     "ray_serve": {"ray", "server"},  # Ray Serve's HTTP proxy on the session's Ray
     "postgres_dsn": {"server", "postgres"},  # a throwaway PostgreSQL server
+    "s3_server": {"server"},  # a local S3-compatible server over HTTP (moto's server mode)
 }
 
 
@@ -172,11 +176,19 @@ def tiny_pretrain_config(data: str, output: str, **overrides):
 
 
 @pytest.fixture(scope="session")
-def pretrained(packed, tmp_path_factory):
+def mlflow_store(tmp_path_factory):
+    """A local MLflow tracking store (a folder) that the session's runs log to."""
+    return (tmp_path_factory.mktemp("mlflow") / "mlruns").as_uri()
+
+
+@pytest.fixture(scope="session")
+def pretrained(packed, tmp_path_factory, mlflow_store):
+    """The session's reference run; it also logs its steps to MLflow (`mlflow_store`)."""
     from lmfoundry.train.pretrain import run_pretrain
 
     out = str(tmp_path_factory.mktemp("runs") / "tiny")
-    manifest = run_pretrain(tiny_pretrain_config(packed[0], out))
+    mlflow = {"tracking_uri": mlflow_store, "experiment": "lmfoundry-tests"}
+    manifest = run_pretrain(tiny_pretrain_config(packed[0], out, logging={"mlflow": mlflow}))
     return out, manifest
 
 
@@ -227,6 +239,44 @@ def postgres_dsn():
     yield f"postgresql://lmfoundry@127.0.0.1:{port}/postgres"
     subprocess.run([*run_as, pg_ctl, "-D", data, "-m", "immediate", "stop"], capture_output=True)
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A local S3-compatible server over HTTP (moto's server mode, in a thread of this process):
+    yields the environment that points AWS clients at it, the usual variables a deployment sets."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per S3 request in a failure's log
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "lmfoundry-test",
+        "AWS_SECRET_ACCESS_KEY": "lmfoundry-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",  # no instance-metadata lookups for credentials
+    }
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch):
+    """A new empty bucket on the S3 server, with this process's environment pointing at it:
+    yields its s3:// URI."""
+    import uuid
+
+    import pyarrow.fs as pafs
+
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    bucket = f"lmfoundry-{uuid.uuid4().hex[:12]}"
+    fs, _ = pafs.FileSystem.from_uri(f"s3://{bucket}?allow_bucket_creation=true")  # as storage.filesystem does
+    fs.create_dir(bucket)
+    return f"s3://{bucket}"
 
 
 @pytest.fixture(scope="module")

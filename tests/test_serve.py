@@ -25,7 +25,12 @@ def keys_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(ray_serve, pretrained, keys_file):
+def spans_file(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("spans") / "spans.jsonl")
+
+
+@pytest.fixture(scope="module")
+def server(ray_serve, pretrained, keys_file, spans_file):
     from lmfoundry.serving.app import ServeConfig, start
 
     os.environ["LMFOUNDRY_TEST_KEYS"] = f"other-key,{KEY}"
@@ -37,6 +42,7 @@ def server(ray_serve, pretrained, keys_file):
         keys_file=keys_file,
         api_keys_env_roles=["user", "admin"],  # the test's key reads /metrics too
         rate_limits={"tenants": {"limited": {"requests_per_minute": 2}, "frugal": {"tokens_per_minute": 40}}},
+        tracing={"exporter": "jsonl", "path": spans_file},
     )
     url, generated = start(cfg)
     assert generated is None
@@ -411,6 +417,84 @@ def test_metrics_count_requests_tokens_and_time_to_first_token(server):
     assert sum(float(line.rsplit(" ", 1)[1]) for line in ok) >= 5
 
 
+def samples(text: str, name: str) -> list[tuple[dict, float]]:
+    """The samples of one series in Prometheus text: (labels, value)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
+            out.append((dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
+    return out
+
+
+def test_ray_metrics_agent_exports_every_replicas_series_by_tenant_and_version(server, ray_local):
+    """Cluster-wide: the series every replica records through Ray's metrics API, as Prometheus
+    scrapes them from the node's metrics agent (not from a replica)."""
+    from lmfoundry.serving.metrics import SERIES
+
+    body = {"model": "tiny", "prompt": "Return the", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60).status_code == 200
+    assert httpx.get(f"{server}/metrics", headers=auth()).status_code == 200  # sets the key-store gauge
+    (node,) = ray_local.nodes()
+    agent = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+
+    # guardrail blocks and 429s appear once something is refused (other tests do, in other apps)
+    expected = set().union(
+        *(s.exported_names() for s in SERIES if s.name not in ("lmfoundry_guardrail_blocks", "lmfoundry_rate_limited"))
+    )
+
+    def exported():
+        text = httpx.get(agent, timeout=10).text
+        names = {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_lmfoundry_")}
+        return text if expected <= names else None
+
+    text = wait_until(exported, 60, "every serving series in Ray's metrics export")
+    mine = {"model": "tiny", "route": "completions", "status": "200", "version": "main", "tenant": "default"}
+    assert any(
+        mine.items() <= labels.items() and labels["replica"]
+        for labels, _ in samples(text, "ray_lmfoundry_requests_total")
+    )
+    tokens = samples(text, "ray_lmfoundry_generated_tokens_total")
+    assert sum(v for _, v in tokens) > 0
+
+
+def test_inference_requests_are_spans_with_genai_attributes(server, spans_file):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0}
+    whole = httpx.post(f"{server}/v1/chat/completions", json=chat, headers=auth(), timeout=60).json()
+    streamed = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=streamed, headers=auth(), timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    refused = httpx.post(f"{server}/v1/chat/completions", json={**chat, "n": 5}, headers=auth(), timeout=60)
+    assert refused.status_code == 400
+
+    def spans():
+        found = [json.loads(line) for line in open(spans_file)] if os.path.exists(spans_file) else []
+        by_id = {s["attributes"].get("gen_ai.response.id"): s for s in found}
+        errors = [s for s in found if "n=5 is above" in s["status"].get("description", "")]
+        return (by_id, errors) if whole["id"] in by_id and events[0]["id"] in by_id and errors else None
+
+    by_id, errors = wait_until(spans, 30, "the requests' spans in the span file")
+    span = by_id[whole["id"]]
+    a = span["attributes"]
+    assert span["name"] == "chat tiny" and span["kind"] == "SpanKind.SERVER"
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.provider.name"] == "lmfoundry"
+    assert a["gen_ai.request.model"] == "tiny" and a["gen_ai.response.model"] == "tiny"
+    assert a["gen_ai.request.max_tokens"] == 6 and a["gen_ai.request.temperature"] == 0
+    assert a["gen_ai.usage.input_tokens"] == whole["usage"]["prompt_tokens"]
+    assert a["gen_ai.usage.output_tokens"] == whole["usage"]["completion_tokens"]
+    assert a["gen_ai.response.finish_reasons"] == [whole["choices"][0]["finish_reason"]]
+    assert a["lmfoundry.tenant"] == "default" and a["lmfoundry.version"] == "main"
+    assert a["http.response.status_code"] == 200 and a["gen_ai.response.time_to_first_chunk"] > 0
+    assert "Hello" not in json.dumps(span)  # prompts and replies are the tenants' data, never in spans
+    s = by_id[events[0]["id"]]["attributes"]
+    assert s["gen_ai.request.stream"] is True
+    assert s["gen_ai.usage.output_tokens"] == events[-1]["usage"]["completion_tokens"]
+    assert s["gen_ai.response.finish_reasons"] == [
+        e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]
+    ]
+    assert errors[0]["status"]["status_code"] == "ERROR" and "n=5" in errors[0]["status"]["description"]
+
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -645,7 +729,7 @@ def test_two_versions_behind_one_route_shift_and_roll_back_without_dropping_requ
         assert bad.returncode == 2 and "VERSION=WEIGHT" in bad.stderr
         metrics = httpx.get(f"{url}/metrics", headers=auth()).text
         for version in ("v1", "v2"):
-            assert f'status="200",version="{version}"' in metrics
+            assert f'status="200",tenant="default",version="{version}"' in metrics
         assert replica_ids() == replicas  # no replica was restarted
 
 

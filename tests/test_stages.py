@@ -96,10 +96,55 @@ def test_pretrain_with_deepspeed_lowers_the_loss_and_writes_a_self_describing_ch
     assert json.load(open(f"{ckpt}/model_config.json"))["vocab_size"] == packed[1]["vocab_size"]
 
 
-def test_evaluate_perplexity_beats_uniform(pretrained, packed, tmp_path):
+def mlflow_runs(store: str, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store)
+    return client, client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+
+
+def test_pretrain_logs_every_step_to_mlflow_and_to_rays_metrics(pretrained, mlflow_store, ray_local):
+    """MLflow through Ray Train's integration (rank 0); the live series through Ray's metrics API,
+    as Prometheus scrapes them from the node's metrics agent."""
+    import httpx
+    from conftest import wait_until
+
+    out, manifest = pretrained
+    client, runs = mlflow_runs(mlflow_store, "lmfoundry-tests")
+    (run,) = [r for r in runs if r.info.run_name == "tiny"]
+    rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    loss = client.get_metric_history(run.info.run_id, "loss")
+    assert [(m.step, m.value) for m in loss] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
+    assert {"tokens_per_s", "grad_norm", "lr", "checkpoint_blocking_s"} <= set(run.data.metrics)
+    assert run.data.params["parallelism.zero_stage"] == "2" and run.data.tags["lmfoundry.resumed_from_step"] == "0"
+
+    (node,) = ray_local.nodes()
+    agent = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+
+    def train_loss():
+        lines = [
+            line for line in httpx.get(agent, timeout=10).text.splitlines() if line.startswith("ray_lmfoundry_train_")
+        ]
+        return (
+            lines
+            if any(line.startswith("ray_lmfoundry_train_loss{") and 'run="tiny"' in line for line in lines)
+            else None
+        )
+
+    lines = wait_until(train_loss, 30, "the reference run's loss in Ray's metrics export")
+    (last,) = [line for line in lines if line.startswith("ray_lmfoundry_train_step{") and 'run="tiny"' in line]
+    assert float(last.rsplit(" ", 1)[1]) == 40 and 'objective="pretrain"' in last
+
+
+def test_evaluate_perplexity_beats_uniform_and_logs_to_mlflow(pretrained, packed, mlflow_store, tmp_path):
     from lmfoundry.eval.suite import EvaluateConfig, run_evaluate
 
-    full = run_evaluate(EvaluateConfig(checkpoint=pretrained[0], data=packed[0], output=str(tmp_path / "ev")))
+    mlflow = {"tracking_uri": mlflow_store, "experiment": "lmfoundry-eval-tests"}
+    full = run_evaluate(
+        EvaluateConfig(checkpoint=pretrained[0], data=packed[0], output=str(tmp_path / "ev"), mlflow=mlflow)
+    )
+    _, (run,) = mlflow_runs(mlflow_store, "lmfoundry-eval-tests")
+    assert run.info.run_name == "ev" and run.data.metrics == pytest.approx(full["metrics"])
     report = full["language_modelling"]["token_shards"]
     assert report["sequences"] == packed[1]["splits"]["val"]["sequences"]
     assert report["tokens"] == report["sequences"] * 64

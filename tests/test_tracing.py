@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from lmfoundry.agents.store import AgentStore
-from lmfoundry.agents.tracing import RunTracer, TracingConfig
+from lmfoundry.agents.tracing import RunTracer
+from lmfoundry.platform.tracing import TracingConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -177,3 +178,19 @@ def test_a_tracing_setting_without_its_destination_is_refused():
         TracingConfig(exporter="jsonl")
     with pytest.raises(ValueError, match="exporter"):
         TracingConfig(exporter="zipkin")
+
+
+def test_an_inference_span_bounds_what_the_client_wrote_and_marks_a_refusal(tmp_path):
+    from lmfoundry.serving.protocol import ChatCompletionRequest
+    from lmfoundry.serving.tracing import MAX_MODEL_CHARS, InferenceTracer
+
+    path = tmp_path / "spans.jsonl"
+    tracer = InferenceTracer(TracingConfig(exporter="jsonl", path=str(path)), "tiny")
+    req = ChatCompletionRequest(model="x" * 100_000, messages=[{"role": "user", "content": "secret prompt"}])
+    tracer.start("chat", req, "acme").end(404, "none", "model 'xxx' is not served here")
+    tracer.shutdown()
+    (span,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert span["name"] == "chat tiny" and span["resource"]["attributes"]["service.name"] == "lmfoundry-serving"
+    assert len(span["attributes"]["gen_ai.request.model"]) == MAX_MODEL_CHARS
+    assert span["attributes"]["error.type"] == "404" and span["status"]["status_code"] == "ERROR"
+    assert "secret prompt" not in path.read_text()

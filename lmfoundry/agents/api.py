@@ -23,12 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lmfoundry.agents.metrics import AgentMetrics
 from lmfoundry.agents.store import TERMINAL, AgentStore
-from lmfoundry.agents.tracing import TracingConfig
 from lmfoundry.agents.worker import AgentWorker
 from lmfoundry.agents.workflow import load_workflows
 from lmfoundry.platform import gate
 from lmfoundry.platform.keys import ApiKeysConfig, Authenticator
+from lmfoundry.platform.tracing import TracingConfig
 
 # No /docs or /redoc; the schema only with a key (GET /openapi.json below), as in every app.
 app = FastAPI(title="lmfoundry agents", docs_url=None, redoc_url=None, openapi_url=None)
@@ -126,6 +127,7 @@ class AgentAPI:
         self.workflows = load_workflows(workflows)
         gate.configure("agents", Authenticator(keys_file, env_digests, env_roles=env_roles))
         self.per_tenant_active = per_tenant_active
+        self.metrics = AgentMetrics()
         self.workers = workers  # held so the worker deployment is part of this app
 
     @staticmethod
@@ -155,13 +157,15 @@ class AgentAPI:
         if not self.workflows[body.workflow].allows(tenant):
             return _error(403, f"tenant {tenant} may not run workflow {body.workflow!r}")
         if self.store.active_count(tenant) >= self.per_tenant_active:
+            self.metrics.refused(tenant)
             return _error(
                 429,
                 f"tenant {tenant} has {self.per_tenant_active} runs queued or running; retry later",
                 {"Retry-After": "5"},
             )
-        created_by = request.state.key_id
-        return {"id": self.store.create(tenant, body.workflow, body.input, created_by), "state": "queued"}
+        run_id = self.store.create(tenant, body.workflow, body.input, request.state.key_id)
+        self.metrics.started(body.workflow, tenant)
+        return {"id": run_id, "state": "queued"}
 
     @app.get("/v1/agents/runs/{run_id}")
     def get(self, request: Request, run_id: str):

@@ -7,8 +7,7 @@ injection). The spans are built from the store's durable record once a run ends,
 live process, so a run that moved between replicas still gives one whole trace, with the step
 times the store kept.
 
-Exporters: `otlp` (OTLP over HTTP to a collector: Jaeger, Tempo, the OpenTelemetry Collector),
-`jsonl` (one structured log line per span, appended to a file), or `none`. The same record is
+Where the spans go is the tracing section (platform/tracing.py: OTLP, JSON lines). The same record is
 queryable at any time through the run API (`GET /v1/agents/runs/{id}`: each step's seconds and
 tokens).
 """
@@ -16,58 +15,10 @@ tokens).
 from __future__ import annotations
 
 import json
-import os
-import threading
 
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from pydantic import Field, model_validator
-
-from lmfoundry.platform.config import StageConfig
+from lmfoundry.platform.tracing import TracingConfig, tracer_provider
 
 MAX_ATTRIBUTE_CHARS = 4000  # a span attribute is a summary; the whole output stays in the store
-
-
-class TracingConfig(StageConfig):
-    exporter: str = Field("none", pattern="^(none|jsonl|otlp)$")
-    path: str | None = Field(None, description="jsonl: the file spans are appended to")
-    endpoint: str | None = Field(None, description="otlp: the collector's traces URL, e.g. http://host:4318/v1/traces")
-    service_name: str = "lmfoundry-agents"
-
-    @model_validator(mode="after")
-    def _destination_given(self):
-        if self.exporter == "jsonl" and not self.path:
-            raise ValueError("tracing: exporter 'jsonl' needs 'path' (the file spans are appended to)")
-        if self.exporter == "otlp" and not self.endpoint:
-            raise ValueError("tracing: exporter 'otlp' needs 'endpoint' (e.g. http://collector:4318/v1/traces)")
-        return self
-
-
-def _span_exporter(cfg: TracingConfig):
-    if cfg.exporter == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter(endpoint=cfg.endpoint)
-    return JsonLinesExporter(cfg.path)
-
-
-class JsonLinesExporter(SpanExporter):
-    """Spans as structured log lines: one compact JSON object per span, a batch appended with a
-    single write so that several replicas can share one file."""
-
-    def __init__(self, path: str):
-        self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._lock = threading.Lock()
-
-    def export(self, spans):
-        lines = "".join(span.to_json(indent=None) + "\n" for span in spans)
-        with self._lock:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, lines.encode())
-            finally:
-                os.close(fd)
-        return SpanExportResult.SUCCESS
 
 
 def _text(value) -> str:
@@ -106,12 +57,7 @@ class RunTracer:
     """Turns ended runs into spans and hands them to the configured exporter."""
 
     def __init__(self, cfg: TracingConfig):
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        self.provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
-        self.provider.add_span_processor(BatchSpanProcessor(_span_exporter(cfg)))
+        self.provider = tracer_provider(cfg, "lmfoundry-agents")
         self.tracer = self.provider.get_tracer("lmfoundry.agents.workflow")
 
     def export(self, run: dict) -> None:

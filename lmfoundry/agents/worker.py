@@ -12,8 +12,9 @@ import time
 import uuid
 
 from lmfoundry.agents import tools as toolkit
+from lmfoundry.agents.metrics import AgentMetrics
 from lmfoundry.agents.store import TERMINAL, AgentStore, Lease, LeaseLost
-from lmfoundry.agents.tracing import RunTracer, TracingConfig
+from lmfoundry.agents.tracing import RunTracer
 from lmfoundry.agents.workflow import (
     INJECTION_PATTERNS,
     UNTRUSTED_NOTE,
@@ -23,6 +24,7 @@ from lmfoundry.agents.workflow import (
     readings,
 )
 from lmfoundry.platform.log import get_logger
+from lmfoundry.platform.tracing import TracingConfig
 
 logger = get_logger(__name__)
 
@@ -309,6 +311,7 @@ class AgentWorker:
         self.workflows = workflows
         self.registries = {name: build_registry(wf) for name, wf in workflows.items()}
         self.tracer = RunTracer(tracing) if tracing and tracing.exporter != "none" else None
+        self.metrics = AgentMetrics()
         self.id = f"worker-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the process, for operators and fault drills
         self.concurrency, self.per_tenant, self.lease_s, self.poll_s = concurrency, per_tenant, lease_s, poll_s
         self.active: set[str] = set()
@@ -327,20 +330,25 @@ class AgentWorker:
                 continue
             with self._lock:
                 self.active.add(lease.run_id)
+                self.metrics.active(self.id, len(self.active))
             threading.Thread(target=self._run, args=(lease,), daemon=True).start()
 
     def _run(self, lease: Lease) -> None:
         run_id = lease.run_id
         try:
             ended = self._advance(lease)
-            if self.tracer and ended in TERMINAL:
-                try:
-                    self.tracer.export(self.store.get(run_id))
-                except Exception:  # a collector that is down costs the trace, never the run
-                    logger.exception("could not export the trace of run %s", run_id)
+            if ended in TERMINAL:
+                run = self.store.get(run_id)
+                self.metrics.ended(run)
+                if self.tracer:
+                    try:
+                        self.tracer.export(run)
+                    except Exception:  # a collector that is down costs the trace, never the run
+                        logger.exception("could not export the trace of run %s", run_id)
         finally:
             with self._lock:
                 self.active.discard(run_id)
+                self.metrics.active(self.id, len(self.active))
 
     def _advance(self, lease: Lease) -> str:
         try:

@@ -16,6 +16,7 @@ import random
 import sysconfig
 from pathlib import Path
 
+from lmfoundry.platform import storage
 from lmfoundry.platform.log import get_logger
 
 logger = get_logger(__name__)
@@ -187,7 +188,8 @@ def planted_duplicates(
 
 
 def build_sample_corpus(out_dir: str | Path, num_clean_docs: int = 1500, seed: int = 0, shards: int = 4) -> dict:
-    """Write `shards` gzip JSON-lines files of {id, text, source, noise} to `out_dir`."""
+    """Write `shards` gzip JSON-lines files of {id, text, source, noise} to `out_dir` (a local
+    path or s3://)."""
     rng = random.Random(seed)
     clean = stdlib_documents(num_clean_docs)
     if not clean:
@@ -211,12 +213,10 @@ def build_sample_corpus(out_dir: str | Path, num_clean_docs: int = 1500, seed: i
     for _ in range(n // 40):
         docs.append({"text": rng.choice(_BOILERPLATE), "source": "web", "noise": "too_short"})
     rng.shuffle(docs)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = storage.normalize(str(out_dir))
     for s in range(shards):
-        with gzip.open(out / f"part-{s:05d}.jsonl.gz", "wt", encoding="utf-8") as f:
-            for j in range(s, len(docs), shards):
-                f.write(json.dumps({"id": f"sample-{j:07d}", **docs[j]}) + "\n")
+        lines = "".join(json.dumps({"id": f"sample-{j:07d}", **docs[j]}) + "\n" for j in range(s, len(docs), shards))
+        storage.write_bytes_atomic(storage.join(out, f"part-{s:05d}.jsonl.gz"), gzip.compress(lines.encode(), mtime=0))
     counts: dict[str, int] = {}
     for d in docs:
         counts[d["noise"]] = counts.get(d["noise"], 0) + 1

@@ -25,6 +25,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from lmfoundry.eval.stats import wilson_interval
+from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
 
@@ -143,9 +144,8 @@ def run_garak(endpoint, cfg: GarakConfig, out_dir: str | None = None) -> dict:
                 f"{done.stdout[-1500:]}{done.stderr[-1500:]}"
             )
         result = read_report(report)
-        if out_dir is not None:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            (Path(out_dir) / "garak.report.jsonl").write_bytes(report.read_bytes())
+        if out_dir is not None:  # a local path or s3://
+            storage.write_bytes_atomic(storage.join(out_dir, "garak.report.jsonl"), report.read_bytes())
     if not result["by_probe"]:
         raise RuntimeError(f"garak ran probes {cfg.probes} but its report holds no evaluations")
     return {
@@ -154,5 +154,5 @@ def run_garak(endpoint, cfg: GarakConfig, out_dir: str | None = None) -> dict:
         "probes": cfg.probes,
         "generations": cfg.generations,
         **result,
-        "report_file": str(Path(out_dir) / "garak.report.jsonl") if out_dir else None,
+        "report_file": storage.join(out_dir, "garak.report.jsonl") if out_dir else None,
     }

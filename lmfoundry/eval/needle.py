@@ -17,11 +17,11 @@ depths, stays at or above the threshold (0 when the shortest already fails).
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 from pydantic import Field
 
 from lmfoundry.clients.checkpoint import EvalModel
+from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 
 CITIES = [
@@ -104,14 +104,16 @@ class NeedleConfig(StageConfig):
     mode: str = Field("loglikelihood", pattern="^(generate|loglikelihood)$")
     distractors: int = Field(4, ge=1, description="loglikelihood mode: random codes the true one must beat")
     threshold: float = Field(0.5, gt=0, le=1, description="retrieval rate that counts as working")
-    haystack: str | None = Field(None, description="a text file to take the filler from (default: generated)")
+    haystack: str | None = Field(
+        None, description="a text file (local or s3://) to take the filler from (default: generated)"
+    )
     max_tokens: int = Field(12, ge=1)
     seed: int = 0
 
 
 def filler_sentences(cfg: NeedleConfig, rng: random.Random) -> list[str]:
     if cfg.haystack:
-        text = Path(cfg.haystack).read_text(encoding="utf-8")
+        text = storage.read_bytes(storage.normalize(cfg.haystack)).decode("utf-8")
         sentences = [s.strip() + "." for s in text.replace("\n", " ").split(".") if len(s.strip()) > 3]
         if not sentences:
             raise ValueError(f"needle haystack {cfg.haystack} holds no sentences")

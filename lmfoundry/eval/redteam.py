@@ -40,6 +40,7 @@ from lmfoundry.clients.checkpoint import EvalModel
 from lmfoundry.eval.hhh import REFUSAL_PATTERNS, PhraseDetector
 from lmfoundry.eval.models import ModelRef
 from lmfoundry.eval.stats import rate
+from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.safety.harm import HarmConfig, HarmScorer
 
@@ -302,7 +303,7 @@ class RedTeamConfig(StageConfig):
     families: list[str] = list(FAMILIES)
     attacks_per_family: int = Field(8, ge=1)
     seed: int | None = Field(None, description="fixes the attacks; default: a new seed each run")
-    replay: list[str] = Field([], description="regression files of earlier runs' successful attacks")
+    replay: list[str] = Field([], description="regression files of earlier runs' successful attacks (local or s3://)")
     max_tokens: int = Field(64, ge=1)
     harm: HarmConfig = HarmConfig()
     goals: list[str] = Field(["builtin"], description="JSONL files of {goal, category}; builtin = the shipped list")
@@ -380,7 +381,7 @@ def read_replay(paths: list[str]) -> list[dict]:
     """Earlier runs' successful attacks, checked: each needs a family and a list of user turns."""
     attacks = []
     for path in paths:
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(storage.read_bytes(path).decode("utf-8").splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -415,12 +416,11 @@ def run_redteam(
     fresh, replay = judged[: len(attacks)], judged[len(attacks) :]
     searched = search(model, fresh, cfg, random.Random(seed + 1), attacker, unsafe) if cfg.rounds else None
     succeeded = [j for j in judged + (searched["judged"] if searched else []) if j["success"]]
-    if regression_out is not None:
-        Path(regression_out).parent.mkdir(parents=True, exist_ok=True)
+    if regression_out is not None:  # a local path or s3://
         unique = {
             j["id"]: {k: v for k, v in j.items() if k not in ("reply", "conversation", "harm_score")} for j in succeeded
         }
-        Path(regression_out).write_text("".join(json.dumps(a) + "\n" for a in unique.values()))
+        storage.write_jsonl_atomic(str(regression_out), list(unique.values()))
     return {
         "seed": seed,
         "attacks": len(fresh),

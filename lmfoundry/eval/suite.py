@@ -28,6 +28,7 @@ from lmfoundry.eval.redteam import RedTeamConfig
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
+from lmfoundry.platform.tracking import MlflowConfig, log_run
 
 logger = get_logger(__name__)
 
@@ -56,6 +57,7 @@ class EvaluateConfig(EvalSuites):
     endpoint: EndpointConfig | None = None
     output: str
     overwrite: bool = False
+    mlflow: MlflowConfig | None = Field(None, description="also log the report's metrics as an MLflow run")
 
     @model_validator(mode="after")
     def _one_model(self):
@@ -198,7 +200,7 @@ def evaluate(
     if suites.needle is not None:
         report["long_context"] = timed("needle", lambda: needle.run_needle(model, suites.needle))
     if suites.redteam is not None:
-        regression = str(Path(out_dir) / "redteam_regression.jsonl") if out_dir else None
+        regression = storage.join(out_dir, "redteam_regression.jsonl") if out_dir else None
         report["red_team"] = timed("redteam", lambda: red_team(model, suites.redteam, regression))
     if suites.garak is not None:
         if endpoint is None:
@@ -250,9 +252,8 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
         report["gate"] = apply_gate(report, cfg.gate)
     else:
         started = time.time()
-        scratch = out if not storage.is_remote(out) else None
         with open_model(cfg) as (model, local, identity):
-            report = {**identity, **evaluate(model, cfg, local, scratch, endpoint=cfg.endpoint)}
+            report = {**identity, **evaluate(model, cfg, local, out, endpoint=cfg.endpoint)}
         report["gate"] = apply_gate(report, cfg.gate)
         report["seconds"] = round(time.time() - started, 2)
         storage.write_json_atomic(storage.join(out, "eval.json"), report)
@@ -260,6 +261,10 @@ def run_evaluate(cfg: EvaluateConfig) -> dict:
         storage.commit(out, "evaluate", {"model": identity, "report": "eval.json", "html": "report.html"})
         for name, value in sorted(report["metrics"].items()):
             logger.info("evaluate: %-45s %.4g", name, value)
+        if cfg.mlflow:
+            params = {"checkpoint": cfg.checkpoint, "endpoint": cfg.endpoint and cfg.endpoint.url, "output": out}
+            run_id = log_run(cfg.mlflow, out.rstrip("/").rsplit("/", 1)[-1], params, report["metrics"])
+            logger.info("evaluate: metrics logged to MLflow run %s (%s)", run_id, cfg.mlflow.tracking_uri)
     if report["gate"] and not report["gate"]["passed"]:
         worse = ", ".join(
             f"{r['metric']} {r['baseline']:.4g} -> {r['value']:.4g}" for r in report["gate"]["regressions"]

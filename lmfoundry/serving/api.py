@@ -7,7 +7,7 @@ The deployment loads the engine once in __init__. A request passes, in order: th
 tenant) and the body-size limit (both before FastAPI reads the body), the model name and fields, the context limit, the input
 guardrail and the tenant's rate limit; then it joins the engine's continuous batch. Every
 refusal is an OpenAI-shaped error object with a 4xx status (503 when the server is full), never
-a 5xx for the client's mistake, and is counted in the Prometheus metrics at /metrics.
+a 5xx for the client's mistake, and is counted in the metrics (serving/metrics.py).
 """
 
 import asyncio
@@ -26,6 +26,7 @@ from lmfoundry.platform import gate
 from lmfoundry.platform.gate import error
 from lmfoundry.platform.keys import Authenticator
 from lmfoundry.platform.log import get_logger
+from lmfoundry.platform.tracing import TracingConfig
 from lmfoundry.safety.guardrails import Guardrail, StreamGate
 from lmfoundry.safety.harm import HarmConfig
 from lmfoundry.serving.engine import GenerationFailed, InferenceEngine, parse_tool_call
@@ -44,6 +45,7 @@ from lmfoundry.serving.protocol import (
     Usage,
 )
 from lmfoundry.serving.scheduler import Overloaded
+from lmfoundry.serving.tracing import InferenceTracer
 from lmfoundry.serving.traffic import SplitSource
 
 logger = get_logger(__name__)
@@ -179,6 +181,7 @@ class LLMServer:
         limiter=None,
         device: str = "auto",
         env_key_roles: list[str] | None = None,
+        tracing: dict | None = None,
     ):
         self.engines = {v["name"]: InferenceEngine(v["checkpoint"], device, **engine) for v in versions}
         self.split = SplitSource(
@@ -193,6 +196,8 @@ class LLMServer:
         self.guard = Guardrail(HarmConfig.model_validate(guardrails)) if guardrails else None
         self.limiter = limiter
         self.metrics = ServingMetrics(model_name)
+        self.tracer = InferenceTracer(TracingConfig.model_validate(tracing) if tracing else None, model_name)
+        self.metrics.sample_engines(self.engines)
 
     def check_health(self) -> None:
         for version, engine in self.engines.items():
@@ -229,12 +234,12 @@ class LLMServer:
         except ValueError as e:
             raise ApiError(400, str(e), param="stop") from None
 
-    def _guard_input(self, route: str, text: str) -> None:
+    def _guard_input(self, route: str, text: str, version: str, tenant: str) -> None:
         if self.guard is None:
             return
         blocked, score = self.guard.check(text)
         if blocked:
-            self.metrics.guardrail_blocks.labels(direction="input").inc()
+            self.metrics.guardrail_blocks.labels(direction="input", version=version, tenant=tenant).inc()
             raise ApiError(
                 400,
                 f"the request was refused by the content policy: its harm score {score:.2f} is at "
@@ -243,25 +248,25 @@ class LLMServer:
                 code="content_policy_violation",
             )
 
-    def _output_blocked(self, text: str) -> bool:
+    def _output_blocked(self, text: str, version: str, tenant: str) -> bool:
         if self.guard is None:
             return False
         blocked = self.guard.blocks(text)
         if blocked:
-            self.metrics.guardrail_blocks.labels(direction="output").inc()
+            self.metrics.guardrail_blocks.labels(direction="output", version=version, tenant=tenant).inc()
         return blocked
 
     def _stream_gate(self) -> StreamGate | None:
         return StreamGate(self.guard) if self.guard is not None else None
 
-    def _passed(self, gate: StreamGate | None, text: str, last: bool) -> str | None:
+    def _passed(self, gate: StreamGate | None, text: str, last: bool, version: str, tenant: str) -> str | None:
         """The part of a stream's new text that may be sent now (the rest when `last`), or None
         when the output guardrail blocks the text so far."""
         if gate is None:
             return text
         released = gate.finish(text) if last else gate.feed(text)
         if released is None:
-            self.metrics.guardrail_blocks.labels(direction="output").inc()
+            self.metrics.guardrail_blocks.labels(direction="output", version=version, tenant=tenant).inc()
         return released
 
     async def _admit(self, tenant: str, tokens: int) -> None:
@@ -394,7 +399,10 @@ class LLMServer:
     ):
         """`prompt(engine)` renders the request for the version that answers it."""
         started = time.perf_counter()
-        status, version = 500, "none"
+        status, version, refusal = 500, "none", None
+        tenant = self._tenant(request)
+        span = request.state.span = self.tracer.start(route, req, tenant)
+        streaming = False
         try:
             version = self._version(req)
             response = await self._respond(
@@ -402,12 +410,16 @@ class LLMServer:
             )
             status = response.status_code
             response.headers["x-lmfoundry-version"] = version
+            if isinstance(response, StreamingResponse):  # the span ends with the stream
+                response.body_iterator, streaming = span.until_done(response.body_iterator, version), True
             return response
         except ApiError as e:
-            status = e.status
+            status, refusal = e.status, e.message
             raise
         finally:
-            self.metrics.requests.labels(route=route, status=str(status), version=version).inc()
+            if not streaming:
+                span.end(status, version, refusal)
+            self.metrics.requests.labels(route=route, status=str(status), version=version, tenant=tenant).inc()
             self.metrics.latency.labels(route=route, version=version).observe(time.perf_counter() - started)
 
     async def _respond(
@@ -428,7 +440,7 @@ class LLMServer:
             ids, budget = engine.prepare(prompt, req.max_tokens)
         except ValueError as e:
             raise ApiError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else None) from None
-        self._guard_input(route, prompt)
+        self._guard_input(route, prompt, version, tenant)
         charged = len(ids) + budget * req.n
         await self._admit(tenant, charged)
         try:
@@ -440,7 +452,9 @@ class LLMServer:
             raise
         chat = route == "chat"
         if req.stream and not tools:  # a reply that may be a tool call is sent whole, once parsed
-            return await self._stream_response(streams, req, chat, tenant, charged, started, version)
+            return await self._stream_response(
+                streams, req, chat, tenant, charged, started, version, request.state.span
+            )
         outs = await self._in_time(
             [s.collect() for s in streams],
             streams,
@@ -448,20 +462,23 @@ class LLMServer:
             charged,
             f"the request took longer than {self.timeout_s} s (request_timeout_s)",
         )
-        self.metrics.time_to_first_token.labels(version=version).observe(
-            min(s.first_delta_at or time.perf_counter() for s in streams) - started
-        )
+        first = min(s.first_delta_at or time.perf_counter() for s in streams) - started
+        self.metrics.time_to_first_token.labels(version=version).observe(first)
+        request.state.span.first_token(first)
         for o in outs:
-            if self._output_blocked(o.text):
+            if self._output_blocked(o.text, version, tenant):
                 o.text, o.finish_reason = "", "content_filter"
         completion = sum(o.completion_tokens for o in outs)
-        self.metrics.generated_tokens.labels(version=version).inc(completion)
+        self.metrics.generated_tokens.labels(version=version, tenant=tenant).inc(completion)
+        self.metrics.prompt_tokens.labels(version=version, tenant=tenant).inc(len(ids))
         self._refund(tenant, charged - len(ids) - completion)
         usage = Usage(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
         created = int(time.time())
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request.state.span.answered(rid, [o.finish_reason for o in outs], len(ids), completion)
         if chat:
             reply = ChatCompletionResponse(
-                id=f"chatcmpl-{uuid.uuid4().hex}",
+                id=rid,
                 created=created,
                 model=self.model_name,
                 usage=usage,
@@ -475,7 +492,7 @@ class LLMServer:
             return JSONResponse(reply.model_dump())
         return JSONResponse(
             CompletionResponse(
-                id=f"cmpl-{uuid.uuid4().hex}",
+                id=rid,
                 created=created,
                 model=self.model_name,
                 usage=usage,
@@ -486,7 +503,9 @@ class LLMServer:
             ).model_dump()
         )
 
-    async def _stream_response(self, streams, req, chat: bool, tenant: str, charged: int, started: float, version: str):
+    async def _stream_response(
+        self, streams, req, chat: bool, tenant: str, charged: int, started: float, version: str, span
+    ):
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. The first
         delta of every choice is awaited before the response starts, so a timeout is still a 408."""
         firsts = await self._in_time(
@@ -497,6 +516,7 @@ class LLMServer:
             f"no token within {self.timeout_s} s (request_timeout_s)",
         )
         self.metrics.time_to_first_token.labels(version=version).observe(time.perf_counter() - started)
+        span.first_token(time.perf_counter() - started)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {
             "id": rid,
@@ -522,6 +542,7 @@ class LLMServer:
 
         async def events():
             completion = [0] * len(streams)
+            finishes = ["error"] * len(streams)  # until a choice's last event says otherwise
             try:
                 merged: asyncio.Queue = asyncio.Queue()
 
@@ -531,7 +552,7 @@ class LLMServer:
                         while True:
                             completion[index] = delta.completion_tokens
                             last = delta.finish_reason is not None
-                            text = self._passed(gate, delta.text, last)
+                            text = self._passed(gate, delta.text, last, version, tenant)
                             if text is None:  # blocked: nothing of this text leaves, the choice ends
                                 stream.cancel()
                                 await merged.put((index, "", "content_filter"))
@@ -577,10 +598,14 @@ class LLMServer:
                         continue
                     if text or finish:
                         yield chunk(index, text, finish)
+                    if finish is not None:
+                        finishes[index] = finish
                     done += finish is not None
                 await asyncio.gather(*tasks)
                 total = sum(completion)
-                self.metrics.generated_tokens.labels(version=version).inc(total)
+                span.answered(rid, finishes, prompt_tokens, total)
+                self.metrics.generated_tokens.labels(version=version, tenant=tenant).inc(total)
+                self.metrics.prompt_tokens.labels(version=version, tenant=tenant).inc(prompt_tokens)
                 self._refund(tenant, charged - prompt_tokens - total)
                 if include_usage:
                     yield _sse(

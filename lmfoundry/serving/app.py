@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 from lmfoundry.platform.config import ConfigError, StageConfig, build_config, read_recipe
 from lmfoundry.platform.keys import ApiKeysConfig
 from lmfoundry.platform.log import get_logger
+from lmfoundry.platform.tracing import TracingConfig
 from lmfoundry.safety.guardrails import GuardrailsConfig
 from lmfoundry.serving.ratelimit import RateLimits
 
@@ -87,6 +88,7 @@ class ServeConfig(ApiKeysConfig):
     guardrails: GuardrailsConfig = GuardrailsConfig()
     rate_limits: RateLimits = RateLimits()
     force_gate_failed: bool = Field(False, description="serve checkpoints that failed their evaluation gate (logged)")
+    tracing: TracingConfig = Field(TracingConfig(), description="a span per request (OTLP, JSON lines)")
 
     @model_validator(mode="after")
     def _one_source_of_weights(self) -> ServeConfig:
@@ -136,6 +138,7 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
         cfg.traffic_file,
         limiter,
         env_key_roles=cfg.api_keys_env_roles,
+        tracing=cfg.tracing.model_dump(),
     )
 
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, model_validator
 from lmfoundry.model.transformer import ModelConfig
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
+from lmfoundry.platform.tracking import MlflowConfig
 
 logger = get_logger(__name__)
 
@@ -213,6 +214,7 @@ class LoggingConfig(StageConfig):
     peak_tflops_per_worker: float | None = Field(
         None, gt=0, description="device peak for MFU; None: the bf16 peak of a known GPU, no MFU on CPU"
     )
+    mlflow: MlflowConfig | None = Field(None, description="also log every logged step to MLflow (rank 0)")
 
 
 # --- the stage configs ------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Metrics and reporting: the means of a logging interval, metrics.jsonl and the TensorBoard
-event file in the run directory, and Ray Train's reports."""
+event file in the run directory, Ray Train's reports, the live series of Ray's metrics API
+(Prometheus and Grafana: platform/metrics.py) and, when configured, MLflow."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 
 from lmfoundry.platform import checkpoint, storage
+from lmfoundry.platform.metrics import Series, record
+from lmfoundry.platform.tracking import MlflowConfig, numeric, scalar_params
 
 
 def mean_across_ranks(value: float) -> float:
@@ -166,3 +169,83 @@ class RayTrainReporter:
         if force or clock.item() - self.last >= self.interval_s:
             ray.train.report(metrics)
             self.last = clock.item()
+
+
+RUN_TAGS = ("run", "objective")
+SERIES = (
+    Series("gauge", "lmfoundry_train_step", "the last logged optimizer step", RUN_TAGS),
+    Series("gauge", "lmfoundry_train_loss", "mean loss of the last logging interval", RUN_TAGS),
+    Series("gauge", "lmfoundry_train_tokens_per_s", "training tokens per second, all workers", RUN_TAGS),
+    Series("gauge", "lmfoundry_train_mfu", "model FLOPs utilisation per worker (0 to 1)", RUN_TAGS),
+    Series("gauge", "lmfoundry_train_grad_norm", "gradient norm at the last logged step", RUN_TAGS),
+    Series("gauge", "lmfoundry_train_lr", "learning rate at the last logged step", RUN_TAGS),
+    Series(
+        "gauge",
+        "lmfoundry_train_checkpoint_blocking_seconds",
+        "how long the last save held training (the rest is written in the background)",
+        RUN_TAGS,
+    ),
+    Series("gauge", "lmfoundry_train_skipped_batches", "micro-batches skipped for non-finite values", RUN_TAGS),
+    Series("gauge", "lmfoundry_train_rollbacks", "rollbacks to an earlier checkpoint after a loss spike", RUN_TAGS),
+    Series("counter", "lmfoundry_train_restarts", "worker-group restarts resumed from a checkpoint", RUN_TAGS),
+)
+# a logged step's key -> the series it sets
+_STEP_SERIES = {
+    "step": "lmfoundry_train_step",
+    "loss": "lmfoundry_train_loss",
+    "tokens_per_s": "lmfoundry_train_tokens_per_s",
+    "mfu": "lmfoundry_train_mfu",
+    "grad_norm": "lmfoundry_train_grad_norm",
+    "lr": "lmfoundry_train_lr",
+    "checkpoint_blocking_s": "lmfoundry_train_checkpoint_blocking_seconds",
+    "skipped_batches": "lmfoundry_train_skipped_batches",
+    "rollbacks": "lmfoundry_train_rollbacks",
+}
+
+
+class LiveMetrics:
+    """Rank 0's logged steps as Ray metrics, tagged with the run's name and objective."""
+
+    def __init__(self, run: str, objective: str):
+        self.metrics = {s.name: (s, s.make({"run": run, "objective": objective})) for s in SERIES}
+
+    def _record(self, name: str, value: float) -> None:
+        series, metric = self.metrics[name]
+        record(metric, series.kind, value, {})
+
+    def step(self, logged: dict) -> None:
+        for key, name in _STEP_SERIES.items():
+            value = logged.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._record(name, float(value))
+
+    def restarted(self) -> None:
+        self._record("lmfoundry_train_restarts", 1)
+
+
+class MlflowRun:
+    """Rank 0's logged steps in an MLflow run, opened through Ray Train's MLflow integration. A
+    restarted worker group opens a new run under the same name, tagged with the step it resumed
+    from, so each attempt's curve stays whole."""
+
+    def __init__(self, cfg: MlflowConfig, run_dir: str, config: dict, resumed_from: int):
+        from lmfoundry.platform.tracking import require_mlflow
+
+        require_mlflow()
+        from ray.air.integrations.mlflow import setup_mlflow
+
+        self.mlflow = setup_mlflow(
+            scalar_params(config),
+            tracking_uri=cfg.tracking_uri,
+            experiment_name=cfg.experiment,
+            run_name=cfg.run_name or run_dir.rstrip("/").rsplit("/", 1)[-1],
+            create_experiment_if_not_exists=True,
+            tags={"lmfoundry.run_dir": run_dir, "lmfoundry.resumed_from_step": str(resumed_from)},
+        )
+
+    def log(self, logged: dict) -> None:
+        values = numeric({k: v for k, v in logged.items() if k not in ("step", "time")})
+        self.mlflow.log_metrics(values, step=int(logged["step"]))
+
+    def end(self) -> None:
+        self.mlflow.end_run()

@@ -29,7 +29,15 @@ from lmfoundry.train.drills import Drills
 from lmfoundry.train.engine import build_engine, deepspeed_config
 from lmfoundry.train.expert_load import ExpertLoad
 from lmfoundry.train.health import Health, stragglers
-from lmfoundry.train.metrics import MetricsFiles, MetricSums, RayTrainReporter, imbalance, mean_across_ranks
+from lmfoundry.train.metrics import (
+    LiveMetrics,
+    MetricsFiles,
+    MetricSums,
+    MlflowRun,
+    RayTrainReporter,
+    imbalance,
+    mean_across_ranks,
+)
 from lmfoundry.train.objective import Objective
 from lmfoundry.train.position import Position, timed
 
@@ -118,6 +126,13 @@ class Trainer:
         self.micro = 0  # micro-batches trained on (counts the micro-steps of each optimizer step)
         self.busy_s, self.host = 0.0, socket.gethostname()  # data waits and forward passes, per log interval
         self.t_last, self.step_last = time.time(), self.position.step
+        self.live = self.mlflow = None  # rank 0 exports the run's metrics
+        if rank == 0:
+            self.live = LiveMetrics(run_dir.rstrip("/").rsplit("/", 1)[-1], objective.kind)
+            if state:  # this worker group took over from one that failed
+                self.live.restarted()
+            if cfg.logging.mlflow:
+                self.mlflow = MlflowRun(cfg.logging.mlflow, run_dir, cfg.model_dump(mode="json"), self.position.step)
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -139,6 +154,8 @@ class Trainer:
                 pos.next_epoch()
         self.checkpointer.wait()
         self.metrics_files.wait()
+        if self.mlflow:
+            self.mlflow.end()
         dist.barrier()  # rank 0's last commit waits for every rank's part: all are written now
 
     def _train_epoch(self) -> bool:
@@ -345,6 +362,10 @@ class Trainer:
             metrics["checkpoint_blocking_s"] = time.perf_counter() - blocked
             if self.rank == 0:
                 self.metrics_files.write(self.history)
+        if self.rank == 0:
+            self.live.step(metrics)
+            if self.mlflow:
+                self.mlflow.log(metrics)
         self.reporter.maybe_report(metrics, force=save)
         self.t_last, self.step_last = time.time(), self.position.step
 

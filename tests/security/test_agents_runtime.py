@@ -22,7 +22,8 @@ from lmfoundry.agents import tools as toolkit
 from lmfoundry.agents import worker, workflow
 from lmfoundry.agents.api import decision_conflict, own_run_refusal
 from lmfoundry.agents.store import AgentStore, LeaseLost
-from lmfoundry.agents.tracing import RunTracer, TracingConfig
+from lmfoundry.agents.tracing import RunTracer
+from lmfoundry.platform.tracing import TracingConfig
 
 pytestmark = pytest.mark.timeout(120)
 SUITES = Path(workflow.__file__).parent / "suites"

@@ -49,13 +49,7 @@ def id_sample(batch: pa.Table, rate: float, id_field: str) -> pa.Table:
 
 def read_labels(path: str) -> dict[str, bool]:
     labels: dict[str, bool] = {}
-    for n, line in enumerate(storage.read_bytes(path).decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not a JSON line ({e.msg})") from None
+    for n, row in storage.numbered_jsonl(path):
         if not isinstance(row, dict) or not isinstance(row.get("id"), str):
             raise ValueError(f'{path}:{n}: expected an object with a string "id" and "harmful": true/false/null')
         harmful = row.get("harmful")

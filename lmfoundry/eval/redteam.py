@@ -72,13 +72,7 @@ def read_goals(files: list[str]) -> list[dict]:
         path = SUITES / "goals.jsonl" if f == "builtin" else Path(f)
         if not path.is_file():
             raise FileNotFoundError(f"red-team goals file {path} does not exist")
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
+        for n, row in storage.numbered_jsonl(str(path)):
             goal, category = (row.get("goal"), row.get("category")) if isinstance(row, dict) else (None, None)
             if not isinstance(goal, str) or not goal.strip() or len(goal) > MAX_GOAL_CHARS:
                 raise ValueError(
@@ -381,13 +375,7 @@ def read_replay(paths: list[str]) -> list[dict]:
     """Earlier runs' successful attacks, checked: each needs a family and a list of user turns."""
     attacks = []
     for path in paths:
-        for n, line in enumerate(storage.read_bytes(path).decode("utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                a = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
+        for n, a in storage.numbered_jsonl(path):
             turns = a.get("turns") if isinstance(a, dict) else None
             if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
                 raise ValueError(f"{path}:{n}: a replayed attack needs 'turns', a non-empty list of strings")

@@ -94,16 +94,22 @@ def read_json(uri: str) -> Any:
     return json.loads(read_bytes(uri))
 
 
-def read_jsonl(uri: str) -> list[dict]:
-    """The objects of a JSON-lines file (blank lines skipped); a bad line is an error naming it."""
+def numbered_jsonl(uri: str) -> list[tuple[int, object]]:
+    """(line number, value) of each line of a JSON-lines file, blank lines skipped; a line that is
+    not JSON is an error naming the file and line, so callers can name them too."""
     rows = []
     for n, line in enumerate(read_bytes(normalize(uri)).decode("utf-8").splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                rows.append((n, json.loads(line)))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{uri}:{n}: not JSON ({e})") from None
     return rows
+
+
+def read_jsonl(uri: str) -> list[dict]:
+    """The values of a JSON-lines file (blank lines skipped); a bad line is an error naming it."""
+    return [row for _, row in numbered_jsonl(uri)]
 
 
 def write_jsonl_atomic(uri: str, rows: list[dict]) -> None:

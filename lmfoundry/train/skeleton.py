@@ -234,12 +234,7 @@ class Trainer:
                 f"rolling back to step {to_step}, the last checkpoint that passed its gate, failed: "
                 f"{'it is gone' if state is None else 'resumed step ' + str(state['step'])}"
             )
-        self.position.step, self.history = state["step"], state["history"]
-        self.rollbacks += 1
-        self.micro = 0
-        self.sums.clear()
-        self.health.reset()
-        self.t_last, self.step_last = time.time(), self.position.step
+        self._restored(state)
         self._gate_action_done(action)
 
     def _micro_batch(self, index: int, batch, waited: float) -> bool:
@@ -333,6 +328,10 @@ class Trainer:
                 f"step {diverged.damaged_since} is there to roll back to"
             )
         logger.error("rolled back from step %d to step %d; the batches in between are skipped", step, state["step"])
+        self._restored(state)
+
+    def _restored(self, state: dict) -> None:
+        """The loop's own state after the engine was rolled back to the checkpoint of `state`."""
         self.position.step, self.history = state["step"], state["history"]
         self.rollbacks += 1
         self.micro = 0

@@ -103,12 +103,10 @@ def mlflow_runs(store: str, experiment: str):
     return client, client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
 
 
-def test_pretrain_logs_every_step_to_mlflow_and_to_rays_metrics(pretrained, mlflow_store, ray_local):
-    """MLflow through Ray Train's integration (rank 0); the live series through Ray's metrics API,
-    as Prometheus scrapes them from the node's metrics agent."""
-    import httpx
-    from conftest import wait_until
-
+def test_pretrain_logs_every_step_to_mlflow(pretrained, mlflow_store):
+    """MLflow through Ray Train's integration (rank 0). (The run's live series in Ray's metrics
+    export are gone by the time this runs: the session's reference run ended long before, and the
+    export drops a dead worker's gauges; test_metrics.py reads series back from the export.)"""
     out, manifest = pretrained
     client, runs = mlflow_runs(mlflow_store, "lmfoundry-tests")
     (run,) = [r for r in runs if r.info.run_name == "tiny"]
@@ -117,23 +115,6 @@ def test_pretrain_logs_every_step_to_mlflow_and_to_rays_metrics(pretrained, mlfl
     assert [(m.step, m.value) for m in loss] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
     assert {"tokens_per_s", "grad_norm", "lr", "checkpoint_blocking_s"} <= set(run.data.metrics)
     assert run.data.params["parallelism.zero_stage"] == "2" and run.data.tags["lmfoundry.resumed_from_step"] == "0"
-
-    (node,) = ray_local.nodes()
-    agent = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
-
-    def train_loss():
-        lines = [
-            line for line in httpx.get(agent, timeout=10).text.splitlines() if line.startswith("ray_lmfoundry_train_")
-        ]
-        return (
-            lines
-            if any(line.startswith("ray_lmfoundry_train_loss{") and 'run="tiny"' in line for line in lines)
-            else None
-        )
-
-    lines = wait_until(train_loss, 30, "the reference run's loss in Ray's metrics export")
-    (last,) = [line for line in lines if line.startswith("ray_lmfoundry_train_step{") and 'run="tiny"' in line]
-    assert float(last.rsplit(" ", 1)[1]) == 40 and 'objective="pretrain"' in last
 
 
 def test_evaluate_perplexity_beats_uniform_and_logs_to_mlflow(pretrained, packed, mlflow_store, tmp_path):

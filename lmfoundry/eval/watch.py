@@ -114,7 +114,7 @@ class CheckpointEvaluator:
             self._task = ray.remote(num_cpus=self.num_cpus, max_retries=1)(evaluate_checkpoint)
         if checkpoint.read_gate_action(self.run_dir):
             return  # training is about to stop or roll back: what it commits now may be undone
-        in_flight = {step for step, _ in self.pending.values()}
+        in_flight = {step for step, _, _ in self.pending.values()}
         for step, uri in checkpoint.committed_checkpoints(self.run_dir):
             if step in in_flight or storage.exists(checkpoint.eval_path(self.run_dir, step)):
                 continue

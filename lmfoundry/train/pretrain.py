@@ -127,7 +127,7 @@ def start_texts(start_dir: str) -> tuple[str, str | None]:
 def resolve_start(cfg: PretrainConfig, data: str, pack_manifest: dict) -> PretrainConfig:
     """Continued pretraining: the model section from the `init_from` checkpoint (verified), whose
     tokenizer must be the one the data was packed with."""
-    if "model" in cfg.model_fields_set:
+    if cfg.model != ModelConfig():  # compared, not looked up in fields_set: a config passed on is dumped whole
         raise ValueError(f"init_from={cfg.init_from!r} takes the model from the checkpoint: remove the model section")
     start = checkpoint.resolve(cfg.init_from)
     with checkpoint.opened(start) as (start_dir, _):  # verified: every file against the manifest

@@ -78,7 +78,7 @@ def main() -> None:
         print(f"{stage:14s} {secs:8.1f}  {json.dumps(fig)}")
     print(f"{'total':14s} {total:8.1f}  ({args.runs} run(s), including Ray start-up)")
     pre = figures["pretrain"]
-    tokens_per_step = cfg.pretrain.global_batch_tokens
+    tokens_per_step = cfg.pretrain.batch.global_batch_tokens
     result = {
         "benchmark": "lifecycle",
         "date": time.strftime("%Y-%m-%d"),

@@ -28,28 +28,31 @@ def require_mlflow():
     return mlflow
 
 
-def numeric(values: dict, prefix: str = "") -> dict[str, float]:
-    """The finite numbers of a (nested) metrics dict, with dotted names: what MLflow can plot."""
+def _flatten(values: dict, leaf, prefix: str = "") -> dict:
+    """A nested dict as dotted names -> leaf(value), leaving out values leaf maps to None."""
     out = {}
     for key, value in values.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(numeric(value, f"{name}."))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out[name] = float(value)
+            out.update(_flatten(value, leaf, f"{name}."))
+        elif (kept := leaf(value)) is not None:
+            out[name] = kept
     return out
+
+
+def _finite_number(value) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def numeric(values: dict, prefix: str = "") -> dict[str, float]:
+    """The finite numbers of a (nested) metrics dict, with dotted names: what MLflow can plot."""
+    return _flatten(values, _finite_number, prefix)
 
 
 def scalar_params(values: dict, prefix: str = "") -> dict[str, str]:
     """A config's scalar settings with dotted names, as MLflow run parameters."""
-    out = {}
-    for key, value in values.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(scalar_params(value, f"{name}."))
-        elif isinstance(value, (str, int, float, bool)):
-            out[name] = str(value)[:500]
-    return out
+    return _flatten(values, lambda v: str(v)[:500] if isinstance(v, (str, int, float, bool)) else None, prefix)
 
 
 def log_run(cfg: MlflowConfig, run_name: str, params: dict, metrics: dict) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import httpx
 
@@ -24,17 +25,52 @@ class EndpointError(RuntimeError):
         self.retryable = status == 429 or status >= 500
 
 
-class OpenAIClient:
-    """One model at one OpenAI-compatible base URL (without `/v1`), with an optional API key."""
+class ResponseRefused(RuntimeError):
+    """A response this client would not read whole: larger than its byte cap, or still arriving
+    when its deadline passed (a server that trickles bytes)."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 120.0):
+
+_TRANSFER_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
+MAX_RESPONSE_BYTES = 16 << 20  # far above any reply of max_tokens a client asks for
+
+
+class OpenAIClient:
+    """One model at one OpenAI-compatible base URL (without `/v1`), with an optional API key.
+
+    An endpoint is not trusted to be well-behaved: a response is read up to `max_response_bytes`
+    and must be whole within `timeout_s` of the request (each read is bounded by it too, so a
+    server that sends nothing, or one byte at a time, costs at most about twice `timeout_s`)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        timeout_s: float = 120.0,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+    ):
         self.base_url, self.model = base_url.rstrip("/"), model
+        self.timeout_s, self.max_response_bytes = timeout_s, max_response_bytes
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
 
     def post(self, path: str, body: dict) -> httpx.Response:
-        """The raw response to a request for this client's model, for callers that read errors."""
-        return self.http.post(path, json={"model": self.model, **body})
+        """The raw response to a request for this client's model, read whole (within the byte
+        cap and the deadline), for callers that read errors."""
+        deadline = time.monotonic() + self.timeout_s
+        with self.http.stream("POST", path, json={"model": self.model, **body}) as response:
+            data = bytearray()
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) > self.max_response_bytes:
+                    raise ResponseRefused(
+                        f"{self.base_url}{path}: the response is larger than {self.max_response_bytes} bytes"
+                    )
+                if time.monotonic() > deadline:
+                    raise ResponseRefused(f"{self.base_url}{path}: the response took longer than {self.timeout_s:g} s")
+        # the body is decoded already: the headers that described its transfer no longer apply
+        headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _TRANSFER_HEADERS]
+        return httpx.Response(response.status_code, headers=headers, content=bytes(data), request=response.request)
 
     def _ok(self, path: str, body: dict) -> dict:
         response = self.post(path, body)
@@ -73,9 +109,10 @@ class EndpointModel:
         concurrency: int = 8,
         timeout_s: float = 120.0,
         tokenizer: str | None = None,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ):
         self.name = f"{base_url} ({model})"
-        self.client = OpenAIClient(base_url, model, api_key, timeout_s)
+        self.client = OpenAIClient(base_url, model, api_key, timeout_s, max_response_bytes)
         self.concurrency = concurrency
         self.errors: dict[str, int] = {}  # requests the endpoint refused as malformed, by answer
         self._lock = threading.Lock()

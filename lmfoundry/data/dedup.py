@@ -89,6 +89,15 @@ def jaccard(a: np.ndarray, b: np.ndarray) -> float:
     return inter / (len(a) + len(b) - inter)
 
 
+def exact_key(text: str) -> int:
+    """The exact-duplicate key of a text: xxh3-64 of its normalised form (normalize.py: NFC,
+    control characters, whitespace). Curation groups documents by the same hash of the text it
+    normalised; texts from elsewhere (a teacher's answers) are normalised here first."""
+    from lmfoundry.data.normalize import normalize_text
+
+    return xxhash.xxh3_64_intdigest(normalize_text(text, drop_boilerplate=False)[0].encode())
+
+
 class MinHasher:
     """Signatures and LSH band buckets for texts."""
 

@@ -93,6 +93,11 @@ def _call_model(
         return calls[0]["function"]["name"], {"_unparsed": calls[0]["function"]["arguments"]}, usage
 
 
+def tool_text(result: toolkit.ToolResult) -> str:
+    """A tool call's result as the model is shown it (before redaction and the injection guard)."""
+    return json.dumps(result.output, default=str)[:20000] if result.ok else f"error: {result.error}"
+
+
 def conversation(wf: WorkflowConfig, run: dict, steps: list[dict]) -> list[dict]:
     """The messages the model sees, rebuilt from the written steps (so a resumed run sees what
     the dead worker's model saw)."""
@@ -233,7 +238,7 @@ def _advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegist
             key = f"{run_id}:{n}"
             store.write_step(lease, n, "tool", "started", {"tool": tool, "arguments": arguments, "worker": worker}, key)
             result = registry.call(tool, arguments, idempotency_key=key, tenant=run["tenant"])
-            raw = json.dumps(result.output, default=str)[:20000] if result.ok else f"error: {result.error}"
+            raw = tool_text(result)
             view, leaked = guard.redact(raw)
             # this output alone, and with the previous tool output: a payload split across two
             previous = next((str(s.get("output") or "") for s in reversed(steps) if s["kind"] == "tool"), "")

@@ -45,19 +45,26 @@ def run_agents(cfg: AgentsJobConfig, block: bool = True) -> dict:
     return {"url": url}
 
 
+DEMO_CUSTOMERS = ("acme", "globex", "initech", "umbrella", "hooli", "vandelay", "wonka", "stark", "tyrell", "soylent")
+DEMO_ITEMS = ("kettle", "lamp", "desk", "chair", "monitor", "printer")
+
+
 def demo_data(out: str) -> dict:
-    """An orders database and a small policy corpus for the example workflows."""
+    """An orders database (ten customers, three to five orders each, one per item) and a small
+    policy corpus for the example workflows; the same bytes every time."""
+    import random
+
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     db = root / "orders.sqlite"
     db.unlink(missing_ok=True)
     conn = sqlite3.connect(db)
     conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, customer TEXT, item TEXT, total REAL, status TEXT)")
+    rng = random.Random(0)
     rows = [
-        (c, item, round(9.5 + 7.25 * i, 2), "shipped" if i % 3 else "returned")
-        for i, (c, item) in enumerate(
-            [(c, it) for c in ("acme", "globex", "initech") for it in ("kettle", "lamp", "desk", "chair")]
-        )
+        (customer, item, rng.randrange(38, 1600) / 4, rng.choice(("shipped", "shipped", "returned", "pending")))
+        for customer in DEMO_CUSTOMERS
+        for item in rng.sample(DEMO_ITEMS, rng.randint(3, 5))
     ]
     conn.executemany("INSERT INTO orders (customer, item, total, status) VALUES (?, ?, ?, ?)", rows)
     conn.commit()
@@ -66,6 +73,7 @@ def demo_data(out: str) -> dict:
         {"id": "refunds", "text": "Refunds are paid within 14 days of the return reaching the warehouse."},
         {"id": "shipping", "text": "Orders ship in two working days; orders over 50 euros ship free."},
         {"id": "warranty", "text": "Furniture carries a two-year warranty; lamps and kettles one year."},
+        {"id": "pending", "text": "A pending order can be cancelled free of charge until it ships."},
     ]
     (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     return {"orders": str(db), "orders_rows": len(rows), "docs": str(root / "docs.jsonl")}

@@ -1,0 +1,411 @@
+"""Verified tool-use conversations for the orders demo workflow (configs/workflows/orders.yaml):
+supervised fine-tuning data that teaches a small model to answer through the agent's tools.
+
+    lmfoundry tool-data configs/tool_data.yaml --output work/tool_data
+
+The teacher is rule-based. A question is a phrasing (a template) filled with values drawn from
+the workflow's real database: a customer, an order, an item. Its intent fixes the tool calls
+(SQL, and for policy questions a search of the policy corpus); each call runs through the same
+tool implementations the agent service runs (agents/tools.py, built from the workflow by
+`build_registry`), and the final answer is composed from the tool's real result. The
+conversation is the one the agent worker would show the model (`worker.conversation`: the
+workflow's system prompt, the untrusted-output wrapping, the `final_answer` tool), so training
+and serving see the same text.
+
+A conversation is kept only when its verifier passes it, as align/synth.py's samples are: every
+call succeeded, and the answer states the facts read from the database (and corpus) directly,
+not through the tool. What fails goes to `rejected.jsonl` with the reason.
+
+The test split holds out phrasings (`test_phrasings` per intent) and values (a share of the
+customers, with their orders and items): no test question's template or customer, order or
+item row appears in a training conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sqlite3
+import time
+from collections import Counter
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from pydantic import Field
+
+from lmfoundry.agents import tools as toolkit
+from lmfoundry.agents.worker import Guard, conversation, tool_text
+from lmfoundry.agents.workflow import WorkflowConfig, build_registry, final_answer_spec, load_workflows
+from lmfoundry.platform import storage
+from lmfoundry.platform.config import StageConfig
+from lmfoundry.platform.corpus import read_documents
+from lmfoundry.platform.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class ToolDataConfig(StageConfig):
+    workflows: str = Field("configs/workflows", description="a workflow YAML file or a folder of them")
+    workflow: str = Field("orders_and_docs", description="the workflow the conversations are for")
+    output: str
+    train_size: int = Field(2000, ge=1, le=1_000_000, description="at most this many training conversations")
+    test_size: int = Field(200, ge=1, le=1_000_000, description="at most this many test conversations")
+    test_phrasings: int = Field(2, ge=1, description="phrasings of each intent held out for the test split")
+    test_share: float = Field(0.3, gt=0, lt=1, description="share of the customers (and their orders) held out")
+    seed: int = 0
+    overwrite: bool = False
+
+
+# --- intents --------------------------------------------------------------------------------------
+# Each intent: the slots its phrasings take, the phrasings, and how the rule-based teacher and the
+# verifier treat it (`calls`, `compose` and `facts` below). Slots: customer, order, item.
+
+PHRASINGS = {
+    "spend": (
+        "What did {customer} spend?",
+        "How much has {customer} spent in total?",
+        "What is the total value of {customer}'s orders?",
+        "Sum up everything {customer} has ordered.",
+        "How much money did {customer} spend with us?",
+        "Total spend for {customer}?",
+        "Can you tell me what {customer} has paid for all its orders?",
+        "what's {customer}'s total spend",
+    ),
+    "count": (
+        "How many orders has {customer} placed?",
+        "How many orders does {customer} have?",
+        "Count the orders of {customer}.",
+        "What is the number of orders from {customer}?",
+        "how many times has {customer} ordered",
+        "Number of orders for {customer}?",
+        "Tell me how many orders {customer} made.",
+        "How many purchases did {customer} make?",
+    ),
+    "returned": (
+        "How many of {customer}'s orders were returned?",
+        "How many orders did {customer} return?",
+        "Count {customer}'s returned orders.",
+        "What number of returns does {customer} have?",
+        "how many returns from {customer}",
+        "Has {customer} returned anything? How many orders?",
+        "Returned orders for {customer}: how many?",
+        "Tell me the number of orders {customer} sent back.",
+    ),
+    "status": (
+        "What is the status of order {order}?",
+        "Where is order {order}?",
+        "Has order {order} shipped?",
+        "Order {order}: what's its status?",
+        "Can you check the status of order number {order}?",
+        "status of order {order}",
+        "What happened to order #{order}?",
+        "Is order {order} shipped, pending or returned?",
+    ),
+    "contents": (
+        "What was in order {order}?",
+        "Which item did order {order} contain?",
+        "What did order {order} buy, and for whom?",
+        "Who placed order {order} and what was it?",
+        "order {order}: which product?",
+        "Tell me what order number {order} was for.",
+        "What product is order #{order}?",
+        "Look up the item and customer of order {order}.",
+    ),
+    "paid": (
+        "What did {customer} pay for the {item}?",
+        "How much was {customer}'s {item}?",
+        "What did the {item} cost {customer}?",
+        "Price of the {item} {customer} ordered?",
+        "How much did {customer} spend on a {item}?",
+        "what did {customer} pay for their {item}",
+        "Tell me the total of {customer}'s {item} order.",
+        "How much was charged to {customer} for the {item}?",
+    ),
+    "policy": (
+        "What is the status of order {order}, and what does our policy say about it?",
+        "Order {order}: what is its status and which policy applies?",
+        "Check order {order} and tell me the relevant policy.",
+        "What's going on with order {order}, and what are the rules for that?",
+        "Look up order {order} and quote the policy for its status.",
+        "For order #{order}, give the status and the matching policy.",
+        "what is the status of order {order} and what policy covers it",
+        "Can you tell me about order {order} and the policy for it?",
+    ),
+}
+SLOTS = {
+    "spend": ("customer",),
+    "count": ("customer",),
+    "returned": ("customer",),
+    "status": ("order",),
+    "contents": ("order",),
+    "paid": ("customer", "item"),
+    "policy": ("order",),
+}
+# the policy document that governs an order in each status, and the search query that finds it
+POLICY = {"returned": ("refunds", "refunds"), "shipped": ("shipping", "ship"), "pending": ("pending", "pending")}
+
+
+def first_sql(intent: str, v: dict) -> str:
+    """The SQL the rule-based teacher writes first (every intent starts at the orders table)."""
+    customer, item = (v.get(k, "").replace("'", "''") for k in ("customer", "item"))  # values are data
+    return {
+        "spend": f"SELECT ROUND(SUM(total), 2) FROM orders WHERE customer = '{customer}'",
+        "count": f"SELECT COUNT(*) FROM orders WHERE customer = '{customer}'",
+        "returned": f"SELECT COUNT(*) FROM orders WHERE customer = '{customer}' AND status = 'returned'",
+        "status": f"SELECT status FROM orders WHERE id = {v.get('order')}",
+        "contents": f"SELECT item, customer FROM orders WHERE id = {v.get('order')}",
+        "paid": f"SELECT total FROM orders WHERE customer = '{customer}' AND item = '{item}'",
+        "policy": f"SELECT status FROM orders WHERE id = {v.get('order')}",
+    }[intent]
+
+
+def money(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def compose(intent: str, v: dict, rows: list[list]) -> str:
+    """The final answer from the first call's rows (and, for policy, the document found)."""
+    first = rows[0]
+    if intent == "spend":
+        return f"{v['customer']} spent {money(first[0])} in total."
+    if intent == "count":
+        return f"{v['customer']} has placed {first[0]} order{'s' if first[0] != 1 else ''}."
+    if intent == "returned":
+        return f"{v['customer']} returned {first[0]} order{'s' if first[0] != 1 else ''}."
+    if intent == "status":
+        return f"Order {v['order']} is {first[0]}."
+    if intent == "contents":
+        return f"Order {v['order']} was a {first[0]} for {first[1]}."
+    if intent == "paid":
+        return f"{v['customer']} paid {money(first[0])} for the {v['item']}."
+    raise AssertionError(f"compose: {intent} answers from two calls")
+
+
+# --- the reference: the database and corpus read directly, not through the tools --------------------
+
+
+@dataclass
+class Reference:
+    orders: list[dict]  # id, customer, item, total, status
+    policies: dict[str, str]  # document id -> text
+
+    @classmethod
+    def read(cls, wf: WorkflowConfig) -> Reference:
+        sql = next((t for t in wf.tools.values() if t.kind == "sql"), None)
+        if sql is None or sql.dsn is None or sql.dsn.startswith(("postgres://", "postgresql://")):
+            raise ValueError(f"workflow {wf.name}: tool-data needs a sql tool on a SQLite file (dsn)")
+        try:
+            conn = sqlite3.connect(f"file:{quote(sql.dsn.removeprefix('sqlite:///'))}?mode=ro", uri=True)
+            with conn:
+                rows = conn.execute("SELECT id, customer, item, total, status FROM orders ORDER BY id").fetchall()
+            conn.close()
+        except sqlite3.Error as e:
+            raise ValueError(
+                f"workflow {wf.name}: {sql.dsn}: {e} (tool-data needs the orders table: "
+                "id, customer, item, total, status; `lmfoundry agents demo-data` writes one)"
+            ) from None
+        keys = ("id", "customer", "item", "total", "status")
+        search = next((t for t in wf.tools.values() if t.kind == "search" and t.corpus), None)
+        policies = {str(d["id"]): d["text"] for d in read_documents(search.corpus)} if search else {}
+        return cls([dict(zip(keys, r)) for r in rows], policies)
+
+    def order(self, order_id: int) -> dict:
+        return next(o for o in self.orders if o["id"] == order_id)
+
+
+def numbers(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?", text)]
+
+
+def facts(intent: str, v: dict, ref: Reference) -> tuple[list[float], list[str]]:
+    """(numbers, phrases) the answer must state, from the reference."""
+    mine = [o for o in ref.orders if o["customer"] == v.get("customer")]
+    if intent == "spend":
+        return [round(sum(o["total"] for o in mine), 2)], [v["customer"]]
+    if intent == "count":
+        return [len(mine)], [v["customer"]]
+    if intent == "returned":
+        return [sum(o["status"] == "returned" for o in mine)], [v["customer"]]
+    if intent == "paid":
+        return [sum(o["total"] for o in mine if o["item"] == v["item"])], [v["customer"], v["item"]]
+    order = ref.order(v["order"])
+    if intent == "status":
+        return [v["order"]], [order["status"]]
+    if intent == "contents":
+        return [v["order"]], [order["item"], order["customer"]]
+    document = POLICY[order["status"]][0]
+    return [v["order"]], [order["status"], ref.policies.get(document, f"<no {document} document>")]
+
+
+def verify_answer(intent: str, v: dict, answer: str, ref: Reference) -> str | None:
+    """None when the answer states what the reference says, else why not."""
+    expected_numbers, phrases = facts(intent, v, ref)
+    stated = numbers(answer)
+    for x in expected_numbers:
+        if not any(abs(x - y) < 0.005 for y in stated):
+            return f"the answer {answer!r} does not state {x:g} (the database's value)"
+    for phrase in phrases:
+        if phrase.lower() not in answer.lower():
+            return f"the answer {answer!r} does not say {phrase!r} (the database's or corpus's)"
+    return None
+
+
+# --- the teacher --------------------------------------------------------------------------------------
+
+
+def call_step(registry: toolkit.ToolRegistry, guard: Guard, tool: str, arguments: dict, n: int) -> tuple[dict, dict]:
+    """(model step, tool step) as the worker writes them; the tool runs for real."""
+    result = registry.call(tool, arguments)
+    view = guard.redact(tool_text(result))[0]
+    if guard.injected(view):
+        raise toolkit.ToolError(f"{tool}'s output would be withheld from the model (it reads as instructions)")
+    if not result.ok:
+        raise toolkit.ToolError(f"{tool} failed: {result.error}")
+    model = {"kind": "model", "n": n, "tool": tool, "arguments": arguments}
+    return model, {"kind": "tool", "n": n + 1, "status": "done", "model_view": view, "output": result.output}
+
+
+def teach(wf: WorkflowConfig, registry: toolkit.ToolRegistry, guard: Guard, question: dict) -> dict:
+    """The conversation for one question: the calls, their real results and the composed answer."""
+    sql_tool = next(name for name, t in wf.tools.items() if t.kind == "sql")
+    intent, v = question["intent"], question["values"]
+    steps = list(call_step(registry, guard, sql_tool, {"query": first_sql(intent, v)}, 0))
+    rows = steps[-1]["output"]["rows"]
+    if not rows or rows[0][0] is None:
+        raise toolkit.ToolError("the query found no rows")
+    if intent == "policy":
+        docs_tool = next(name for name, t in wf.tools.items() if t.kind == "search")
+        status = rows[0][0]
+        if status not in POLICY:
+            raise toolkit.ToolError(f"no policy for status {status!r}")
+        steps += call_step(registry, guard, docs_tool, {"query": POLICY[status][1], "top_k": 1}, 2)
+        hits = steps[-1]["output"]["results"]
+        if not hits:
+            raise toolkit.ToolError("the policy search found nothing")
+        answer = f"Order {v['order']} is {status}. {hits[0]['text']}"
+    else:
+        answer = compose(intent, v, rows)
+    messages = conversation(wf, {"input": question["question"]}, steps)
+    final = {"name": "final_answer", "arguments": json.dumps({"answer": answer})}
+    call_id = f"call_{steps[-1]['n'] + 1}"
+    messages.append(
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function", "function": final}]}
+    )
+    return {"messages": messages, "answer": answer}
+
+
+# --- the splits ---------------------------------------------------------------------------------------
+
+
+def split_values(ref: Reference, share: float, rng: random.Random) -> dict[str, dict[str, list]]:
+    """{split: {slot values}}: a share of the customers, with their orders and (customer, item)
+    rows, held out for the test split."""
+    customers = sorted({o["customer"] for o in ref.orders})
+    if len(customers) < 2:
+        raise ValueError("tool-data needs orders from at least two customers to hold some out")
+    rng.shuffle(customers)
+    held = set(customers[: min(len(customers) - 1, max(1, round(share * len(customers))))])
+    out = {}
+    for split, mine in (("train", lambda c: c not in held), ("test", lambda c: c in held)):
+        orders = [o for o in ref.orders if mine(o["customer"])]
+        out[split] = {
+            "customer": sorted({o["customer"] for o in orders}),
+            "order": [o["id"] for o in orders],
+            "customer_item": sorted({(o["customer"], o["item"]) for o in orders}),
+        }
+    return out
+
+
+def split_phrasings(held: int, rng: random.Random) -> dict[str, dict[str, list[str]]]:
+    out: dict[str, dict[str, list[str]]] = {"train": {}, "test": {}}
+    for intent, phrasings in PHRASINGS.items():
+        if held >= len(phrasings):
+            raise ValueError(f"test_phrasings={held}: intent {intent!r} has only {len(phrasings)} phrasings")
+        order = list(phrasings)
+        rng.shuffle(order)
+        out["test"][intent], out["train"][intent] = order[:held], order[held:]
+    return out
+
+
+def questions(phrasings: dict[str, list[str]], values: dict[str, list], size: int, rng: random.Random) -> list[dict]:
+    """Every (phrasing, values) of every intent, shuffled, then taken round-robin over the intents
+    up to `size`, so that each intent is as common as its combinations allow."""
+    per_intent = []
+    for intent, templates in phrasings.items():
+        slots = SLOTS[intent]
+        if slots == ("customer", "item"):
+            fills = [{"customer": c, "item": i} for c, i in values["customer_item"]]
+        else:
+            fills = [{slots[0]: x} for x in values[slots[0]]]
+        combos = [
+            {"intent": intent, "template": t, "values": f, "question": t.format(**f)} for t in templates for f in fills
+        ]
+        rng.shuffle(combos)
+        per_intent.append(combos)
+    out = []
+    for k in range(max(map(len, per_intent), default=0)):
+        out += [combos[k] for combos in per_intent if k < len(combos)]
+    return out[:size]
+
+
+def run_tool_data(cfg: ToolDataConfig) -> dict:
+    workflows = load_workflows(cfg.workflows)
+    if cfg.workflow not in workflows:
+        raise ValueError(f"workflow {cfg.workflow!r} is not in {cfg.workflows}; there: {sorted(workflows)}")
+    wf = workflows[cfg.workflow]
+    kinds = Counter(t.kind for t in wf.tools.values())
+    if kinds["sql"] != 1 or kinds["search"] != 1:
+        raise ValueError(f"workflow {wf.name}: tool-data needs exactly one sql and one search tool, not {dict(kinds)}")
+    if wf.first_tool is not None and wf.tools[wf.first_tool].kind != "sql":
+        raise ValueError(f"workflow {wf.name}: first_tool {wf.first_tool!r}: every conversation here starts with sql")
+    if wf.max_steps < 3:
+        raise ValueError(f"workflow {wf.name}: max_steps={wf.max_steps}; policy questions take 3 model steps")
+    out = storage.normalize(cfg.output)
+    ref = Reference.read(wf)
+    if not storage.prepare_output(out, cfg.overwrite):
+        logger.info("tool-data: %s is already committed; skipping (set overwrite=true to redo)", out)
+        return storage.read_json(storage.join(out, "card.json"))
+    started = time.time()
+    rng = random.Random(cfg.seed)
+    values, phrasings = split_values(ref, cfg.test_share, rng), split_phrasings(cfg.test_phrasings, rng)
+    registry, guard = build_registry(wf), Guard(wf.secret_envs())
+    tools = registry.specs(list(wf.tools)) + [final_answer_spec(wf.max_answer_chars)]  # as the worker offers them
+    counts, rejected, asked = {}, [], []
+    for split, size in (("train", cfg.train_size), ("test", cfg.test_size)):
+        kept = []
+        for q in questions(phrasings[split], values[split], size, rng):
+            try:
+                made = teach(wf, registry, guard, q)
+                reason = verify_answer(q["intent"], q["values"], made["answer"], ref)
+            except toolkit.ToolError as e:
+                made, reason = None, str(e)
+            if reason is None and len(made["answer"]) > wf.max_answer_chars:
+                reason = f"the answer is longer than the workflow's max_answer_chars={wf.max_answer_chars}"
+            if reason is not None:
+                rejected.append({"split": split, **q, "reason": reason})
+                continue
+            kept.append({"messages": made["messages"], "tools": tools})
+            asked.append({"split": split, **q, "answer": made["answer"]})
+        storage.write_jsonl_atomic(storage.join(out, f"{split}.jsonl"), kept)
+        counts[split] = {
+            "conversations": len(kept),
+            "by_intent": dict(sorted(Counter(q["intent"] for q in asked if q["split"] == split).items())),
+            "phrasings": sum(map(len, phrasings[split].values())),
+            "customers": len(values[split]["customer"]),
+            "orders": len(values[split]["order"]),
+        }
+    storage.write_jsonl_atomic(storage.join(out, "questions.jsonl"), asked)
+    storage.write_jsonl_atomic(storage.join(out, "rejected.jsonl"), rejected)
+    card = {
+        "workflow": wf.name,
+        "teacher": "rule-based (templates; tools run for real; answers verified against the database)",
+        "counts": counts,
+        "rejected": len(rejected),
+        "seconds": round(time.time() - started, 2),
+    }
+    storage.write_json_atomic(storage.join(out, "card.json"), card)
+    fingerprint = storage.fingerprint(out, ["train.jsonl", "test.jsonl", "questions.jsonl", "rejected.jsonl"])
+    storage.commit(out, "tool-data", {"card": "card.json", "counts": counts, "fingerprint": fingerprint})
+    logger.info("tool-data: %s, %d rejected", counts, len(rejected))
+    return {**card, "fingerprint": fingerprint}

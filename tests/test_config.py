@@ -76,6 +76,8 @@ def test_cli_rejects_bad_config_before_ray_starts(tmp_path, text, expect):
 def test_every_recipe_in_configs_validates():
     from pathlib import Path
 
+    from lmfoundry.agents.tool_data import ToolDataConfig
+    from lmfoundry.align.distill import DistillConfig
     from lmfoundry.align.pairs import PairsConfig
     from lmfoundry.align.synth import SynthConfig
     from lmfoundry.data.pack import PackConfig
@@ -102,6 +104,8 @@ def test_every_recipe_in_configs_validates():
         "quality_model.yaml": QualityTrainConfig,
         "pairs.yaml": PairsConfig,
         "synth.yaml": SynthConfig,
+        "distill.yaml": DistillConfig,
+        "tool_data.yaml": ToolDataConfig,
         "align_dpo.yaml": AlignJobConfig,
         "agents.yaml": AgentsJobConfig,
     }

@@ -108,7 +108,9 @@ def read_prompt_pool(uri: str, max_prompts: int, max_chars: int) -> list[dict]:
         messages = row.chat()
         if sum(len(m["content"]) for m in messages) > max_chars:
             raise ValueError(f"{uri}:{n}: the prompt is longer than max_prompt_chars={max_chars}")
-        prompt_id = str(row.id) if row.id is not None else hashlib.sha256(json.dumps(messages).encode()).hexdigest()[:16]
+        prompt_id = (
+            str(row.id) if row.id is not None else hashlib.sha256(json.dumps(messages).encode()).hexdigest()[:16]
+        )
         rows.append({"id": prompt_id, "messages": messages})
     if not rows:
         raise ValueError(f"{uri} holds no prompts")

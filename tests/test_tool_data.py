@@ -1,0 +1,131 @@
+"""Tool-use conversations for the orders workflow: the SQL in them runs and gives the results they
+show, the answers state what the database holds, the test split's phrasings and customers are
+never in training, the same bytes twice, and the text is what the agent service renders."""
+
+import json
+import sqlite3
+
+import pytest
+import yaml
+
+from lmfoundry.agents.tool_data import Reference, ToolDataConfig, run_tool_data, verify_answer
+from lmfoundry.agents.workflow import load_workflows
+from lmfoundry.jobs.agents import demo_data
+from lmfoundry.model.chat_template import ChatTemplate
+from lmfoundry.serving.engine import parse_tool_call
+from lmfoundry.serving.protocol import ChatCompletionRequest
+
+ORDERS_WORKFLOW = "configs/workflows/orders.yaml"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo database and corpus, and the shipped orders workflow pointed at them."""
+    root = tmp_path_factory.mktemp("agents")
+    made = demo_data(str(root))
+    spec = yaml.safe_load(open(ORDERS_WORKFLOW))
+    tools = spec["workflows"]["orders_and_docs"]["tools"]
+    tools["sql"]["dsn"], tools["docs"]["corpus"] = made["orders"], made["docs"]
+    path = root / "orders.yaml"
+    path.write_text(yaml.safe_dump({"workflows": {"orders_and_docs": spec["workflows"]["orders_and_docs"]}}))
+    return {"workflows": str(path), "db": made["orders"], "root": root}
+
+
+@pytest.fixture(scope="module")
+def made(demo):
+    outs = []
+    for run in ("one", "two"):
+        cfg = ToolDataConfig(
+            workflows=demo["workflows"], output=str(demo["root"] / run), train_size=70, test_size=35, seed=3
+        )
+        outs.append(run_tool_data(cfg))
+    return {"dir": demo["root"] / "one", "results": outs}
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_same_inputs_give_the_same_bytes(made, demo):
+    first, second = made["results"]
+    assert first["fingerprint"] == second["fingerprint"]
+    for name in ("train.jsonl", "test.jsonl", "questions.jsonl", "rejected.jsonl"):
+        assert (made["dir"] / name).read_bytes() == (demo["root"] / "two" / name).read_bytes()
+    assert first["counts"]["train"]["conversations"] == 70 and first["counts"]["test"]["conversations"] == 35
+    assert len(first["counts"]["test"]["by_intent"]) == 7  # round-robin: every intent in a small split
+
+
+def test_every_query_runs_and_every_answer_matches_the_database(made, demo):
+    db = sqlite3.connect(demo["db"])
+    for split in ("train", "test"):
+        for row in read(made["dir"] / f"{split}.jsonl"):
+            messages = row["messages"]
+            calls = [m["tool_calls"][0] for m in messages if m["role"] == "assistant"]
+            results = {m["tool_call_id"]: m["content"] for m in messages if m["role"] == "tool"}
+            assert calls[0]["function"]["name"] == "sql" and calls[-1]["function"]["name"] == "final_answer"
+            query = json.loads(calls[0]["function"]["arguments"])["query"]
+            shown = json.loads(results[calls[0]["id"]].split("\n")[1])  # inside the untrusted-output wrapper
+            assert shown["rows"] == [list(r) for r in db.execute(query).fetchall()], query
+            answer = json.loads(calls[-1]["function"]["arguments"])["answer"]
+            value = shown["rows"][0][0]
+            assert (f"{value:.2f}" if isinstance(value, float) else str(value)) in answer, (query, answer)
+
+
+def test_the_verifier_refuses_answers_the_database_contradicts(demo):
+    ref = Reference.read(load_workflows(demo["workflows"])["orders_and_docs"])
+    acme = [o for o in ref.orders if o["customer"] == "acme"]
+    spent = round(sum(o["total"] for o in acme), 2)
+    assert verify_answer("spend", {"customer": "acme"}, f"acme spent {spent:.2f} in total.", ref) is None
+    assert "does not state" in verify_answer("spend", {"customer": "acme"}, f"acme spent {spent + 1:.2f}.", ref)
+    order = acme[0]
+    wrong = next(s for s in ("shipped", "returned", "pending") if s != order["status"])
+    assert "does not say" in verify_answer("status", {"order": order["id"]}, f"Order {order['id']} is {wrong}.", ref)
+    policy = f"Order {order['id']} is {order['status']}. Orders are final."
+    assert "does not say" in verify_answer("policy", {"order": order["id"]}, policy, ref)
+
+
+def test_the_test_split_holds_out_phrasings_and_values(made):
+    asked = read(made["dir"] / "questions.jsonl")
+    train = [q for q in asked if q["split"] == "train"]
+    test = [q for q in asked if q["split"] == "test"]
+    assert not {q["template"] for q in train} & {q["template"] for q in test}
+    test_customers = {q["values"]["customer"] for q in test if "customer" in q["values"]}
+    test_orders = {q["values"]["order"] for q in test if "order" in q["values"]}
+    assert test_customers and test_orders
+    assert not test_customers & {q["values"].get("customer") for q in train}
+    assert not test_orders & {q["values"].get("order") for q in train}
+    train_text = (made["dir"] / "train.jsonl").read_text()
+    for customer in test_customers:  # not in a question, a query, a tool result or an answer
+        assert f"'{customer}'" not in train_text and f" {customer} " not in train_text
+
+
+def test_a_conversation_renders_as_the_agent_service_prompts_the_model(made):
+    """Each assistant turn follows, token for token, the prompt the serving API renders for the
+    worker's request at that step (tool_choice required), and parses as the call it records."""
+    template = ChatTemplate()
+    row = next(r for r in read(made["dir"] / "train.jsonl") if len(r["messages"]) == 7)  # sql, docs, answer
+    whole = template.render(row["messages"], row["tools"])
+    turns = [k for k, m in enumerate(row["messages"]) if m["role"] == "assistant"]
+    for k in turns:
+        request = ChatCompletionRequest(
+            model="lmfoundry", messages=row["messages"][:k], tools=row["tools"], tool_choice="required"
+        )
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        offered = [{"type": "function", "function": t} for t in request.tools_offered()]
+        prompt = template.render(messages, offered, force_tool_call=True)
+        assert whole.startswith(prompt)
+        reply = whole[len(prompt) :].split("</tool_call>")[0]
+        call = row["messages"][k]["tool_calls"][0]["function"]
+        names = [t["function"]["name"] for t in row["tools"]]
+        assert parse_tool_call(reply, names, forced=True)[:2] == (call["name"], json.loads(call["arguments"]))
+
+
+def test_a_workflow_without_the_tools_is_refused(demo, tmp_path):
+    spec = yaml.safe_load(open(demo["workflows"]))
+    del spec["workflows"]["orders_and_docs"]["tools"]["docs"]
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ValueError, match="exactly one sql and one search tool"):
+        run_tool_data(ToolDataConfig(workflows=str(path), output=str(tmp_path / "out")))
+    with pytest.raises(ValueError, match="'nope' is not in"):
+        run_tool_data(ToolDataConfig(workflows=demo["workflows"], workflow="nope", output=str(tmp_path / "out")))

@@ -113,7 +113,9 @@ def test_every_recipe_in_configs_validates():
         assert isinstance(load_config(cls, root / name), cls)
     q = load_quickstart_config(str(root / "quickstart.yaml"), "/tmp/qs-work", [])
     assert q.pretrain.data == "/tmp/qs-work/packed" and q.pretrain.parallelism.zero_stage == 2
-    assert sorted(p.name for p in root.glob("*.yaml")) == sorted([*models, "quickstart.yaml"])
+    agent = load_quickstart_config(str(root / "quickstart_agent.yaml"), "/tmp/qs-agent", [])
+    assert agent.pack.seq_len == 1024 and agent.pretrain.model == q.pretrain.model  # quickstart-sized, longer context
+    assert sorted(p.name for p in root.glob("*.yaml")) == sorted([*models, "quickstart.yaml", "quickstart_agent.yaml"])
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from lmfoundry.agents.workflow import load_workflows
 from lmfoundry.jobs.agents import demo_data
 from lmfoundry.model.chat_template import ChatTemplate
 from lmfoundry.serving.engine import parse_tool_call
+from lmfoundry.serving.grammar import check_schema, tool_call_schema
 from lmfoundry.serving.protocol import ChatCompletionRequest
 
 ORDERS_WORKFLOW = "configs/workflows/orders.yaml"
@@ -55,20 +56,44 @@ def test_the_same_inputs_give_the_same_bytes(made, demo):
     assert len(first["counts"]["test"]["by_intent"]) == 7  # round-robin: every intent in a small split
 
 
+def expected_facts(db, docs: dict, intent: str, v: dict) -> list[str]:
+    """What the answer must say, asked of the database here, not through the generator."""
+    one = lambda sql, *args: db.execute(sql, args).fetchone()  # noqa: E731
+    if intent == "spend":
+        return [f"{one('SELECT SUM(total) FROM orders WHERE customer = ?', v['customer'])[0]:.2f}"]
+    if intent == "count":
+        return [str(one("SELECT COUNT(*) FROM orders WHERE customer = ?", v["customer"])[0])]
+    if intent == "items":
+        return [r[0] for r in db.execute("SELECT item FROM orders WHERE customer = ?", (v["customer"],))]
+    if intent == "paid":
+        return [f"{one('SELECT total FROM orders WHERE customer = ? AND item = ?', v['customer'], v['item'])[0]:.2f}"]
+    status, item, customer = one("SELECT status, item, customer FROM orders WHERE id = ?", v["order"])
+    if intent == "status":
+        return [status]
+    if intent == "contents":
+        return [item, customer]
+    return [status, docs[{"returned": "refunds", "shipped": "shipping", "pending": "pending"}[status]]]
+
+
 def test_every_query_runs_and_every_answer_matches_the_database(made, demo):
     db = sqlite3.connect(demo["db"])
-    for split in ("train", "test"):
-        for row in read(made["dir"] / f"{split}.jsonl"):
-            messages = row["messages"]
-            calls = [m["tool_calls"][0] for m in messages if m["role"] == "assistant"]
-            results = {m["tool_call_id"]: m["content"] for m in messages if m["role"] == "tool"}
-            assert calls[0]["function"]["name"] == "sql" and calls[-1]["function"]["name"] == "final_answer"
-            query = json.loads(calls[0]["function"]["arguments"])["query"]
-            shown = json.loads(results[calls[0]["id"]].split("\n")[1])  # inside the untrusted-output wrapper
-            assert shown["rows"] == [list(r) for r in db.execute(query).fetchall()], query
-            answer = json.loads(calls[-1]["function"]["arguments"])["answer"]
-            value = shown["rows"][0][0]
-            assert (f"{value:.2f}" if isinstance(value, float) else str(value)) in answer, (query, answer)
+    docs = {d["id"]: d["text"] for d in read(demo["root"] / "docs.jsonl")}
+    asked = read(made["dir"] / "questions.jsonl")
+    rows = read(made["dir"] / "train.jsonl") + read(made["dir"] / "test.jsonl")
+    assert len(rows) == len(asked)
+    for row, q in zip(rows, asked):
+        messages = row["messages"]
+        assert messages[1] == {"role": "user", "content": q["question"]}
+        calls = [m["tool_calls"][0] for m in messages if m["role"] == "assistant"]
+        results = {m["tool_call_id"]: m["content"] for m in messages if m["role"] == "tool"}
+        assert calls[0]["function"]["name"] == "sql" and calls[-1]["function"]["name"] == "final_answer"
+        query = json.loads(calls[0]["function"]["arguments"])["query"]
+        shown = json.loads(results[calls[0]["id"]].split("\n")[1])  # inside the untrusted-output wrapper
+        assert shown["rows"] == [list(r) for r in db.execute(query).fetchall()], query
+        answer = json.loads(calls[-1]["function"]["arguments"])["answer"]
+        assert answer == q["answer"] and len(answer) <= 64
+        for fact in expected_facts(db, docs, q["intent"], q["values"]):
+            assert fact in answer, (q, answer)
 
 
 def test_the_verifier_refuses_answers_the_database_contradicts(demo):
@@ -104,6 +129,7 @@ def test_a_conversation_renders_as_the_agent_service_prompts_the_model(made):
     worker's request at that step (tool_choice required), and parses as the call it records."""
     template = ChatTemplate()
     row = next(r for r in read(made["dir"] / "train.jsonl") if len(r["messages"]) == 7)  # sql, docs, answer
+    check_schema(tool_call_schema([t["function"] for t in row["tools"]], None))  # lmfoundry's server takes them
     whole = template.render(row["messages"], row["tools"])
     turns = [k for k, m in enumerate(row["messages"]) if m["role"] == "assistant"]
     for k in turns:

@@ -82,15 +82,15 @@ PHRASINGS = {
         "Tell me how many orders {customer} made.",
         "How many purchases did {customer} make?",
     ),
-    "returned": (
-        "How many of {customer}'s orders were returned?",
-        "How many orders did {customer} return?",
-        "Count {customer}'s returned orders.",
-        "What number of returns does {customer} have?",
-        "how many returns from {customer}",
-        "Has {customer} returned anything? How many orders?",
-        "Returned orders for {customer}: how many?",
-        "Tell me the number of orders {customer} sent back.",
+    "items": (
+        "What has {customer} ordered?",
+        "Which items did {customer} buy?",
+        "List the products {customer} ordered.",
+        "What did {customer} order from us?",
+        "which items has {customer} bought",
+        "Items ordered by {customer}?",
+        "Tell me everything {customer} has ordered.",
+        "What products are in {customer}'s orders?",
     ),
     "status": (
         "What is the status of order {order}?",
@@ -136,7 +136,7 @@ PHRASINGS = {
 SLOTS = {
     "spend": ("customer",),
     "count": ("customer",),
-    "returned": ("customer",),
+    "items": ("customer",),
     "status": ("order",),
     "contents": ("order",),
     "paid": ("customer", "item"),
@@ -147,16 +147,17 @@ POLICY = {"returned": ("refunds", "refunds"), "shipped": ("shipping", "ship"), "
 
 
 def first_sql(intent: str, v: dict) -> str:
-    """The SQL the rule-based teacher writes first (every intent starts at the orders table)."""
-    customer, item = (v.get(k, "").replace("'", "''") for k in ("customer", "item"))  # values are data
+    """The SQL the rule-based teacher writes first (every intent starts at the orders table). Each
+    fits the 64 characters constrained decoding allows a string (serving/grammar.py)."""
+    customer = v.get("customer", "").replace("'", "''")  # values are data, quoted as SQL strings
     return {
-        "spend": f"SELECT ROUND(SUM(total), 2) FROM orders WHERE customer = '{customer}'",
-        "count": f"SELECT COUNT(*) FROM orders WHERE customer = '{customer}'",
-        "returned": f"SELECT COUNT(*) FROM orders WHERE customer = '{customer}' AND status = 'returned'",
-        "status": f"SELECT status FROM orders WHERE id = {v.get('order')}",
-        "contents": f"SELECT item, customer FROM orders WHERE id = {v.get('order')}",
-        "paid": f"SELECT total FROM orders WHERE customer = '{customer}' AND item = '{item}'",
-        "policy": f"SELECT status FROM orders WHERE id = {v.get('order')}",
+        "spend": f"SELECT SUM(total) FROM orders WHERE customer='{customer}'",
+        "count": f"SELECT COUNT(*) FROM orders WHERE customer='{customer}'",
+        "items": f"SELECT item FROM orders WHERE customer='{customer}'",
+        "status": f"SELECT status FROM orders WHERE id={v.get('order')}",
+        "contents": f"SELECT item,customer FROM orders WHERE id={v.get('order')}",
+        "paid": f"SELECT item,total FROM orders WHERE customer='{customer}'",
+        "policy": f"SELECT status FROM orders WHERE id={v.get('order')}",
     }[intent]
 
 
@@ -165,20 +166,23 @@ def money(x: float) -> str:
 
 
 def compose(intent: str, v: dict, rows: list[list]) -> str:
-    """The final answer from the first call's rows (and, for policy, the document found)."""
+    """The final answer from the first call's rows (policy answers from two calls: `teach`)."""
     first = rows[0]
     if intent == "spend":
         return f"{v['customer']} spent {money(first[0])} in total."
     if intent == "count":
         return f"{v['customer']} has placed {first[0]} order{'s' if first[0] != 1 else ''}."
-    if intent == "returned":
-        return f"{v['customer']} returned {first[0]} order{'s' if first[0] != 1 else ''}."
+    if intent == "items":
+        return f"{v['customer']} ordered {', '.join(r[0] for r in rows)}."
     if intent == "status":
         return f"Order {v['order']} is {first[0]}."
     if intent == "contents":
         return f"Order {v['order']} was a {first[0]} for {first[1]}."
     if intent == "paid":
-        return f"{v['customer']} paid {money(first[0])} for the {v['item']}."
+        totals = [total for item, total in rows if item == v["item"]]
+        if not totals:
+            raise toolkit.ToolError(f"no {v['item']} among the rows")
+        return f"{v['customer']} paid {money(totals[0])} for the {v['item']}."
     raise AssertionError(f"compose: {intent} answers from two calls")
 
 
@@ -225,8 +229,8 @@ def facts(intent: str, v: dict, ref: Reference) -> tuple[list[float], list[str]]
         return [round(sum(o["total"] for o in mine), 2)], [v["customer"]]
     if intent == "count":
         return [len(mine)], [v["customer"]]
-    if intent == "returned":
-        return [sum(o["status"] == "returned" for o in mine)], [v["customer"]]
+    if intent == "items":
+        return [], [v["customer"], *(o["item"] for o in mine)]
     if intent == "paid":
         return [sum(o["total"] for o in mine if o["item"] == v["item"])], [v["customer"], v["item"]]
     order = ref.order(v["order"])

@@ -69,11 +69,13 @@ def demo_data(out: str) -> dict:
     conn.executemany("INSERT INTO orders (customer, item, total, status) VALUES (?, ?, ?, ?)", rows)
     conn.commit()
     conn.close()
+    # one short sentence each: an agent's answer quotes one, within the 64 characters constrained
+    # decoding allows a string (serving/grammar.py)
     docs = [
-        {"id": "refunds", "text": "Refunds are paid within 14 days of the return reaching the warehouse."},
-        {"id": "shipping", "text": "Orders ship in two working days; orders over 50 euros ship free."},
-        {"id": "warranty", "text": "Furniture carries a two-year warranty; lamps and kettles one year."},
-        {"id": "pending", "text": "A pending order can be cancelled free of charge until it ships."},
+        {"id": "refunds", "text": "Refunds are paid within 14 days."},
+        {"id": "shipping", "text": "Orders ship in two working days."},
+        {"id": "warranty", "text": "Furniture has a two-year warranty."},
+        {"id": "pending", "text": "Pending orders can be cancelled."},
     ]
     (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     return {"orders": str(db), "orders_rows": len(rows), "docs": str(root / "docs.jsonl")}

@@ -1,0 +1,219 @@
+"""Does a model answer the orders agent's held-out questions? Each held-out question of
+`lmfoundry tool-data` goes to the agent service as a run, through its real API (Ray Serve: the
+model behind the OpenAI-compatible API, the agents app, the orders workflow on the demo database).
+The run's final answer is checked against the database with tool-data's verifier, and its tool
+calls are read from the run's steps.
+
+    lmfoundry agents demo-data --out work/agents
+    lmfoundry tool-data configs/tool_data.yaml --output work/tool_data
+    python benchmarks/agent_sft.py --checkpoint work/agent_sft          # a fine-tuned model
+    python benchmarks/agent_sft.py --untrained --runs 20                # the baseline: random weights
+
+`--untrained` builds a model of the quickstart's size with the 1,024-token context the workflow
+needs (configs/quickstart_agent.yaml), with random weights and the quickstart's tokenizer (4,096
+BPE tokens on the sample corpus's 1,500 documents). It shows what a model that was never
+trained on tool calls does. Writes benchmarks/results/agent_sft.json (or agent_sft_untrained.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+KEY = "sk-bench-agent-sft-" + "c" * 16
+PORT = 8124
+
+
+def build_untrained(directory: Path) -> None:
+    import torch
+
+    from lmfoundry.data.sample_corpus import stdlib_documents
+    from lmfoundry.data.tokenizer import train_bpe
+    from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.platform import checkpoint
+
+    torch.manual_seed(0)
+    tok = train_bpe(stdlib_documents(1500), vocab_size=4096)
+    shape = {"n_layer": 4, "d_model": 128, "n_head": 4, "n_kv_head": 2}  # configs/quickstart_agent.yaml
+    model = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=1024, **shape)).eval()
+    save_model_files(model, directory)
+    (directory / TOKENIZER).write_text(tok.to_str())
+    checkpoint.seal(directory, {"step": 0})
+
+
+def workflow_file(work: Path, agents_data: Path) -> Path:
+    """The shipped orders workflow, on the demo data and this benchmark's model endpoint."""
+    spec = yaml.safe_load((ROOT / "configs/workflows/orders.yaml").read_text())["workflows"]["orders_and_docs"]
+    spec["model_url"], spec["api_key_env"] = f"http://127.0.0.1:{PORT}", "LMFOUNDRY_BENCH_AGENT_SFT_KEY"
+    spec["secrets"] = ["LMFOUNDRY_BENCH_AGENT_SFT_KEY"]
+    spec["tools"]["sql"]["dsn"] = str(agents_data / "orders.sqlite")
+    spec["tools"]["docs"]["corpus"] = str(agents_data / "docs.jsonl")
+    path = work / "workflows.yaml"
+    path.write_text(yaml.safe_dump({"workflows": {"orders_and_docs": spec}}))
+    return path
+
+
+def start_service(checkpoint: str, workflows: Path, store: Path) -> str:
+    from ray import serve
+
+    from lmfoundry.agents.api import AgentServeConfig, build_agent_app
+    from lmfoundry.platform.keys import digest
+    from lmfoundry.platform.ray_env import init_ray
+    from lmfoundry.serving.app import ServeConfig, build_app
+
+    os.environ["LMFOUNDRY_BENCH_AGENT_SFT_KEY"] = KEY
+    init_ray()
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    model = ServeConfig(checkpoint=checkpoint, model_name="lmfoundry", cpus_per_replica=1)
+    serve.run(build_app(model, [digest(KEY)]), name="llm", route_prefix="/", blocking=False)
+    agents = AgentServeConfig(
+        workflows=str(workflows),
+        store=str(store),
+        workers=1,
+        runs_per_worker=16,
+        per_tenant_running=16,
+        per_tenant_active=1000,
+        env_from_driver=["LMFOUNDRY_BENCH_AGENT_SFT_KEY"],
+    )
+    serve.run(build_agent_app(agents, [digest(KEY)]), name="agents", route_prefix="/agents", blocking=False)
+    url = f"http://127.0.0.1:{PORT}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        try:
+            if all(httpx.get(f"{url}{p}/health").status_code == 200 for p in ("", "/agents")):
+                return f"{url}/agents"
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the model and agents apps did not become healthy within 600 s")
+
+
+def run_questions(url: str, questions: list[dict], timeout_s: float) -> list[dict]:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+        ids = []
+        for q in questions:
+            response = http.post("/v1/agents/runs", json={"workflow": "orders_and_docs", "input": q["question"]})
+            response.raise_for_status()
+            ids.append(response.json()["id"])
+        runs: dict[str, dict] = {}
+        deadline = time.time() + timeout_s
+        while len(runs) < len(ids) and time.time() < deadline:
+            for run_id in ids:
+                if run_id not in runs:
+                    run = http.get(f"/v1/agents/runs/{run_id}").json()
+                    if run["state"] in ("succeeded", "failed", "cancelled"):
+                        runs[run_id] = run
+            time.sleep(0.5)
+    return [runs.get(run_id, {"id": run_id, "state": "timed out", "steps": []}) for run_id in ids]
+
+
+def judge(question: dict, run: dict, ref) -> dict:
+    from lmfoundry.agents.tool_data import verify_answer
+
+    answer = run.get("output") or ""
+    verdict = verify_answer(question["intent"], question["values"], answer, ref) if answer else "no answer"
+    model_steps = [s for s in run["steps"] if s["kind"] == "model"]
+    return {
+        "question": question["question"],
+        "intent": question["intent"],
+        "state": run["state"],
+        "error": run.get("error"),
+        "answer": answer,
+        "correct": verdict is None,
+        "why_not": verdict,
+        "tool_calls": [
+            {"tool": s["tool"], "arguments": s["arguments"], "ok": s.get("ok")}
+            for s in run["steps"]
+            if s["kind"] == "tool" and s.get("status") == "done"
+        ],
+        "model_steps": len(model_steps),
+        "invalid_replies": sum(s["tool"] == "_invalid_reply" for s in model_steps),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", help="the model to serve (a fine-tuned checkpoint)")
+    ap.add_argument("--untrained", action="store_true", help="a random-weights model of the quickstart's size")
+    ap.add_argument("--data", default="work/tool_data", help="a tool-data output (its held-out questions)")
+    ap.add_argument("--agents-data", default="work/agents", help="the demo database and corpus tool-data used")
+    ap.add_argument("--runs", type=int, default=0, help="at most this many held-out questions (0: all)")
+    ap.add_argument("--timeout-s", type=float, default=1800)
+    args = ap.parse_args()
+    if bool(args.checkpoint) == args.untrained:
+        ap.error("give --checkpoint or --untrained")
+    from lmfoundry.agents.tool_data import Reference
+    from lmfoundry.agents.workflow import load_workflows
+    from lmfoundry.platform import storage
+
+    questions = [q for q in storage.read_jsonl(str(Path(args.data) / "questions.jsonl")) if q["split"] == "test"]
+    if args.runs:  # every intent, in turn: tool-data wrote them round-robin
+        questions = questions[: args.runs]
+    work = Path(tempfile.mkdtemp(prefix="lmfoundry-bench-agent-sft-"))
+    checkpoint = args.checkpoint
+    if args.untrained:
+        checkpoint = str(work / "untrained")
+        build_untrained(Path(checkpoint))
+    workflows = workflow_file(work, Path(args.agents_data).resolve())
+    ref = Reference.read(load_workflows(str(workflows))["orders_and_docs"])
+    url = start_service(checkpoint, workflows, work / "runs.sqlite")
+    started = time.time()
+    runs = run_questions(url, questions, args.timeout_s)
+    wall = time.time() - started
+    judged = [judge(q, r, ref) for q, r in zip(questions, runs)]
+
+    by_intent = {}
+    for intent in sorted({j["intent"] for j in judged}):
+        mine = [j for j in judged if j["intent"] == intent]
+        by_intent[intent] = {"runs": len(mine), "correct": sum(j["correct"] for j in mine)}
+    result = {
+        "benchmark": "agent_sft",
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(["benchmarks/agent_sft.py", *sys.argv[1:]]),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "model": "untrained: random weights, 4 layers, d_model 128, 1,024 context" if args.untrained else checkpoint,
+        "held_out_questions": len(questions),
+        "correct": sum(j["correct"] for j in judged),
+        "correct_share": round(sum(j["correct"] for j in judged) / max(1, len(judged)), 3),
+        "states": dict(sorted(Counter(j["state"] for j in judged).items())),
+        "by_intent": by_intent,
+        "runs_with_a_tool_call": sum(bool(j["tool_calls"]) for j in judged),
+        "median_model_steps": statistics.median(j["model_steps"] for j in judged) if judged else 0,
+        "model_steps": sum(j["model_steps"] for j in judged),
+        "invalid_replies": sum(j["invalid_replies"] for j in judged),
+        "wall_s": round(wall, 1),
+        "examples": judged[:3],
+    }
+    name = "agent_sft_untrained.json" if args.untrained else "agent_sft.json"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / name).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"{'measure':<28}{'value':>10}")
+    for key in ("held_out_questions", "correct", "correct_share", "runs_with_a_tool_call", "model_steps"):
+        print(f"{key:<28}{result[key]:>10}")
+    print(f"{'invalid_replies':<28}{result['invalid_replies']:>10}")
+    print(f"states: {result['states']}")
+    print(f"wrote {RESULTS / name}", file=sys.stderr)
+    from ray import serve
+
+    serve.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -107,6 +107,11 @@ def test_the_verifier_refuses_answers_the_database_contradicts(demo):
     assert "does not say" in verify_answer("status", {"order": order["id"]}, f"Order {order['id']} is {wrong}.", ref)
     policy = f"Order {order['id']} is {order['status']}. Orders are final."
     assert "does not say" in verify_answer("policy", {"order": order["id"]}, policy, ref)
+    # an answer that states every value is not right by accident
+    every = f"acme spent {spent:.2f} or {spent + 5:.2f} in total."
+    assert "also states" in verify_answer("spend", {"customer": "acme"}, every, ref)
+    statuses = f"Order {order['id']} is {order['status']} or {wrong}."
+    assert "also says" in verify_answer("status", {"order": order["id"]}, statuses, ref)
 
 
 def test_the_test_split_holds_out_phrasings_and_values(made):

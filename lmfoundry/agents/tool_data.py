@@ -23,6 +23,7 @@ item row appears in a training conversation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -200,10 +201,9 @@ class Reference:
         if sql is None or sql.dsn is None or sql.dsn.startswith(("postgres://", "postgresql://")):
             raise ValueError(f"workflow {wf.name}: tool-data needs a sql tool on a SQLite file (dsn)")
         try:
-            conn = sqlite3.connect(f"file:{quote(sql.dsn.removeprefix('sqlite:///'))}?mode=ro", uri=True)
-            with conn:
+            uri = f"file:{quote(sql.dsn.removeprefix('sqlite:///'))}?mode=ro"
+            with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
                 rows = conn.execute("SELECT id, customer, item, total, status FROM orders ORDER BY id").fetchall()
-            conn.close()
         except sqlite3.Error as e:
             raise ValueError(
                 f"workflow {wf.name}: {sql.dsn}: {e} (tool-data needs the orders table: "
@@ -216,6 +216,10 @@ class Reference:
 
     def order(self, order_id: int) -> dict:
         return next(o for o in self.orders if o["id"] == order_id)
+
+    def vocabulary(self) -> set[str]:
+        """The database's customers, items and statuses: words an answer can get wrong."""
+        return {str(o[k]).lower() for o in self.orders for k in ("customer", "item", "status")}
 
 
 def numbers(text: str) -> list[float]:
@@ -243,15 +247,24 @@ def facts(intent: str, v: dict, ref: Reference) -> tuple[list[float], list[str]]
 
 
 def verify_answer(intent: str, v: dict, answer: str, ref: Reference) -> str | None:
-    """None when the answer states what the reference says, else why not."""
+    """None when the answer states what the reference says and nothing it contradicts (no other
+    number, customer, item or status: an answer that lists every value does not pass), else why not."""
     expected_numbers, phrases = facts(intent, v, ref)
-    stated = numbers(answer)
+    stated, text = numbers(answer), answer.lower()
     for x in expected_numbers:
         if not any(abs(x - y) < 0.005 for y in stated):
             return f"the answer {answer!r} does not state {x:g} (the database's value)"
+    allowed = expected_numbers + numbers(" ".join(phrases))
+    extra = [y for y in stated if not any(abs(x - y) < 0.005 for x in allowed)]
+    if extra:
+        return f"the answer {answer!r} also states {extra[0]:g}, which the question's facts do not hold"
     for phrase in phrases:
-        if phrase.lower() not in answer.lower():
+        if phrase.lower() not in text:
             return f"the answer {answer!r} does not say {phrase!r} (the database's or corpus's)"
+    expected_words = set(re.findall(r"\w+", " ".join(phrases).lower()))
+    wrong = sorted(w for w in ref.vocabulary() - expected_words if re.search(rf"\b{re.escape(w)}\b", text))
+    if wrong:
+        return f"the answer {answer!r} also says {wrong[0]!r}, which the database does not give for this question"
     return None
 
 

@@ -9,7 +9,12 @@ documents). For each conversation: the prompt of every model step as the serving
 for the worker's request (tool_choice required: system prompt, the three tools' definitions,
 the turns so far, the opened tool call), and the reply the model must write at that step. A step
 fits when prompt + the workflow's max_tokens fit the context (serving refuses it otherwise, with a
-400, before it generates). Writes benchmarks/results/agent_context.json.
+400, before it generates).
+
+Then the tool-call grammars the server compiles for the workflow (serving/grammar.py, with the
+same tokenizer): the first step's (the forced `sql` call) and a middle step's (any of the three
+tools, tool_choice required), by the transitions of their automata, against the server's limit.
+Writes benchmarks/results/agent_context.json.
 """
 
 from __future__ import annotations
@@ -48,6 +53,26 @@ def steps(row: dict, template: ChatTemplate) -> list[tuple[str, str]]:
     return out
 
 
+def grammar_sizes(tok, tools: list[dict]) -> dict:
+    """Transitions of the automata the server would build for the workflow's tool calls (the
+    limit lifted here, to measure them) and the limit the server holds them to."""
+    from lmfoundry.serving import grammar
+
+    limit = grammar.MAX_TRANSITIONS
+    grammar.MAX_TRANSITIONS = 1 << 62
+    try:
+        compiled = grammar.Grammars(tok, tok.token_to_id("<|endoftext|>"))
+        functions = [t["function"] for t in tools]
+        sizes = {}
+        for step, name in (("first_step_sql", "sql"), ("middle_step_any_tool", None)):
+            schema = grammar.bounded_integers(grammar.tool_call_schema(functions, name))
+            _, size = compiled._build(json.dumps(schema, sort_keys=True))
+            sizes[step] = size // grammar.BYTES_PER_TRANSITION
+    finally:
+        grammar.MAX_TRANSITIONS = limit
+    return {**sizes, "server_limit": limit}
+
+
 def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="agent-context-"))
     made = demo_data(str(work / "agents"))
@@ -75,6 +100,7 @@ def main() -> None:
     tools_only = count(template.render(rows[0]["messages"][:1], rows[0]["tools"]))
     whole = [count(template.render(r["messages"], r["tools"])) for r in rows]
     longest_reply = max(replies)
+    grammars = grammar_sizes(tok, rows[0]["tools"])
     result = {
         "benchmark": "agent_context",
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
@@ -102,6 +128,7 @@ def main() -> None:
             str(c): round(sum(n <= c for n in needed) / len(needed), 3) for c in CONTEXTS
         },
         "quickstart_context": QUICKSTART_CONTEXT,
+        "tool_call_grammar_transitions": grammars,
     }
     out = ROOT / "benchmarks" / "results" / "agent_context.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -111,6 +138,8 @@ def main() -> None:
     print(f"{'context':<10} share of conversations whose every step fits (max_tokens={wf.max_tokens})")
     for c, share in result["share_of_conversations_that_fit"].items():
         print(f"{c:<10} {share:.3f}")
+    for step, n in grammars.items():
+        print(f"grammar transitions, {step:<28} {n:>10}")
     print(f"wrote {out}", file=sys.stderr)
 
 

@@ -193,6 +193,7 @@ def main() -> None:
         "correct": sum(j["correct"] for j in judged),
         "correct_share": round(sum(j["correct"] for j in judged) / max(1, len(judged)), 3),
         "states": dict(sorted(Counter(j["state"] for j in judged).items())),
+        "run_errors": dict(Counter((j["error"] or "none")[:160] for j in judged).most_common(5)),
         "by_intent": by_intent,
         "runs_with_a_tool_call": sum(bool(j["tool_calls"]) for j in judged),
         "median_model_steps": statistics.median(j["model_steps"] for j in judged) if judged else 0,

@@ -265,6 +265,46 @@ def test_synth_generates_verifies_and_keeps_rejects_with_reasons(tmp_path):
         synth.run_synth(synth.SynthConfig(output=str(tmp_path / "t"), kinds={"poetry": 1}))
 
 
+def test_maths_solutions_come_in_checkable_steps_and_a_wrong_step_is_found():
+    import random
+
+    rng = random.Random(7)
+    samples = [synth.gen_arithmetic(rng) for _ in range(20)] + [synth.gen_algebra(rng) for _ in range(20)]
+    assert {s.get("task") for s in samples} == {None, "solve", "expand"}
+    for s in samples:
+        assert synth.split_steps(s["solution"]) == s["steps"] and len(s["steps"]) >= 2
+        assert all(synth.step_labels(s, s["solution"]))
+        assert synth.verify(s, synth.SynthConfig(output="unused")) is None
+    solve = next(s for s in samples if s.get("task") == "solve")
+    wrong = solve["steps"][:1] + ["x = 1000"] + solve["steps"][2:]
+    assert synth.step_labels(solve, "\n".join(wrong)) == [True, False] + [True] * (len(wrong) - 2)
+    sample = {"kind": "arithmetic", "expression": "(51 + 99) * 15"}
+    solution = "51 + 99 = 140\n140 * 15 = 2100\nAnswer: 2100"
+    assert synth.step_labels(sample, solution) == [False, True]  # the second step holds given the first
+    assert synth.step_labels(sample, "51 + 99 is 150\nAnswer: 150") == [False]
+    with pytest.raises(ValueError, match="arithmetic and algebra"):
+        synth.step_labels({"kind": "code"}, "def f(): pass")
+
+
+def test_code_tasks_come_from_parametrised_families_and_each_reference_passes_its_tests():
+    import random
+
+    from lmfoundry.align import code_tasks
+
+    assert code_tasks.space_size() > 40
+    rng = random.Random(3)
+    drawn = [code_tasks.gen_code(rng) for _ in range(200)]
+    assert len({s["function"] for s in drawn}) > 30
+    one_per_family = {s["family"]: s for s in drawn}
+    assert len(one_per_family) == len(code_tasks.FAMILIES)
+    for s in one_per_family.values():
+        assert s["answer"] == "\n".join(s["steps"]) and s["tests"].count("assert") >= 2
+        assert synth.verify_code(s, 10) is None, s["function"]
+    broken = dict(one_per_family["sum_multiples_of_{k}"])
+    broken["answer"] = broken["answer"].replace("total += x", "total += 1")
+    assert "tests failed" in synth.verify_code(broken, 10)
+
+
 # --- DPO pieces ---------------------------------------------------------------------------------
 
 

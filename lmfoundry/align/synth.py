@@ -26,6 +26,7 @@ import time
 
 from pydantic import Field
 
+from lmfoundry.align.code_tasks import gen_code
 from lmfoundry.align.pairs import ModelRef, open_model
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
@@ -223,86 +224,100 @@ def verify_qa(sample: dict) -> str | None:
 
 # --- generators ---------------------------------------------------------------------------------
 
+# A solution is its steps, one a line, then "Answer: ..." on a line of its own: the step-level
+# scorers (a process reward model, step-level search) cut a solution at STEP_DELIMITER.
+STEP_DELIMITER = "\n"
+ANSWER_PREFIX = "Answer: "
+
+
+def with_steps(steps: list[str], answer: str) -> dict:
+    return {"steps": steps, "answer": answer, "solution": STEP_DELIMITER.join([*steps, ANSWER_PREFIX + answer])}
+
+
+def split_steps(solution: str) -> list[str]:
+    """A solution's steps: its non-empty lines before the answer line."""
+    lines = [line.strip() for line in solution.split(STEP_DELIMITER) if line.strip()]
+    return [line for line in lines if not line.lower().startswith(ANSWER_PREFIX.strip().lower())]
+
+
+def step_is_correct(sample: dict, step: str) -> bool:
+    """Whether one step of a maths solution holds: `lhs = rhs` equal as expressions (arithmetic,
+    expanding), or, for an equation to solve, with the same solution as the original equation. A
+    step that is not of that form is not correct."""
+    import sympy
+
+    if step.count("=") != 1:
+        return False
+    left, right = step.split("=")
+    try:
+        lhs, rhs = _sympy(left), _sympy(right)
+    except ValueError:
+        return False
+    if sample["kind"] == "algebra" and sample["task"] == "solve":
+        x = sympy.Symbol("x")
+        original_left, original_right = sample["equation"].split("=")
+        wanted = sympy.solve(_sympy(original_left) - _sympy(original_right), x)
+        try:
+            return sympy.solve(lhs - rhs, x) == wanted
+        except (NotImplementedError, TypeError):
+            return False
+    return sympy.simplify(lhs - rhs) == 0
+
+
+def step_labels(sample: dict, solution: str) -> list[bool]:
+    """Each step of `solution` checked on its own (maths kinds): the ground truth that automatic
+    step labels, estimated from completions, are measured against."""
+    if sample["kind"] not in ("arithmetic", "algebra"):
+        raise ValueError(f"step labels are checked for arithmetic and algebra, not {sample['kind']!r}")
+    return [step_is_correct(sample, step) for step in split_steps(solution)]
+
 
 def gen_arithmetic(rng: random.Random) -> dict:
     a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 20)
     op = rng.choice(["+", "-", "*"])
     apply = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__}[op]
     if rng.random() < 0.5:
-        expression, value = f"({a} {op} {b}) * {c}", apply(a, b) * c
-    else:  # precedence: the product binds first
-        expression, value = f"{a} {op} {b} * {c}", apply(a, b * c) if op != "*" else a * b * c
-    return {"kind": "arithmetic", "question": f"Compute {expression}.", "expression": expression, "answer": str(value)}
+        expression, first = f"({a} {op} {b}) * {c}", apply(a, b)
+        steps = [f"{a} {op} {b} = {first}", f"{first} * {c} = {first * c}"]
+    elif op != "*":  # precedence: the product binds first
+        expression, first = f"{a} {op} {b} * {c}", b * c
+        steps = [f"{b} * {c} = {first}", f"{a} {op} {first} = {apply(a, first)}"]
+    else:
+        expression, first = f"{a} * {b} * {c}", a * b
+        steps = [f"{a} * {b} = {first}", f"{first} * {c} = {first * c}"]
+    value = steps[-1].rsplit("= ", 1)[1]
+    return {
+        "kind": "arithmetic",
+        "question": f"Compute {expression}.",
+        "expression": expression,
+        **with_steps(steps, value),
+    }
 
 
 def gen_algebra(rng: random.Random) -> dict:
     if rng.random() < 0.5:
         a, x, b = rng.randint(2, 12), rng.randint(-10, 10), rng.randint(-20, 20)
-        equation = f"{a}*x + {b} = {a * x + b}"
+        right = a * x + b
+        equation = f"{a}*x + {b} = {right}"
+        steps = [f"{a}*x = {right} - ({b})", f"{a}*x = {right - b}", f"x = {right - b}/{a}", f"x = {x}"]
         return {
             "kind": "algebra",
             "task": "solve",
             "question": f"Solve for x: {equation}",
             "equation": equation,
-            "answer": str(x),
+            **with_steps(steps, str(x)),
         }
     p, q = rng.randint(-9, 9), rng.randint(-9, 9)
     product = f"(x + {p})*(x + {q})"
+    distributed = f"x**2 + {q}*x + {p}*x + {p * q}"
+    answer = f"x**2 + {p + q}*x + {p * q}"
     return {
         "kind": "algebra",
         "task": "expand",
         "question": f"Expand {product}.",
         "product": product,
-        "answer": f"x**2 + {p + q}*x + {p * q}",
+        **with_steps([f"{product} = {distributed}", f"{distributed} = {answer}"], answer),
     }
-
-
-CODE_TASKS = [
-    (
-        "add_digits",
-        "Write add_digits(n) returning the sum of the decimal digits of a non-negative integer n.",
-        "def add_digits(n):\n    return sum(int(d) for d in str(n))",
-        "assert add_digits(0) == 0\nassert add_digits(1234) == 10\nassert add_digits(99) == 18",
-    ),
-    (
-        "is_palindrome",
-        "Write is_palindrome(s) that says whether s reads the same backwards, ignoring case.",
-        "def is_palindrome(s):\n    s = s.lower()\n    return s == s[::-1]",
-        "assert is_palindrome('Level')\nassert not is_palindrome('lmfoundry')\nassert is_palindrome('')",
-    ),
-    (
-        "fizzbuzz",
-        "Write fizzbuzz(n) returning 'Fizz', 'Buzz', 'FizzBuzz' or str(n).",
-        "def fizzbuzz(n):\n    return 'FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0 else 'Buzz' if n % 5 == 0 "
-        "else str(n)",
-        "assert fizzbuzz(15) == 'FizzBuzz'\nassert fizzbuzz(9) == 'Fizz'\nassert fizzbuzz(10) == 'Buzz'\n"
-        "assert fizzbuzz(7) == '7'",
-    ),
-    (
-        "count_vowels",
-        "Write count_vowels(s) returning how many of a, e, i, o, u (any case) s holds.",
-        "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s.lower())",
-        "assert count_vowels('Ray Serve') == 3\nassert count_vowels('xyz') == 0",
-    ),
-    (
-        "running_max",
-        "Write running_max(xs) returning the list of maxima of each prefix of xs.",
-        "def running_max(xs):\n    out, best = [], None\n    for x in xs:\n        best = x if best is None or x > best "
-        "else best\n        out.append(best)\n    return out",
-        "assert running_max([3, 1, 4, 1, 5]) == [3, 3, 4, 4, 5]\nassert running_max([]) == []",
-    ),
-    (
-        "dedupe",
-        "Write dedupe(xs) returning xs without repeats, first occurrences kept in order.",
-        "def dedupe(xs):\n    return list(dict.fromkeys(xs))",
-        "assert dedupe([1, 2, 1, 3, 2]) == [1, 2, 3]\nassert dedupe('aba') == ['a', 'b']",
-    ),
-]
-
-
-def gen_code(rng: random.Random, index: int) -> dict:
-    name, prompt, solution, tests = CODE_TASKS[index % len(CODE_TASKS)]
-    return {"kind": "code", "question": prompt, "function": name, "answer": solution, "tests": tests}
 
 
 SENTENCE = re.compile(r"(?:^|(?<=[.!?]\s))([A-Z][\w\- ]{2,40}?) (is|are) ([^.!?]{3,80})\.")
@@ -403,7 +418,7 @@ def run_synth(cfg: SynthConfig) -> dict:
         elif kind == "algebra":
             samples += [gen_algebra(rng) for _ in range(count)]
         elif kind == "code":
-            samples += [gen_code(rng, i) for i in range(count)]
+            samples += [gen_code(rng) for _ in range(count)]
         else:
             found = qa_candidates([d["text"] for d in read_documents(cfg.documents, limit=2000)])
             rng.shuffle(found)

@@ -169,3 +169,29 @@ class CheckpointModel:
             self._generate(self.encode(self.template.render(m)), max_tokens, temperature, seed + i)[0].strip()
             for i, m in enumerate(conversations)
         ]
+
+    @torch.no_grad()
+    def continuations(
+        self, prompt: str, n: int, max_tokens: int, temperature: float, seed: int, stop: list[str] = ()
+    ) -> list[tuple[str, int]]:
+        """n continuations of a raw prompt (sample i seeded with seed + i; greedy at temperature
+        0), each ended at its first stop string, which is not included: generation stops there,
+        so a step-by-step search pays for one step at a time. With the tokens each generated."""
+        from lmfoundry.model.generate import stream_tokens
+
+        ids = self.encode(prompt) or [self.eos]
+        max_tokens = min(max_tokens, self.max_length // 2)
+        ids = ids[-(self.max_length - max_tokens) :]
+        out = []
+        for i in range(n):
+            tokens: list[int] = []
+            text = ""
+            for item in stream_tokens(self.model, ids, max_tokens, temperature, 1.0, self.stop_tokens, seed + i):
+                if isinstance(item, str):
+                    break
+                tokens.append(item)
+                text = self.tokenizer.decode(tokens)
+                if any(s and s in text for s in stop):
+                    break
+            out.append((cut_at_stop(text, list(stop)), len(tokens)))
+        return out

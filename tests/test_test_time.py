@@ -6,8 +6,7 @@ import itertools
 import pytest
 from test_export import make_checkpoint
 
-from lmfoundry.align import synth
-from lmfoundry.clients import test_time
+from lmfoundry.reasoning import test_time, verifiers
 
 
 def answer_of(text: str) -> str | None:
@@ -81,7 +80,7 @@ def test_step_beam_search_keeps_the_steps_a_process_scorer_rates_and_finds_the_r
     class Steps:
         def score_steps(self, prompt, partials):
             return [
-                float(all(synth.step_is_correct(sample, s) for s in steps if not s.startswith("Answer")))
+                float(all(verifiers.step_is_correct(sample, s) for s in steps if not s.startswith("Answer")))
                 + (0.5 if answer_of(steps[-1]) == "51" else 0.0)
                 for steps in partials
             ]

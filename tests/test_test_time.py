@@ -108,3 +108,45 @@ def test_on_a_checkpoint_sampling_is_seeded_cut_at_stop_strings_and_counted(tmp_
     assert greedy.samples == 1 and 0 < greedy.tokens <= 12 and greedy.answer is None  # random weights
     voted = test_time.majority_vote(model, "Compute 2 + 2.\n", answer_of, n=8, budget_tokens=30, max_tokens=12)
     assert voted.tokens >= 30 and voted.samples < 8  # the budget, not n, ended it
+
+
+def test_the_reasoning_suite_reports_accuracy_and_tokens_at_each_budget(tmp_path):
+    from lmfoundry.align import synth
+    from lmfoundry.clients.checkpoint import CheckpointModel
+    from lmfoundry.eval import gate
+    from lmfoundry.eval.reasoning import ReasoningConfig
+    from lmfoundry.eval.suite import EvalSuites, evaluate
+
+    synth.run_synth(synth.SynthConfig(output=str(tmp_path / "held"), kinds={"arithmetic": 3, "code": 1}, seed=9))
+    make_checkpoint(tmp_path / "ckpt")
+    suites = EvalSuites(
+        reasoning=ReasoningConfig(
+            problems=str(tmp_path / "held"), strategies=["greedy", "majority_vote", "best_of_n"], samples=[1, 4],
+            max_tokens=6,
+        )
+    )  # fmt: skip
+    report = evaluate(CheckpointModel(str(tmp_path / "ckpt")), suites, out_dir=str(tmp_path / "eval"))
+    rows = report["reasoning"]["strategies"]
+    assert report["reasoning"]["problems"] == 3  # the code sample is not a maths problem
+    assert set(rows) == {"greedy", "majority_vote", "best_of_n"} and set(rows["greedy"]) == {"1"}
+    assert rows["majority_vote"]["4"]["tokens_per_problem"] > rows["majority_vote"]["1"]["tokens_per_problem"]
+    assert report["metrics"]["reasoning.best_of_n.n4.acc"] == rows["best_of_n"]["4"]["accuracy"]
+    assert report["sample_sizes"]["reasoning.best_of_n.n4.acc"] == 3
+    assert gate.rule("reasoning.best_of_n.n4.acc")[0] == "higher"
+    assert (tmp_path / "eval" / "reasoning.png").stat().st_size > 1000
+
+
+def test_reasoning_settings_and_problem_files_are_checked(tmp_path):
+    from lmfoundry.eval.reasoning import ReasoningConfig, read_problems
+
+    with pytest.raises(ValueError, match="allowed"):
+        ReasoningConfig(problems="p", strategies=["mcts"])
+    with pytest.raises(ValueError, match="between 1 and 1024"):
+        ReasoningConfig(problems="p", samples=[0])
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"kind": "code", "question": "q"}\n')
+    with pytest.raises(ValueError, match="no arithmetic or algebra"):
+        read_problems(str(bad), 10)
+    bad.write_text("{not json\n")
+    with pytest.raises(ValueError, match=":1: not JSON"):
+        read_problems(str(bad), 10)

@@ -150,3 +150,20 @@ def test_reasoning_settings_and_problem_files_are_checked(tmp_path):
     bad.write_text("{not json\n")
     with pytest.raises(ValueError, match=":1: not JSON"):
         read_problems(str(bad), 10)
+
+
+def test_samples_decoded_together_equal_each_seed_decoded_alone(tmp_path):
+    from lmfoundry.model.checkpoint import load_model_files
+    from lmfoundry.model.generate import generate, sample_many
+
+    make_checkpoint(tmp_path / "ckpt")
+    model = load_model_files(str(tmp_path / "ckpt"))
+    prompt = [5, 9, 2, 7]
+    together = sample_many(model, prompt, 4, 10, 1.0, [11, 12, 13, 14], stop_tokens=frozenset({3}))
+    alone = [generate(model, prompt, 10, 1.0, stop_tokens=frozenset({3}), seed=s) for s in (11, 12, 13, 14)]
+    assert [g.tokens for g in together] == [g.tokens for g in alone]
+    assert [g.finish_reason for g in together] == [g.finish_reason for g in alone]
+    cut = sample_many(model, prompt, 2, 10, 1.0, [1, 2], finished=lambda tokens: len(tokens) == 3)
+    assert all(len(g.tokens) == 3 and g.finish_reason == "stop" for g in cut)
+    with pytest.raises(ValueError, match="2 seeds for 3 samples"):
+        sample_many(model, prompt, 3, 10, 1.0, [1, 2])

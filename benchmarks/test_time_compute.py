@@ -139,7 +139,6 @@ def main() -> None:
             "seconds": round(train_seconds, 1),
         },
         "held_out_problems": problems,
-        "scorer": "verifier (oracle)",
         "eval_seconds": round(eval_seconds, 1),
         "result": result,
         "best_at_16": {"strategy": best[0], "accuracy": best[1]} if best else None,

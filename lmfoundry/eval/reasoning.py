@@ -107,7 +107,7 @@ def solve(model, problem: dict, strategy: str, n: int, cfg: ReasoningConfig) -> 
 def run_reasoning(model, cfg: ReasoningConfig) -> dict:
     """{strategy: {N: accuracy, generated tokens per problem}} and the curve's points."""
     problems = read_problems(cfg.problems, cfg.limit)
-    result: dict = {"problems": len(problems), "strategies": {}}
+    result: dict = {"problems": len(problems), "scorer": "verifier (an oracle)", "strategies": {}}
     for strategy in cfg.strategies:
         counts = [1] if strategy == "greedy" else cfg.samples
         rows = {}

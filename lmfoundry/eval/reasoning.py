@@ -14,6 +14,7 @@ import statistics
 
 from pydantic import Field, model_validator
 
+from lmfoundry.clients.reward import RewardScorer
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.reasoning import test_time, verifiers
@@ -30,6 +31,8 @@ class ReasoningConfig(StageConfig):
     max_steps: int = Field(8, ge=1, le=64)
     temperature: float = Field(0.8, gt=0, le=2)
     seed: int = 0
+    scorer: str = Field("verifier", description="best-of-N and weighted voting: 'verifier' or an outcome reward model")
+    step_scorer: str = Field("verifier", description="beam search: 'verifier' or a process reward model")
 
     @model_validator(mode="after")
     def _check(self) -> ReasoningConfig:
@@ -78,28 +81,32 @@ class VerifierScorer:
         return scores
 
 
-def answer_of(text: str) -> str | None:
-    for line in text.split(verifiers.STEP_DELIMITER):
-        if line.strip().startswith(verifiers.ANSWER_PREFIX.strip()):
-            return line.strip()[len(verifiers.ANSWER_PREFIX.strip()) :].strip() or None
-    return None
+def open_scorers(cfg: ReasoningConfig) -> tuple[RewardScorer | None, RewardScorer | None]:
+    """The reward models named in place of the verifier, loaded once."""
+    from lmfoundry.platform import checkpoint
+
+    def load(name: str) -> RewardScorer | None:
+        return None if name == "verifier" else RewardScorer(checkpoint.resolve(name))
+
+    return load(cfg.scorer), load(cfg.step_scorer)
 
 
-def solve(model, problem: dict, strategy: str, n: int, cfg: ReasoningConfig) -> test_time.Answer:
+def solve(model, problem: dict, strategy: str, n: int, cfg: ReasoningConfig, scorers=(None, None)) -> test_time.Answer:
     prompt = problem["question"] + verifiers.STEP_DELIMITER
-    scorer = VerifierScorer(problem)
+    oracle = VerifierScorer(problem)
+    scorer = (scorers[1] or oracle) if strategy == "step_beam_search" else (scorers[0] or oracle)
     budget = n * cfg.max_tokens * (cfg.max_steps if strategy == "step_beam_search" else 1)
     common = dict(budget_tokens=budget, temperature=cfg.temperature, seed=cfg.seed)
     if strategy == "greedy":
-        return test_time.greedy(model, prompt, answer_of, cfg.max_tokens)
+        return test_time.greedy(model, prompt, verifiers.answer_of, cfg.max_tokens)
     if strategy == "majority_vote":
-        return test_time.majority_vote(model, prompt, answer_of, n, max_tokens=cfg.max_tokens, **common)
+        return test_time.majority_vote(model, prompt, verifiers.answer_of, n, max_tokens=cfg.max_tokens, **common)
     if strategy in ("best_of_n", "weighted_vote"):
         run = test_time.best_of_n if strategy == "best_of_n" else test_time.weighted_vote
-        return run(model, scorer, prompt, answer_of, n, max_tokens=cfg.max_tokens, **common)
+        return run(model, scorer, prompt, verifiers.answer_of, n, max_tokens=cfg.max_tokens, **common)
     width = max(1, round(n**0.5))
     return test_time.step_beam_search(
-        model, scorer, prompt, answer_of, width, max(1, n // width), max_step_tokens=cfg.max_tokens,
+        model, scorer, prompt, verifiers.answer_of, width, max(1, n // width), max_step_tokens=cfg.max_tokens,
         max_steps=cfg.max_steps, **common,
     )  # fmt: skip
 
@@ -107,12 +114,13 @@ def solve(model, problem: dict, strategy: str, n: int, cfg: ReasoningConfig) -> 
 def run_reasoning(model, cfg: ReasoningConfig) -> dict:
     """{strategy: {N: accuracy, generated tokens per problem}} and the curve's points."""
     problems = read_problems(cfg.problems, cfg.limit)
-    result: dict = {"problems": len(problems), "scorer": "verifier (an oracle)", "strategies": {}}
+    scorers = open_scorers(cfg)
+    result: dict = {"problems": len(problems), "scorer": cfg.scorer, "step_scorer": cfg.step_scorer, "strategies": {}}
     for strategy in cfg.strategies:
         counts = [1] if strategy == "greedy" else cfg.samples
         rows = {}
         for n in counts:
-            answers = [solve(model, p, strategy, n, cfg) for p in problems]
+            answers = [solve(model, p, strategy, n, cfg, scorers) for p in problems]
             correct = [a.answer is not None and verifiers.verify({**p, "answer": a.answer}) is None
                        for a, p in zip(answers, problems)]  # fmt: skip
             rows[str(n)] = {

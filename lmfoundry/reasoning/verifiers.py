@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import re
 
+from lmfoundry.clients.reward import STEP_DELIMITER  # one delimiter for solutions, scorers and training
 from lmfoundry.safety.sandbox import run_python
 
 # A solution is its steps, one a line, then "Answer: ..." on a line of its own: the step-level
 # scorers (a process reward model, step-level search) cut a solution at STEP_DELIMITER.
-STEP_DELIMITER = "\n"
 ANSWER_PREFIX = "Answer: "
 
 
@@ -188,6 +188,15 @@ def verify_qa(sample: dict) -> str | None:
         return f"the question asks about {missing}, which the passage does not mention"
     if answer.lower() in sample["question"].lower():
         return "the answer is given away by the question"
+    return None
+
+
+def answer_of(text: str) -> str | None:
+    """The final answer of a solution written in steps: what follows ANSWER_PREFIX on the first
+    line that starts with it, or None."""
+    for line in text.split(STEP_DELIMITER):
+        if line.strip().startswith(ANSWER_PREFIX.strip()):
+            return line.strip()[len(ANSWER_PREFIX.strip()) :].strip() or None
     return None
 
 

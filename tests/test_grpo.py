@@ -78,13 +78,34 @@ def test_a_rollout_actor_samples_from_the_weights_it_was_sent(ray_local, tmp_pat
         ray.get(actor.rollouts.remote(problems, [11, 12], settings, 8))
 
 
+def scoring_model(start: str, out) -> str:
+    """A reward model checkpoint with a random head: scores that differ between samples, so that
+    a policy that never verifies an answer still gets advantages to learn from."""
+    import shutil
+
+    from lmfoundry.model.checkpoint import save_model_files
+    from lmfoundry.platform import checkpoint
+    from lmfoundry.train.reward import reward_model
+
+    shutil.copytree(start, out)
+    model = reward_model(start)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(model.lm_head.weight, std=1.0)
+    save_model_files(model, out)
+    checkpoint.seal(out, {"step": 0})
+    return str(out)
+
+
 def test_grpo_killed_and_resumed_equals_the_uninterrupted_run_bitwise(deepspeed_workers, pretrained, tmp_path):
     from lmfoundry.align import synth
+    from lmfoundry.platform import checkpoint
 
     synth.run_synth(synth.SynthConfig(output=str(tmp_path / "problems"), kinds={"arithmetic": 8, "algebra": 8}))
     settings = dict(
         checkpoint=pretrained[0],
         problems=str(tmp_path / "problems"),
+        reward_model=scoring_model(checkpoint.resolve(pretrained[0]), tmp_path / "rm"),
+        reward_model_weight=1.0,
         group_size=4,
         max_tokens=12,
         optimizer={"lr": 1e-3},
@@ -109,4 +130,5 @@ def test_grpo_killed_and_resumed_equals_the_uninterrupted_run_bitwise(deepspeed_
     for key in ("loss", "reward", "kl", "response_length"):
         assert [r[key] for r in rows["drilled"]] == [r[key] for r in rows["clean"]], key
     assert drilled["final_loss"] == clean["final_loss"] and clean["steps"] == 4
-    assert rows["clean"][-1]["kl"] > 0  # the policy moved away from the reference
+    assert rows["clean"][0]["kl"] == 0.0 < rows["clean"][-1]["kl"]  # the policy moved away from the reference
+    assert all(r["grad_norm"] > 0 for r in rows["clean"])  # the advantages are not all zero

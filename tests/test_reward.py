@@ -107,12 +107,12 @@ def test_a_process_reward_model_trains_on_its_own_step_labels_through_a_killed_w
     from lmfoundry.jobs.reward import RewardJobConfig, run_reward_job
     from lmfoundry.platform import checkpoint
 
-    synth.run_synth(synth.SynthConfig(output=str(tmp_path / "problems"), kinds={"arithmetic": 6, "algebra": 6}))
+    synth.run_synth(synth.SynthConfig(output=str(tmp_path / "problems"), kinds={"arithmetic": 4, "algebra": 4}))
     cfg = RewardJobConfig(
         checkpoint=pretrained[0],
         output=str(tmp_path / "prm"),
-        step_labels={"problems": str(tmp_path / "problems"), "limit": 12, "solutions": 2, "completions": 2,
-                     "max_tokens": 24},
+        step_labels={"problems": str(tmp_path / "problems"), "limit": 8, "solutions": 2, "completions": 2,
+                     "max_tokens": 16},
         validation_fraction=0.25,
         optimizer={"lr": 3e-3},
         schedule={"warmup_steps": 1, "max_steps": 8},

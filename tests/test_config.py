@@ -87,6 +87,8 @@ def test_every_recipe_in_configs_validates():
     from lmfoundry.jobs.align import AlignJobConfig
     from lmfoundry.jobs.lifecycle import load_quickstart_config
     from lmfoundry.jobs.pretrain import PretrainJobConfig
+    from lmfoundry.jobs.reward import RewardJobConfig
+    from lmfoundry.jobs.rl import RLJobConfig
     from lmfoundry.serving.app import ServeConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"
@@ -108,6 +110,9 @@ def test_every_recipe_in_configs_validates():
         "tool_data.yaml": ToolDataConfig,
         "align_dpo.yaml": AlignJobConfig,
         "agents.yaml": AgentsJobConfig,
+        "reward_process.yaml": RewardJobConfig,
+        "reward_outcome.yaml": RewardJobConfig,
+        "rl_grpo.yaml": RLJobConfig,
     }
     for name, cls in models.items():
         assert isinstance(load_config(cls, root / name), cls)

@@ -6,6 +6,8 @@ lmfoundry pairs CONFIG [--output DIR]      (teacher-judged preference pairs)
 lmfoundry synth CONFIG [--output DIR]      (verified synthetic data)
 lmfoundry distill CONFIG [--output DIR]    (a teacher's answers as fine-tuning data)
 lmfoundry tool-data CONFIG [--output DIR]  (verified tool-use conversations for an agent workflow)
+lmfoundry reward CONFIG [--input CHECKPOINT] [--output RUN]   (outcome or process reward model)
+lmfoundry rl CONFIG [--input CHECKPOINT] [--output RUN]       (GRPO with verifiable rewards)
 lmfoundry review --db DSN list|claim|decide|comment|serve ...
 lmfoundry agents CONFIG | agents demo-data [--out DIR]
 lmfoundry quickstart [--workdir DIR] [--keep-serving]
@@ -62,6 +64,8 @@ COMMANDS = {
     "synth": Command("lmfoundry.align.synth:SynthConfig", "configs/synth.yaml"),
     "distill": Command("lmfoundry.align.distill:DistillConfig", "configs/distill.yaml"),
     "tool-data": Command("lmfoundry.agents.tool_data:ToolDataConfig", "configs/tool_data.yaml"),
+    "reward": Command("lmfoundry.jobs.reward:RewardJobConfig", "configs/reward_process.yaml"),
+    "rl": Command("lmfoundry.jobs.rl:RLJobConfig", "configs/rl_grpo.yaml"),
     "quality-model": Command("lmfoundry.data.quality:QualityTrainConfig", "configs/quality_model.yaml"),
     "agents": Command("lmfoundry.jobs.agents:AgentsJobConfig", "configs/agents.yaml"),
     "quickstart": Command(),

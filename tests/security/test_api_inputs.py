@@ -6,83 +6,21 @@ the defence held."""
 import asyncio
 import json
 import re
-import threading
 import time
-import types
 
 import httpx
 import pytest
-import torch
-from conftest import free_port
+from conftest import INFERENCE_KEY as KEY
 
-from lmfoundry.data.tokenizer import train_bpe
-from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
-from lmfoundry.model.transformer import ModelConfig, Transformer
-from lmfoundry.platform import checkpoint
-from lmfoundry.platform.keys import digest
+from lmfoundry.model.checkpoint import TOKENIZER
 
 pytestmark = pytest.mark.timeout(300)
-KEY = "sk-test-" + "s" * 20
-TEXT = [
-    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
-    "Later that evening the family gathered to discuss the harvest and the weather ahead.",
-    "def add(a, b):\n    return a + b\n",
-] * 20
 HELLO = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny")
-    tok = train_bpe(TEXT, vocab_size=400)
-    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=512, n_layer=1, d_model=32, n_head=2, n_kv_head=1)
-    save_model_files(Transformer(cfg).eval(), path)
-    (path / TOKENIZER).write_text(tok.to_str())
-    checkpoint.seal(path, {"step": 0})
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def api(tiny_checkpoint, tmp_path_factory):
-    """`api.url` serves the app; `api.use(guardrails)` puts a fresh replica behind it, built as
-    the deployment builds it. Serve's class-based routes find their replica through the replica
-    context, which a Serve replica sets; here it is pointed at the replica made for the test."""
-    import uvicorn
-    from ray import serve
-
-    from lmfoundry.serving.api import LLMServer, app
-
-    replica_class = LLMServer.func_or_class.__mro__[1]  # the class under Serve's ingress wrapper
-    current = types.SimpleNamespace(servable_object=None)
-
-    def use(guardrails: dict | None = None):
-        current.servable_object = replica_class(
-            [{"name": "main", "checkpoint": tiny_checkpoint, "weight": 1.0}],
-            "tiny",
-            None,
-            [digest(KEY)],
-            {"max_batch_size": 4, "max_waiting": 16},
-            {"max_body_bytes": 1 << 20, "max_n": 4, "request_timeout_s": 60},
-            guardrails,
-            device="cpu",
-        )
-        return current.servable_object
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(serve, "get_replica_context", lambda: current)
-        use()
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.time() + 30
-        while not server.started:
-            assert time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", use=use)
-        server.should_exit = True
-        thread.join(10)
+def api(inference_api):
+    return inference_api
 
 
 def auth():
@@ -245,7 +183,10 @@ def test_lone_surrogates_and_nul_anywhere_in_a_chat_are_400(api, body):
         (b'{"prompt": "x", "seed": 1' + b"0" * 40 + b"}", "seed"),
         (b'{"prompt": "x", "seed": -1' + b"0" * 40 + b"}", "seed"),
         (b'{"prompt": 5}', "prompt"),
-        (b'{"prompt": ["x"]}', "prompt"),
+        (b'{"prompt": ["x", 5]}', "prompt"),
+        (b'{"prompt": []}', "prompt"),
+        (b'{"prompt": [[]]}', "prompt"),
+        (b'{"prompt": [-1]}', "prompt"),
         (b'{"prompt": null}', "prompt"),
         (b'{"prompt": "x", "stream": "maybe"}', "stream"),
         (b'{"prompt": "x", "stop": 7}', "stop"),
@@ -366,7 +307,7 @@ def test_ref_cycles_ref_expansion_bombs_and_remote_refs_are_refused(schema, limi
         check_schema(schema)
 
 
-def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and_busy_refuses(tiny_checkpoint):
+def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and_busy_refuses(tiny_serving_checkpoint):
     """A top-level string with maxLength 14 or 15 takes seconds to compile (the automaton grows
     exponentially with it; they pass the static limit of 64, so the timeout is what holds them). The compile
     runs in a thread under a timeout: the event loop keeps ticking, the caller gets SchemaRefused
@@ -377,7 +318,7 @@ def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and
     from lmfoundry.model.tokenizer import eos_id
     from lmfoundry.serving import grammar
 
-    tok = Tokenizer.from_file(f"{tiny_checkpoint}/{TOKENIZER}")
+    tok = Tokenizer.from_file(f"{tiny_serving_checkpoint}/{TOKENIZER}")
     grammars = grammar.Grammars(tok, eos_id(tok))
     bounds = dict(grammar._BOUNDS)
     try:
@@ -415,13 +356,13 @@ def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and
     assert len(gaps) >= 20 and max(gaps) < 0.25, max(gaps)
 
 
-def test_compiled_grammar_cache_is_bounded_by_count_and_bytes(tiny_checkpoint):
+def test_compiled_grammar_cache_is_bounded_by_count_and_bytes(tiny_serving_checkpoint):
     from tokenizers import Tokenizer
 
     from lmfoundry.model.tokenizer import eos_id
     from lmfoundry.serving.grammar import Grammars
 
-    tok = Tokenizer.from_file(f"{tiny_checkpoint}/{TOKENIZER}")
+    tok = Tokenizer.from_file(f"{tiny_serving_checkpoint}/{TOKENIZER}")
     grammars = Grammars(tok, eos_id(tok), cache_size=3)
     schemas = [{"type": "object", "properties": {f"k{i}": {"type": "string"}}} for i in range(6)]
     for s in schemas:

@@ -60,6 +60,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# `json_object`: a JSON object of strings, numbers, booleans, nulls and lists of them. Any JSON
+# (`{"type": "object"}`) compiles to an automaton that takes outlines-core 40 s on a 400-token
+# vocabulary; this one takes 0.05 s. Deeper structure is for `json_schema`.
+_SCALAR = {"type": ["string", "number", "boolean", "null"]}
+JSON_OBJECT_SCHEMA = {
+    "type": "object",
+    "additionalProperties": {"anyOf": [_SCALAR, {"type": "array", "items": _SCALAR}]},
+}
+
+
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -85,9 +95,9 @@ class ResponseFormat(BaseModel):
     def decoding_schema(self) -> dict | None:
         """The JSON schema the reply is decoded under, or None for free text."""
         if self.type == "json_object":
-            return {"type": "object"}
+            return JSON_OBJECT_SCHEMA
         if self.type == "json_schema":
-            return self.json_schema.schema_ or {"type": "object"}
+            return self.json_schema.schema_ or JSON_OBJECT_SCHEMA
         return None
 
 

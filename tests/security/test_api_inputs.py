@@ -31,7 +31,7 @@ def post(api, path: str, body, **kw) -> httpx.Response:
     return httpx.post(f"{api.url}{path}", json=body, headers=auth(), timeout=120, **kw)
 
 
-def post_raw(api, path: str, raw: bytes) -> httpx.Response:
+def post_raw(api, path: str, raw: bytes) -> httpx.Response:  # bytes that json= would refuse to send
     headers = {**auth(), "Content-Type": "application/json"}
     return httpx.post(f"{api.url}{path}", content=raw, headers=headers, timeout=120)
 
@@ -228,6 +228,69 @@ def test_four_stop_strings_of_64_characters_are_accepted(api):
     assert r.status_code == 200, r.text
 
 
+# ---- the fields of the OpenAI surface, over their limits ----
+
+TOO_MANY_BIASES = {str(i): 1 for i in range(301)}
+
+
+@pytest.mark.parametrize(
+    "path, body, expected",
+    [
+        ("/v1/completions", {"prompt": "x", "n": 5}, "limit of 4"),
+        ("/v1/completions", {"prompt": ["x"] * 65}, "at most 64"),
+        ("/v1/completions", {"prompt": ["x"] * 17, "n": 4}, "68 choices; the limit is 64"),
+        ("/v1/completions", {"prompt": [[1]] * 65}, "at most 64"),
+        ("/v1/completions", {"prompt": [10**6]}, "outside the vocabulary"),
+        ("/v1/completions", {"prompt": [2**40]}, "less than"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, "outside the vocabulary (0 to 369)"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, "not a token id"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"٣": 1}}, "not a token id"),  # a digit, not ASCII
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"1" * 5000: 1}}, "not a token id"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 101}}, "less than or equal to 100"),
+        ("/v1/completions", b'{"prompt": "x", "logit_bias": {"1": Infinity}}', "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": TOO_MANY_BIASES}, "at most 300"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "less than or equal to 20"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "less than or equal to 2"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "greater than or equal to -2"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "allowed with echo=true"),
+        ("/v1/completions", {"prompt": "x" * 3000, "max_tokens": 0, "echo": True}, "context is 512"),
+        ("/v1/chat/completions", {"messages": HELLO, "top_logprobs": 2}, "top_logprobs needs logprobs"),
+        ("/v1/chat/completions", {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, "20"),
+        ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 3, "max_completion_tokens": 4}, "differ"),
+        ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 0}, "at least 1 token"),
+        ("/v1/chat/completions", {"messages": HELLO, "response_format": {"type": "json_schema"}}, "json_schema"),
+        ("/v1/chat/completions", {"messages": HELLO, "response_format": {"type": "xml"}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/"}}]}]},
+            "messages",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}] * 65}]}, "64"),
+        ("/detokenize", {"tokens": [10**6]}, "outside the vocabulary"),
+        ("/detokenize", {"tokens": [1] * 70_000}, "at most 65536"),
+        ("/tokenize", {"prompt": "x", "messages": HELLO}, "either prompt or messages"),
+        ("/tokenize", rb'{"prompt": "\ud800"}', "surrogate"),
+    ],
+)
+def test_openai_fields_over_their_limits_are_400_naming_the_field(api, path, body, expected):
+    r = post_raw(api, path, body) if isinstance(body, bytes) else post(api, path, body)
+    assert r.status_code == 400, (path, r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and expected in error["message"], error
+
+
+def test_unimplemented_field_names_cannot_forge_or_flood_the_warning_header(api):
+    """Ignored fields are named in a response header: names that are not plain identifiers
+    (a CR LF that would start a header of its own, non-Latin-1 text a header cannot carry) and
+    names past the first 16 are counted, never repeated."""
+    fields = {"evil\r\nSet-Cookie: a=b": 1, "名前": 2, **{f"f{i:03}": i for i in range(500)}}
+    r = post(api, "/v1/completions", {"prompt": "The", "max_tokens": 1, **fields})
+    assert r.status_code == 200, r.text[:300]
+    header = r.headers["x-lmfoundry-ignored-fields"]
+    assert header == ", ".join([f"f{i:03}" for i in range(16)] + ["486 more"])
+    assert "set-cookie" not in r.headers
+
+
 # ---- tool schemas ----
 
 
@@ -265,15 +328,22 @@ def _laughs(levels: int) -> dict:
         ({"type": "object", "properties": {"x": {"type": "nonsense"}}}, "cannot be compiled"),
     ],
 )
-def test_hostile_tool_schemas_are_a_quick_400_naming_the_limit(api, parameters, limit):
-    started = time.perf_counter()
-    body = {"messages": HELLO, "tools": [_tool(parameters=parameters)], "tool_choice": "required", "max_tokens": 8}
-    r = post(api, "/v1/chat/completions", body)
-    elapsed = time.perf_counter() - started
-    assert r.status_code == 400, r.text[:300]
-    error = r.json()["error"]
-    assert error["param"] == "tools" and (limit is None or limit in error["message"]), error
-    assert elapsed < 12, f"took {elapsed:.1f} s"
+def test_hostile_tool_and_response_schemas_are_a_quick_400_naming_the_limit(api, parameters, limit):
+    """The same schema as a forced tool's parameters and as a response format, on both routes."""
+    forced = {"tools": [_tool(parameters=parameters)], "tool_choice": "required"}
+    response_format = {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": parameters}}}
+    for path, body, field in [
+        ("/v1/chat/completions", {"messages": HELLO, **forced}, "tools"),
+        ("/v1/chat/completions", {"messages": HELLO, **response_format}, "response_format"),
+        ("/v1/completions", {"prompt": "The", **response_format}, "response_format"),
+    ]:
+        started = time.perf_counter()
+        r = post(api, path, {**body, "max_tokens": 8})
+        elapsed = time.perf_counter() - started
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == field and (limit is None or limit in error["message"]), error
+        assert elapsed < 12, f"took {elapsed:.1f} s"
 
 
 def test_ordinary_forced_tool_call_still_compiles_and_decodes(api):

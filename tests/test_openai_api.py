@@ -5,7 +5,10 @@ values come from the model run directly in the test, not from the server."""
 
 import json
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -303,3 +306,93 @@ def test_lm_evaluation_harness_local_completions_scores_equal_the_in_process_eva
             assert [r[0][0] for r in sample["resps"]] == pytest.approx(mine, abs=1e-4), name
         for metric, value in result["metrics"].items():
             assert theirs["results"][name][f"{metric},none"] == pytest.approx(value, abs=1e-9), (name, metric)
+
+
+def test_schema_fuzzing_of_every_route_finds_no_server_error(inference_api):
+    """Schemathesis generates requests from the app's own OpenAPI schema (valid and invalid
+    bodies, odd types, boundary values: the new fields, prompt lists, token ids, tokenize and
+    detokenize among them) and checks that none is answered with a 5xx. The app is the one Serve
+    runs, here without Ray: the proxy adds nothing to what a body can do to a handler."""
+    schema = httpx.get(f"{inference_api.url}/openapi.json", headers={"Authorization": f"Bearer {inference_api.key}"})
+    paths = set(schema.json()["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/tokenizer_info"} <= paths
+    r = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("st")),
+            "run",
+            f"{inference_api.url}/openapi.json",
+            "-H",
+            f"Authorization: Bearer {inference_api.key}",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "30",
+            "--generation-deterministic",
+            "--request-timeout",
+            "60",
+            "--no-color",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+# ---- the pieces alone (no server) ----
+
+CALL_F = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+CALL_G = '<tool_call>{"name": "g", "arguments": {"b": "</tool"}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "text, parallel, names, content",
+    [
+        (f"Sure. {CALL_F}{CALL_G}", True, ["f", "g"], "Sure. "),
+        (f"Sure. {CALL_F} and {CALL_G}", False, ["f"], "Sure.  and "),
+        ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', True, [], None),  # not an offered tool
+        ("<tool_call>{not json}</tool_call> x", True, [], None),
+        ('<tool_ca and <tool_call>{"name": "f", "arguments": {}}', True, ["f"], "<tool_ca and "),  # cut short
+        ("a < b <tool", True, [], None),
+    ],
+)
+def test_tool_calls_are_read_the_same_from_a_whole_reply_and_from_any_split_of_its_stream(
+    text, parallel, names, content
+):
+    from lmfoundry.serving.tool_calls import Call, ToolCallStream, parse_tool_calls
+
+    calls, rest = parse_tool_calls(text, ["f", "g"], forced=False, parallel=parallel)
+    assert [c.name for c in calls] == names and rest == (text if content is None else content)
+    for size in (1, 2, 3, 7, len(text)):  # the text as a stream, in pieces of every size
+        stream = ToolCallStream(["f", "g"], parallel=parallel)
+        events = [e for i in range(0, len(text), size) for e in stream.feed(text[i : i + size])] + stream.finish()
+        assert [e.name for e in events if isinstance(e, Call)] == names
+        assert "".join(e for e in events if isinstance(e, str)) == rest
+        if names:  # text before a call is passed on before the call is
+            assert isinstance(events[-1], Call) or not isinstance(events[0], Call)
+
+
+def test_a_forced_call_is_the_reply_itself():
+    from lmfoundry.serving.tool_calls import parse_tool_calls
+
+    calls, rest = parse_tool_calls('{"name": "f", "arguments": {"a": [1]}}', ["f"], forced=True)
+    assert [(c.name, c.arguments) for c in calls] == [("f", {"a": [1]})] and rest == ""
+
+
+def test_bias_and_penalties_apply_per_row_and_leave_other_rows_alone():
+    from lmfoundry.serving.sampling import SamplingParams, adjust_logits
+
+    logits = torch.randn(3, 10)
+    counts = torch.zeros(10)
+    counts[[2, 5, 5]] = torch.tensor([1.0, 3.0, 3.0])
+    params = [
+        SamplingParams(4),
+        SamplingParams(4, frequency_penalty=0.5, presence_penalty=1.0),
+        SamplingParams(4, logit_bias=((7, -100.0), (1, 2.5))),
+    ]
+    out = adjust_logits(logits, params, [None, counts, None])
+    assert torch.equal(out[0], logits[0])
+    want = logits[1] - 0.5 * counts - 1.0 * (counts > 0).float()
+    torch.testing.assert_close(out[1], want)
+    assert out[2, 7] == logits[2, 7] - 100 and out[2, 1] == logits[2, 1] + 2.5
+    assert adjust_logits(logits, [SamplingParams(4)] * 3, [None] * 3) is logits  # nothing to do: no copy

@@ -434,6 +434,12 @@ class LLMServer:
         stop = self._check_fields(req)
         engine = self.engines[version]
         prepared = self._prepare(engine, prompts, req, route, version, tenant)
+        if len(prepared) * req.n > engine.batcher.max_waiting:  # could never be queued: not a 503 to retry
+            raise ApiError(
+                400,
+                f"{len(prepared) * req.n} choices (prompts x n); this server queues at most {engine.batcher.max_waiting}",
+                param="n",
+            )
         params = sampling_params(req, engine.vocab_size, stop)
         charged = sum(len(p.ids) + p.budget * req.n for p in prepared)
         prompt_tokens = sum(len(p.ids) for p in prepared) * req.n

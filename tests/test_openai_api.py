@@ -81,6 +81,17 @@ def test_echo_scores_the_prompt_as_the_model_does(inference_api, client, model):
             assert sorted(lp.top_logprobs[t].values(), reverse=True) == pytest.approx(best, abs=1e-5)
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
         assert reply.usage.completion_tokens == max_tokens or reply.choices[0].finish_reason == "stop"
+    # streamed: the prompt first, then the completion, the same text and scores
+    whole = client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=4, logprobs=1, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=prompt, echo=True, max_tokens=4, logprobs=1, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-6, nan_ok=True)
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == whole.choices[0].logprobs.text_offset
     # token ids and a list of prompts, as the harness sends them: n choices per prompt, in order
     batch = post(
         inference_api,
@@ -296,7 +307,7 @@ def test_lm_evaluation_harness_local_completions_scores_equal_the_in_process_eva
             f"auth_token={inference_api.key},num_concurrent=1,max_retries=1,batch_size=8"
         ),
         tasks=sorted(ours),
-        task_manager=TaskManager(include_path=str(harness_copy(files, tmp_path / "tasks"))),
+        task_manager=TaskManager(include_path=str(harness_copy(files, tmp_path / "tasks")), include_defaults=False),
         limit=8,
         log_samples=True,
     )

@@ -442,7 +442,7 @@ class LLMServer:
             )
         params = sampling_params(req, engine.vocab_size, stop)
         charged = sum(len(p.ids) + p.budget * req.n for p in prepared)
-        prompt_tokens = sum(len(p.ids) for p in prepared) * req.n
+        prompt_tokens = sum(len(p.ids) for p in prepared)  # once, whatever n (as OpenAI counts)
         await self._admit(tenant, charged)
         try:
             if schema is not None:

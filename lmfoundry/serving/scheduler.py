@@ -198,29 +198,38 @@ class ContinuousBatcher:
         return admitted
 
     def _prefill(self, reqs: list[Request]) -> None:
-        """The prompts of the requests just admitted, in one pass, right-padded to the longest.
-        A padded row writes keys and values past its prompt; its length is set back to the
-        prompt's, so they are masked and then overwritten as its sequence grows. The output
-        layer runs at each prompt's last position only, unless a request scores its prompt."""
+        """The prompts of the requests just admitted: those that only generate in one pass, and
+        each that scores its prompt in a pass of its own (the output layer at every position of
+        its prompt, memory its length x the vocabulary, is paid by that request alone)."""
+        plain = [r for r in reqs if r.params.prompt_logprobs is None]
+        if plain:
+            self._prefill_pass(plain)
+        for req in reqs:
+            if req.params.prompt_logprobs is not None:
+                self._prefill_pass([req], scoring=True)
+
+    def _prefill_pass(self, reqs: list[Request], scoring: bool = False) -> None:
+        """One pass over the prompts, right-padded to the longest. A padded row writes keys and
+        values past its prompt; its length is set back to the prompt's, so they are masked and
+        then overwritten as its sequence grows. The output layer runs at each prompt's last
+        position only (`logits_at`) unless the pass scores its prompt."""
         lengths = torch.tensor([len(r.prompt) for r in reqs], device=self.device)
         ids = torch.zeros(len(reqs), int(lengths.max()), dtype=torch.long, device=self.device)
         for row, req in enumerate(reqs):
             ids[row, : len(req.prompt)] = torch.tensor(req.prompt, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         self.cache.reset(slots)
-        scoring = any(r.params.prompt_logprobs is not None for r in reqs)
         logits, _ = self.model(ids, cache=self.cache, slots=slots, logits_at=None if scoring else lengths - 1)
         self.cache.lengths[slots] = lengths
         self.stats["prefills"] += len(reqs)
         self.stats["prefill_passes"] += 1
         self.stats["prefill_tokens"] += int(lengths.sum())
         if scoring:
-            for row, req in enumerate(reqs):
-                if req.params.prompt_logprobs is not None and len(req.prompt) > 1:
-                    scores = torch.log_softmax(logits[row, : len(req.prompt) - 1].float(), -1)
-                    targets = ids[row, 1 : len(req.prompt)]
-                    req.prompt_logprobs = token_logprobs(scores, targets, req.params.prompt_logprobs)
-            last = logits[torch.arange(len(reqs), device=self.device), lengths - 1]
+            (req,) = reqs
+            if len(req.prompt) > 1:
+                scores = torch.log_softmax(logits[0, :-1].float(), -1)
+                req.prompt_logprobs = token_logprobs(scores, ids[0, 1:], req.params.prompt_logprobs)
+            last = logits[:, -1]
         else:
             last = logits[:, 0]
         self._sample(reqs, last)

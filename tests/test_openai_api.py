@@ -407,3 +407,39 @@ def test_bias_and_penalties_apply_per_row_and_leave_other_rows_alone():
     torch.testing.assert_close(out[1], want)
     assert out[2, 7] == logits[2, 7] - 100 and out[2, 1] == logits[2, 1] + 2.5
     assert adjust_logits(logits, [SamplingParams(4)] * 3, [None] * 3) is logits  # nothing to do: no copy
+
+
+def test_lm_evaluation_harness_local_chat_completions_gets_the_in_process_replies(
+    inference_api, tiny_serving_checkpoint, tmp_path, monkeypatch
+):
+    """`local-chat-completions` (generation tasks only: chat completions carry no prompt
+    log-probabilities) on the shipped generation task: each reply is the in-process greedy reply
+    to the very messages the harness sent, cut at its stop strings."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from lmfoundry.clients.checkpoint import CheckpointModel, cut_at_stop
+    from lmfoundry.eval.tasks import harness_copy
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", inference_api.key)
+    tasks_dir = os.path.join(os.path.dirname(__file__), "..", "lmfoundry", "eval", "suites", "tasks")
+    include = harness_copy([os.path.join(tasks_dir, "repeat_word.yaml")], tmp_path / "tasks")
+    theirs = lm_eval.simple_evaluate(
+        model="local-chat-completions",
+        model_args=f"base_url={inference_api.url}/v1/chat/completions,model=tiny,num_concurrent=1,max_retries=1",
+        tasks=["lmfoundry_repeat_word"],
+        task_manager=TaskManager(include_path=str(include), include_defaults=False),
+        apply_chat_template=True,
+        limit=4,
+        log_samples=True,
+    )
+    local = CheckpointModel(tiny_serving_checkpoint)
+    samples = theirs["samples"]["lmfoundry_repeat_word"]
+    assert len(samples) == 4
+    for sample in samples:
+        ((messages,), gen_kwargs) = sample["arguments"][0]  # the messages as JSON text, as they were sent
+        ids = local.encode(local.template.render(json.loads(messages)))
+        want = cut_at_stop(local._generate(ids, gen_kwargs["max_gen_toks"])[0], gen_kwargs["until"])
+        assert sample["resps"][0][0] == want
+    assert any(sample["resps"][0][0] for sample in samples)  # replies, not empty strings that match anything

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import yaml
 
 pytestmark = pytest.mark.timeout(300)
 HELLO = [{"role": "user", "content": "hello"}]
@@ -413,8 +414,8 @@ def test_lm_evaluation_harness_local_chat_completions_gets_the_in_process_replie
     inference_api, tiny_serving_checkpoint, tmp_path, monkeypatch
 ):
     """`local-chat-completions` (generation tasks only: chat completions carry no prompt
-    log-probabilities) on the shipped generation task: each reply is the in-process greedy reply
-    to the very messages the harness sent, cut at its stop strings."""
+    log-probabilities) on the shipped generation task: each reply is the in-process reply to the
+    very messages the harness sent, sampled under the same seed, cut at its stop strings."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
@@ -425,6 +426,11 @@ def test_lm_evaluation_harness_local_chat_completions_gets_the_in_process_replie
     monkeypatch.setenv("OPENAI_API_KEY", inference_api.key)
     tasks_dir = os.path.join(os.path.dirname(__file__), "..", "lmfoundry", "eval", "suites", "tasks")
     include = harness_copy([os.path.join(tasks_dir, "repeat_word.yaml")], tmp_path / "tasks")
+    # a random model's greedy reply is newlines: sample instead (the harness sends seed 1234),
+    # stopping at a string it will not meet, so that replies are text that can differ
+    spec = yaml.safe_load((include / "repeat_word.yaml").read_text())
+    spec["generation_kwargs"].update(until=["\n\n\n"], temperature=1.0)
+    (include / "repeat_word.yaml").write_text(yaml.safe_dump(spec))
     theirs = lm_eval.simple_evaluate(
         model="local-chat-completions",
         model_args=f"base_url={inference_api.url}/v1/chat/completions,model=tiny,num_concurrent=1,max_retries=1",
@@ -440,6 +446,7 @@ def test_lm_evaluation_harness_local_chat_completions_gets_the_in_process_replie
     for sample in samples:
         ((messages,), gen_kwargs) = sample["arguments"][0]  # the messages as JSON text, as they were sent
         ids = local.encode(local.template.render(json.loads(messages)))
-        want = cut_at_stop(local._generate(ids, gen_kwargs["max_gen_toks"])[0], gen_kwargs["until"])
+        reply = local._generate(ids, gen_kwargs["max_gen_toks"], gen_kwargs["temperature"], seed=1234)[0]
+        want = cut_at_stop(reply, gen_kwargs["until"])
         assert sample["resps"][0][0] == want
-    assert any(sample["resps"][0][0] for sample in samples)  # replies, not empty strings that match anything
+    assert all(sample["resps"][0][0].strip() for sample in samples)  # text, not blanks that match anything

@@ -17,6 +17,8 @@ MAX_CONTENT_PARTS = 64  # text parts of one message
 # Field names that a warning header repeats: a hostile name must not become a header it cannot be.
 _FIELD_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_NAMED_IGNORED = 16
+# top-level fields whose null is refused rather than read as "the default"
+_NULL_MEANS_NULL = frozenset({"prompt", "messages"})
 # torch's generators take a 64-bit seed; each choice of a request adds its index to it.
 SEED_RANGE = (-(2**63), 2**63 - 1)
 _UNUSABLE = re.compile("[\x00\ud800-\udfff]")
@@ -129,6 +131,8 @@ class _Request(BaseModel):
     @classmethod
     def _valid_texts(cls, data):
         check_texts(data)
+        if isinstance(data, dict):  # OpenAI's optional fields are nullable: null is the default
+            data = {k: v for k, v in data.items() if v is not None or k in _NULL_MEANS_NULL}
         return data
 
     @model_validator(mode="after")

@@ -63,8 +63,8 @@ class StreamOptions(BaseModel):
 
 
 # `json_object`: a JSON object of strings, numbers, booleans, nulls and lists of them. Any JSON
-# (`{"type": "object"}`) compiles to an automaton that takes outlines-core 40 s on a 400-token
-# vocabulary; this one takes 0.05 s. Deeper structure is for `json_schema`.
+# (`{"type": "object"}`) compiles to an automaton that outlines-core builds too slowly to serve
+# (past grammar.COMPILE_TIMEOUT_S even on a tiny vocabulary). Deeper structure is for `json_schema`.
 _SCALAR = {"type": ["string", "number", "boolean", "null"]}
 JSON_OBJECT_SCHEMA = {
     "type": "object",

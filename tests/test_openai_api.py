@@ -272,6 +272,18 @@ def test_forced_and_streamed_tool_calls_arrive_as_deltas(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_auto_tool_choice_streams_the_same_reply_it_answers_whole(client):
+    """With tools offered and `auto`, streamed text passes the tool-call reader: what it holds
+    back (a possible tag's start) still arrives, and the stream adds up to the whole reply."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    kwargs = dict(model="tiny", messages=HELLO, tools=tools, tool_choice="auto", max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and whole.choices[0].message.tool_calls is None
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
 def test_models_tokenize_and_detokenize(inference_api, model):
     _, tok = model
     cards = httpx.get(f"{inference_api.url}/v1/models", headers={"Authorization": f"Bearer {inference_api.key}"})

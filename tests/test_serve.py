@@ -217,7 +217,7 @@ def test_openai_client_chat(server):
     assert chat.choices[0].message.role == "assistant"
     assert isinstance(chat.choices[0].message.content, str)
     assert chat.usage.completion_tokens <= 10
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert [m.id for m in client.models.list()] == ["tiny", "tiny:main"]  # the name, then each version
     with pytest.raises(Exception, match="401"):
         OpenAI(base_url=f"{server}/v1", api_key="nope").models.list()
 

@@ -55,6 +55,7 @@ from lmfoundry.model.export import export_hf
 from lmfoundry.model.transformer import ModelConfig, Transformer
 from lmfoundry.platform import checkpoint
 from lmfoundry.serving.engine import DTYPES
+from lmfoundry.serving.sampling import SamplingParams
 from lmfoundry.serving.scheduler import ContinuousBatcher
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -124,7 +125,7 @@ def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int, dtype: torch.dty
                 ended.put(key)
 
         sent[key] = time.perf_counter()
-        batcher.submit(prompts[stream][r], max_tokens, 0.0, 1.0, emit)
+        batcher.submit(prompts[stream][r], SamplingParams(max_tokens, 0.0), emit)
 
     try:
         t0 = time.perf_counter()
@@ -255,7 +256,7 @@ def engine_seconds(ckpt: Path, texts: list[str], max_tokens: int) -> list[tuple[
             n = min(max_tokens, batcher.context - len(ids))
             q: queue.Queue = queue.Queue()
             t = time.perf_counter()
-            batcher.submit(ids, n, 0.0, 1.0, q.put)
+            batcher.submit(ids, SamplingParams(n, 0.0), q.put)
             while isinstance(q.get(), int):
                 pass
             out.append((time.perf_counter() - t, n))

@@ -332,3 +332,77 @@ def ray_head():
         except subprocess.TimeoutExpired:
             head.kill()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# ---- the inference API in this process: the real app, engine and HTTP, no Ray ----
+
+INFERENCE_KEY = "sk-test-" + "s" * 20
+SERVING_TEXT = [
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
+    "Later that evening the family gathered to discuss the harvest and the weather ahead.",
+    "def add(a, b):\n    return a + b\n",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tiny_serving_checkpoint(tmp_path_factory):
+    """A random-weight one-layer model with a 400-token byte-level BPE and a 512-token context."""
+    import torch
+
+    from lmfoundry.data.tokenizer import train_bpe
+    from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.platform import checkpoint
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny")
+    tok = train_bpe(SERVING_TEXT, vocab_size=400)
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=512, n_layer=1, d_model=32, n_head=2, n_kv_head=1)
+    save_model_files(Transformer(cfg).eval(), path)
+    (path / TOKENIZER).write_text(tok.to_str())
+    checkpoint.seal(path, {"step": 0})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def inference_api(tiny_serving_checkpoint):
+    """`.url` serves the inference app over HTTP (uvicorn in a thread; Ray Serve's proxy is left
+    out, so no Ray starts); `.use(guardrails)` puts a fresh replica behind it, built as the
+    deployment builds it. Serve's class-based routes find their replica through the replica
+    context, which a Serve replica sets; here it is pointed at the replica made for the test."""
+    import threading
+    import types
+
+    import uvicorn
+    from ray import serve
+
+    from lmfoundry.platform.keys import digest
+    from lmfoundry.serving.api import LLMServer, app
+
+    replica_class = LLMServer.func_or_class.__mro__[1]  # the class under Serve's ingress wrapper
+    current = types.SimpleNamespace(servable_object=None)
+
+    def use(guardrails: dict | None = None):
+        current.servable_object = replica_class(
+            [{"name": "main", "checkpoint": tiny_serving_checkpoint, "weight": 1.0}],
+            "tiny",
+            None,
+            [digest(INFERENCE_KEY)],
+            {"max_batch_size": 4, "max_waiting": 16},
+            {"max_body_bytes": 1 << 20, "max_n": 4, "request_timeout_s": 60},
+            guardrails,
+            device="cpu",
+        )
+        return current.servable_object
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(serve, "get_replica_context", lambda: current)
+        use()
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        wait_until(lambda: server.started, 30, "uvicorn to start")
+        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", use=use, key=INFERENCE_KEY)
+        server.should_exit = True
+        thread.join(10)

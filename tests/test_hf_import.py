@@ -244,7 +244,9 @@ def test_an_imported_checkpoint_serves_evaluates_and_exports_as_its_family(tmp_p
 
 
 async def _complete(engine, ids, n):
-    return await engine.stream(ids, n, 0.0, 1.0, [], None).collect()
+    from lmfoundry.serving.sampling import SamplingParams
+
+    return await engine.stream(ids, SamplingParams(n, 0.0)).collect()
 
 
 def test_pack_tokenizes_with_an_imported_checkpoints_tokenizer_and_eos(tmp_path):

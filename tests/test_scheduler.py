@@ -9,6 +9,7 @@ import torch
 
 from lmfoundry.model.generate import generate
 from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.serving.sampling import SamplingParams
 from lmfoundry.serving.scheduler import ContinuousBatcher, Overloaded
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,7 +24,7 @@ def model():
 def collect(batcher, prompt, n, temperature=0.0, seed=None, top_p=1.0):
     """Submit one request; returns a function that waits for its (tokens, finish reason)."""
     q: queue.Queue = queue.Queue()
-    req = batcher.submit(prompt, n, temperature, top_p, q.put, seed)
+    req = batcher.submit(prompt, SamplingParams(n, temperature, top_p, seed), q.put)
 
     def wait():
         tokens = []
@@ -82,7 +83,7 @@ def test_stop_tokens_cancellation_and_slot_reuse(model):
             if len(seen) == 3:
                 req.cancel()
 
-        req = batcher.submit([9, 9], 60, 0.0, 1.0, emit)
+        req = batcher.submit([9, 9], SamplingParams(60, 0.0), emit)
         deadline = time.time() + 30
         while not seen or not isinstance(seen[-1], str):
             assert time.time() < deadline
@@ -109,18 +110,18 @@ def test_a_full_queue_is_refused_at_once_and_limits_are_checked(model):
     gate = threading.Event()
     try:
         with pytest.raises(ValueError, match="exceeds the model's context of 64"):
-            batcher.submit([1] * 60, 10, 0.0, 1.0, lambda _: None)
+            batcher.submit([1] * 60, SamplingParams(10, 0.0), lambda _: None)
         with pytest.raises(ValueError, match="at least one token"):
-            batcher.submit([], 10, 0.0, 1.0, lambda _: None)
+            batcher.submit([], SamplingParams(10, 0.0), lambda _: None)
         # one runs, two wait, the fourth is refused
         slow = lambda _: gate.wait(0.01)  # noqa: E731
-        reqs = [batcher.submit([1, 2], 60, 0.0, 1.0, slow)]
+        reqs = [batcher.submit([1, 2], SamplingParams(60, 0.0), slow)]
         while batcher.running < 1:
             time.sleep(0.001)
-        reqs += [batcher.submit([1, 2], 60, 0.0, 1.0, slow) for _ in range(2)]
+        reqs += [batcher.submit([1, 2], SamplingParams(60, 0.0), slow) for _ in range(2)]
         t0 = time.perf_counter()
         with pytest.raises(Overloaded, match="max_waiting=2"):
-            batcher.submit([1, 2], 5, 0.0, 1.0, lambda _: None)
+            batcher.submit([1, 2], SamplingParams(5, 0.0), lambda _: None)
         assert time.perf_counter() - t0 < 0.5
         for r in reqs:
             r.cancel()
@@ -149,7 +150,7 @@ def test_a_request_that_fails_ends_alone(model):
     try:
         healthy = collect(batcher, [1, 2, 3], 20)[1]
         q: queue.Queue = queue.Queue()
-        batcher.submit([4, 5], 20, 0.0, 1.0, q.put, constraint=Broken())
+        batcher.submit([4, 5], SamplingParams(20, 0.0), q.put, constraint=Broken())
         items = [q.get(timeout=30) for _ in range(3)]
         assert isinstance(items[-1], RuntimeError) and "grammar broke" in str(items[-1])
         assert healthy() == (generate(model, [1, 2, 3], 20, temperature=0).tokens, "length")
@@ -188,4 +189,4 @@ def test_the_engine_serves_in_bfloat16_when_asked(tmp_path):
 
 
 async def _complete(engine, ids, n):
-    return await engine.stream(ids, n, 0.0, 1.0, [], None).collect()
+    return await engine.stream(ids, SamplingParams(n, 0.0)).collect()

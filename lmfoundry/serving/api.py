@@ -11,10 +11,10 @@ a 5xx for the client's mistake, and is counted in the metrics (serving/metrics.p
 """
 
 import asyncio
-import json
 import math
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,46 +29,34 @@ from lmfoundry.platform.log import get_logger
 from lmfoundry.platform.tracing import TracingConfig
 from lmfoundry.safety.guardrails import Guardrail, StreamGate
 from lmfoundry.safety.harm import HarmConfig
-from lmfoundry.serving.engine import GenerationFailed, InferenceEngine, parse_tool_call
-from lmfoundry.serving.grammar import GrammarBusy, SchemaRefused, check_schema, tool_call_schema
+from lmfoundry.serving.engine import InferenceEngine
+from lmfoundry.serving.errors import ApiError, overloaded
+from lmfoundry.serving.grammar import GrammarBusy, SchemaRefused
 from lmfoundry.serving.metrics import ServingMetrics
 from lmfoundry.serving.protocol import (
-    AssistantMessage,
-    ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    FunctionCall,
-    ToolCall,
+    DetokenizeRequest,
+    TokenizeRequest,
     Usage,
 )
+from lmfoundry.serving.request_params import check_choice_count, for_choice, reply_schema, sampling_params
+from lmfoundry.serving.responses import chat_choice, chat_logprobs, completion_logprobs
 from lmfoundry.serving.scheduler import Overloaded
+from lmfoundry.serving.streaming import stream_events
 from lmfoundry.serving.tracing import InferenceTracer
 from lmfoundry.serving.traffic import SplitSource
 
 logger = get_logger(__name__)
+IGNORED_HEADER = "x-lmfoundry-ignored-fields"  # the request fields accepted but not honoured
 
 # No public /docs: every route but /health needs a key, the OpenAPI schema's too (GET /openapi.json below).
 app = FastAPI(
     title="lmfoundry", description="OpenAI-compatible inference", docs_url=None, redoc_url=None, openapi_url=None
 )
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-        self.headers = headers or {}
 
 
 @app.exception_handler(ApiError)
@@ -119,49 +107,11 @@ def body_problem(cause: BaseException) -> str:
 app.add_middleware(gate.Gate, name="inference")
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def chat_choice(index: int, text: str, finish_reason: str, tools: list[dict], forced: bool) -> ChatChoice:
-    """The assistant's message: a tool call when the reply is one (always, when one was forced
-    and the JSON was completed), else text."""
-    call = (
-        parse_tool_call(text, [t["name"] for t in tools], forced)
-        if tools and finish_reason != "content_filter"
-        else None
-    )
-    if call is None:
-        return ChatChoice(index=index, message=AssistantMessage(content=text), finish_reason=finish_reason)
-    name, arguments, before = call
-    tool_call = ToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=json.dumps(arguments))
-    )
-    return ChatChoice(
-        index=index,
-        message=AssistantMessage(content=before or None, tool_calls=[tool_call]),
-        finish_reason="tool_calls",
-    )
-
-
-def whole_reply_events(reply: ChatCompletionResponse, req):
-    """A finished chat reply as server-sent chunks: role, content or tool calls, finish, usage."""
-    head = {
-        "id": reply.id,
-        "object": "chat.completion.chunk",
-        "created": reply.created,
-        "model": reply.model,
-        "system_fingerprint": reply.system_fingerprint,
-    }
-    for c in reply.choices:
-        delta: dict = {"role": "assistant", "content": c.message.content}
-        if c.message.tool_calls:
-            delta["tool_calls"] = [{"index": k, **t.model_dump()} for k, t in enumerate(c.message.tool_calls)]
-        yield _sse({**head, "choices": [{"index": c.index, "delta": delta, "finish_reason": None}]})
-        yield _sse({**head, "choices": [{"index": c.index, "delta": {}, "finish_reason": c.finish_reason}]})
-    if req.stream_options and req.stream_options.include_usage:
-        yield _sse({**head, "choices": [], "usage": reply.usage.model_dump()})
-    yield "data: [DONE]\n\n"
+@dataclass
+class Prompt:
+    text: str
+    ids: list[int]
+    budget: int  # tokens each of its choices may generate
 
 
 # Module-level helpers above this line: the decorator captures the module's names as they are now.
@@ -300,37 +250,31 @@ class LLMServer:
             raise ApiError(408, message, "timeout_error", code="request_timeout") from None
 
     @staticmethod
-    async def _compile(engine, schema: dict) -> None:
-        """The tool-call schema's automaton, built off the event loop under limits and a timeout
+    async def _compile(engine, schema: dict, field: str) -> None:
+        """The reply schema's automaton, built off the event loop under limits and a timeout
         (grammar.py), so that a hostile schema is a 400 and never a hung replica."""
         try:
             await engine.grammars.prepare(schema)
         except SchemaRefused as e:
-            raise ApiError(400, f"tools: {e}", param="tools", code="invalid_schema") from None
+            raise ApiError(400, f"{field}: {e}", param=field, code="invalid_schema") from None
         except GrammarBusy as e:
-            raise ApiError(
-                503, f"{e}; retry shortly", "server_overloaded", code="overloaded", headers={"Retry-After": "5"}
-            ) from None
+            raise overloaded(str(e), retry_after_s=5) from None
 
-    def _start(self, engine, ids, budget, req, stop, schema):
-        """One engine stream per choice, all queued at once so that they share forward passes."""
+    @staticmethod
+    def _start(engine, prompts: list[Prompt], req, params, schema, field: str) -> list:
+        """n engine streams per prompt, choice index prompt * n + i, all queued at once so that
+        they share forward passes."""
         streams = []
         try:
-            for i in range(req.n):
-                seed = None if req.seed is None else req.seed + i
-                streams.append(engine.stream(ids, budget, req.temperature, req.top_p, stop, seed, schema))
+            for p in prompts:
+                for _ in range(req.n):
+                    streams.append(engine.stream(p.ids, for_choice(params, p.budget, len(streams)), schema))
         except (Overloaded, ValueError) as e:
             for s in streams:
                 s.cancel()
-            if isinstance(e, ValueError):  # a tool's parameters that are no usable JSON schema
-                raise ApiError(400, f"tools: {e}", param="tools") from None
-            raise ApiError(
-                503,
-                f"the server is at capacity ({e}); retry shortly",
-                "server_overloaded",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            ) from None
+            if isinstance(e, ValueError):  # a schema that is no usable JSON schema
+                raise ApiError(400, f"{field}: {e}", param=field) from None
+            raise overloaded(f"the server is at capacity ({e})") from None
         return streams
 
     # ---- routes ----
@@ -355,61 +299,99 @@ class LLMServer:
 
     @app.get("/v1/models")
     async def models(self, request: Request):
-        context = min(e.context for e in self.engines.values())
-        data = [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "lmfoundry", "max_model_len": context}
-        ]
-        if len(self.engines) > 1:  # each version can be asked for by name
-            data += [
-                {
-                    "id": f"{self.model_name}:{v}",
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "lmfoundry",
-                    "max_model_len": e.context,
-                }
-                for v, e in self.engines.items()
-            ]
+        """The model's name (answered by the traffic split), then each version by name."""
+
+        def card(model_id: str, context: int) -> dict:
+            return {"id": model_id, "object": "model", "created": 0, "owned_by": "lmfoundry", "max_model_len": context}
+
+        data = [card(self.model_name, min(e.context for e in self.engines.values()))]
+        data += [card(f"{self.model_name}:{v}", e.context) for v, e in self.engines.items()]
         return {"object": "list", "data": data}
+
+    @app.post("/tokenize")
+    async def tokenize(self, req: TokenizeRequest, request: Request):
+        """As vLLM's: a prompt, or messages through the chat template, to token ids."""
+        engine = self.engines[self._version(req)]
+        if req.messages is not None:
+            text = engine.chat_template.render([m.model_dump(exclude_none=True) for m in req.messages])
+        else:
+            text = req.prompt
+        ids = engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens).ids
+        out = {"count": len(ids), "max_model_len": engine.context, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [engine.tokenizer.id_to_token(t) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(self, req: DetokenizeRequest, request: Request):
+        engine = self.engines[self._version(req)]
+        try:
+            engine.check_ids(req.tokens)
+        except ValueError as e:
+            raise ApiError(400, f"tokens: {e}", param="tokens") from None
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request):
+        """The special tokens and chat template of the version the split picks now (what
+        lm-evaluation-harness's remote tokenizer asks for)."""
+        engine = self.engines[self.split.current().pick(None)]
+        special = engine.special
+        return {
+            "eos_token": special.eos,
+            "bos_token": special.bos,
+            "pad_token": special.pad,
+            "chat_template": engine.chat_template.source,
+            "model_max_length": engine.context,
+        }
 
     @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest, request: Request):
-        return await self._serve("completions", request, req, lambda engine: req.prompt)
+        check_choice_count(req)
+        schema, field = reply_schema(req)
+        return await self._serve("completions", request, req, lambda engine: req.prompts(), (), schema, field)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
-        forced, name = req.forced_tool()
+        forced, _ = req.forced_tool()
         tools = req.tools_offered()
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         offered = [{"type": "function", "function": t} for t in tools]  # as transformers' templates take them
+        schema, field = reply_schema(req)  # the static limits first: before anything is rendered
 
-        def prompt(engine) -> str:
-            return engine.chat_template.render(messages, offered, forced)
+        def prompts(engine) -> list[str]:
+            return [engine.chat_template.render(messages, offered, forced)]
 
-        schema = tool_call_schema(tools, name) if forced else None
-        if schema is not None:  # the static limits first: before the tools are rendered and tokenized
-            try:
-                check_schema(schema)
-            except SchemaRefused as e:
-                raise ApiError(400, f"tools: {e}", param="tools", code="invalid_schema") from None
-        return await self._serve("chat", request, req, prompt, tools, schema)
+        return await self._serve("chat", request, req, prompts, tools, schema, field)
 
     async def _serve(
-        self, route: str, request: Request, req, prompt, tools: list[dict] = (), schema: dict | None = None
+        self,
+        route: str,
+        request: Request,
+        req,
+        prompts,
+        tools: list[dict] = (),
+        schema: dict | None = None,
+        field: str = "response_format",
     ):
-        """`prompt(engine)` renders the request for the version that answers it."""
+        """`prompts(engine)` renders the request for the version that answers it."""
         started = time.perf_counter()
         status, version, refusal = 500, "none", None
         tenant = self._tenant(request)
         span = request.state.span = self.tracer.start(route, req, tenant)
         streaming = False
+        ignored = req.ignored_fields()
+        if ignored:  # as vLLM: accepted, not honoured, and said so
+            logger.warning("%s: ignored fields this server does not implement: %s", route, ", ".join(ignored))
         try:
             version = self._version(req)
             response = await self._respond(
-                route, request, req, prompt(self.engines[version]), tools, schema, started, version
+                route, request, req, prompts(self.engines[version]), tools, schema, field, started, version
             )
             status = response.status_code
             response.headers["x-lmfoundry-version"] = version
+            if ignored:
+                response.headers[IGNORED_HEADER] = ", ".join(ignored)
             if isinstance(response, StreamingResponse):  # the span ends with the stream
                 response.body_iterator, streaming = span.until_done(response.body_iterator, version), True
             return response
@@ -422,38 +404,58 @@ class LLMServer:
             self.metrics.requests.labels(route=route, status=str(status), version=version, tenant=tenant).inc()
             self.metrics.latency.labels(route=route, version=version).observe(time.perf_counter() - started)
 
+    def _prepare(self, engine, prompts: list, req, route: str, version: str, tenant: str) -> list[Prompt]:
+        out = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids, budget = engine.prepare(prompt, req.max_tokens)
+            except ValueError as e:
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                param = "max_tokens" if "max_tokens" in str(e) else ("prompt" if route == "completions" else None)
+                raise ApiError(400, f"{where}{e}", param=param) from None
+            text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
+            self._guard_input(route, text, version, tenant)
+            out.append(Prompt(text, ids, budget))
+        return out
+
     async def _respond(
         self,
         route: str,
         request: Request,
         req,
-        prompt: str,
+        prompts: list,
         tools: list[dict],
         schema: dict | None,
+        field: str,
         started: float,
         version: str,
     ):
         tenant = self._tenant(request)
         stop = self._check_fields(req)
         engine = self.engines[version]
-        try:
-            ids, budget = engine.prepare(prompt, req.max_tokens)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else None) from None
-        self._guard_input(route, prompt, version, tenant)
-        charged = len(ids) + budget * req.n
+        prepared = self._prepare(engine, prompts, req, route, version, tenant)
+        if len(prepared) * req.n > engine.batcher.max_waiting:  # could never be queued: not a 503 to retry
+            raise ApiError(
+                400,
+                f"{len(prepared) * req.n} choices (prompts x n); this server queues at most {engine.batcher.max_waiting}",
+                param="n",
+            )
+        params = sampling_params(req, engine.vocab_size, stop)
+        charged = sum(len(p.ids) + p.budget * req.n for p in prepared)
+        prompt_tokens = sum(len(p.ids) for p in prepared)  # once, whatever n (as OpenAI counts)
         await self._admit(tenant, charged)
         try:
             if schema is not None:
-                await self._compile(engine, schema)
-            streams = self._start(engine, ids, budget, req, stop, schema)
+                await self._compile(engine, schema, field)
+            streams = self._start(engine, prepared, req, params, schema, field)
         except ApiError:
             self._refund(tenant, charged)
             raise
         chat = route == "chat"
-        if req.stream and not tools:  # a reply that may be a tool call is sent whole, once parsed
+        choice_prompts = [p for p in prepared for _ in range(req.n)]
+        if req.stream:
             return await self._stream_response(
-                streams, req, chat, tenant, charged, started, version, request.state.span
+                streams, req, chat, tools, choice_prompts, prompt_tokens, tenant, charged, started, version, request
             )
         outs = await self._in_time(
             [s.collect() for s in streams],
@@ -467,16 +469,19 @@ class LLMServer:
         request.state.span.first_token(first)
         for o in outs:
             if self._output_blocked(o.text, version, tenant):
-                o.text, o.finish_reason = "", "content_filter"
+                o.text, o.finish_reason, o.logprobs = "", "content_filter", None
         completion = sum(o.completion_tokens for o in outs)
         self.metrics.generated_tokens.labels(version=version, tenant=tenant).inc(completion)
-        self.metrics.prompt_tokens.labels(version=version, tenant=tenant).inc(len(ids))
-        self._refund(tenant, charged - len(ids) - completion)
-        usage = Usage(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion)
+        self.metrics.prompt_tokens.labels(version=version, tenant=tenant).inc(prompt_tokens)
+        self._refund(tenant, charged - prompt_tokens - completion)
+        usage = Usage(
+            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+        )
         created = int(time.time())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request.state.span.answered(rid, [o.finish_reason for o in outs], len(ids), completion)
+        request.state.span.answered(rid, [o.finish_reason for o in outs], prompt_tokens, completion)
         if chat:
+            forced = req.forced_tool()[0]
             reply = ChatCompletionResponse(
                 id=rid,
                 created=created,
@@ -484,27 +489,37 @@ class LLMServer:
                 usage=usage,
                 system_fingerprint=version,
                 choices=[
-                    chat_choice(i, o.text, o.finish_reason, tools, schema is not None) for i, o in enumerate(outs)
+                    chat_choice(
+                        i,
+                        o.text,
+                        o.finish_reason,
+                        tools,
+                        forced,
+                        req.parallel_tool_calls,
+                        chat_logprobs(o.logprobs, engine.token_text),
+                    )
+                    for i, o in enumerate(outs)
                 ],
             )
-            if req.stream:
-                return StreamingResponse(whole_reply_events(reply, req), media_type="text/event-stream")
             return JSONResponse(reply.model_dump())
+        choices = []
+        for i, (o, p) in enumerate(zip(outs, choice_prompts)):
+            logprobs = None
+            if req.logprobs is not None and o.logprobs is not None:
+                scored = (o.prompt_logprobs or []) + o.logprobs if req.echo else o.logprobs
+                logprobs = completion_logprobs(
+                    scored, engine.token_text, 0 if req.echo else len(p.text), p.ids[0] if req.echo else None
+                )
+            text = p.text + o.text if req.echo and o.finish_reason != "content_filter" else o.text
+            choices.append(CompletionChoice(index=i, text=text, finish_reason=o.finish_reason, logprobs=logprobs))
         return JSONResponse(
             CompletionResponse(
-                id=rid,
-                created=created,
-                model=self.model_name,
-                usage=usage,
-                system_fingerprint=version,
-                choices=[
-                    CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason) for i, o in enumerate(outs)
-                ],
+                id=rid, created=created, model=self.model_name, usage=usage, system_fingerprint=version, choices=choices
             ).model_dump()
         )
 
     async def _stream_response(
-        self, streams, req, chat: bool, tenant: str, charged: int, started: float, version: str, span
+        self, streams, req, chat: bool, tools, prompts, prompt_tokens: int, tenant, charged, started, version, request
     ):
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. The first
         delta of every choice is awaited before the response starts, so a timeout is still a 408."""
@@ -515,113 +530,29 @@ class LLMServer:
             charged,
             f"no token within {self.timeout_s} s (request_timeout_s)",
         )
+        span = request.state.span
         self.metrics.time_to_first_token.labels(version=version).observe(time.perf_counter() - started)
         span.first_token(time.perf_counter() - started)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        head = {
-            "id": rid,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "system_fingerprint": version,
-        }
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        prompt_tokens = firsts[0].prompt_tokens
 
-        def chunk(index: int, text: str, finish: str | None) -> str:
-            if chat:
-                return _sse(
-                    {
-                        **head,
-                        "choices": [
-                            {"index": index, "delta": {"content": text} if text else {}, "finish_reason": finish}
-                        ],
-                    }
-                )
-            return _sse({**head, "choices": [{"index": index, "text": text, "finish_reason": finish}]})
+        def finished(finishes: list[str], completion: int, rid: str) -> None:
+            span.answered(rid, finishes, prompt_tokens, completion)
+            self.metrics.generated_tokens.labels(version=version, tenant=tenant).inc(completion)
+            self.metrics.prompt_tokens.labels(version=version, tenant=tenant).inc(prompt_tokens)
+            self._refund(tenant, charged - prompt_tokens - completion)
 
-        async def events():
-            completion = [0] * len(streams)
-            finishes = ["error"] * len(streams)  # until a choice's last event says otherwise
-            try:
-                merged: asyncio.Queue = asyncio.Queue()
-
-                async def pump(index: int, stream, first) -> None:
-                    gate, delta = self._stream_gate(), first
-                    try:
-                        while True:
-                            completion[index] = delta.completion_tokens
-                            last = delta.finish_reason is not None
-                            text = self._passed(gate, delta.text, last, version, tenant)
-                            if text is None:  # blocked: nothing of this text leaves, the choice ends
-                                stream.cancel()
-                                await merged.put((index, "", "content_filter"))
-                                return
-                            await merged.put((index, text, delta.finish_reason))
-                            if last:
-                                return
-                            delta = await stream.next_delta()
-                    except GenerationFailed as e:  # headers are sent: the stream says so and ends this choice
-                        logger.error("stream choice %d failed: %s", index, e)
-                        await merged.put((index, e, None))
-
-                if chat:
-                    for index in range(len(streams)):
-                        yield _sse(
-                            {
-                                **head,
-                                "choices": [
-                                    {
-                                        "index": index,
-                                        "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None,
-                                    }
-                                ],
-                            }
-                        )
-                tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
-                done = 0
-                while done < len(streams):
-                    index, text, finish = await merged.get()
-                    if isinstance(text, GenerationFailed):
-                        yield _sse(
-                            {
-                                "error": {
-                                    "message": f"choice {index}: {text}",
-                                    "type": "api_error",
-                                    "param": None,
-                                    "code": "generation_failed",
-                                }
-                            }
-                        )
-                        done += 1
-                        continue
-                    if text or finish:
-                        yield chunk(index, text, finish)
-                    if finish is not None:
-                        finishes[index] = finish
-                    done += finish is not None
-                await asyncio.gather(*tasks)
-                total = sum(completion)
-                span.answered(rid, finishes, prompt_tokens, total)
-                self.metrics.generated_tokens.labels(version=version, tenant=tenant).inc(total)
-                self.metrics.prompt_tokens.labels(version=version, tenant=tenant).inc(prompt_tokens)
-                self._refund(tenant, charged - prompt_tokens - total)
-                if include_usage:
-                    yield _sse(
-                        {
-                            **head,
-                            "choices": [],
-                            "usage": {
-                                "prompt_tokens": prompt_tokens,
-                                "completion_tokens": total,
-                                "total_tokens": prompt_tokens + total,
-                            },
-                        }
-                    )
-                yield "data: [DONE]\n\n"
-            finally:  # also when the client goes away mid-stream: free the batch slots
-                for s in streams:
-                    s.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        events = stream_events(
+            streams,
+            firsts,
+            req,
+            chat,
+            tools,
+            prompts,
+            self.engines[version].token_text,
+            self.model_name,
+            version,
+            prompt_tokens,
+            lambda: self._stream_gate(),
+            lambda gate, text, last: self._passed(gate, text, last, version, tenant),
+            finished,
+        )
+        return StreamingResponse(events, media_type="text/event-stream")

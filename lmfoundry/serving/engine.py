@@ -11,16 +11,17 @@ import asyncio
 import functools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from lmfoundry.model.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ChatTemplate
+from lmfoundry.model.chat_template import ChatTemplate
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
 from lmfoundry.model.tokenizer import SpecialTokens
 from lmfoundry.platform import checkpoint
+from lmfoundry.serving.sampling import SamplingParams, TokenLogprob
 from lmfoundry.serving.scheduler import ContinuousBatcher
 
 
@@ -30,6 +31,7 @@ class Delta:
     finish_reason: str | None  # set on the last delta only
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens since the last delta
 
 
 @dataclass
@@ -38,30 +40,12 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None  # when asked for: one per token, a stop token's too
+    prompt_logprobs: list[TokenLogprob] | None = None  # when asked for: prompt tokens 1..n-1
 
 
 class GenerationFailed(RuntimeError):
     pass
-
-
-def parse_tool_call(text: str, tool_names: list[str], forced: bool) -> tuple[str, dict, str] | None:
-    """(name, arguments, text before the call) of the tool call in a reply, or None. A forced
-    reply is the call's JSON alone (the prompt opened the tag)."""
-    if forced:
-        body, before = text, ""
-    else:
-        start = text.find(TOOL_CALL_OPEN)
-        if start < 0:
-            return None
-        end = text.find(TOOL_CALL_CLOSE, start)
-        body, before = text[start + len(TOOL_CALL_OPEN) : end if end >= 0 else len(text)], text[:start]
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(call, dict) or call.get("name") not in tool_names or not isinstance(call.get("arguments"), dict):
-        return None
-    return call["name"], call["arguments"], before
 
 
 # the precisions the engine runs in (EngineConfig.dtype names the same)
@@ -104,14 +88,34 @@ class InferenceEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def prepare(self, prompt: str, max_tokens: int | None) -> tuple[list[int], int]:
-        """The prompt's token ids and the number of tokens to generate; a ValueError naming the
-        limit when they do not fit the context (raised before anything is queued or streamed)."""
-        ids = self.encode(prompt)
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids below this are both in the tokenizer and in the model's output layer."""
+        return min(self.tokenizer.get_vocab_size(with_added_tokens=True), self.batcher.model.cfg.vocab_size)
+
+    def token_text(self, token: int) -> str:
+        """A token's own text; a special token (which decoding drops) by its name."""
+        return self.tokenizer.decode([token]) or (self.tokenizer.id_to_token(token) or "")
+
+    def check_ids(self, ids: list[int]) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0 to {self.vocab_size - 1})")
+
+    def prepare(self, prompt: str | list[int], max_tokens: int | None) -> tuple[list[int], int]:
+        """The prompt's token ids (a string is tokenized, ids are checked against the
+        vocabulary) and the number of tokens to generate; a ValueError naming the limit when they
+        do not fit the context (raised before anything is queued or streamed). max_tokens=0
+        (scoring the prompt) may fill the whole context."""
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        else:
+            self.check_ids(prompt)
+            ids = list(prompt)
         if not ids:
             raise ValueError("the prompt is empty after tokenization")
         room = self.context - len(ids)
-        if room < 1:
+        if room < (0 if max_tokens == 0 else 1):
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.context}")
         if max_tokens is not None and max_tokens > room:
             raise ValueError(
@@ -126,21 +130,12 @@ class InferenceEngine:
 
         return Grammars(self.tokenizer, self.special.eos_id(self.tokenizer))
 
-    def stream(
-        self,
-        ids: list[int],
-        budget: int,
-        temperature: float,
-        top_p: float,
-        stop: list[str],
-        seed: int | None,
-        schema: dict | None = None,
-    ) -> TextStream:
+    def stream(self, ids: list[int], params: SamplingParams, schema: dict | None = None) -> TextStream:
         """Queue a generation now (raises Overloaded at once when the queue is full) and return
         its text stream; with `schema`, the text is JSON that the schema accepts. Must be called
         on the event loop that will read the stream."""
         constraint = self.grammars.constraint(schema) if schema is not None else None
-        return TextStream(self, ids, budget, temperature, top_p, stop, seed, constraint)
+        return TextStream(self, ids, params, constraint)
 
 
 class TextStream:
@@ -152,17 +147,15 @@ class TextStream:
         self,
         engine: InferenceEngine,
         ids: list[int],
-        budget: int,
-        temperature: float,
-        top_p: float,
-        stop: list[str],
-        seed: int | None,
+        params: SamplingParams,
         constraint=None,
     ):
         self.tokenizer = engine.tokenizer
         self.prompt_tokens = len(ids)
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.stop = params.stop
+        self.params = params
+        self.reported = 0  # log-probabilities already handed out in deltas
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
         self.sent = 0  # characters of the decoded text already given out
         self.finished = False
@@ -176,18 +169,23 @@ class TextStream:
             except RuntimeError:  # the event loop is gone: nobody is listening any more
                 self.request.cancel()
 
-        self.request = engine.batcher.submit(ids, budget, temperature, top_p, emit, seed, constraint)
+        self.request = engine.batcher.submit(ids, params, emit, constraint)
 
     def cancel(self) -> None:
         self.request.cancel()
 
-    def _delta(self, text: str, finish: str | None) -> Delta:
+    def _delta(self, text: str, finish: str | None, every_logprob: bool = False) -> Delta:
+        """`every_logprob`: the batcher has ended the request, so every log-probability it wrote
+        belongs to this delta (a stop token's too); otherwise those of the tokens read so far."""
         if self.first_delta_at is None:
             self.first_delta_at = time.perf_counter()
         if finish is not None:
             self.finished = True
             self.cancel()  # a stop string ends the request before the model does
-        return Delta(text, finish, self.prompt_tokens, len(self.tokens))
+        upto = None if every_logprob else len(self.tokens)
+        logprobs = self.request.logprobs[self.reported : upto]
+        self.reported += len(logprobs)
+        return Delta(text, finish, self.prompt_tokens, len(self.tokens), logprobs)
 
     async def next_delta(self) -> Delta:
         if self.finished:
@@ -198,7 +196,7 @@ class TextStream:
                 self.finished = True
                 raise GenerationFailed(f"generation failed: {type(item).__name__}: {item}") from item
             if isinstance(item, str):
-                return self._delta(self.tokenizer.decode(self.tokens)[self.sent :], item)
+                return self._delta(self.tokenizer.decode(self.tokens)[self.sent :], item, every_logprob=True)
             self.tokens.append(item)
             text = self.tokenizer.decode(self.tokens)
             hit = min((text.index(s) for s in self.stop if s in text), default=-1)
@@ -221,5 +219,10 @@ class TextStream:
         parts = [d async for d in self]
         last = parts[-1]
         return Completion(
-            "".join(p.text for p in parts), last.prompt_tokens, last.completion_tokens, last.finish_reason
+            "".join(p.text for p in parts),
+            last.prompt_tokens,
+            last.completion_tokens,
+            last.finish_reason,
+            [lp for p in parts for lp in p.logprobs] if self.params.logprobs is not None else None,
+            self.request.prompt_logprobs if self.params.prompt_logprobs is not None else None,
         )

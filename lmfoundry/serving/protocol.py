@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lmfoundry.serving.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, PENALTY_RANGE
 
 # As OpenAI: a few short stop strings. The engine looks for each one in the text after every token.
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 64
+MAX_PROMPTS = 64  # prompts in one completions request (each is n choices in the batch)
+MAX_CONTENT_PARTS = 64  # text parts of one message
+# Field names that a warning header repeats: a hostile name must not become a header it cannot be.
+_FIELD_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_NAMED_IGNORED = 16
+# top-level fields whose null is refused rather than read as "the default"
+_NULL_MEANS_NULL = frozenset({"prompt", "messages"})
 # torch's generators take a 64-bit seed; each choice of a request adds its index to it.
 SEED_RANGE = (-(2**63), 2**63 - 1)
 _UNUSABLE = re.compile("[\x00\ud800-\udfff]")
@@ -53,17 +62,67 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    # Unknown fields are errors: a client asking for something unsupported hears so.
+# `json_object`: a JSON object of strings, numbers, booleans, nulls and lists of them. Any JSON
+# (`{"type": "object"}`) compiles to an automaton that outlines-core builds too slowly to serve
+# (past grammar.COMPILE_TIMEOUT_S even on a tiny vocabulary). Deeper structure is for `json_schema`.
+_SCALAR = {"type": ["string", "number", "boolean", "null"]}
+JSON_OBJECT_SCHEMA = {
+    "type": "object",
+    "additionalProperties": {"anyOf": [_SCALAR, {"type": "array", "items": _SCALAR}]},
+}
+
+
+class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    # pydantic's alias: `schema` would shadow BaseModel.schema
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # the reply is always decoded under the schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is given with type 'json_schema', and only then")
+        return self
+
+    def decoding_schema(self) -> dict | None:
+        """The JSON schema the reply is decoded under, or None for free text."""
+        if self.type == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if self.type == "json_schema":
+            return self.json_schema.schema_ or JSON_OBJECT_SCHEMA
+        return None
+
+
+class _Request(BaseModel):
+    # Top-level fields this server does not implement are accepted and ignored, with a warning
+    # (`ignored_fields`), as vLLM does: clients send many optional fields by default. Inside
+    # messages, tools and formats, unknown fields are still errors.
+    model_config = ConfigDict(extra="allow")
+
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=8)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    presence_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    # token id (as a string, as OpenAI sends it) -> a bias added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS
+    )
+    response_format: ResponseFormat | None = None  # JSON replies by constrained decoding
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -72,7 +131,31 @@ class _Request(BaseModel):
     @classmethod
     def _valid_texts(cls, data):
         check_texts(data)
+        if isinstance(data, dict):  # OpenAI's optional fields are nullable: null is the default
+            data = {k: v for k, v in data.items() if v is not None or k in _NULL_MEANS_NULL}
         return data
+
+    @model_validator(mode="after")
+    def _check_logit_bias(self):
+        for key in self.logit_bias or {}:
+            if not key.isascii() or not key.isdigit() or len(key) > 9:
+                raise ValueError(f"logit_bias: key {key[:32]!r} is not a token id (a non-negative integer)")
+        return self
+
+    def ignored_fields(self) -> list[str]:
+        """The fields sent that this server does not implement: the first few by name (names
+        that are not plain identifiers are counted, not repeated)."""
+        extra = sorted(self.model_extra or {})
+        named = [f for f in extra if _FIELD_NAME.match(f)][:MAX_NAMED_IGNORED]
+        others = len(extra) - len(named)
+        return named + ([f"{others} more"] if others else [])
+
+    def reply_schema(self) -> dict | None:
+        """The JSON schema the reply is decoded under, or None for free text."""
+        return None if self.response_format is None else self.response_format.decoding_schema()
+
+    def bias_ids(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -88,8 +171,32 @@ class _Request(BaseModel):
         return stops
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1)]
+
+
 class CompletionRequest(_Request):
-    prompt: str = Field(..., min_length=1)
+    # a text, a list of texts, token ids, or a list of token-id lists (lm-evaluation-harness
+    # sends ids); each prompt gets n choices, indexed prompt by prompt
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
+    echo: bool = False  # the prompt before the completion, with its log-probabilities under `logprobs`
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_scoring(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing; it is allowed with echo=true, to score the prompt")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
 
 class FunctionCall(BaseModel):
@@ -107,14 +214,31 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = None
+    # `developer` is OpenAI's newer name for system instructions; the template sees `system`
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # a string, or text parts (joined by newlines, as vLLM does); this server reads no images
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _normalise(self) -> ChatMessage:
+        if self.role == "developer":
+            self.role = "system"
+        if isinstance(self.content, list):
+            self.content = "\n".join(part.text for part in self.content)
+        return self
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
@@ -160,9 +284,24 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     tools: list[Tool] | None = Field(None, max_length=64)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; at most one call per reply
+    parallel_tool_calls: bool = True  # False: at most one call per reply
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_lengths_and_logprobs(self) -> ChatCompletionRequest:
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens: a chat reply needs at least 1 token")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
+            self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
 
     @model_validator(mode="after")
     def _check_tools(self) -> ChatCompletionRequest:
@@ -175,6 +314,10 @@ class ChatCompletionRequest(_Request):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
         return self
+
+    def reply_schema(self) -> dict | None:
+        """The response format's JSON schema; a tool call, when one is forced, takes precedence."""
+        return None if self.forced_tool()[0] else super().reply_schema()
 
     def forced_tool(self) -> tuple[bool, str | None]:
         """(whether the reply must be a tool call, the tool it must call or None for any)."""
@@ -194,11 +337,18 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None for the prompt's first token, which nothing predicts
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -217,10 +367,25 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -231,3 +396,41 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None  # the model version that answered
     choices: list[ChatChoice]
     usage: Usage
+
+
+MAX_TOKENIZE_CHARS = 1 << 20  # text to /tokenize (the body limit usually binds first)
+MAX_DETOKENIZE_TOKENS = 1 << 16
+
+
+class TokenizeRequest(BaseModel):
+    """As vLLM's /tokenize: a prompt, or messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=MAX_TOKENIZE_CHARS)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # accepted; the chat template always opens the reply
+    return_token_strs: bool = False
+    user: str | None = None  # the traffic split's key, as on the other routes
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_texts(cls, data):
+        check_texts(data)
+        return data
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(..., max_length=MAX_DETOKENIZE_TOKENS)
+    user: str | None = None

@@ -16,7 +16,7 @@ import collections
 import heapq
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,12 +24,14 @@ from lmfoundry.model.generate import sample_next
 from lmfoundry.model.transformer import KVCache, Transformer
 from lmfoundry.platform.log import get_logger
 from lmfoundry.serving.decode_attention import cached_attention
+from lmfoundry.serving.sampling import SamplingParams, TokenLogprob, adjust_logits, token_logprobs
 
 logger = get_logger(__name__)
 
 # What a request's callback receives, in order: token ids, then one finish reason ("stop" for a
-# stop token, which is not passed on, "length" at max_new_tokens, "cancelled"), or an exception
-# if the model failed.
+# stop token, which is not passed on, "length" at max_tokens, "cancelled"), or an exception
+# if the model failed. Log-probabilities, when asked for, are on the Request (`logprobs`,
+# `prompt_logprobs`), written before the token they belong to is emitted.
 Item = int | str | BaseException
 
 
@@ -40,9 +42,7 @@ class Overloaded(RuntimeError):
 @dataclass(eq=False)
 class Request:
     prompt: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
+    params: SamplingParams
     emit: Callable[[Item], None]  # called on the scheduler thread; must not block
     generator: torch.Generator | None = None
     produced: int = 0
@@ -51,6 +51,10 @@ class Request:
     cancelled: bool = False
     # constrained decoding (grammar.JsonSchemaConstraint): allowed() token ids, advance(token), done()
     constraint: object | None = None
+    counts: torch.Tensor | None = None  # (V,) tokens generated so far, kept only under penalties
+    # one entry per generated token, and one for a stop token that ended the request
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1..n-1
 
     def cancel(self) -> None:
         """Ends the request at the next token boundary (a client that went away)."""
@@ -109,22 +113,23 @@ class ContinuousBatcher:
     def submit(
         self,
         prompt: list[int],
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
+        params: SamplingParams,
         emit: Callable[[Item], None],
-        seed: int | None = None,
         constraint=None,
     ) -> Request:
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
-        if len(prompt) + max_new_tokens > self.context:
+        if len(prompt) + params.max_tokens > self.context:
             raise ValueError(
-                f"a prompt of {len(prompt)} tokens plus max_tokens={max_new_tokens} exceeds "
+                f"a prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} exceeds "
                 f"the model's context of {self.context}"
             )
-        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-        req = Request(prompt, max_new_tokens, temperature, top_p, emit, gen, constraint=constraint)
+        if params.max_tokens == 0 and params.prompt_logprobs is None:
+            raise ValueError("max_tokens=0 generates nothing; it is for scoring the prompt (prompt logprobs)")
+        gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
+        req = Request(prompt, params, emit, gen, constraint=constraint)
+        if params.penalised:
+            req.counts = torch.zeros(self.model.cfg.vocab_size, device=self.device)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
@@ -193,23 +198,41 @@ class ContinuousBatcher:
         return admitted
 
     def _prefill(self, reqs: list[Request]) -> None:
-        """The prompts of the requests just admitted, in one pass, right-padded to the longest.
-        A padded row writes keys and values past its prompt; its length is set back to the
-        prompt's, so they are masked and then overwritten as its sequence grows."""
+        """The prompts of the requests just admitted: those that only generate in one pass, and
+        each that scores its prompt in a pass of its own (the output layer at every position of
+        its prompt, memory its length x the vocabulary, is paid by that request alone)."""
+        plain = [r for r in reqs if r.params.prompt_logprobs is None]
+        if plain:
+            self._prefill_pass(plain)
+        for req in reqs:
+            if req.params.prompt_logprobs is not None:
+                self._prefill_pass([req], scoring=True)
+
+    def _prefill_pass(self, reqs: list[Request], scoring: bool = False) -> None:
+        """One pass over the prompts, right-padded to the longest. A padded row writes keys and
+        values past its prompt; its length is set back to the prompt's, so they are masked and
+        then overwritten as its sequence grows. The output layer runs at each prompt's last
+        position only (`logits_at`) unless the pass scores its prompt."""
         lengths = torch.tensor([len(r.prompt) for r in reqs], device=self.device)
         ids = torch.zeros(len(reqs), int(lengths.max()), dtype=torch.long, device=self.device)
         for row, req in enumerate(reqs):
             ids[row, : len(req.prompt)] = torch.tensor(req.prompt, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         self.cache.reset(slots)
-        logits, _ = self.model(ids, cache=self.cache, slots=slots, logits_at=lengths - 1)
+        logits, _ = self.model(ids, cache=self.cache, slots=slots, logits_at=None if scoring else lengths - 1)
         self.cache.lengths[slots] = lengths
         self.stats["prefills"] += len(reqs)
         self.stats["prefill_passes"] += 1
         self.stats["prefill_tokens"] += int(lengths.sum())
-        last = logits[:, 0]
-        for row, req in enumerate(reqs):
-            self._advance_one(req, last[row])
+        if scoring:
+            (req,) = reqs
+            if len(req.prompt) > 1:
+                scores = torch.log_softmax(logits[0, :-1].float(), -1)
+                req.prompt_logprobs = token_logprobs(scores, ids[0, 1:], req.params.prompt_logprobs)
+            last = logits[:, -1]
+        else:
+            last = logits[:, 0]
+        self._sample(reqs, last)
 
     def _decode(self) -> None:
         # in slot order: when the running slots are consecutive the cache is read without a copy
@@ -219,24 +242,40 @@ class ContinuousBatcher:
         logits, _ = self.model(tokens, cache=self.cache, slots=slots)
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(reqs)
-        last = logits[:, -1]
-        greedy = last.argmax(-1).tolist()
-        for row, req in enumerate(reqs):
-            self._advance_one(req, last[row], greedy[row] if req.temperature <= 0 else None)
+        self._sample(reqs, logits[:, -1])
 
-    def _advance_one(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
+    def _sample(self, reqs: list[Request], raw: torch.Tensor) -> None:
+        """The next token of every row of `raw` (B, V): bias and penalties for the whole batch at
+        once, the greedy choices in one argmax, log-probabilities of the rows that ask for them
+        in one log-softmax; then each request samples (under its own generator and grammar)."""
+        logits = adjust_logits(raw, [r.params for r in reqs], [r.counts for r in reqs])
+        greedy = logits.argmax(-1).tolist()
+        scored = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+        logprobs = dict(zip(scored, torch.log_softmax(raw[scored].float(), -1))) if scored else {}
+        for row, req in enumerate(reqs):
+            token = greedy[row] if req.params.temperature <= 0 else None
+            self._advance_one(req, logits[row], token, logprobs.get(row))
+
+    def _advance_one(
+        self, req: Request, logits: torch.Tensor, token: int | None = None, logprobs: torch.Tensor | None = None
+    ) -> None:
         """A failure that belongs to one request (its sampling, its grammar) ends that one only."""
         try:
-            self._advance(req, logits, token)
+            self._advance(req, logits, token, logprobs)
         except Exception as exc:
             logger.exception("request in slot %d failed", req.slot)
             if req.slot in self._running:
                 self._finish(req, exc)
 
-    def _advance(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
+    def _advance(
+        self, req: Request, logits: torch.Tensor, token: int | None = None, logprobs: torch.Tensor | None = None
+    ) -> None:
         """Sample the request's next token from its logits and pass it on, or finish it."""
         if req.cancelled:
             self._finish(req, "cancelled")
+            return
+        if req.params.max_tokens == 0:  # the prompt was scored; nothing is generated
+            self._finish(req, "length")
             return
         if req.constraint is not None:
             allowed = torch.tensor(req.constraint.allowed(), device=logits.device)
@@ -244,18 +283,24 @@ class ContinuousBatcher:
             masked[allowed] = logits[allowed]
             logits, token = masked, None
         if token is None:
-            token = sample_next(logits, req.temperature, req.top_p, req.generator)
+            token = sample_next(logits, req.params.temperature, req.params.top_p, req.generator)
+        if logprobs is not None:
+            req.logprobs += token_logprobs(
+                logprobs[None], torch.tensor([token], device=logprobs.device), req.params.logprobs
+            )
         if token in self.stop_ids:
             self._finish(req, "stop")
             return
         if req.constraint is not None:
             req.constraint.advance(token)
+        if req.counts is not None:
+            req.counts[token] += 1
         req.produced += 1
         req.last_token = token
         req.emit(token)
         if req.constraint is not None and req.constraint.done():
             self._finish(req, "stop")
-        elif req.produced >= req.max_new_tokens:
+        elif req.produced >= req.params.max_tokens:
             self._finish(req, "length")
 
     def _finish(self, req: Request, reason: str | BaseException) -> None:

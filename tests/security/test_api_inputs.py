@@ -6,83 +6,21 @@ the defence held."""
 import asyncio
 import json
 import re
-import threading
 import time
-import types
 
 import httpx
 import pytest
-import torch
-from conftest import free_port
+from conftest import INFERENCE_KEY as KEY
 
-from lmfoundry.data.tokenizer import train_bpe
-from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
-from lmfoundry.model.transformer import ModelConfig, Transformer
-from lmfoundry.platform import checkpoint
-from lmfoundry.platform.keys import digest
+from lmfoundry.model.checkpoint import TOKENIZER
 
 pytestmark = pytest.mark.timeout(300)
-KEY = "sk-test-" + "s" * 20
-TEXT = [
-    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
-    "Later that evening the family gathered to discuss the harvest and the weather ahead.",
-    "def add(a, b):\n    return a + b\n",
-] * 20
 HELLO = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny")
-    tok = train_bpe(TEXT, vocab_size=400)
-    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=512, n_layer=1, d_model=32, n_head=2, n_kv_head=1)
-    save_model_files(Transformer(cfg).eval(), path)
-    (path / TOKENIZER).write_text(tok.to_str())
-    checkpoint.seal(path, {"step": 0})
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def api(tiny_checkpoint, tmp_path_factory):
-    """`api.url` serves the app; `api.use(guardrails)` puts a fresh replica behind it, built as
-    the deployment builds it. Serve's class-based routes find their replica through the replica
-    context, which a Serve replica sets; here it is pointed at the replica made for the test."""
-    import uvicorn
-    from ray import serve
-
-    from lmfoundry.serving.api import LLMServer, app
-
-    replica_class = LLMServer.func_or_class.__mro__[1]  # the class under Serve's ingress wrapper
-    current = types.SimpleNamespace(servable_object=None)
-
-    def use(guardrails: dict | None = None):
-        current.servable_object = replica_class(
-            [{"name": "main", "checkpoint": tiny_checkpoint, "weight": 1.0}],
-            "tiny",
-            None,
-            [digest(KEY)],
-            {"max_batch_size": 4, "max_waiting": 16},
-            {"max_body_bytes": 1 << 20, "max_n": 4, "request_timeout_s": 60},
-            guardrails,
-            device="cpu",
-        )
-        return current.servable_object
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(serve, "get_replica_context", lambda: current)
-        use()
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.time() + 30
-        while not server.started:
-            assert time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", use=use)
-        server.should_exit = True
-        thread.join(10)
+def api(inference_api):
+    return inference_api
 
 
 def auth():
@@ -93,7 +31,7 @@ def post(api, path: str, body, **kw) -> httpx.Response:
     return httpx.post(f"{api.url}{path}", json=body, headers=auth(), timeout=120, **kw)
 
 
-def post_raw(api, path: str, raw: bytes) -> httpx.Response:
+def post_raw(api, path: str, raw: bytes) -> httpx.Response:  # bytes that json= would refuse to send
     headers = {**auth(), "Content-Type": "application/json"}
     return httpx.post(f"{api.url}{path}", content=raw, headers=headers, timeout=120)
 
@@ -245,7 +183,10 @@ def test_lone_surrogates_and_nul_anywhere_in_a_chat_are_400(api, body):
         (b'{"prompt": "x", "seed": 1' + b"0" * 40 + b"}", "seed"),
         (b'{"prompt": "x", "seed": -1' + b"0" * 40 + b"}", "seed"),
         (b'{"prompt": 5}', "prompt"),
-        (b'{"prompt": ["x"]}', "prompt"),
+        (b'{"prompt": ["x", 5]}', "prompt"),
+        (b'{"prompt": []}', "prompt"),
+        (b'{"prompt": [[]]}', "prompt"),
+        (b'{"prompt": [-1]}', "prompt"),
         (b'{"prompt": null}', "prompt"),
         (b'{"prompt": "x", "stream": "maybe"}', "stream"),
         (b'{"prompt": "x", "stop": 7}', "stop"),
@@ -287,6 +228,69 @@ def test_four_stop_strings_of_64_characters_are_accepted(api):
     assert r.status_code == 200, r.text
 
 
+# ---- the fields of the OpenAI surface, over their limits ----
+
+TOO_MANY_BIASES = {str(i): 1 for i in range(301)}
+
+
+@pytest.mark.parametrize(
+    "path, body, expected",
+    [
+        ("/v1/completions", {"prompt": "x", "n": 5}, "limit of 4"),
+        ("/v1/completions", {"prompt": ["x"] * 65}, "at most 64"),
+        ("/v1/completions", {"prompt": ["x"] * 17, "n": 4}, "68 choices; the limit is 64"),
+        ("/v1/completions", {"prompt": [[1]] * 65}, "at most 64"),
+        ("/v1/completions", {"prompt": [10**6]}, "outside the vocabulary"),
+        ("/v1/completions", {"prompt": [2**40]}, "less than"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, "outside the vocabulary (0 to 369)"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, "not a token id"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"٣": 1}}, "not a token id"),  # a digit, not ASCII
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"1" * 5000: 1}}, "not a token id"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 101}}, "less than or equal to 100"),
+        ("/v1/completions", b'{"prompt": "x", "logit_bias": {"1": Infinity}}', "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": TOO_MANY_BIASES}, "at most 300"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "less than or equal to 20"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "less than or equal to 2"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "greater than or equal to -2"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "allowed with echo=true"),
+        ("/v1/completions", {"prompt": "x" * 3000, "max_tokens": 0, "echo": True}, "context is 512"),
+        ("/v1/chat/completions", {"messages": HELLO, "top_logprobs": 2}, "top_logprobs needs logprobs"),
+        ("/v1/chat/completions", {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, "20"),
+        ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 3, "max_completion_tokens": 4}, "differ"),
+        ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 0}, "at least 1 token"),
+        ("/v1/chat/completions", {"messages": HELLO, "response_format": {"type": "json_schema"}}, "json_schema"),
+        ("/v1/chat/completions", {"messages": HELLO, "response_format": {"type": "xml"}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/"}}]}]},
+            "messages",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}] * 65}]}, "64"),
+        ("/detokenize", {"tokens": [10**6]}, "outside the vocabulary"),
+        ("/detokenize", {"tokens": [1] * 70_000}, "at most 65536"),
+        ("/tokenize", {"prompt": "x", "messages": HELLO}, "either prompt or messages"),
+        ("/tokenize", rb'{"prompt": "\ud800"}', "surrogate"),
+    ],
+)
+def test_openai_fields_over_their_limits_are_400_naming_the_field(api, path, body, expected):
+    r = post_raw(api, path, body) if isinstance(body, bytes) else post(api, path, body)
+    assert r.status_code == 400, (path, r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and expected in error["message"], error
+
+
+def test_unimplemented_field_names_cannot_forge_or_flood_the_warning_header(api):
+    """Ignored fields are named in a response header: names that are not plain identifiers
+    (a CR LF that would start a header of its own, non-Latin-1 text a header cannot carry) and
+    names past the first 16 are counted, never repeated."""
+    fields = {"evil\r\nSet-Cookie: a=b": 1, "名前": 2, **{f"f{i:03}": i for i in range(500)}}
+    r = post(api, "/v1/completions", {"prompt": "The", "max_tokens": 1, **fields})
+    assert r.status_code == 200, r.text[:300]
+    header = r.headers["x-lmfoundry-ignored-fields"]
+    assert header == ", ".join([f"f{i:03}" for i in range(16)] + ["486 more"])
+    assert "set-cookie" not in r.headers
+
+
 # ---- tool schemas ----
 
 
@@ -324,15 +328,22 @@ def _laughs(levels: int) -> dict:
         ({"type": "object", "properties": {"x": {"type": "nonsense"}}}, "cannot be compiled"),
     ],
 )
-def test_hostile_tool_schemas_are_a_quick_400_naming_the_limit(api, parameters, limit):
-    started = time.perf_counter()
-    body = {"messages": HELLO, "tools": [_tool(parameters=parameters)], "tool_choice": "required", "max_tokens": 8}
-    r = post(api, "/v1/chat/completions", body)
-    elapsed = time.perf_counter() - started
-    assert r.status_code == 400, r.text[:300]
-    error = r.json()["error"]
-    assert error["param"] == "tools" and (limit is None or limit in error["message"]), error
-    assert elapsed < 12, f"took {elapsed:.1f} s"
+def test_hostile_tool_and_response_schemas_are_a_quick_400_naming_the_limit(api, parameters, limit):
+    """The same schema as a forced tool's parameters and as a response format, on both routes."""
+    forced = {"tools": [_tool(parameters=parameters)], "tool_choice": "required"}
+    response_format = {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": parameters}}}
+    for path, body, field in [
+        ("/v1/chat/completions", {"messages": HELLO, **forced}, "tools"),
+        ("/v1/chat/completions", {"messages": HELLO, **response_format}, "response_format"),
+        ("/v1/completions", {"prompt": "The", **response_format}, "response_format"),
+    ]:
+        started = time.perf_counter()
+        r = post(api, path, {**body, "max_tokens": 8})
+        elapsed = time.perf_counter() - started
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == field and (limit is None or limit in error["message"]), error
+        assert elapsed < 12, f"took {elapsed:.1f} s"
 
 
 def test_ordinary_forced_tool_call_still_compiles_and_decodes(api):
@@ -366,7 +377,7 @@ def test_ref_cycles_ref_expansion_bombs_and_remote_refs_are_refused(schema, limi
         check_schema(schema)
 
 
-def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and_busy_refuses(tiny_checkpoint):
+def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and_busy_refuses(tiny_serving_checkpoint):
     """A top-level string with maxLength 14 or 15 takes seconds to compile (the automaton grows
     exponentially with it; they pass the static limit of 64, so the timeout is what holds them). The compile
     runs in a thread under a timeout: the event loop keeps ticking, the caller gets SchemaRefused
@@ -377,7 +388,7 @@ def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and
     from lmfoundry.model.tokenizer import eos_id
     from lmfoundry.serving import grammar
 
-    tok = Tokenizer.from_file(f"{tiny_checkpoint}/{TOKENIZER}")
+    tok = Tokenizer.from_file(f"{tiny_serving_checkpoint}/{TOKENIZER}")
     grammars = grammar.Grammars(tok, eos_id(tok))
     bounds = dict(grammar._BOUNDS)
     try:
@@ -415,13 +426,13 @@ def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and
     assert len(gaps) >= 20 and max(gaps) < 0.25, max(gaps)
 
 
-def test_compiled_grammar_cache_is_bounded_by_count_and_bytes(tiny_checkpoint):
+def test_compiled_grammar_cache_is_bounded_by_count_and_bytes(tiny_serving_checkpoint):
     from tokenizers import Tokenizer
 
     from lmfoundry.model.tokenizer import eos_id
     from lmfoundry.serving.grammar import Grammars
 
-    tok = Tokenizer.from_file(f"{tiny_checkpoint}/{TOKENIZER}")
+    tok = Tokenizer.from_file(f"{tiny_serving_checkpoint}/{TOKENIZER}")
     grammars = Grammars(tok, eos_id(tok), cache_size=3)
     schemas = [{"type": "object", "properties": {f"k{i}": {"type": "string"}}} for i in range(6)]
     for s in schemas:

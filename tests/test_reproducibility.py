@@ -21,7 +21,7 @@ def test_the_shards_depend_on_the_document_order_alone_not_on_how_it_is_batched(
     docs = [rng.integers(0, 500, size=int(rng.integers(1, 40)), dtype=np.int32) for _ in range(300)]
     outputs = []
     for name, cuts in (("one", [300]), ("many", [1, 7, 50, 51, 120, 299, 300])):
-        writer = ShardWriter(str(tmp_path / name), sample_len=17, per_shard=40)
+        writer = ShardWriter(str(tmp_path / name), sample_len=17, per_shard=40, per_group=8)
         start = 0
         for end in cuts:
             writer.add(pa.array(docs[start:end], pa.list_(pa.int32())))

@@ -55,6 +55,12 @@ class PackConfig(StageConfig):
     val_fraction: float = Field(0.05, ge=0, lt=1)
     seed: int = Field(0, ge=0, description="orders the documents before they are joined and cut")
     sequences_per_shard: int = Field(16_384, ge=1, description="rows per output Parquet shard")
+    rows_per_group: int = Field(
+        8,
+        ge=1,
+        description="rows per Parquet row group, the unit a training worker reads: a divisor of the training "
+        "micro_batch_size, so that no row group is read by two workers",
+    )
     overwrite: bool = False
 
 
@@ -142,8 +148,8 @@ class ShardWriter:
     boundaries follow from the document order alone. The tail that does not fill a row is
     dropped (counted)."""
 
-    def __init__(self, out_dir: str, sample_len: int, per_shard: int):
-        self.out_dir, self.sample_len, self.per_shard = out_dir, sample_len, per_shard
+    def __init__(self, out_dir: str, sample_len: int, per_shard: int, per_group: int):
+        self.out_dir, self.sample_len, self.per_shard, self.per_group = out_dir, sample_len, per_shard, per_group
         self.pending: list[np.ndarray] = []  # token arrays not yet written
         self.pending_tokens = 0
         self.shards = self.sequences = self.tokens_in = 0
@@ -175,7 +181,13 @@ class ShardWriter:
         head, rest = stream[:n_tokens], stream[n_tokens:]
         self.pending, self.pending_tokens = [rest], len(rest)
         rows = pa.FixedSizeListArray.from_arrays(pa.array(head, pa.int32()), self.sample_len)
-        write_parquet_atomic(storage.join(self.out_dir, f"part-{self.shards:05d}.parquet"), pa.table({"tokens": rows}))
+        # statistics of token lists would only lengthen the footer every training worker reads
+        write_parquet_atomic(
+            storage.join(self.out_dir, f"part-{self.shards:05d}.parquet"),
+            pa.table({"tokens": rows}),
+            row_group_size=self.per_group,
+            write_statistics=False,
+        )
         self.shards += 1
         self.sequences += len(rows)
 
@@ -255,7 +267,8 @@ def run_pack(cfg: PackConfig) -> dict:
     t = lap("sort", t)
     sample_len = cfg.seq_len + 1
     writers = {
-        name: ShardWriter(storage.join(out, name), sample_len, cfg.sequences_per_shard) for name in ("train", "val")
+        name: ShardWriter(storage.join(out, name), sample_len, cfg.sequences_per_shard, cfg.rows_per_group)
+        for name in ("train", "val")
     }
     for batch in ordered.iter_batches(batch_format="pyarrow", batch_size=None):
         val = batch.column("val")
@@ -279,6 +292,8 @@ def run_pack(cfg: PackConfig) -> dict:
             "eos_id": eos,
             "tokenizer_from": cfg.tokenizer,
             "seed": cfg.seed,
+            "sequences_per_shard": cfg.sequences_per_shard,
+            "rows_per_group": cfg.rows_per_group,
             "documents": total,
             "splits": splits,
             "fingerprint": storage.fingerprint(out, ["tokenizer.json", "train", "val"]),

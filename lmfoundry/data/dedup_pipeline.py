@@ -251,8 +251,8 @@ def _shard_of_root(batch: dict) -> dict:
     return {**batch, "rshard": np.asarray(batch["b"], np.int64) >> SHARD_BITS}
 
 
-def _shard_of_node(batch: dict) -> dict:
-    return {**batch, "shard": np.asarray(batch["node"], np.int64) >> SHARD_BITS}
+def _shard_of_node(batch: pa.Table) -> pa.Table:
+    return batch.append_column("shard", pa.array(np.asarray(batch.column("node"), np.int64) >> SHARD_BITS))
 
 
 def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
@@ -319,7 +319,7 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
         stats["semantic_pairs"] = semantic.count()
         edges.append(semantic)
     counts = {f"{kind}_duplicates": 0 for kind in ("exact", "near", "semantic")}
-    if edges:
+    if sum(e.count() for e in edges):
         members = connected_components(edges[0].union(*edges[1:]) if len(edges) > 1 else edges[0], parts)
         named = (
             members.map_batches(_shard_of_root, batch_format="numpy")
@@ -328,7 +328,7 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
         )
         written = (
             named.union(*marked)
-            .map_batches(_shard_of_node, batch_format="numpy")
+            .map_batches(_shard_of_node, batch_format="pyarrow")
             .groupby("shard")
             .map_groups(write_duplicates, fn_kwargs={"out": out}, batch_format="pyarrow")
         )

@@ -8,12 +8,12 @@ the same cores, world size, model and global batch, and against one process usin
                              (platform/ray_env.py: CPU_ALLOCATOR_ENV): what is left between the
                              two is orchestration proper
   one process, 2 threads     no communication at all, the whole batch in one forward pass
-  lmfoundry pretrain         Ray Train TorchTrainer, 2 workers, DeepSpeed, Ray Data streaming
-                             the packed shards, metrics, checkpoints; a row per ZeRO stage
-                             (--zero-stages): ZeRO-0 is the same algorithm as DDP (replicated
-                             optimizer, gradients all-reduced), so it measures orchestration
-                             alone; ZeRO-2 adds sharding's own cost, the all-gather of the
-                             updated weights after every step
+  lmfoundry pretrain         Ray Train TorchTrainer, 2 workers, DeepSpeed, each worker reading
+                             its row groups of the packed shards (train/shards.py), metrics,
+                             checkpoints; a row per ZeRO stage (--zero-stages): ZeRO-0 is the
+                             same algorithm as DDP (replicated optimizer, gradients all-reduced),
+                             so it measures orchestration alone; ZeRO-2 adds sharding's own
+                             cost, the all-gather of the updated weights after every step
 
 Model: 4 layers, d_model 256, 8 heads (2 key/value heads); 16 sequences x 256 tokens per step.
 tokens/s is the median over steps after warm-up (steps 6 onwards); lmfoundry logs every 5 steps,

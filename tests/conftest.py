@@ -148,7 +148,17 @@ def packed(curated, tmp_path_factory):
     from lmfoundry.data.pack import PackConfig, run_pack
 
     out = str(tmp_path_factory.mktemp("packed"))
-    manifest = run_pack(PackConfig(input=curated[0], output=out, vocab_size=1024, seq_len=64, val_fraction=0.1))
+    manifest = run_pack(
+        PackConfig(
+            input=curated[0],
+            output=out,
+            vocab_size=1024,
+            seq_len=64,
+            val_fraction=0.1,
+            rows_per_group=4,  # a divisor of the tests' micro_batch_size
+            sequences_per_shard=128,  # several shards a split, as the training data reader meets them
+        )
+    )
     return out, manifest
 
 

@@ -155,3 +155,24 @@ def test_multilingual_text_folder_with_pii_harm_and_the_checklist(ray_local, tmp
     )
     with pytest.raises(ChecklistFailed, match="high-density share"):
         run_curate(strict)
+
+
+def test_distributed_dedup_finds_the_clusters_a_union_find_finds(curated):
+    """The session's curated sample corpus (planted exact and near duplicates): the clusters the
+    distributed connected components left (each rejected duplicate with the document it
+    duplicates) are the clusters a union-find over the same documents finds in one process."""
+    from lmfoundry.data.dedup import DedupConfig, cluster_in_process
+
+    kept, rejected = table(curated[0], "kept"), table(curated[0], "rejected")
+    dups = rejected[rejected["stage"] == "dedup"]
+    assert len(dups) >= 10 and set(dups["reason"]) == {"exact_duplicate", "near_duplicate"}
+    docs = [*zip(kept["id"], kept["text"]), *zip(dups["id"], dups["text"])]
+    uf = cluster_in_process([text for _, text in docs], DedupConfig())
+    expected: dict[int, set[str]] = {}
+    for i, (doc_id, _) in enumerate(docs):
+        expected.setdefault(uf.find(i), set()).add(doc_id)
+    found: dict[str, set[str]] = {}
+    for doc_id, rep in zip(dups["id"], dups["duplicate_of"]):
+        found.setdefault(rep, {rep}).add(doc_id)
+    assert sorted(map(sorted, found.values())) == sorted(sorted(c) for c in expected.values() if len(c) > 1)
+    assert set(found) <= set(kept["id"])  # every cluster keeps its representative

@@ -71,21 +71,55 @@ def test_dedup_config_is_checked():
 
 
 def test_verification_sends_each_document_once_to_each_partition_that_checks_one_of_its_pairs():
-    """The plan behind the distributed verification: every pair's partition receives the texts
-    of both its documents, each shard is asked only for its own documents, and a document that
-    pairs with many others is sent once per partition, not once per pair."""
-    from lmfoundry.data.dedup_pipeline import PAIRS_PER_PARTITION, verification_plan
+    """The rows behind the distributed verification: a pair found in several buckets lands in one
+    partition, and each of its documents is addressed to that partition by its own shard."""
+    import pyarrow as pa
+
+    from lmfoundry.data.dedup_pipeline import pair_rows, send_rows
     from lmfoundry.data.documents import SHARD_BITS
 
     rng = np.random.default_rng(0)
     docs = (rng.integers(0, 40, 5000) << SHARD_BITS) | rng.integers(0, 300, 5000)
-    a, b = np.unique(np.sort(rng.choice(np.unique(docs), (3 * PAIRS_PER_PARTITION, 2)), axis=1), axis=0).T
+    a, b = np.sort(rng.choice(np.unique(docs), (800, 2)), axis=1).T
     a, b = a[a != b], b[a != b]
-    pairs, items, parts = verification_plan(a, b)
-    assert parts == -(-len(a) // PAIRS_PER_PARTITION) and pairs.num_rows == len(a)
-    sent = {(k, p) for item in items for k, p in zip(item["keys"], item["parts"])}
-    assert all(k >> SHARD_BITS == item["shard"] for item in items for k in item["keys"])
-    assert len(sent) == sum(len(item["keys"]) for item in items)  # no document twice to one partition
+    twice = pa.table({"a": np.concatenate([a, a]), "b": np.concatenate([b, b])})
+    pairs = pair_rows(twice, 7)
+    part_of = {}
     for part, x, y in zip(*(pairs.column(c).to_pylist() for c in ("part", "a", "b"))):
-        assert (x, part) in sent and (y, part) in sent
-    assert len(sent) < 2 * len(a)  # shared documents travel once per partition
+        assert part_of.setdefault((x, y), part) == part  # the same pair, the same partition
+    assert set(part_of.values()) == set(range(7))
+    sends = send_rows(pairs)
+    assert all(k >> SHARD_BITS == s for k, s in zip(sends.column("key").to_pylist(), sends.column("shard").to_pylist()))
+    sent = set(zip(sends.column("key").to_pylist(), sends.column("part").to_pylist()))
+    assert all((x, p) in sent and (y, p) in sent for (x, y), p in part_of.items())
+
+
+def star_rounds(a: np.ndarray, b: np.ndarray) -> tuple[dict, int]:
+    """The distributed connected components with every partition in one: large- and small-star
+    until neither changes an edge."""
+    from lmfoundry.data.components import large_star, small_star
+
+    a, b, rounds = a[a != b], b[a != b], 0
+    while True:
+        rounds += 1
+        large = large_star(np.concatenate([a, b]), np.concatenate([b, a]))
+        small = small_star(np.maximum(large["a"], large["b"]), np.minimum(large["a"], large["b"]))
+        a, b = small["a"], small["b"]
+        if not large["changed"].any() and not small["changed"].any():
+            return dict(zip(a.tolist(), b.tolist())), rounds
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_star_components_equal_union_find(seed):
+    rng = np.random.default_rng(seed)
+    n = 500
+    a, b = rng.integers(0, n, 400), rng.integers(0, n, 400)
+    a = np.concatenate([a, np.arange(100, 199)])  # and one long path, the worst shape for labels
+    b = np.concatenate([b, np.arange(101, 200)])
+    uf = UnionFind()
+    for x, y in zip(a.tolist(), b.tolist()):
+        if x != y:
+            uf.union(x, y)
+    members, rounds = star_rounds(a, b)
+    assert members == uf.duplicates()
+    assert rounds <= 12

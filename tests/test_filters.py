@@ -2,7 +2,21 @@
 that is not English web prose."""
 
 import pytest
-from texts import CHINESE, FRENCH, GERMAN, JAPANESE, KEYWORDS, NAVIGATION, PROSE, RUSSIAN, SPAM, SPANISH, TECH_DOC
+from texts import (
+    CHINESE,
+    FRENCH,
+    GERMAN,
+    JAPANESE,
+    KEYWORD_SALADS,
+    KEYWORDS,
+    NAVIGATION,
+    PROSE,
+    RUSSIAN,
+    SHORT_FOREIGN_TECH,
+    SPAM,
+    SPANISH,
+    TECH_DOC,
+)
 
 from lmfoundry.data.filters import (
     C4Config,
@@ -166,10 +180,31 @@ def test_fineweb_rules_each_keep_and_drop():
 
 def test_rule_sets_apply_only_to_their_languages():
     dup = PROSE + "\nThis sentence appears twice in the page.\nThis sentence appears twice in the page."
-    assert HeuristicFilter()(dup, "en")[1] == "fineweb_duplicate_line_chars"
-    assert HeuristicFilter()(dup, "de")[1] is None  # FineWeb is an English rule set
-    everywhere = HeuristicFilterConfig(fineweb=FineWebConfig(languages=["*"]))
-    assert HeuristicFilter(everywhere)(dup, "de")[1] == "fineweb_duplicate_line_chars"
+    for lang in ("en", "de", ""):  # FineWeb's line rules: every spaced language, and unknown ones
+        assert HeuristicFilter()(dup, lang)[1] == "fineweb_duplicate_line_chars", lang
+    english_only = HeuristicFilterConfig(fineweb=FineWebConfig(languages=["en"]))
+    assert HeuristicFilter(english_only)(dup, "de")[1] is None
+    few_sentences = PROSE.replace(". ", ", ")  # one long sentence
+    assert HeuristicFilter()(few_sentences, "en")[1] == "c4_too_few_sentences"
+    assert HeuristicFilter()(few_sentences, "de")[1] is None  # C4 is an English rule set
+
+
+def test_keyword_salad_of_no_language_is_dropped_and_short_foreign_technical_text_kept():
+    """Lingua names a language for keyword salads (Latin, German, Croatian, ... often at full
+    confidence: its confidence is relative to its other languages), so no confidence threshold
+    catches them; FineWeb's line rules, which hold for every spaced language, do."""
+    from lmfoundry.data.langid import LanguageConfig, LanguageIdentifier
+
+    identify = LanguageIdentifier(LanguageConfig())
+    english_only = HeuristicFilter(HeuristicFilterConfig(fineweb=FineWebConfig(languages=["en"])))
+    for text, (lang, _) in zip(KEYWORD_SALADS, identify(KEYWORD_SALADS)):
+        assert lang not in ("", "en") and english_only(text, lang)[1] is None  # kept, with FineWeb English-only
+        assert HeuristicFilter()(text, lang)[1] == "fineweb_line_punctuation", text[:60]
+        assert HeuristicFilter()(text, "")[1] == "fineweb_line_punctuation", text[:60]
+    for text, (lang, _) in zip(SHORT_FOREIGN_TECH, identify(SHORT_FOREIGN_TECH)):
+        assert lang not in ("", "en")
+        assert HeuristicFilter()(text, lang)[1] is None, text[:60]
+        assert HeuristicFilter()(text, "")[1] is None, text[:60]
 
 
 def test_thresholds_are_configurable():

@@ -142,3 +142,56 @@ PARAPHRASE = (
     .replace(" .", ".")
     .replace(" ,", ",")
 )
+
+
+def _salad(words: str, per_line: int, lines: int, seed: int) -> str:
+    """Keywords drawn at random: web spam with no sentence in it."""
+    import random
+
+    rng, pool = random.Random(seed), words.split()
+    return "\n".join(" ".join(rng.choice(pool) for _ in range(per_line)) for _ in range(lines))
+
+
+# keyword salads of several scripts and languages at once, of brand names, of transliterated
+# Russian: Lingua names a language for each (Latin, German, Croatian), mostly at full confidence
+KEYWORD_SALADS = [
+    _salad(
+        "casino kasyno kasino казино bonus бонус premio gratis kostenlos darmowe ucretsiz viagra "
+        "sildenafil rabatt descuento promo sconto oferta angebot bitcoin btc usdt jackpot gewinnen "
+        "ganar wygraj kazan выигрыш",
+        90,
+        1,
+        0,
+    ),
+    _salad(
+        "rolex gucci nike adidas iphone samsung bitcoin ethereum tether binance xiaomi huawei zara "
+        "prada dior chanel ps5 xbox netflix spotify tiktok instagram crypto nft usdt vpn",
+        9,
+        10,
+        1,
+    ),
+    _salad(
+        "kupit deshevo skachat besplatno kazino bonus igrat onlain stavki vyigrysh dengi kredit bystro zaim", 12, 8, 2
+    ),
+]
+
+# short technical notes in German, Polish and Spanish (50-70 words, code names inline)
+SHORT_FOREIGN_TECH = [
+    "Die Funktion parse_config() liest die YAML-Datei ein und gibt ein Wörterbuch zurück. Fehlt ein "
+    "Pflichtschlüssel, wird ein ValueError ausgelöst, der den Namen des Schlüssels und die erlaubten "
+    "Werte nennt. Der Parameter strict=True verbietet unbekannte Schlüssel. Beispiel: cfg = "
+    'parse_config("train.yaml", strict=True). Die Rückgabe enthält die Abschnitte model, optimizer '
+    "und schedule; fehlende Abschnitte werden mit den Standardwerten ergänzt. Die Datei darf höchstens "
+    "1 MiB groß sein.",
+    "Polecenie pip install lmfoundry instaluje pakiet wraz z zależnościami. Aby uruchomić testy, wpisz "
+    "make test w katalogu głównym repozytorium. Zmienna środowiskowa RAY_ADDRESS wskazuje adres "
+    "klastra; jeśli jej brak, uruchamiany jest lokalny klaster. Plik konfiguracyjny "
+    "configs/pretrain_tiny_cpu.yaml zawiera przykładowe ustawienia dla procesora. Wyniki zapisywane są "
+    "w katalogu work/pretrain, a metryki w pliku metrics.jsonl.",
+    "Para instalar el paquete, ejecute el siguiente comando en una terminal:\n"
+    "pip install lmfoundry\n"
+    "La variable de entorno RAY_ADDRESS indica la dirección del clúster; si no está definida, se "
+    "inicia un clúster local. El archivo configs/pretrain_tiny_cpu.yaml contiene una configuración de "
+    "ejemplo para la CPU. Los resultados se guardan en el directorio work/pretrain y las métricas en "
+    "el archivo metrics.jsonl, una línea por paso.",
+]

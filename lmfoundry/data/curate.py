@@ -8,7 +8,7 @@ only what was not finished and ends with the same output as a clean run:
               (`documents.DocumentProcessor`) -> `_work/docs/shard-NNNNN.parquet` + marker
 2. dedup      exact (same normalised text) and fuzzy (MinHash LSH, verified Jaccard, connected
               components; optional semantic dedup) over all shards (`dedup_pipeline.py`) ->
-              `_work/dedup/duplicates.parquet` + marker
+              `_work/dedup/duplicates/shard-N.parquet` + marker
 3. write      per shard: the dedup decisions applied -> `kept/shard-NNNNN.parquet`,
               `rejected/shard-NNNNN.parquet` (every row with `reason` and `stage`) + marker
 4. report     `report.json`, `report.html`, the quality checklist; `_MANIFEST.json` last
@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from lmfoundry.data.dedup import DedupConfig
-from lmfoundry.data.dedup_pipeline import run_dedup
+from lmfoundry.data.dedup_pipeline import duplicates_path, run_dedup
 from lmfoundry.data.density import DensityConfig
 from lmfoundry.data.documents import INTERNAL_COLUMNS, KEPT, DocumentProcessor
 from lmfoundry.data.filters import HeuristicFilterConfig
@@ -203,14 +203,13 @@ def run_documents(cfg: CurateConfig, out: str, fmt: str, shards: list[list[str]]
 
 def finalize_shards(batch: dict, out: str, cfg_json: str) -> dict:
     cfg = CurateConfig.model_validate_json(cfg_json)
-    dups = read_parquet(work_path(out, "dedup", "duplicates.parquet"))
     for i in batch["shard"].tolist():
         src = work_path(out, "docs", shard_name(i) + ".parquet")
         name = shard_name(i)
         if storage.exists(src):
             t = read_parquet(src)
-            mine = dups.filter(pc.equal(dups.column("shard"), i))
-            if mine.num_rows:
+            if storage.exists(duplicates_path(out, i)):
+                mine = read_parquet(duplicates_path(out, i))
                 lookup = dict(
                     zip(
                         mine.column("doc_key").to_pylist(),

@@ -1,7 +1,8 @@
 """Dedup on Ray Data: exact and MinHash-fuzzy duplicates in one groupby over hash partitions of
 the bucket keys, candidate pairs verified in a second groupby that brings each pair together with
-its documents' texts (each shard read once), optional semantic dedup, clusters by union-find over
-the duplicate edges. Writes `_work/dedup/duplicates.parquet`."""
+its documents' texts (each shard read once), optional semantic dedup, clusters by a distributed
+connected-components pass over the duplicate edges (data/components.py). Nothing per document or
+per pair passes through the driver. Writes `_work/dedup/duplicates/shard-N.parquet`."""
 
 from __future__ import annotations
 
@@ -37,15 +38,16 @@ def _partitions(num_docs: int, per_million: int) -> int:
 
 def bucket_rows(batch: pa.Table, partitions: int, exact: bool, fuzzy: bool) -> pa.Table:
     """One row per (document, bucket): its text hash (exact) and its LSH band keys (fuzzy), with
-    the hash partition the row belongs to."""
-    keys = batch.column("doc_key")
+    the document's text hash and the hash partition the row belongs to."""
+    keys, hashes = batch.column("doc_key"), batch.column("_text_hash")
     parts = []
     if exact:
         parts.append(
             pa.table(
                 {
-                    "bucket": batch.column("_text_hash"),
+                    "bucket": hashes,
                     "doc_key": keys,
+                    "text_hash": hashes,
                     "exact": pa.array(np.ones(batch.num_rows, bool)),
                 }
             )
@@ -54,21 +56,35 @@ def bucket_rows(batch: pa.Table, partitions: int, exact: bool, fuzzy: bool) -> p
         parents = pc.list_parent_indices(batch.column("_buckets"))
         flat = pc.list_flatten(batch.column("_buckets"))
         parts.append(
-            pa.table({"bucket": flat, "doc_key": pc.take(keys, parents), "exact": pa.array(np.zeros(len(flat), bool))})
+            pa.table(
+                {
+                    "bucket": flat,
+                    "doc_key": pc.take(keys, parents),
+                    "text_hash": pc.take(hashes, parents),
+                    "exact": pa.array(np.zeros(len(flat), bool)),
+                }
+            )
         )
     rows = pa.concat_tables(parts)
     part = np.asarray(rows.column("bucket")) % np.uint64(partitions)
     return rows.append_column("part", pa.array(part.astype(np.int64)))
 
 
-def bucket_group(group: dict) -> dict:
-    """One hash partition of buckets -> candidate edges (a < b), exact ones marked."""
+def bucket_group(group: dict, exact: bool) -> dict:
+    """One hash partition of buckets -> candidate edges (a < b), exact ones marked. With exact
+    dedup on, a fuzzy pair of two documents with the same text is left out: the exact edges
+    already join them, and it needs no verification."""
     from lmfoundry.data.dedup import star_edges
 
     out = {"a": [], "b": [], "exact": []}
     for flag in (True, False):
         sel = group["exact"] == flag
         a, b = star_edges(group["bucket"][sel], group["doc_key"][sel])
+        if not flag and exact and len(a):
+            docs, first = np.unique(group["doc_key"][sel], return_index=True)
+            hashes = group["text_hash"][sel][first]
+            differ = hashes[np.searchsorted(docs, a)] != hashes[np.searchsorted(docs, b)]
+            a, b = a[differ], b[differ]
         out["a"].append(a)
         out["b"].append(b)
         out["exact"].append(np.full(len(a), flag))
@@ -78,44 +94,45 @@ def bucket_group(group: dict) -> dict:
 PAIRS_PER_PARTITION = 20_000  # candidate pairs verified by one map_groups call, about
 
 
-def verification_plan(a: np.ndarray, b: np.ndarray) -> tuple[pa.Table, list[dict], int]:
-    """The candidate pairs (a, b) spread over hash partitions: the pairs' rows (part, a, b) and,
-    per shard, the candidate documents it must send and to which partitions (a document goes to
-    each partition that holds one of its pairs, once). Each shard is then read once, however many
-    other shards its documents pair with."""
-    parts = max(1, min(512, -(-len(a) // PAIRS_PER_PARTITION)))
+def pair_rows(batch: pa.Table, partitions: int) -> pa.Table:
+    """Candidate pairs as rows (part, a, b, no text), the partition a hash of the pair: the same
+    pair found in several buckets lands in one partition, which verifies it once."""
+    a, b = np.asarray(batch.column("a"), np.int64), np.asarray(batch.column("b"), np.int64)
     mixed = (a.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ b.astype(np.uint64)
-    part = (mixed % np.uint64(parts)).astype(np.int64)
-    pairs = pa.table({"part": part, "a": a, "b": b, "text": pa.nulls(len(a), pa.string())})
-    sends = np.unique(np.stack([np.concatenate([a, b]), np.concatenate([part, part])], axis=1), axis=0)
-    shards = sends[:, 0] >> SHARD_BITS
-    items = [
-        {"shard": int(s), "keys": sends[shards == s, 0].tolist(), "parts": sends[shards == s, 1].tolist()}
-        for s in np.unique(shards)
-    ]
-    return pairs, items, parts
+    part = (mixed % np.uint64(partitions)).astype(np.int64)
+    return pa.table({"part": part, "a": a, "b": b, "text": pa.nulls(len(a), pa.string())})
 
 
-def candidate_texts(batch: dict, out: str, text_field: str) -> pa.Table:
-    """One shard's candidate documents, a row (part, doc key as `a`, b = -1, text) for each
-    partition that verifies one of its pairs."""
-    shard, keys, parts = int(batch["shard"][0]), np.asarray(batch["keys"][0], np.int64), np.asarray(batch["parts"][0])
+def send_rows(batch: pa.Table) -> pa.Table:
+    """For each pair, its two documents, each addressed to the pair's partition, by shard."""
+    keys = np.concatenate([np.asarray(batch.column("a")), np.asarray(batch.column("b"))])
+    parts = np.concatenate([np.asarray(batch.column("part"))] * 2)
+    return pa.table({"shard": keys >> SHARD_BITS, "key": keys, "part": parts})
+
+
+def candidate_texts(group: pa.Table, out: str, text_field: str) -> pa.Table:
+    """One shard's candidate documents (the shard read once): a row (part, doc key as `a`,
+    b = -1, text) for each partition that verifies one of its pairs, once per partition however
+    many pairs there it is in."""
+    shard = int(group.column("shard")[0].as_py())
+    sends = np.unique(np.stack([np.asarray(group.column("key")), np.asarray(group.column("part"))], axis=1), axis=0)
+    keys, parts = sends[:, 0], sends[:, 1]
     t = read_parquet(work_path(out, "docs", shard_name(shard) + ".parquet"), ["doc_key", text_field])
     t = t.filter(pc.is_in(t.column("doc_key"), pa.array(np.unique(keys))))
     texts = pc.take(t.column(text_field), pc.index_in(pa.array(keys), t.column("doc_key")))
     return pa.table(
         {
             "part": pa.array(parts, pa.int64()),
-            "a": pa.array(keys),
-            "b": pa.array(np.full(len(keys), -1)),
+            "a": pa.array(keys, pa.int64()),
+            "b": pa.array(np.full(len(keys), -1), pa.int64()),
             "text": texts.cast(pa.string()),
         }
     )
 
 
 def verify_group(group: pa.Table, shingle_words: int, threshold: float) -> dict:
-    """One partition: its pairs and the texts of their documents -> the pairs whose shingle
-    sets have Jaccard similarity at or above the threshold."""
+    """One partition: its pairs and the texts of their documents -> each distinct pair, `ok` when
+    its shingle sets have Jaccard similarity at or above the threshold."""
     from lmfoundry.data.dedup import jaccard, shingle_hashes
 
     is_text = pc.equal(group.column("b"), -1)
@@ -124,48 +141,136 @@ def verify_group(group: pa.Table, shingle_words: int, threshold: float) -> dict:
         k: shingle_hashes(v, shingle_words)
         for k, v in zip(texts.column("a").to_pylist(), texts.column("text").to_pylist())
     }
-    a, b = np.asarray(pairs.column("a")), np.asarray(pairs.column("b"))
+    ab = np.stack([np.asarray(pairs.column("a")), np.asarray(pairs.column("b"))], axis=1)
+    ab = np.unique(ab, axis=0) if len(ab) else np.zeros((0, 2), np.int64)
+    a, b = ab[:, 0], ab[:, 1]
     ok = np.array([jaccard(shingles[x], shingles[y]) >= threshold for x, y in zip(a.tolist(), b.tolist())], bool)
-    return {"a": a[ok], "b": b[ok]}
+    return {"a": a, "b": b, "ok": ok}
 
 
-def verified_pairs(cfg: CurateConfig, out: str, a: np.ndarray, b: np.ndarray):
-    """Batches of the candidate pairs that pass verification: every shard read once for the
-    texts of its candidate documents, which a groupby brings together with their pairs."""
-    import ray
-
-    pairs, items, parts = verification_plan(a, b)
-    texts = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        candidate_texts, fn_kwargs={"out": out, "text_field": cfg.text_field}, batch_size=1, batch_format="numpy"
+def verified_pairs(cfg: CurateConfig, out: str, fuzzy):
+    """The candidate pairs (a dataset), each verified once: every shard read once for the texts
+    of its candidate documents, which a groupby brings together with their pairs. Returns a
+    materialised dataset (a, b, ok) of the distinct pairs."""
+    parts = max(1, min(512, -(-fuzzy.count() // PAIRS_PER_PARTITION)))
+    pairs = fuzzy.map_batches(pair_rows, fn_kwargs={"partitions": parts}, batch_format="pyarrow").materialize()
+    texts = (
+        pairs.map_batches(send_rows, batch_format="pyarrow")
+        .groupby("shard")
+        .map_groups(candidate_texts, fn_kwargs={"out": out, "text_field": cfg.text_field}, batch_format="pyarrow")
     )
-    chunks = [pairs.slice(i, PAIRS_PER_PARTITION) for i in range(0, pairs.num_rows, PAIRS_PER_PARTITION)]
-    grouped = (
-        texts.union(ray.data.from_arrow(chunks))
+    return (
+        texts.union(pairs)
         .groupby("part", num_partitions=parts)
         .map_groups(
             verify_group,
             fn_kwargs={"shingle_words": cfg.dedup.shingle_words, "threshold": cfg.dedup.jaccard_threshold},
             batch_format="pyarrow",
         )
+        .materialize()
     )
-    return grouped.iter_batches(batch_format="numpy")
+
+
+EXACT, NEAR = 1, 2  # marks on a document: an exact edge's later end, an end of a verified pair
+
+
+def marks(batch: dict, mark: int, ends: tuple[str, ...]) -> pa.Table:
+    nodes = np.concatenate([np.asarray(batch[e], np.int64) for e in ends])
+    return pa.table(
+        {"node": nodes, "name": pa.nulls(len(nodes), pa.string()), "mark": np.full(len(nodes), mark, np.int64)}
+    )
+
+
+def root_names(group: pa.Table, out: str, id_field: str) -> pa.Table:
+    """One shard's cluster representatives (the shard read once) -> (member, the representative's
+    id) for every member of their clusters."""
+    roots = np.asarray(group.column("b"), np.int64)
+    t = read_parquet(
+        work_path(out, "docs", shard_name(int(roots[0] >> SHARD_BITS)) + ".parquet"), ["doc_key", id_field]
+    )
+    t = t.filter(pc.is_in(t.column("doc_key"), pa.array(np.unique(roots))))
+    names = pc.take(t.column(id_field), pc.index_in(pa.array(roots), t.column("doc_key"))).cast(pa.string())
+    return pa.table({"node": group.column("a"), "name": names, "mark": pa.array(np.zeros(len(roots), np.int64))})
+
+
+def write_duplicates(group: pa.Table, out: str) -> dict:
+    """One shard's duplicates: its members of a cluster with their representative's id and their
+    marks -> `_work/dedup/duplicates/shard-N.parquet` (doc_key, reason, duplicate_of); returns the
+    shard's counts by reason."""
+    nodes, names, mark = (group.column(c).to_pylist() for c in ("node", "name", "mark"))
+    shard = int(nodes[0]) >> SHARD_BITS
+    dup_of: dict[int, str] = {}
+    marked: dict[int, set[int]] = {}
+    for node, name, m in zip(nodes, names, mark):
+        if m:
+            marked.setdefault(node, set()).add(m)
+        else:
+            dup_of[node] = name
+    keys = sorted(dup_of)
+    reasons = [
+        "exact_duplicate"
+        if EXACT in marked.get(k, ())
+        else "near_duplicate"
+        if NEAR in marked.get(k, ())
+        else "semantic_duplicate"
+        for k in keys
+    ]
+    if keys:
+        table = pa.table(
+            {
+                "doc_key": pa.array(keys, pa.int64()),
+                "reason": pa.array(reasons, pa.string()),
+                "duplicate_of": pa.array([dup_of[k] for k in keys], pa.string()),
+            }
+        )
+        write_parquet_atomic(duplicates_path(out, shard), table)
+    return {
+        "shard": [shard],
+        **{f"{kind}_duplicates": [reasons.count(f"{kind}_duplicate")] for kind in ("exact", "near", "semantic")},
+    }
+
+
+def duplicates_path(out: str, shard: int) -> str:
+    return work_path(out, "dedup", f"duplicates/{shard_name(shard)}.parquet")
+
+
+def _exact_or_not(batch: dict, exact: bool) -> dict:
+    keep = np.asarray(batch["exact"], bool) == exact
+    return {k: np.asarray(v)[keep] for k, v in batch.items()}
+
+
+def _edge_columns(batch: dict) -> dict:
+    return {"a": np.asarray(batch["a"], np.int64), "b": np.asarray(batch["b"], np.int64)}
+
+
+def _ok(batch: dict) -> dict:
+    return {"a": batch["a"][batch["ok"]], "b": batch["b"][batch["ok"]]}
+
+
+def _shard_of_root(batch: dict) -> dict:
+    return {**batch, "rshard": np.asarray(batch["b"], np.int64) >> SHARD_BITS}
+
+
+def _shard_of_node(batch: pa.Table) -> pa.Table:
+    return batch.append_column("shard", pa.array(np.asarray(batch.column("node"), np.int64) >> SHARD_BITS))
 
 
 def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
     """Exact and fuzzy duplicates in one Ray Data groupby over hash partitions of the buckets;
-    candidate pairs verified by true Jaccard (verified_pairs); clusters by union-find over the
-    duplicate edges.
-    Writes `_work/dedup/duplicates.parquet`: (shard, doc_key, reason, duplicate_of)."""
+    candidate pairs verified by true Jaccard (verified_pairs); clusters by connected components
+    on the cluster (data/components.py). The driver holds counts only, nothing per document or
+    per pair. Writes `_work/dedup/duplicates/shard-N.parquet`: (doc_key, reason, duplicate_of)."""
     import ray
     from ray.data.context import ShuffleStrategy
     from ray.data.expressions import col
 
-    from lmfoundry.data.dedup import UnionFind
+    from lmfoundry.data.components import connected_components
 
     marker = work_path(out, "dedup", "_DONE.json")
     if storage.exists(marker):
         logger.info("curate: dedup already done; resuming after it")
         return storage.read_json(marker)
+    storage.remove_dir(work_path(out, "dedup", "duplicates"))  # what a run cut short wrote
     started = time.time()
     files = doc_files(out, num_shards)
     num_kept = sum(
@@ -180,11 +285,11 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
         "verified_pairs": 0,
         "near_duplicates": 0,
     }
-    uf, exact_dups, near_linked = UnionFind(), set(), set()
+    # The sort-based shuffle runs on tasks, which reuse warm workers; the hash shuffle starts
+    # a set of aggregator actors for every groupby (seconds each on a small cluster).
+    ray.data.DataContext.get_current().shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
+    edges, marked = [], []
     if files and num_kept and (cfg.dedup.exact or cfg.dedup.fuzzy):
-        # The sort-based shuffle runs on tasks, which reuse warm workers; the hash shuffle starts
-        # a set of aggregator actors for every groupby (seconds each on a small cluster).
-        ray.data.DataContext.get_current().shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
         kept = read_parquet_files(files, ["doc_key", "reason", "_text_hash", "_buckets"]).filter(
             expr=col("reason") == KEPT
         )
@@ -193,49 +298,44 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
             fn_kwargs={"partitions": parts, "exact": cfg.dedup.exact, "fuzzy": cfg.dedup.fuzzy},
             batch_format="pyarrow",
         )
-        fuzzy_pairs: set[tuple[int, int]] = set()
-        grouped = rows.groupby("part", num_partitions=parts).map_groups(bucket_group, batch_format="numpy")
-        for batch in grouped.iter_batches(batch_format="numpy"):
-            for a, b, is_exact in zip(batch["a"].tolist(), batch["b"].tolist(), batch["exact"].tolist()):
-                if is_exact:
-                    uf.union(a, b)
-                    exact_dups.add(b)
-                else:  # the same pair can share buckets in several bands, in several partitions
-                    fuzzy_pairs.add((a, b))
-        # exact pairs need no verification
-        candidates = sorted((a, b) for a, b in fuzzy_pairs if b not in exact_dups or uf.find(a) != uf.find(b))
-        stats["candidate_pairs"] = len(candidates)
-        if candidates:
-            a, b = (np.array(side, np.int64) for side in zip(*candidates))
-            for batch in verified_pairs(cfg, out, a, b):
-                for a, b in zip(batch["a"].tolist(), batch["b"].tolist()):
-                    uf.union(a, b)
-                    near_linked.update((a, b))
-                    stats["verified_pairs"] += 1
+        candidates = (
+            rows.groupby("part", num_partitions=parts)
+            .map_groups(bucket_group, fn_kwargs={"exact": cfg.dedup.exact}, batch_format="numpy")
+            .materialize()
+        )
+        exact = candidates.map_batches(_exact_or_not, fn_args=(True,), batch_format="numpy")
+        edges.append(exact.map_batches(_edge_columns, batch_format="numpy"))
+        marked.append(exact.map_batches(marks, fn_args=(EXACT, ("b",)), batch_format="numpy"))
+        fuzzy = candidates.map_batches(_exact_or_not, fn_args=(False,), batch_format="numpy")
+        if fuzzy.count():
+            checked = verified_pairs(cfg, out, fuzzy)
+            stats["candidate_pairs"] = checked.count()
+            verified = checked.map_batches(_ok, batch_format="numpy").materialize()
+            stats["verified_pairs"] = verified.count()
+            edges.append(verified)
+            marked.append(verified.map_batches(marks, fn_args=(NEAR, ("a", "b")), batch_format="numpy"))
     if files and num_kept > 1 and cfg.dedup.semantic.enabled:
-        pairs = 0
-        for a, b in semantic_edges(cfg, files, num_kept):
-            uf.union(a, b)
-            pairs += 1
-        stats["semantic_pairs"] = pairs
-    dups = uf.duplicates()
-    names = _ids_of(out, {rep for rep in dups.values()}, cfg.id_field) if dups else {}
-    keys = np.array(sorted(dups), dtype=np.int64)
-    reasons = [
-        "exact_duplicate" if k in exact_dups else "near_duplicate" if k in near_linked else "semantic_duplicate"
-        for k in keys.tolist()
-    ]
-    for kind in ("exact", "near", "semantic"):
-        stats[f"{kind}_duplicates"] = reasons.count(f"{kind}_duplicate")
-    table = pa.table(
-        {
-            "shard": pa.array(keys >> SHARD_BITS, pa.int64()),
-            "doc_key": pa.array(keys, pa.int64()),
-            "reason": pa.array(reasons, pa.string()),
-            "duplicate_of": pa.array([names[dups[k]] for k in keys.tolist()], pa.string()),
-        }
-    )
-    write_parquet_atomic(work_path(out, "dedup", "duplicates.parquet"), table)
+        semantic = semantic_edges(cfg, files, num_kept).materialize()
+        stats["semantic_pairs"] = semantic.count()
+        edges.append(semantic)
+    counts = {f"{kind}_duplicates": 0 for kind in ("exact", "near", "semantic")}
+    if sum(e.count() for e in edges):
+        members = connected_components(edges[0].union(*edges[1:]) if len(edges) > 1 else edges[0], parts)
+        named = (
+            members.map_batches(_shard_of_root, batch_format="numpy")
+            .groupby("rshard")
+            .map_groups(root_names, fn_kwargs={"out": out, "id_field": cfg.id_field}, batch_format="pyarrow")
+        )
+        written = (
+            named.union(*marked)
+            .map_batches(_shard_of_node, batch_format="pyarrow")
+            .groupby("shard")
+            .map_groups(write_duplicates, fn_kwargs={"out": out}, batch_format="pyarrow")
+        )
+        for row in written.iter_rows():  # a row a shard
+            for key in counts:
+                counts[key] += int(row[key])
+    stats.update(counts)
     stats["seconds"] = round(time.time() - started, 2)
     storage.write_json_atomic(marker, stats)
     logger.info("curate: dedup: %s", stats)
@@ -261,7 +361,7 @@ def _cluster_pairs(group: dict, similarity: float) -> dict:
 def semantic_edges(cfg: CurateConfig, files: list[str], num_kept: int):
     """SemDeDup: k-means centroids fitted on a sample of the kept embeddings, every document
     assigned to its nearest centroid, pairs above the cosine threshold found inside each cluster
-    (one Ray Data group per cluster)."""
+    (one Ray Data group per cluster). Returns the dataset of pairs (a, b)."""
     from ray.data.expressions import col
     from sklearn.cluster import KMeans
 
@@ -281,19 +381,6 @@ def semantic_edges(cfg: CurateConfig, files: list[str], num_kept: int):
     assigned = docs.map_batches(
         _assign_cluster, fn_kwargs={"centroids": centroids.astype(np.float32)}, batch_format="numpy"
     )
-    edges = assigned.groupby("cluster", num_partitions=max(1, min(k, 64))).map_groups(
+    return assigned.groupby("cluster", num_partitions=max(1, min(k, 64))).map_groups(
         _cluster_pairs, fn_kwargs={"similarity": sem.similarity}, batch_format="numpy"
     )
-    for batch in edges.iter_batches(batch_format="numpy"):
-        yield from zip(batch["a"].tolist(), batch["b"].tolist())
-
-
-def _ids_of(out: str, keys: set[int], id_field: str) -> dict[int, str]:
-    """The ids of the given documents (the cluster representatives), read where they live."""
-    wanted = np.array(sorted(keys), dtype=np.int64)
-    found: dict[int, str] = {}
-    for shard in np.unique(wanted >> SHARD_BITS).tolist():
-        t = read_parquet(work_path(out, "docs", shard_name(shard) + ".parquet"), ["doc_key", id_field])
-        t = t.filter(pc.is_in(t.column("doc_key"), pa.array(wanted[(wanted >> SHARD_BITS) == shard])))
-        found.update(zip(t.column("doc_key").to_pylist(), t.column(id_field).to_pylist()))
-    return found

@@ -9,11 +9,13 @@ and paragraphs) that returns a drop reason or None, testable without Ray:
 - C4                Raffel et al. 2020, "Exploring the Limits of Transfer Learning", section 2.2.
 - FineWeb           Penedo et al. 2024, "The FineWeb Datasets", section 3.3 (custom filters).
 
-Words are whitespace-separated, as Gopher defines them. Each rule set applies to the languages
-its source built it for: C4 and FineWeb to English, the Gopher stop-word rule to English, the
-other Gopher rules to every language that separates words with spaces. In languages written
-without spaces (Chinese, Japanese, Thai, ...) a "word" is a whole clause, so the word-based rules
-are skipped there and only the line and paragraph repetition rules run.
+Words are whitespace-separated, as Gopher defines them. C4 and the Gopher stop-word rule apply to
+English, the languages they were built for; the other Gopher rules and FineWeb's line rules
+(punctuation, short lines, repeated lines, lists: nothing in them is a word of one language, and
+FineWeb-2 applies them to every language) to every language that separates words with spaces,
+and to text whose language is unknown (""). In languages written without spaces (Chinese,
+Japanese, Thai, ...) a "word" is a whole clause and a line need not end in punctuation, so there
+only the line and paragraph repetition rules run.
 """
 
 from __future__ import annotations
@@ -93,7 +95,11 @@ class C4Config(StageConfig):
 
 class FineWebConfig(StageConfig):
     enabled: bool = True
-    languages: list[str] = ["en"]  # FineWeb is an English corpus
+    # FineWeb built these rules for English; they look at lines and punctuation, not at words of a
+    # language, and FineWeb-2 applies them to every language it covers. They run on every spaced
+    # language and on text of no identifiable language, whose keyword salads pass every other
+    # rule (see docs/curation.md, "Text of no identifiable language").
+    languages: list[str] = [ANY]
     min_line_punctuation_fraction: float = Field(0.12, ge=0, le=1)  # lines ending in terminal punctuation
     short_line_length: int = Field(30, ge=1)
     max_short_line_fraction: float = Field(0.67, ge=0, le=1)  # lines of <= 30 characters
@@ -350,6 +356,6 @@ class HeuristicFilter:
             reason = gopher_quality_reason(doc, lang, cfg.gopher_quality)
         if not reason and cfg.gopher_repetition.enabled and applies(cfg.gopher_repetition.languages, lang):
             reason = gopher_repetition_reason(doc, lang, cfg.gopher_repetition)
-        if not reason and cfg.fineweb.enabled and applies(cfg.fineweb.languages, lang):
+        if not reason and cfg.fineweb.enabled and applies(cfg.fineweb.languages, lang, word_based=True):
             reason = fineweb_reason(doc, cfg.fineweb)
         return text, reason, removed

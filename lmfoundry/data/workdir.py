@@ -22,9 +22,10 @@ def work_path(out: str, phase: str, name: str) -> str:
     return storage.join(out, WORK, phase, name)
 
 
-def write_parquet_atomic(uri: str, table: pa.Table) -> None:
+def write_parquet_atomic(uri: str, table: pa.Table, **options) -> None:
+    """`options` go to pyarrow's write_table (row_group_size, write_statistics, ...)."""
     buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
+    pq.write_table(table, buf, compression="zstd", **options)
     storage.write_bytes_atomic(uri, buf.getvalue())
 
 

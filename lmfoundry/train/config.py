@@ -113,7 +113,9 @@ class TokenBatchConfig(StageConfig):
 
     micro_batch_size: int = Field(8, ge=1, description="sequences per worker per forward pass")
     global_batch_tokens: int = Field(4096, ge=1, description="tokens per optimizer step, all workers")
-    shuffle_buffer: int = Field(1024, ge=0, description="sequences in the seeded local shuffle (0: file order)")
+    shuffle: bool = Field(
+        True, description="a seeded order per epoch: shards, their row groups and the rows of each (false: file order)"
+    )
 
     def accumulation(self, world_size: int, seq_len: int) -> int:
         """Micro-steps per optimizer step."""
@@ -333,7 +335,7 @@ class PretrainConfig(TrainStageConfig):
 
     LEGACY_KEYS: ClassVar[dict[str, str]] = {
         **TrainStageConfig.LEGACY_KEYS,
-        **{k: f"batch.{k}" for k in ("micro_batch_size", "global_batch_tokens", "shuffle_buffer")},
+        **{k: f"batch.{k}" for k in ("micro_batch_size", "global_batch_tokens")},
     }
 
     @model_validator(mode="after")

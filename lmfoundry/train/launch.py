@@ -13,16 +13,6 @@ from lmfoundry.platform import storage
 from lmfoundry.platform.ray_env import cpu_worker_env
 from lmfoundry.train.config import ParallelismConfig
 
-
-def ordered_ingest():
-    """Ray Data's ingest options for training, with blocks delivered in dataset order."""
-    from ray.train import DataConfig
-
-    options = DataConfig.default_ingest_options()
-    options.preserve_order = True
-    return options
-
-
 # What deterministic GPU training needs in the worker's environment before CUDA and NCCL start:
 # cuBLAS's fixed workspace (PyTorch's reproducibility notes) and one all-reduce algorithm (what
 # Megatron's deterministic mode requires); the user's own NCCL_ALGO wins if it is Ring or Tree.

@@ -7,10 +7,12 @@ died) is resumed, not cleared."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
@@ -24,9 +26,12 @@ from lmfoundry.train import skeleton
 from lmfoundry.train.config import PretrainConfig
 from lmfoundry.train.engine import build_engine, check_every_world_size, deepspeed_config
 from lmfoundry.train.expert_parallel import shard_model
-from lmfoundry.train.launch import fit, ordered_ingest, run_config, scaling_config
+from lmfoundry.train.launch import fit, run_config, scaling_config
+from lmfoundry.train.shards import SplitLayout, prefetched, rank_batches
 
 logger = get_logger(__name__)
+
+PREFETCH_MICRO_BATCHES = 4  # read ahead of the step on a thread, as Ray Data's iterator did
 
 
 def build_model(cfg: PretrainConfig, start_dir: str | None = None) -> Transformer:
@@ -40,15 +45,16 @@ def build_model(cfg: PretrainConfig, start_dir: str | None = None) -> Transforme
 
 
 class PretrainObjective:
-    """Next-token cross-entropy over packed sequences that Ray Data streams to every worker."""
+    """Next-token cross-entropy over packed sequences, each worker reading only the row groups of
+    its slice of each global micro-batch (train/shards.py)."""
 
     kind = "pretrain"
     chat_template = DEFAULT_CHAT_TEMPLATE
     special_tokens = None  # its tokenizer is pack's, with lmfoundry's special tokens, unless init_from says otherwise
 
-    def __init__(self, cfg: PretrainConfig, seq_len: int, tokenizer_json: str, rank: int, world: int):
-        import ray.train
-
+    def __init__(
+        self, cfg: PretrainConfig, seq_len: int, tokenizer_json: str, layout: SplitLayout, rank: int, world: int
+    ):
         self.cfg, self.seq_len, self.tokenizer_json, self.rank, self.world = cfg, seq_len, tokenizer_json, rank, world
         if cfg.init_from is None:
             self.model = build_model(cfg)
@@ -60,25 +66,25 @@ class PretrainObjective:
         self.num_params = self.model.num_params()
         self.flops_per_token = train_flops_per_token(self.model, seq_len)
         self.tokens_per_step = cfg.batch.global_batch_tokens
-        self.shard = ray.train.get_dataset_shard("train")
+        self.layout = layout
         self.device = None
 
     def attach(self, engine) -> None:
         self.device = engine.device
 
     def batches(self, epoch: int, skip: int):
-        mbs, batch = self.cfg.batch.micro_batch_size, self.cfg.batch
-        shuffle = (
-            {"local_shuffle_buffer_size": batch.shuffle_buffer, "local_shuffle_seed": self.cfg.seed + epoch}
-            if batch.shuffle_buffer
-            else {}
+        rows = rank_batches(
+            self.layout,
+            self.cfg.seed,
+            epoch,
+            self.cfg.batch.shuffle,
+            self.rank,
+            self.world,
+            self.cfg.batch.micro_batch_size,
+            skip,
         )
-        stream = self.shard.iter_torch_batches(
-            batch_size=mbs * self.world, drop_last=True, dtypes=torch.long, **shuffle
-        )
-        for index, rows in enumerate(stream):
-            if index >= skip:
-                yield index, rows["tokens"][self.rank * mbs : (self.rank + 1) * mbs]
+        for index, tokens in prefetched(rows, PREFETCH_MICRO_BATCHES):
+            yield index, torch.from_numpy(tokens.astype(np.int64))
 
     def loss(self, engine, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
         tokens = tokens.to(self.device)
@@ -102,7 +108,14 @@ def train_loop(loop_config: dict) -> None:
     skeleton.run(
         cfg,
         loop_config["run_dir"],
-        lambda rank, world: PretrainObjective(cfg, loop_config["seq_len"], loop_config["tokenizer_json"], rank, world),
+        lambda rank, world: PretrainObjective(
+            cfg,
+            loop_config["seq_len"],
+            loop_config["tokenizer_json"],
+            SplitLayout(**loop_config["layout"]),
+            rank,
+            world,
+        ),
     )
 
 
@@ -185,8 +198,6 @@ def plot_loss(run_dir: str) -> None:
 
 
 def run_pretrain(cfg: PretrainConfig) -> dict:
-    import ray
-    from ray.train import DataConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     data = storage.normalize(cfg.data)
@@ -217,10 +228,14 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     logger.info("pretrain: DeepSpeed config %s", deepspeed_config(cfg, cfg.parallelism.num_workers, seq_len))
 
     started = time.time()
-    train_ds = ray.data.read_parquet(storage.list_files(storage.join(data, "train"), (".parquet",)))
-    # each worker streams this dataset for the whole run; its progress bars would be redrawn every
-    # second in every worker and carried to the driver's log for as long as training lasts
-    train_ds.context.enable_progress_bars = False
+    layout = SplitLayout.from_manifest(data, pack)
+    if cfg.batch.micro_batch_size % layout.per_group:
+        logger.warning(
+            "pretrain: micro_batch_size=%d is not a multiple of the data's rows_per_group=%d: workers share "
+            "row groups and read more than their share (pack with a rows_per_group that divides it)",
+            cfg.batch.micro_batch_size,
+            layout.per_group,
+        )
     tokenizer_json = storage.read_bytes(storage.join(data, pack["tokenizer"])).decode()
     trainer = TorchTrainer(
         train_loop,
@@ -228,14 +243,11 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             "cfg": cfg.model_dump(mode="json"),
             "seq_len": seq_len,
             "tokenizer_json": tokenizer_json,
+            "layout": dataclasses.asdict(layout),
             "run_dir": out,
         },
         scaling_config=scaling_config(cfg.parallelism),
         torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
-        datasets={"train": train_ds},
-        # every worker reads the whole stream, in file order, and keeps its slice of each global
-        # micro-batch (PretrainObjective.batches): a split handed out as workers ask is not reproducible
-        dataset_config=DataConfig(datasets_to_split=[], execution_options=ordered_ingest()),
         run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
     )
     fit(trainer, cfg.health.max_failures, "pretraining")

@@ -85,6 +85,7 @@ def test_every_recipe_in_configs_validates():
     from lmfoundry.jobs.align import AlignJobConfig
     from lmfoundry.jobs.lifecycle import load_quickstart_config
     from lmfoundry.jobs.pretrain import PretrainJobConfig
+    from lmfoundry.jobs.sft import SFTJobConfig
     from lmfoundry.serving.app import ServeConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"
@@ -103,6 +104,7 @@ def test_every_recipe_in_configs_validates():
         "pairs.yaml": PairsConfig,
         "synth.yaml": SynthConfig,
         "align_dpo.yaml": AlignJobConfig,
+        "sft_tiny_cpu.yaml": SFTJobConfig,
         "agents.yaml": AgentsJobConfig,
     }
     for name, cls in models.items():

@@ -20,7 +20,6 @@ global micro-batch, so the position is one number.
 from __future__ import annotations
 
 import json
-import random
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -44,6 +43,7 @@ from lmfoundry.train.config import (
 )
 from lmfoundry.train.engine import check_every_world_size
 from lmfoundry.train.launch import fit, run_config, scaling_config
+from lmfoundry.train.position import epoch_order
 
 logger = get_logger(__name__)
 
@@ -180,12 +180,6 @@ def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tupl
         "rejected_reward": float(rejected.mean()),
     }
     return loss, stats
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    order = list(range(n))
-    random.Random(seed * 100003 + epoch).shuffle(order)
-    return order
 
 
 @torch.no_grad()

@@ -203,6 +203,7 @@ class DPOObjective:
     kind = "dpo"
     seq_len = 1  # the batch counts pairs
     tokens_per_step = flops_per_token = None
+    adapter = None  # trains every weight
 
     def __init__(self, cfg: DPOConfig, start_dir: str, rank: int, world: int):
         self.cfg, self.rank, self.world = cfg, rank, world

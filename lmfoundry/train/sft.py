@@ -12,6 +12,10 @@ spike handling, fault drills, the evaluation gate's actions) is pretraining's.
 The loss is computed in two steps so that another term can join it: `token_losses` gives the
 logits, each target's cross-entropy and the mask of targets that count; `loss` averages them over
 the micro-batch's assistant tokens.
+
+With a `lora` section the base weights stay frozen and only low-rank adapters train (model/lora.py):
+the optimizer holds the adapters alone, and every checkpoint holds the adapter and a reference to
+the base checkpoint (URI and weights' sha256), which loading merges back in.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS, load_model_files
+from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS, base_sha256, load_model_files
 from lmfoundry.model.flops import train_flops_per_token
+from lmfoundry.model.lora import ADAPTER_WEIGHTS, AdapterRef, LoraConfig, apply_lora
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import skeleton
@@ -73,6 +78,9 @@ class SFTConfig(TrainStageConfig):
     optimizer: SFTOptimizerConfig = SFTOptimizerConfig()
     schedule: SFTScheduleConfig = SFTScheduleConfig()
     checkpointing: SFTCheckpointingConfig = SFTCheckpointingConfig()
+    lora: LoraConfig | None = Field(
+        None, description="train low-rank adapters only; checkpoints hold the adapter and a reference to the base"
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -108,10 +116,12 @@ class SFTObjective:
 
     kind = "sft"
 
-    def __init__(self, cfg: SFTConfig, start_dir: str, rank: int, world: int):
-        self.cfg, self.rank, self.world = cfg, rank, world
+    def __init__(self, cfg: SFTConfig, start_dir: str, rank: int, world: int, adapter: AdapterRef | None = None):
+        self.cfg, self.rank, self.world, self.adapter = cfg, rank, world, adapter
         torch.manual_seed(cfg.seed)
         self.model = load_model_files(start_dir).train()
+        if adapter is not None:
+            apply_lora(self.model, adapter.lora)  # the same adapters on every rank: the seed is set
         self.num_params = self.model.num_params()
         self.seq_len = row_length(cfg, self.model.cfg.max_seq_len)
         self.packed, _ = prepare(cfg.data, start_dir, self.seq_len)
@@ -164,8 +174,12 @@ class SFTObjective:
 def sft_loop(loop_config: dict) -> None:
     """Ray Train's per-worker function."""
     cfg = SFTConfig.model_validate(loop_config["cfg"])
+    base = loop_config["adapter_base"]
+    adapter = AdapterRef(cfg.lora, *base) if cfg.lora is not None else None
     skeleton.run(
-        cfg, loop_config["run_dir"], lambda rank, world: SFTObjective(cfg, loop_config["start_dir"], rank, world)
+        cfg,
+        loop_config["run_dir"],
+        lambda rank, world: SFTObjective(cfg, loop_config["start_dir"], rank, world, adapter),
     )
 
 
@@ -193,7 +207,9 @@ def run_sft(cfg: SFTConfig) -> dict:
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
     final_dir = None
     try:
-        checkpoint.verify(start_dir, model_only=True)
+        start_manifest = checkpoint.verify(start_dir, model_only=True)
+        # a LoRA run's checkpoints name their base: this checkpoint, by URI and the checksum of its weights
+        adapter_base = (start_uri, base_sha256(start_manifest, start_uri)) if cfg.lora is not None else None
         model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
         seq_len = row_length(cfg, model_cfg["max_seq_len"])
         packed, report = prepare(cfg.data, start_dir, seq_len)  # fail now on a bad file, not inside the workers
@@ -224,7 +240,12 @@ def run_sft(cfg: SFTConfig) -> dict:
         started = time.time()
         trainer = TorchTrainer(
             sft_loop,
-            train_loop_config={"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out},
+            train_loop_config={
+                "cfg": cfg.model_dump(mode="json"),
+                "start_dir": start_dir,
+                "run_dir": out,
+                "adapter_base": adapter_base,
+            },
             scaling_config=scaling_config(cfg.parallelism),
             torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
             run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
@@ -255,7 +276,8 @@ def run_sft(cfg: SFTConfig) -> dict:
                 "assistant_loss": loss,
                 "first_loss": state["history"][0]["loss"],
                 "final_loss": state["history"][-1]["loss"],
-                "fingerprint": storage.fingerprint(out, [f"{final}/{WEIGHTS}"]),
+                "fingerprint": storage.fingerprint(out, [f"{final}/{ADAPTER_WEIGHTS if cfg.lora else WEIGHTS}"]),
+                **({"lora": cfg.lora.model_dump(), "base_sha256": adapter_base[1]} if cfg.lora else {}),
                 "seconds": round(time.time() - started, 2),
                 **({"stopped_by_gate": stopped} if stopped and stopped.get("action") == "stop" else {}),
             },

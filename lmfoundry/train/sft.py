@@ -45,7 +45,7 @@ from lmfoundry.train.engine import check_every_world_size
 from lmfoundry.train.launch import fit, run_config, scaling_config
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import plot_loss, start_texts
-from lmfoundry.train.sft_data import Packed, prepare
+from lmfoundry.train.sft_data import PAD_DOC, Packed, prepare
 
 logger = get_logger(__name__)
 
@@ -159,7 +159,8 @@ class SFTObjective:
 
     def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
         _, losses, counted = self.token_losses(engine, batch)  # the logits are not kept alive
-        return masked_mean(losses, counted), {"assistant_tokens": float(counted.sum())}
+        tokens = float((batch[2] != PAD_DOC).sum())  # conversation tokens, padding not counted
+        return masked_mean(losses, counted), {"assistant_tokens": float(counted.sum()), "tokens": tokens}
 
     def describe(self, metrics: dict) -> str:
         return (

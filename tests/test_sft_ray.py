@@ -48,7 +48,7 @@ def sft_config(base, out, **overrides):
         schedule={"warmup_steps": 2, "max_steps": 12},
         batch={"micro_batch_size": 2, "global_batch_sequences": 4},
         parallelism={"num_workers": 2, "zero_stage": 1, "cpus_per_worker": 0.5},
-        checkpointing={"every": 4},
+        checkpointing={"every": 4, "keep_last": 3},  # every checkpoint stays for its evaluation
         logging={"every": 1},
     )
     return SFTJobConfig(**{**settings, **overrides})

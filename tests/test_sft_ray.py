@@ -95,7 +95,7 @@ def test_a_lora_run_under_zero3_trains_and_saves_the_adapter_only(deepspeed_work
         health={"max_failures": 1},
     )
     result = run_sft_job(cfg)
-    assert result["assistant_loss"]["after"] < result["assistant_loss"]["before"] - 0.5
+    assert result["assistant_loss"]["after"] < result["assistant_loss"]["before"] - 0.2
     assert [s for s, _ in losses(tmp_path / "lora")] == list(range(1, 9))  # resumed from step 4's adapter
     final = tmp_path / "lora" / result["final_checkpoint"]
     assert (final / ADAPTER_WEIGHTS).exists() and not (final / WEIGHTS).exists()

@@ -120,10 +120,12 @@ class SFTObjective:
         self.cfg, self.rank, self.world, self.adapter = cfg, rank, world, adapter
         torch.manual_seed(cfg.seed)
         self.model = load_model_files(start_dir).train()
+        self.seq_len = row_length(cfg, self.model.cfg.max_seq_len)
+        # the full model's training FLOPs (a LoRA run's are fewer: no gradients of frozen weights)
+        self.flops_per_token = train_flops_per_token(self.model, self.seq_len - 1)
         if adapter is not None:
             apply_lora(self.model, adapter.lora)  # the same adapters on every rank: the seed is set
         self.num_params = self.model.num_params()
-        self.seq_len = row_length(cfg, self.model.cfg.max_seq_len)
         self.packed, _ = prepare(cfg.data, start_dir, self.seq_len)
         self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
         self.chat_template, self.special_tokens = start_texts(start_dir)
@@ -136,7 +138,6 @@ class SFTObjective:
             )
         # padding included: the model computes over whole rows
         self.tokens_per_step = cfg.batch.global_batch_sequences * (self.seq_len - 1)
-        self.flops_per_token = train_flops_per_token(self.model, self.seq_len - 1)
         self.device = None
 
     def attach(self, engine) -> None:

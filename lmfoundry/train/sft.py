@@ -72,7 +72,9 @@ class SFTConfig(TrainStageConfig):
         ..., description='JSONL of {"messages": [...], "tools": [...]} (system/developer/user/assistant/tool turns)'
     )
     max_seq_len: int | None = Field(
-        None, ge=8, description="tokens per packed row; longer conversations are cut (default: the model's context)"
+        None,
+        ge=8,
+        description="tokens per packed row, the last a target only; longer conversations are cut (default: the model's context + 1)",
     )
     batch: SequenceBatchConfig = SequenceBatchConfig()
     optimizer: SFTOptimizerConfig = SFTOptimizerConfig()

@@ -109,6 +109,8 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
         r = rows[-1]
         r["load_average_1min_at_end"] = round(os.getloadavg()[0], 1)
+        r["date"] = time.strftime("%Y-%m-%d")
+        r["command"] = " ".join(["python", "benchmarks/pack.py", *sys.argv[1:]])
         print(
             f"{r['documents']:>9,d} docs {r['text_mb']:>7.1f} MB  {r['seconds_median']:>7.1f} s  "
             + "  ".join(f"{k} {v:.1f}" for k, v in r["phase_seconds_median"].items())
@@ -119,9 +121,20 @@ def main() -> None:
 
 
 def write_results(rows: list[dict]) -> None:
-    """Written after every size, so a long run keeps what it measured."""
+    """Written after every size, so a long run keeps what it measured. Sizes this run did not
+    measure keep their rows from the file, each with the date it was measured."""
     from lifecycle import machine
 
+    out = RESULTS / "pack.json"
+    measured = {r["documents"] for r in rows}
+    if out.exists():
+        earlier = json.loads(out.read_text())
+        kept = [
+            dict(r, date=r.get("date", earlier["date"]), command=r.get("command", earlier["command"]))
+            for r in earlier["sizes"]
+            if r["documents"] not in measured
+        ]
+        rows = sorted(kept + rows, key=lambda r: r["documents"])
     result = {
         "benchmark": "pack",
         "date": time.strftime("%Y-%m-%d"),
@@ -130,7 +143,6 @@ def write_results(rows: list[dict]) -> None:
         "sizes": rows,
     }
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "pack.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

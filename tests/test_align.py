@@ -10,6 +10,7 @@ import torch
 
 from lmfoundry.align import pairs, review, synth
 from lmfoundry.align.judge import DIMENSIONS
+from lmfoundry.reasoning import verifiers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -225,27 +226,27 @@ def test_finalize_folds_decisions_back_with_provenance(tmp_path):
 
 
 def test_each_verifier_accepts_good_and_rejects_bad_samples():
-    assert synth.verify_arithmetic({"expression": "(12 + 5) * 3", "answer": "51"}) is None
-    assert synth.verify_arithmetic({"expression": "(12 + 5) * 3", "answer": "The answer is 51."}) is None
-    assert "is not 51" in synth.verify_arithmetic({"expression": "(12 + 5) * 3", "answer": "41"})
-    assert "not a number" in synth.verify_arithmetic({"expression": "2 * 3", "answer": "six"})
-    assert "not a mathematical" in synth.verify_arithmetic({"expression": "2 * 3", "answer": "6)"})
+    assert verifiers.verify_arithmetic({"expression": "(12 + 5) * 3", "answer": "51"}) is None
+    assert verifiers.verify_arithmetic({"expression": "(12 + 5) * 3", "answer": "The answer is 51."}) is None
+    assert "is not 51" in verifiers.verify_arithmetic({"expression": "(12 + 5) * 3", "answer": "41"})
+    assert "not a number" in verifiers.verify_arithmetic({"expression": "2 * 3", "answer": "six"})
+    assert "not a mathematical" in verifiers.verify_arithmetic({"expression": "2 * 3", "answer": "6)"})
     solve = {"task": "solve", "equation": "3*x + 4 = 19"}
-    assert synth.verify_algebra({**solve, "answer": "x = 5"}) is None
-    assert "leaves" in synth.verify_algebra({**solve, "answer": "4"})
+    assert verifiers.verify_algebra({**solve, "answer": "x = 5"}) is None
+    assert "leaves" in verifiers.verify_algebra({**solve, "answer": "4"})
     expand = {"task": "expand", "product": "(x + 2)*(x - 3)"}
-    assert synth.verify_algebra({**expand, "answer": "x**2 - x - 6"}) is None
-    assert synth.verify_algebra({**expand, "answer": "x^2 - x - 6"}) is None
-    assert "differs" in synth.verify_algebra({**expand, "answer": "x**2 + x - 6"})
+    assert verifiers.verify_algebra({**expand, "answer": "x**2 - x - 6"}) is None
+    assert verifiers.verify_algebra({**expand, "answer": "x^2 - x - 6"}) is None
+    assert "differs" in verifiers.verify_algebra({**expand, "answer": "x**2 + x - 6"})
     tests = "assert double(2) == 4\nassert double(-1) == -2"
-    assert synth.verify_code({"answer": "def double(x):\n    return 2 * x", "tests": tests}, 10) is None
-    assert "tests failed" in synth.verify_code({"answer": "def double(x):\n    return x + 2", "tests": tests}, 10)
-    assert "sandbox" in synth.verify_code({"answer": "def double(x):\n    while True: pass", "tests": tests}, 2)
+    assert verifiers.verify_code({"answer": "def double(x):\n    return 2 * x", "tests": tests}, 10) is None
+    assert "tests failed" in verifiers.verify_code({"answer": "def double(x):\n    return x + 2", "tests": tests}, 10)
+    assert "sandbox" in verifiers.verify_code({"answer": "def double(x):\n    while True: pass", "tests": tests}, 2)
     passage = "The harbour is south of the old town. Ferries leave every hour."
     good = {"passage": passage, "question": "What is south of the old town?", "answer": "The harbour"}
-    assert synth.verify_qa(good) is None
-    assert "not supported" in synth.verify_qa({**good, "answer": "the train station"})
-    assert "does not mention" in synth.verify_qa({**good, "question": "What is north of the castle?"})
+    assert verifiers.verify_qa(good) is None
+    assert "not supported" in verifiers.verify_qa({**good, "answer": "the train station"})
+    assert "does not mention" in verifiers.verify_qa({**good, "question": "What is north of the castle?"})
 
 
 def test_synth_generates_verifies_and_keeps_rejects_with_reasons(tmp_path):
@@ -263,6 +264,46 @@ def test_synth_generates_verifies_and_keeps_rejects_with_reasons(tmp_path):
     assert {s["question"] for s in qa} == {"What is ray Data?", "What is the model?"}
     with pytest.raises(ValueError, match="allowed"):
         synth.run_synth(synth.SynthConfig(output=str(tmp_path / "t"), kinds={"poetry": 1}))
+
+
+def test_maths_solutions_come_in_checkable_steps_and_a_wrong_step_is_found():
+    import random
+
+    rng = random.Random(7)
+    samples = [synth.gen_arithmetic(rng) for _ in range(20)] + [synth.gen_algebra(rng) for _ in range(20)]
+    assert {s.get("task") for s in samples} == {None, "solve", "expand"}
+    for s in samples:
+        assert verifiers.split_steps(s["solution"]) == s["steps"] and len(s["steps"]) >= 2
+        assert all(verifiers.step_labels(s, s["solution"]))
+        assert verifiers.verify(s) is None
+    solve = next(s for s in samples if s.get("task") == "solve")
+    wrong = solve["steps"][:1] + ["x = 1000"] + solve["steps"][2:]
+    assert verifiers.step_labels(solve, "\n".join(wrong)) == [True, False] + [True] * (len(wrong) - 2)
+    sample = {"kind": "arithmetic", "expression": "(51 + 99) * 15"}
+    solution = "51 + 99 = 140\n140 * 15 = 2100\nAnswer: 2100"
+    assert verifiers.step_labels(sample, solution) == [False, True]  # the second step holds given the first
+    assert verifiers.step_labels(sample, "51 + 99 is 150\nAnswer: 150") == [False]
+    with pytest.raises(ValueError, match="arithmetic and algebra"):
+        verifiers.step_labels({"kind": "code"}, "def f(): pass")
+
+
+def test_code_tasks_come_from_parametrised_families_and_each_reference_passes_its_tests():
+    import random
+
+    from lmfoundry.align import code_tasks
+
+    assert code_tasks.space_size() > 40
+    rng = random.Random(3)
+    drawn = [code_tasks.gen_code(rng) for _ in range(200)]
+    assert len({s["function"] for s in drawn}) > 30
+    one_per_family = {s["family"]: s for s in drawn}
+    assert len(one_per_family) == len(code_tasks.FAMILIES)
+    for s in one_per_family.values():
+        assert s["answer"] == "\n".join(s["steps"]) and s["tests"].count("assert") >= 2
+        assert verifiers.verify_code(s, 10) is None, s["function"]
+    broken = dict(one_per_family["sum_multiples_of_{k}"])
+    broken["answer"] = broken["answer"].replace("total += x", "total += 1")
+    assert "tests failed" in verifiers.verify_code(broken, 10)
 
 
 # --- DPO pieces ---------------------------------------------------------------------------------

@@ -85,6 +85,8 @@ def test_every_recipe_in_configs_validates():
     from lmfoundry.jobs.align import AlignJobConfig
     from lmfoundry.jobs.lifecycle import load_quickstart_config
     from lmfoundry.jobs.pretrain import PretrainJobConfig
+    from lmfoundry.jobs.reward import RewardJobConfig
+    from lmfoundry.jobs.rl import RLJobConfig
     from lmfoundry.jobs.sft import SFTJobConfig
     from lmfoundry.serving.app import ServeConfig
 
@@ -106,6 +108,9 @@ def test_every_recipe_in_configs_validates():
         "align_dpo.yaml": AlignJobConfig,
         "sft_tiny_cpu.yaml": SFTJobConfig,
         "agents.yaml": AgentsJobConfig,
+        "reward_process.yaml": RewardJobConfig,
+        "reward_outcome.yaml": RewardJobConfig,
+        "rl_grpo.yaml": RLJobConfig,
     }
     for name, cls in models.items():
         assert isinstance(load_config(cls, root / name), cls)

@@ -126,21 +126,31 @@ def test_the_evaluator_asks_training_to_act_and_drops_what_a_rollback_overtook(t
 
 
 @pytest.mark.timeout(900)  # three short runs, after the session's corpus fixtures
-def test_training_rolls_back_to_the_checkpoint_that_passed_then_stops(deepspeed_workers, packed, tmp_path):
+def test_continued_training_rolls_back_to_the_checkpoint_that_passed_then_stops(
+    deepspeed_workers, packed, pretrained, tmp_path
+):
+    """Continued pretraining from the session's reference run, whose gates then act: it starts
+    where the reference ended (not from a fresh initialisation), rolls back to the checkpoint that
+    passed, and stops when asked."""
     from conftest import tiny_pretrain_config
 
     from lmfoundry.platform import storage
+    from lmfoundry.train.config import PretrainConfig
     from lmfoundry.train.pretrain import run_pretrain
 
     run = tmp_path / "run"
-    cfg = tiny_pretrain_config(
+    settings = tiny_pretrain_config(
         packed[0],
         str(run),
         parallelism={"num_workers": 1},  # one worker: the gates act the same, and it starts faster
         schedule={"max_steps": 4, "warmup_steps": 1},
         checkpointing={"every": 2},
     )
-    run_pretrain(cfg)
+    reference_dir, reference = pretrained
+    cfg = PretrainConfig(**settings.model_dump(exclude={"model", "init_from"}), init_from=reference_dir)
+    first = run_pretrain(cfg)
+    assert first["init_from"] == checkpoint.resolve(reference_dir) and first["model"] == reference["model"]
+    assert abs(first["first_loss"] - reference["final_loss"]) < 0.5 < reference["first_loss"] - first["first_loss"]
     (run / "_MANIFEST.json").unlink()  # as if the run were still going when its gates came in
     checkpoint.mark_gate(str(run / "checkpoints" / "step-00000002"), {"passed": True})
     checkpoint.mark_gate(str(run / "checkpoints" / "step-00000004"), FAILED)

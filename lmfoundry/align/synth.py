@@ -2,16 +2,10 @@
 
     lmfoundry synth configs/synth.yaml --output work/synth
 
-Generators (seeded) and their verifiers:
-- `arithmetic`: expressions over integers; the answer must equal the expression, compared
-  exactly by sympy;
-- `algebra`: linear equations (the answer, substituted, must satisfy the equation) and products
-  to expand (the answer must be symbolically equal to the product);
-- `code`: small functions with unit tests; the solution runs in the sandbox (safety/sandbox.py),
-  which only evaluates the tests' calls and reports their values; the verifier compares them with
-  the expected values outside it, so a solution cannot forge a pass;
-- `qa`: question-answer pairs from curated documents ("X is Y." becomes "What is X?"); the answer
-  must be a span of the source passage and the question's words must be found in it.
+Generators (seeded): `arithmetic` and `algebra` (solutions in steps, one a line, that
+reasoning/verifiers.py checks one by one), `code` (parametrised function families with unit tests,
+align/code_tasks.py) and `qa` (question-answer pairs from curated documents: "X is Y." becomes
+"What is X?"). Every sample passes its verifier (reasoning/verifiers.py) or is rejected.
 
 Answers come from the generator itself, or from a `solver` model (any checkpoint or
 OpenAI-compatible endpoint), which is where verification earns its keep: a wrong answer is
@@ -26,12 +20,13 @@ import time
 
 from pydantic import Field
 
+from lmfoundry.align.code_tasks import gen_code
 from lmfoundry.align.pairs import ModelRef, open_model
 from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.corpus import read_documents
 from lmfoundry.platform.log import get_logger
-from lmfoundry.safety.sandbox import run_python
+from lmfoundry.reasoning.verifiers import ANSWER_PREFIX, STEP_DELIMITER, verify
 
 logger = get_logger(__name__)
 
@@ -52,176 +47,11 @@ class SynthConfig(StageConfig):
     overwrite: bool = False
 
 
-# --- verifiers ----------------------------------------------------------------------------------
-
-
-def _sympy(text: str):
-    import sympy
-
-    try:
-        return sympy.sympify(text.replace("^", "**"), evaluate=True)
-    except (sympy.SympifyError, SyntaxError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"not a mathematical expression: {text!r} ({type(e).__name__})") from None
-
-
-def _final_answer(reply: str) -> str:
-    """The answer in a model's reply: after 'answer:' or '=' if present, else the last line."""
-    text = reply.strip()
-    for marker in ("answer:", "answer is", "="):
-        at = text.lower().rfind(marker)
-        if at >= 0:
-            text = text[at + len(marker) :]
-            break
-    return text.strip().splitlines()[0].strip().rstrip(".") if text.strip() else ""
-
-
-def verify_arithmetic(sample: dict) -> str | None:
-    """None when correct, else why not."""
-    import sympy
-
-    try:
-        expected, given = _sympy(sample["expression"]), _sympy(_final_answer(sample["answer"]))
-    except ValueError as e:
-        return str(e)
-    if given.free_symbols:
-        return f"{sample['answer']!r} is not a number"
-    return None if sympy.simplify(expected - given) == 0 else f"{sample['answer']!r} is not {expected}"
-
-
-def verify_algebra(sample: dict) -> str | None:
-    import sympy
-
-    x = sympy.Symbol("x")
-    try:
-        given = _sympy(re.sub(r"^\s*x\s*=\s*", "", _final_answer(sample["answer"])) or "nan")
-    except ValueError as e:
-        return str(e)
-    if sample["task"] == "solve":
-        left, right = sample["equation"].split("=")
-        residual = sympy.simplify(_sympy(left).subs(x, given) - _sympy(right))
-        return None if residual == 0 else f"x = {given} leaves {left} - ({right}) = {residual}"
-    difference = sympy.expand(_sympy(sample["product"]) - given)
-    return None if difference == 0 else f"{given} differs from {sample['product']} by {difference}"
-
-
-# The candidate's process is untrusted: it may print "PASS", exit 0 early, patch any checker it can
-# see or write files. So it only evaluates the test calls and reports their values as JSON; the
-# expected values never enter it, and the comparison happens here.
-_DRIVER = """
-import json, sys
-request = json.loads(sys.stdin.readline())  # the calls, and the nonce marking the result line
-namespace = {"__name__": "candidate"}
-exec(compile(open("candidate.py", encoding="utf-8").read(), "candidate.py", "exec"), namespace)
-values = []
-for call in request["calls"]:
-    try:
-        values.append({"value": json.loads(json.dumps(eval(call, namespace)))})
-    except Exception as e:
-        values.append({"error": type(e).__name__ + ": " + str(e)[:200]})
-sys.stdout.write("\\n" + request["nonce"] + " " + json.dumps(values) + "\\n")
-"""
-
-
-def code_checks(tests: str) -> list[tuple[str, str, object]]:
-    """The sample's tests as (call source, how to compare, expected value): each line must be
-    `assert CALL == LITERAL`, `assert CALL` or `assert not CALL`."""
-    import ast
-
-    checks = []
-    for statement in ast.parse(tests).body:
-        if not isinstance(statement, ast.Assert):
-            raise ValueError(f"code tests: only assert statements are allowed, not {ast.unparse(statement)!r}")
-        test = statement.test
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
-            checks.append((ast.unparse(test.left), "equal", _literal(test.comparators[0])))
-        elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            checks.append((ast.unparse(test.operand), "false", None))
-        else:
-            checks.append((ast.unparse(test), "true", None))
-    return checks
-
-
-def _literal(node):
-    import ast
-
-    try:
-        return ast.literal_eval(node)
-    except ValueError:
-        raise ValueError(f"code tests: the expected value must be a literal, not {ast.unparse(node)!r}") from None
-
-
-def _same(value, expected) -> bool:
-    """Equal as JSON text: True is not 1, 1.0 is not 1, a tuple compares as a list."""
-    import json
-
-    return json.dumps(value, sort_keys=True) == json.dumps(expected, sort_keys=True)
-
-
-def _check_failure(call: str, how: str, expected, got: dict) -> str | None:
-    if "error" in got:
-        return f"{call} raised {got['error']}"
-    value = got.get("value")
-    if how == "equal" and not _same(value, expected):
-        return f"{call} returned {value!r}, expected {expected!r}"
-    if how == "true" and not value:
-        return f"{call} returned {value!r}, expected a true value"
-    if how == "false" and value:
-        return f"{call} returned {value!r}, expected a false value"
-    return None
-
-
-def verify_code(sample: dict, timeout_s: float) -> str | None:
-    import json
-    import secrets
-
-    checks = code_checks(sample["tests"])
-    nonce = secrets.token_hex(16)
-    request = json.dumps({"nonce": nonce, "calls": [call for call, _, _ in checks]})
-    result = run_python(
-        _DRIVER,
-        timeout_s=timeout_s,
-        cpu_s=max(1, int(timeout_s)),
-        files={"candidate.py": sample["answer"]},
-        stdin=request.encode() + b"\n",
-    )
-    if result.killed:
-        return f"killed by the sandbox ({result.killed})"
-    reports = [line[len(nonce) + 1 :] for line in result.stdout.splitlines() if line.startswith(nonce + " ")]
-    if len(reports) != 1:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"the tests failed: no single result from the test run ({last[:200]})"
-    try:
-        values = json.loads(reports[0])
-        if not isinstance(values, list) or len(values) != len(checks) or not all(isinstance(v, dict) for v in values):
-            raise ValueError("not one value per test")
-    except ValueError:
-        return "the tests failed: the test run's result is malformed"
-    for (call, how, expected), got in zip(checks, values):
-        failure = _check_failure(call, how, expected, got)
-        if failure:
-            return f"the tests failed: {failure}"[:300]
-    return None
-
-
-STOP = {"the", "a", "an", "is", "are", "what", "of", "in", "on", "and", "to", "was", "does", "do"}
-
-
-def verify_qa(sample: dict) -> str | None:
-    passage, answer = sample["passage"], _final_answer(sample["answer"])
-    if not answer:
-        return "empty answer"
-    if answer.lower() not in passage.lower():
-        return "the answer is not supported by the passage (not a span of it)"
-    words = [w for w in re.findall(r"\w+", sample["question"].lower()) if w not in STOP]
-    missing = [w for w in words if w not in passage.lower()]
-    if missing:
-        return f"the question asks about {missing}, which the passage does not mention"
-    if answer.lower() in sample["question"].lower():
-        return "the answer is given away by the question"
-    return None
-
-
 # --- generators ---------------------------------------------------------------------------------
+
+
+def with_steps(steps: list[str], answer: str) -> dict:
+    return {"steps": steps, "answer": answer, "solution": STEP_DELIMITER.join([*steps, ANSWER_PREFIX + answer])}
 
 
 def gen_arithmetic(rng: random.Random) -> dict:
@@ -229,80 +59,47 @@ def gen_arithmetic(rng: random.Random) -> dict:
     op = rng.choice(["+", "-", "*"])
     apply = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__}[op]
     if rng.random() < 0.5:
-        expression, value = f"({a} {op} {b}) * {c}", apply(a, b) * c
-    else:  # precedence: the product binds first
-        expression, value = f"{a} {op} {b} * {c}", apply(a, b * c) if op != "*" else a * b * c
-    return {"kind": "arithmetic", "question": f"Compute {expression}.", "expression": expression, "answer": str(value)}
+        expression, first = f"({a} {op} {b}) * {c}", apply(a, b)
+        steps = [f"{a} {op} {b} = {first}", f"{first} * {c} = {first * c}"]
+    elif op != "*":  # precedence: the product binds first
+        expression, first = f"{a} {op} {b} * {c}", b * c
+        steps = [f"{b} * {c} = {first}", f"{a} {op} {first} = {apply(a, first)}"]
+    else:
+        expression, first = f"{a} * {b} * {c}", a * b
+        steps = [f"{a} * {b} = {first}", f"{first} * {c} = {first * c}"]
+    value = steps[-1].rsplit("= ", 1)[1]
+    return {
+        "kind": "arithmetic",
+        "question": f"Compute {expression}.",
+        "expression": expression,
+        **with_steps(steps, value),
+    }
 
 
 def gen_algebra(rng: random.Random) -> dict:
     if rng.random() < 0.5:
         a, x, b = rng.randint(2, 12), rng.randint(-10, 10), rng.randint(-20, 20)
-        equation = f"{a}*x + {b} = {a * x + b}"
+        right = a * x + b
+        equation = f"{a}*x + {b} = {right}"
+        steps = [f"{a}*x = {right} - ({b})", f"{a}*x = {right - b}", f"x = {right - b}/{a}", f"x = {x}"]
         return {
             "kind": "algebra",
             "task": "solve",
             "question": f"Solve for x: {equation}",
             "equation": equation,
-            "answer": str(x),
+            **with_steps(steps, str(x)),
         }
     p, q = rng.randint(-9, 9), rng.randint(-9, 9)
     product = f"(x + {p})*(x + {q})"
+    distributed = f"x**2 + {q}*x + {p}*x + {p * q}"
+    answer = f"x**2 + {p + q}*x + {p * q}"
     return {
         "kind": "algebra",
         "task": "expand",
         "question": f"Expand {product}.",
         "product": product,
-        "answer": f"x**2 + {p + q}*x + {p * q}",
+        **with_steps([f"{product} = {distributed}", f"{distributed} = {answer}"], answer),
     }
-
-
-CODE_TASKS = [
-    (
-        "add_digits",
-        "Write add_digits(n) returning the sum of the decimal digits of a non-negative integer n.",
-        "def add_digits(n):\n    return sum(int(d) for d in str(n))",
-        "assert add_digits(0) == 0\nassert add_digits(1234) == 10\nassert add_digits(99) == 18",
-    ),
-    (
-        "is_palindrome",
-        "Write is_palindrome(s) that says whether s reads the same backwards, ignoring case.",
-        "def is_palindrome(s):\n    s = s.lower()\n    return s == s[::-1]",
-        "assert is_palindrome('Level')\nassert not is_palindrome('lmfoundry')\nassert is_palindrome('')",
-    ),
-    (
-        "fizzbuzz",
-        "Write fizzbuzz(n) returning 'Fizz', 'Buzz', 'FizzBuzz' or str(n).",
-        "def fizzbuzz(n):\n    return 'FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0 else 'Buzz' if n % 5 == 0 "
-        "else str(n)",
-        "assert fizzbuzz(15) == 'FizzBuzz'\nassert fizzbuzz(9) == 'Fizz'\nassert fizzbuzz(10) == 'Buzz'\n"
-        "assert fizzbuzz(7) == '7'",
-    ),
-    (
-        "count_vowels",
-        "Write count_vowels(s) returning how many of a, e, i, o, u (any case) s holds.",
-        "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s.lower())",
-        "assert count_vowels('Ray Serve') == 3\nassert count_vowels('xyz') == 0",
-    ),
-    (
-        "running_max",
-        "Write running_max(xs) returning the list of maxima of each prefix of xs.",
-        "def running_max(xs):\n    out, best = [], None\n    for x in xs:\n        best = x if best is None or x > best "
-        "else best\n        out.append(best)\n    return out",
-        "assert running_max([3, 1, 4, 1, 5]) == [3, 3, 4, 4, 5]\nassert running_max([]) == []",
-    ),
-    (
-        "dedupe",
-        "Write dedupe(xs) returning xs without repeats, first occurrences kept in order.",
-        "def dedupe(xs):\n    return list(dict.fromkeys(xs))",
-        "assert dedupe([1, 2, 1, 3, 2]) == [1, 2, 3]\nassert dedupe('aba') == ['a', 'b']",
-    ),
-]
-
-
-def gen_code(rng: random.Random, index: int) -> dict:
-    name, prompt, solution, tests = CODE_TASKS[index % len(CODE_TASKS)]
-    return {"kind": "code", "question": prompt, "function": name, "answer": solution, "tests": tests}
 
 
 SENTENCE = re.compile(r"(?:^|(?<=[.!?]\s))([A-Z][\w\- ]{2,40}?) (is|are) ([^.!?]{3,80})\.")
@@ -374,16 +171,6 @@ def solve(samples: list[dict], ref: ModelRef, max_tokens: int) -> None:
         s["solver"] = model.name
 
 
-def verify(sample: dict, cfg: SynthConfig) -> str | None:
-    if sample["kind"] == "arithmetic":
-        return verify_arithmetic(sample)
-    if sample["kind"] == "algebra":
-        return verify_algebra(sample)
-    if sample["kind"] == "code":
-        return verify_code(sample, cfg.sandbox_timeout_s)
-    return verify_qa(sample)
-
-
 def run_synth(cfg: SynthConfig) -> dict:
     unknown = sorted(set(cfg.kinds) - set(KINDS))
     if unknown:
@@ -403,7 +190,7 @@ def run_synth(cfg: SynthConfig) -> dict:
         elif kind == "algebra":
             samples += [gen_algebra(rng) for _ in range(count)]
         elif kind == "code":
-            samples += [gen_code(rng, i) for i in range(count)]
+            samples += [gen_code(rng) for _ in range(count)]
         else:
             found = qa_candidates([d["text"] for d in read_documents(cfg.documents, limit=2000)])
             rng.shuffle(found)
@@ -414,7 +201,7 @@ def run_synth(cfg: SynthConfig) -> dict:
         solve(samples, cfg.solver, cfg.max_tokens)
     kept, rejected = [], []
     for s in samples:
-        reason = verify(s, cfg)
+        reason = verify(s, cfg.sandbox_timeout_s)
         (rejected if reason else kept).append({**s, "reason": reason} if reason else s)
     counts = {
         k: {"generated": sum(s["kind"] == k for s in samples), "kept": sum(s["kind"] == k for s in kept)}

@@ -169,3 +169,28 @@ class CheckpointModel:
             self._generate(self.encode(self.template.render(m)), max_tokens, temperature, seed + i)[0].strip()
             for i, m in enumerate(conversations)
         ]
+
+    @torch.no_grad()
+    def continuations(
+        self, prompt: str, n: int, max_tokens: int, temperature: float, seed: int, stop: list[str] = ()
+    ) -> list[tuple[str, int]]:
+        """n continuations of a raw prompt, decoded as one batch (sample i seeded with seed + i;
+        greedy at temperature 0), each ended at its first stop string, which is not included:
+        its row stops there, so a step-by-step search pays for one step at a time. With the tokens
+        each generated."""
+        from lmfoundry.model.generate import sample_many
+
+        ids = self.encode(prompt) or [self.eos]
+        max_tokens = min(max_tokens, self.max_length // 2)
+        ids = ids[-(self.max_length - max_tokens) :]
+        stops = [s for s in stop if s]
+
+        def finished(tokens: list[int]) -> bool:  # the tail is enough: a stop string is short
+            tail = self.tokenizer.decode(tokens[-16:])
+            return any(s in tail for s in stops)
+
+        generations = sample_many(
+            self.model, ids, n, max_tokens, temperature, [seed + i for i in range(n)], self.stop_tokens,
+            finished if stops else None,
+        )  # fmt: skip
+        return [(cut_at_stop(self.tokenizer.decode(g.tokens), stops), len(g.tokens)) for g in generations]

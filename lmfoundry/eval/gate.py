@@ -41,6 +41,7 @@ RULES: list[tuple[str, str, str, float]] = [
     ("long_context.effective_context_length", "higher", "relative", 0.0),
     ("long_context.retrieval", "higher", "absolute", 0.05),
     ("red_team.*", "lower", "absolute", 0.05),
+    ("reasoning.*.acc", "higher", "absolute", 0.05),
 ]
 
 

@@ -17,13 +17,14 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from lmfoundry.clients.checkpoint import CheckpointModel, EvalModel
-from lmfoundry.eval import gate, hhh, models, needle, perplexity, redteam, tasks
+from lmfoundry.eval import gate, hhh, models, needle, perplexity, reasoning, redteam, tasks
 from lmfoundry.eval.garak import GarakConfig, run_garak
 from lmfoundry.eval.gate import GateConfig
 from lmfoundry.eval.hhh import HHHConfig
 from lmfoundry.eval.judge import GenerativeJudge
 from lmfoundry.eval.models import EndpointConfig
 from lmfoundry.eval.needle import NeedleConfig
+from lmfoundry.eval.reasoning import ReasoningConfig
 from lmfoundry.eval.redteam import RedTeamConfig
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.config import StageConfig
@@ -49,6 +50,7 @@ class EvalSuites(StageConfig):
     needle: NeedleConfig | None = None
     redteam: RedTeamConfig | None = None
     garak: GarakConfig | None = Field(None, description="garak's probes against the endpoint (needs endpoint)")
+    reasoning: ReasoningConfig | None = Field(None, description="accuracy at several test-time budgets (a checkpoint)")
     gate: GateConfig = GateConfig()
 
 
@@ -105,6 +107,9 @@ def flatten(report: dict) -> dict[str, float]:
         m["long_context.retrieval"] = sum(map(sum, lc["heatmap"])) / sum(map(len, lc["heatmap"]))
     for name, r in red_team_rates(report.get("red_team") or {}).items():
         m[name] = r["rate"]
+    for strategy, rows in (report.get("reasoning") or {}).get("strategies", {}).items():
+        for n, row in rows.items():
+            m[f"reasoning.{strategy}.n{n}.acc"] = row["accuracy"]
     return m
 
 
@@ -144,6 +149,9 @@ def sample_sizes(report: dict) -> dict[str, int]:
                 n[f"honest.{key}"] = value["n"]
     for name, r in red_team_rates(report.get("red_team") or {}).items():
         n[name] = r["n"]
+    for strategy, rows in (report.get("reasoning") or {}).get("strategies", {}).items():
+        for count in rows:
+            n[f"reasoning.{strategy}.n{count}.acc"] = report["reasoning"]["problems"]
     return n
 
 
@@ -207,6 +215,12 @@ def evaluate(
             raise ValueError("garak probes an OpenAI-compatible server: set endpoint")
         garak = timed("garak", lambda: run_garak(endpoint, suites.garak, out_dir))
         report.setdefault("red_team", {})["garak"] = garak
+    if suites.reasoning is not None:
+        if not hasattr(model, "continuations"):
+            raise ValueError("the reasoning suite samples in process: evaluate a checkpoint, not an endpoint")
+        report["reasoning"] = timed("reasoning", lambda: reasoning.run_reasoning(model, suites.reasoning))
+        if out_dir:
+            reasoning.plot(report["reasoning"], storage.join(out_dir, "reasoning.png"))
     if getattr(model, "errors", None):
         report["endpoint_errors"] = dict(model.errors)  # requests it could not serve: empty replies in the suites
         logger.warning("evaluate: the endpoint refused %d requests: %s", sum(model.errors.values()), model.errors)

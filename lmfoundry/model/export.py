@@ -61,6 +61,8 @@ DEFAULT_MAX_SHARD_BYTES = 2 << 30
 
 def choose_architecture(cfg: ModelConfig, bias_is_zero: bool) -> tuple[Arch | None, list[str]]:
     """The stock architecture that computes what `cfg` does, or None and why not."""
+    if cfg.reward_head:
+        return None, ["a reward model (reward_head) scores text; it is not a causal language model to export"]
     m = cfg.moe
     if m is None:
         if cfg.qk_norm:

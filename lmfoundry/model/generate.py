@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -85,3 +85,60 @@ def generate(
             return Generation(out, item)
         out.append(item)
     raise AssertionError("stream_tokens always ends with a finish reason")
+
+
+@torch.no_grad()
+def sample_many(
+    model: Transformer,
+    prompt: list[int],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    seeds: list[int],
+    stop_tokens: frozenset[int] = frozenset(),
+    finished: Callable[[list[int]], bool] | None = None,
+    top_p: float = 1.0,
+) -> list[Generation]:
+    """n samples after one prompt, decoded together: the prompt is prefilled once and its keys and
+    values copied to every row's cache slot; each step runs the rows still going as one batch.
+    Row i samples with its own generator seeded `seeds[i]`, so it is the sequence `generate` gives
+    with that seed. `finished(tokens)` may end a row early (e.g. a stop string in its text)."""
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} samples")
+    device = next(model.parameters()).device
+    limit = model.cfg.max_seq_len
+    if len(prompt) >= limit:
+        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in a context of {limit}")
+    max_new_tokens = min(max_new_tokens, limit - len(prompt))
+    cache = KVCache(model.cfg, n, len(prompt) + max_new_tokens, device, next(model.parameters()).dtype)
+    logits, _ = model(
+        torch.tensor([prompt], device=device), cache=cache, logits_at=torch.tensor([len(prompt) - 1], device=device)
+    )
+    cache.k[:, 1:], cache.v[:, 1:] = cache.k[:, :1], cache.v[:, :1]
+    cache.lengths[:] = cache.lengths[0]
+    gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+    out = [Generation([], "length") for _ in range(n)]
+    active = list(range(n))
+    row_logits = {i: logits[0, -1] for i in active}
+    for produced in range(1, max_new_tokens + 1):
+        going = []
+        for i in active:
+            token = sample_next(row_logits[i], temperature, top_p, gens[i])
+            if token in stop_tokens:
+                out[i].finish_reason = "stop"
+                continue
+            out[i].tokens.append(token)
+            if finished is not None and finished(out[i].tokens):
+                out[i].finish_reason = "stop"
+                continue
+            going.append(i)
+        active = going
+        if not active or produced == max_new_tokens:
+            break
+        slots = torch.tensor(active, device=device)
+        tokens = torch.tensor([[out[i].tokens[-1]] for i in active], device=device)
+        logits, _ = model(tokens, cache=cache, slots=slots)
+        row_logits = {i: logits[r, -1] for r, i in enumerate(active)}
+    return out

@@ -63,6 +63,7 @@ class ModelConfig(StageConfig):
     init_std: float = Field(0.02, gt=0)
     activation_checkpointing: bool = False
     moe: MoEConfig | None = None  # None: every block has a dense SwiGLU MLP
+    reward_head: bool = Field(False, description="one score per position instead of next-token logits (reward models)")
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
@@ -72,6 +73,8 @@ class ModelConfig(StageConfig):
             raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
+        if self.reward_head and self.tie_embeddings:
+            raise ValueError("reward_head: set tie_embeddings false (a scalar head cannot share the embedding)")
         return self
 
     @property
@@ -263,7 +266,8 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # a reward model's output layer is a scalar head in place of the vocabulary projection
+        self.lm_head = nn.Linear(cfg.d_model, 1 if cfg.reward_head else cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)

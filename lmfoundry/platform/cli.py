@@ -5,6 +5,8 @@ lmfoundry sft CONFIG [--input CHECKPOINT] [--output RUN] [--set data=CHATS.jsonl
 lmfoundry align CONFIG [--input CHECKPOINT] [--output RUN] [--set pairs=PAIRS.jsonl]
 lmfoundry pairs CONFIG [--output DIR]      (teacher-judged preference pairs)
 lmfoundry synth CONFIG [--output DIR]      (verified synthetic data)
+lmfoundry reward CONFIG [--input CHECKPOINT] [--output RUN]   (outcome or process reward model)
+lmfoundry rl CONFIG [--input CHECKPOINT] [--output RUN]       (GRPO with verifiable rewards)
 lmfoundry review --db DSN list|claim|decide|comment|serve ...
 lmfoundry agents CONFIG | agents demo-data [--out DIR]
 lmfoundry quickstart [--workdir DIR] [--keep-serving]
@@ -60,6 +62,8 @@ COMMANDS = {
     "serve": Command("lmfoundry.serving.app:ServeConfig", "configs/serve.yaml"),
     "pairs": Command("lmfoundry.align.pairs:PairsConfig", "configs/pairs.yaml"),
     "synth": Command("lmfoundry.align.synth:SynthConfig", "configs/synth.yaml"),
+    "reward": Command("lmfoundry.jobs.reward:RewardJobConfig", "configs/reward_process.yaml"),
+    "rl": Command("lmfoundry.jobs.rl:RLJobConfig", "configs/rl_grpo.yaml"),
     "quality-model": Command("lmfoundry.data.quality:QualityTrainConfig", "configs/quality_model.yaml"),
     "agents": Command("lmfoundry.jobs.agents:AgentsJobConfig", "configs/agents.yaml"),
     "quickstart": Command(),

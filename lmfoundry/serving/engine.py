@@ -12,12 +12,13 @@ import functools
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
 from lmfoundry.model.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ChatTemplate
-from lmfoundry.model.checkpoint import TOKENIZER, load_model_files
+from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
 from lmfoundry.model.tokenizer import SpecialTokens
 from lmfoundry.platform import checkpoint
 from lmfoundry.serving.scheduler import ContinuousBatcher
@@ -84,6 +85,8 @@ class InferenceEngine:
         # everything is read inside the block (the batcher loads the model before it returns):
         # a temporary copy of a remote checkpoint goes when it ends
         with checkpoint.opened(checkpoint_uri, model_only=True) as (local, self.manifest):
+            if json.loads(Path(local, MODEL_CONFIG).read_text()).get("reward_head"):
+                raise ValueError(f"{checkpoint_uri} is a reward model: it scores text and cannot generate")
             self.tokenizer = Tokenizer.from_file(f"{local}/{TOKENIZER}")
             self.chat_template = ChatTemplate.from_checkpoint(local)
             # lmfoundry's <|endoftext|> and <|im_end|>, or an imported model's eos and end of turn

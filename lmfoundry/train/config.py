@@ -128,6 +128,19 @@ def _micro_steps(name: str, global_batch: int, per_micro_step: int, terms: str) 
     return global_batch // per_micro_step
 
 
+class RewardBatchConfig(StageConfig):
+    """A reward model's batch: examples (preference pairs, or scored solutions) per forward pass
+    and per optimizer step."""
+
+    micro_batch_size: int = Field(8, ge=1, description="examples per worker per forward pass")
+    global_batch_size: int = Field(32, ge=1, description="examples per optimizer step, all workers")
+
+    def accumulation(self, world_size: int, seq_len: int | None = None) -> int:
+        per_micro_step = self.micro_batch_size * world_size
+        terms = f"micro_batch_size x num_workers = {self.micro_batch_size} x {world_size}"
+        return _micro_steps("global_batch_size", self.global_batch_size, per_micro_step, terms)
+
+
 class PairBatchConfig(StageConfig):
     """DPO's batch: preference pairs per forward pass and per optimizer step."""
 

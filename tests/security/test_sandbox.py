@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lmfoundry.align import synth
+from lmfoundry.reasoning import verifiers
 from lmfoundry.safety import sandbox
 from lmfoundry.safety.sandbox import SandboxUnavailable, run_python
 
@@ -405,17 +405,17 @@ TESTS = "assert double(2) == 4\nassert double(-1) == -2\nassert double(0) == 0"
     ],
 )
 def test_verifier_rejects_a_forged_pass(attack, answer):
-    reason = synth.verify_code({"answer": answer, "tests": TESTS}, timeout_s=10)
+    reason = verifiers.verify_code({"answer": answer, "tests": TESTS}, timeout_s=10)
     assert reason is not None and "tests failed" in reason, (attack, reason)
-    assert synth.verify_code({"answer": "def double(x):\n    return 2 * x", "tests": TESTS}, 10) is None
+    assert verifiers.verify_code({"answer": "def double(x):\n    return 2 * x", "tests": TESTS}, 10) is None
 
 
 def test_verifier_refuses_tests_it_cannot_judge_outside_the_sandbox():
     with pytest.raises(ValueError, match="only assert statements"):
-        synth.code_checks("import os\nassert f(1) == 1")
+        verifiers.code_checks("import os\nassert f(1) == 1")
     with pytest.raises(ValueError, match="must be a literal"):
-        synth.code_checks("assert f(1) == g(2)")
-    assert json.dumps(synth.code_checks("assert not f('a')\nassert f(2) == [1, 2]")) == json.dumps(
+        verifiers.code_checks("assert f(1) == g(2)")
+    assert json.dumps(verifiers.code_checks("assert not f('a')\nassert f(2) == [1, 2]")) == json.dumps(
         [["f('a')", "false", None], ["f(2)", "equal", [1, 2]]]
     )
 

@@ -89,6 +89,7 @@ def test_every_recipe_in_configs_validates():
     from lmfoundry.jobs.pretrain import PretrainJobConfig
     from lmfoundry.jobs.reward import RewardJobConfig
     from lmfoundry.jobs.rl import RLJobConfig
+    from lmfoundry.jobs.sft import SFTJobConfig
     from lmfoundry.serving.app import ServeConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"
@@ -109,6 +110,7 @@ def test_every_recipe_in_configs_validates():
         "distill.yaml": DistillConfig,
         "tool_data.yaml": ToolDataConfig,
         "align_dpo.yaml": AlignJobConfig,
+        "sft_tiny_cpu.yaml": SFTJobConfig,
         "agents.yaml": AgentsJobConfig,
         "reward_process.yaml": RewardJobConfig,
         "reward_outcome.yaml": RewardJobConfig,

@@ -29,14 +29,14 @@ from conftest import free_port, wait_until
 REPO = Path(__file__).resolve().parents[1]
 KUBERAY = REPO / "deploy" / "kuberay"
 CRDS = {"RayCluster": "rayclusters", "RayJob": "rayjobs", "RayService": "rayservices"}
-# the stages that exist; sft gets its RayJob with its stage
-RAYJOB_STAGES = {"curate", "pack", "pretrain", "evaluate", "align"}
+RAYJOB_STAGES = {"curate", "pack", "pretrain", "evaluate", "sft", "align"}
 # which config key each stage's --input / --output sets (as its job passes them to run_stage)
 STAGE_PATHS = {
     "curate": ("input", "output"),
     "pack": ("input", "output"),
     "pretrain": ("data", "output"),
     "evaluate": ("checkpoint", "output"),
+    "sft": ("checkpoint", "output"),
     "align": ("checkpoint", "output"),
 }
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|DSN|CREDENTIAL", re.I)
@@ -124,7 +124,7 @@ def security_problems(manifest: dict) -> list[str]:
 def test_every_manifest_validates_against_the_kuberay_crds():
     found = manifests()
     kinds = sorted(m["kind"] for m in found.values())
-    assert kinds == ["RayCluster", "RayJob", "RayJob", "RayJob", "RayJob", "RayJob", "RayService"]
+    assert kinds == ["RayCluster", *["RayJob"] * len(RAYJOB_STAGES), "RayService"]
     for name, manifest in found.items():
         try:
             validate(manifest)

@@ -210,3 +210,17 @@ def test_a_cached_decode_step_past_the_decode_attention_threshold_matches_the_fu
         model(idx[:, :-1], cache=cache)
         step = model(idx[:, -1:], cache=cache)[0][:, -1]
     assert torch.allclose(step, full, atol=1e-4)
+
+
+def test_a_packed_row_gives_each_document_the_logits_it_gets_alone():
+    """Document ids close attention across documents and restart positions at each one."""
+    m = tiny().eval()
+    docs = [torch.randint(0, 97, (1, n)) for n in (7, 13, 5)]
+    row = torch.cat(docs, dim=1)
+    ids = torch.cat([torch.full((1, d.shape[1]), i) for i, d in enumerate(docs)], dim=1)
+    with torch.no_grad():
+        packed, _ = m(row, doc_ids=ids)
+        alone = torch.cat([m(d)[0] for d in docs], dim=1)
+        plain, _ = m(row)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    assert not torch.allclose(plain[:, 7:], alone[:, 7:], atol=1e-3)  # without them, documents see each other

@@ -4,12 +4,16 @@ that our engine, `transformers` and vLLM turn the same messages into the same pr
 
 The default is ChatML over the tokenizer's special tokens; offered tools are described in the
 system message, and a tool call is <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-(the Hermes convention).
+(the Hermes convention). What the assistant generates (its content, tool calls and end of turn) is
+inside `{% generation %}` ... `{% endgeneration %}`, the markers transformers and TRL read as the
+assistant's tokens: supervised fine-tuning trains on exactly those characters (`render_conversation`).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
 
@@ -30,14 +34,20 @@ DEFAULT_CHAT_TEMPLATE = (
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if not (tools and loop.first and message.role == 'system') -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') -}}"
+    "{%- if message.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- generation -%}"
+    "{{- message.content or '' -}}"
     "{%- for call in message.tool_calls or [] -%}"
     "{%- set args = call.function.arguments -%}"
     "{{- '<tool_call>{\"name\": ' + (call.function.name | tojson) + ', \"arguments\": ' "
     "+ (args if args is string else args | tojson) + '}</tool_call>' -}}"
     "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
+    "{{- '<|im_end|>' -}}"
+    "{%- endgeneration -%}"
+    "{{- '\\n' -}}"
+    "{%- elif not (tools and loop.first and message.role == 'system') -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
@@ -49,18 +59,51 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# (rendered text so far, character spans of generation blocks) while render_conversation runs
+_TRACKED: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar("generation_spans", default=None)
+
+
+def _generation_extension():
+    """`{% generation %}...{% endgeneration %}`: renders its body unchanged and, while a
+    conversation is rendered for training, records the body's character span (as transformers'
+    AssistantTracker does, so that both mark the same characters)."""
+    import jinja2
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_span", []), [], [], body).set_lineno(lineno)
+
+        def _span(self, caller) -> str:
+            text = caller()
+            tracked = _TRACKED.get()
+            if tracked is not None:
+                start = len("".join(tracked[0]))
+                tracked[1].append((start, start + len(text)))
+            return text
+
+    return Generation
+
+
 class ChatTemplate:
     """Compiled once; `render` is called per request. Sandboxed: a template is data from a
     checkpoint, and must not reach Python objects."""
 
     def __init__(self, source: str = DEFAULT_CHAT_TEMPLATE, special: SpecialTokens | None = None):
         from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):  # templates of open models call it on a malformed chat
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         # the globals transformers gives templates, so an imported template renders here as there
         env.globals["raise_exception"] = raise_exception
@@ -80,3 +123,22 @@ class ChatTemplate:
             messages=messages, tools=list(tools) or None, add_generation_prompt=True, **self.variables
         )
         return prompt + (TOOL_CALL_OPEN if force_tool_call else "")
+
+    @property
+    def marks_generation(self) -> bool:
+        return re.search(r"\{%-?\s*generation\s*-?%\}", self.source) is not None
+
+    def render_conversation(self, messages: list[dict], tools: list[dict] = ()) -> tuple[str, list[tuple[int, int]]]:
+        """A whole conversation as training text (no generation prompt) and the character spans
+        (start, end) the template marks as generated by the assistant."""
+        rendered: list[str] = []
+        spans: list[tuple[int, int]] = []
+        token = _TRACKED.set((rendered, spans))
+        try:  # streamed, so that each span's start is the length of what came before it
+            for block in self.template.generate(
+                messages=messages, tools=list(tools) or None, add_generation_prompt=False, **self.variables
+            ):
+                rendered.append(block)
+        finally:
+            _TRACKED.reset(token)
+        return "".join(rendered), spans

@@ -1,4 +1,5 @@
-"""Model weights and config in and out of a checkpoint directory (safetensors, no pickle)."""
+"""Model weights and config in and out of a checkpoint directory (safetensors, no pickle). An
+adapter checkpoint (lora.py) is loaded as its base checkpoint with the adapter merged in."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from lmfoundry.model import lora
 from lmfoundry.model.transformer import ModelConfig, Transformer
 
 WEIGHTS = "model.safetensors"
@@ -33,8 +35,23 @@ def save_model_files(model: Transformer, directory: str | Path, state: dict[str,
     (directory / MODEL_CONFIG).write_text(model.cfg.model_dump_json(indent=2))
 
 
+def save_adapter_files(
+    model: Transformer, directory: str | Path, state: dict[str, torch.Tensor], adapter: lora.AdapterRef
+) -> None:
+    """An adapter checkpoint's model files: the adapter's tensors of `state`, the settings and the
+    base reference, and the (merged) model's config."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in lora.adapter_state(state).items()}
+    save_file(tensors, str(directory / lora.ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    lora.write_adapter_config(directory, adapter)
+    (directory / MODEL_CONFIG).write_text(model.cfg.model_dump_json(indent=2))
+
+
 def load_model_files(directory: str | Path, device: str | torch.device = "cpu") -> Transformer:
     directory = Path(directory)
+    if lora.is_adapter(directory):
+        return load_merged_adapter(directory).to(device).eval()
     cfg = ModelConfig.model_validate(json.loads((directory / MODEL_CONFIG).read_text()))
     model = Transformer(cfg)
     missing, unexpected = model.load_state_dict(load_file(str(directory / WEIGHTS)), strict=False)
@@ -45,3 +62,39 @@ def load_model_files(directory: str | Path, device: str | torch.device = "cpu") 
             f"{sorted(set(missing) - allowed_missing)}, unexpected {sorted(unexpected)}"
         )
     return model.to(device).eval()
+
+
+def base_sha256(manifest: dict, where: str) -> str:
+    """The checksum of a checkpoint's weights, as its (verified) manifest lists it."""
+    from lmfoundry.platform.checkpoint import checked_files
+
+    files = checked_files(manifest, where)
+    if WEIGHTS not in files:
+        raise ValueError(f"{where} has no {WEIGHTS} (an adapter checkpoint): an adapter's base must be a whole model")
+    return files[WEIGHTS]["sha256"]
+
+
+def load_merged_adapter(directory: Path) -> Transformer:
+    """The adapter's base model (verified against the fingerprint the adapter recorded) with the
+    adapter merged into its weights."""
+    from lmfoundry.platform.checkpoint import opened
+
+    ref = lora.read_adapter_config(directory)
+    base, sha256 = ref.base, ref.base_sha256
+    with opened(base) as (base_dir, manifest):
+        if base_sha256(manifest, base) != sha256:
+            raise ValueError(
+                f"adapter {directory} was trained on base {base} with weights sha256 {sha256[:16]}..., "
+                "and that checkpoint's weights have changed since"
+            )
+        model = load_model_files(base_dir)
+    lora.apply_lora(model, ref.lora)
+    adapter = load_file(str(directory / lora.ADAPTER_WEIGHTS))
+    expected = set(lora.adapter_state(model.state_dict()))
+    if set(adapter) != expected:
+        raise ValueError(
+            f"adapter {directory} does not fit its base {base}: missing {sorted(expected - set(adapter))[:4]}, "
+            f"unexpected {sorted(set(adapter) - expected)[:4]}"
+        )
+    model.load_state_dict(adapter, strict=False)
+    return lora.merge_lora(model)

@@ -32,16 +32,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from lmfoundry.model.chat_template import ChatTemplate
-from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER
+from lmfoundry.model import lora
+from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate
+from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files, save_model_files
 from lmfoundry.model.hf_layout import Arch, Mapped, layout, split, their_shapes
 from lmfoundry.model.tensor_files import INDEX, SINGLE, SafetensorsDir, write_safetensors
-from lmfoundry.model.tokenizer import SpecialTokens
+from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens
 from lmfoundry.model.transformer import ModelConfig
 
 ARCHITECTURES: dict[str, str] = {
@@ -183,8 +185,16 @@ def export_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Write `config.json`, the safetensors weights (sharded past `max_shard_bytes`), the
-    tokenizer with its chat template and `generation_config.json`."""
+    tokenizer with its chat template and `generation_config.json`. An adapter checkpoint is
+    exported as its base with the adapter merged in."""
     checkpoint_dir, out = Path(checkpoint_dir), Path(out_dir)
+    if lora.is_adapter(checkpoint_dir):
+        with tempfile.TemporaryDirectory(prefix="lmfoundry-merged-") as merged:
+            save_model_files(load_model_files(checkpoint_dir), merged)
+            for name in (TOKENIZER, CHAT_TEMPLATE_FILE, SPECIAL_TOKENS_FILE):
+                if (checkpoint_dir / name).exists():
+                    shutil.copyfile(checkpoint_dir / name, Path(merged) / name)
+            return export_hf(merged, out, dtype, max_shard_bytes)
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}; allowed: {', '.join(EXPORT_DTYPES)}")
     if max_shard_bytes < 1:

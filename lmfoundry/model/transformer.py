@@ -4,7 +4,9 @@ RMSNorm, rotary position embeddings (optionally with Llama 3's frequency scaling
 attention through `scaled_dot_product_attention` (flash attention on GPUs) with optional q/k/v
 biases (Qwen2) and per-head query/key RMSNorm (Qwen3), SwiGLU MLP or a fine-grained MoE (moe.py),
 tied or untied embeddings, optional activation checkpointing per block. The optional parts are
-what the imported open-model families need (hf_import.py); all are off by default.
+what the imported open-model families need (hf_import.py); all are off by default. Several
+documents packed in one row (supervised fine-tuning) attend only within themselves: given
+per-token document ids, attention is block-diagonal causal and positions restart per document.
 Shapes: B batch, T time, C d_model, H query heads, K key/value heads, D head dim.
 """
 
@@ -181,6 +183,19 @@ class KVCache:
         return self.k[layer][rows, :, :end], self.v[layer][rows, :, :end]
 
 
+def document_positions_and_mask(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows of packed documents, doc_ids (B, T): each token's position within its document
+    (B, T) and the attention mask (B, 1, T, T), causal within a document and closed across."""
+    B, T = doc_ids.shape
+    index = torch.arange(T, device=doc_ids.device).expand(B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # each token's document start
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return index - first, (same & causal)[:, None]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -191,8 +206,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, cached: tuple | None = None):
-        """cached: (cache, slots (B,), rows, positions (B, T), mask (B, 1, T, L)) when decoding."""
+    def forward(self, x, cos, sin, cached: tuple | None = None, mask: torch.Tensor | None = None):
+        """cached: (cache, slots (B,), rows, positions (B, T), mask (B, 1, T, L)) when decoding;
+        mask (B, 1, T, T): which keys each query sees, for packed documents (else causal)."""
         B, T, _ = x.shape
         H, K, D = self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim
         q = self.wq(x).view(B, T, H, D)
@@ -205,7 +221,7 @@ class Attention(nn.Module):
             if K != H:
                 k = k.repeat_interleave(H // K, dim=1)
                 v = v.repeat_interleave(H // K, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         else:
             cache, slots, rows, positions, mask = cached
             k, v = cache.update(self.layer, slots, rows, positions, k, v)  # (B, K, L, D)
@@ -233,8 +249,8 @@ class Block(nn.Module):
         moe = cfg.moe is not None and layer >= cfg.moe.first_dense_layers
         self.mlp = MoE(cfg.d_model, cfg.ffn_hidden, cfg.moe, cfg.init_std) if moe else SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, cached=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cached)
+    def forward(self, x, cos, sin, cached=None, mask=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cached, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -279,13 +295,19 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx: (B, T) token ids. Returns logits (B, T, V) and, given targets, the mean loss.
         With a cache, row b continues the sequence in cache slot `slots[b]` (default: slot b).
         logits_at (B,): the logits of row b at position logits_at[b] only, as (B, 1, V): a
         prefill needs no more than its prompts' last positions, and the output layer over every
-        position is a fifth of a prefill's work at the serving benchmark's shapes."""
+        position is a fifth of a prefill's work at the serving benchmark's shapes.
+        doc_ids (B, T): the document each token belongs to, for rows that pack several documents
+        (each document's tokens contiguous): a token attends only to earlier tokens of its own
+        document, and its position counts from its document's first token, so each document's
+        logits are what it would get alone."""
         B, T = idx.shape
+        mask = None
         if logits_at is not None and targets is not None:
             raise ValueError("logits_at and targets exclude each other: the loss needs every position's logits")
         cached = None
@@ -293,7 +315,12 @@ class Transformer(nn.Module):
             if T > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
             cos, sin = self.rope_cos[None, :T], self.rope_sin[None, :T]
+            if doc_ids is not None:
+                positions, mask = document_positions_and_mask(doc_ids)
+                cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         else:
+            if doc_ids is not None:
+                raise ValueError("doc_ids is for training on packed rows, not for decoding with a cache")
             if slots is None:
                 slots = torch.arange(B, device=idx.device)
             positions = cache.lengths[slots][:, None] + torch.arange(T, device=idx.device)  # (B, T)
@@ -311,9 +338,9 @@ class Transformer(nn.Module):
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training and cache is None:
                 # recompute the block in backward instead of keeping its activations
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, None, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin, cached)
+                x = block(x, cos, sin, cached, mask)
         if cache is not None:
             cache.lengths[slots] += T
         if logits_at is not None:

@@ -1,6 +1,7 @@
 """The `lmfoundry` command: one subcommand per stage, each a thin job in `lmfoundry.jobs`.
 
 lmfoundry curate|pack|pretrain|evaluate|serve CONFIG [--input URI] [--output URI] [--set k=v ...]
+lmfoundry sft CONFIG [--input CHECKPOINT] [--output RUN] [--set data=CHATS.jsonl]
 lmfoundry align CONFIG [--input CHECKPOINT] [--output RUN] [--set pairs=PAIRS.jsonl]
 lmfoundry pairs CONFIG [--output DIR]      (teacher-judged preference pairs)
 lmfoundry synth CONFIG [--output DIR]      (verified synthetic data)
@@ -58,6 +59,7 @@ COMMANDS = {
     "pack": Command("lmfoundry.data.pack:PackConfig", "configs/pack.yaml"),
     "pretrain": Command("lmfoundry.jobs.pretrain:PretrainJobConfig", "configs/pretrain_tiny_cpu.yaml"),
     "evaluate": Command("lmfoundry.eval.suite:EvaluateConfig", "configs/evaluate.yaml"),
+    "sft": Command("lmfoundry.jobs.sft:SFTJobConfig", "configs/sft_tiny_cpu.yaml"),
     "align": Command("lmfoundry.jobs.align:AlignJobConfig", "configs/align_dpo.yaml"),
     "serve": Command("lmfoundry.serving.app:ServeConfig", "configs/serve.yaml"),
     "pairs": Command("lmfoundry.align.pairs:PairsConfig", "configs/pairs.yaml"),

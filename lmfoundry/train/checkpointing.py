@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE
-from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
+from lmfoundry.model.checkpoint import TOKENIZER, save_adapter_files, save_model_files
+from lmfoundry.model.lora import AdapterRef, adapter_state
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
@@ -56,20 +57,27 @@ def stage_checkpoint(
     chat_template: str,
     root: Path,
     special_tokens: str | None = None,
+    adapter: AdapterRef | None = None,
 ) -> tuple[Path, Callable[[], None]]:
     """Collective: every rank snapshots its share of the full training state in memory
     (DeepSpeed's files: module, this rank's optimizer partition, scheduler; its RNG states) and
     rank 0 the servable model files, tokenizer, chat template and training state. Returns the local directory
-    the files go to and the function that writes them there (for the background thread)."""
+    the files go to and the function that writes them there (for the background thread). With an
+    `adapter` (LoRA) the base weights, frozen, are neither in DeepSpeed's files nor in the servable
+    ones: those hold the adapter and the reference to its base."""
     root.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f"lmfoundry-{checkpoint.step_name(step)}-rank{rank}-", dir=root))
     pool = engine.checkpoint_engine.pool
-    engine.save_checkpoint(str(staged / "deepspeed"), tag="state", save_latest=False)
+    engine.save_checkpoint(
+        str(staged / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=adapter is not None
+    )
     rng = checkpoint.capture_rng_state()
     # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
     own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
     with _gathered(engine):  # ZeRO-3: every rank lends its partition of the weights for the copy
         weights = full_state(engine.module)  # collective: gathers sharded experts
+        if adapter is not None:
+            weights = adapter_state(weights)
         weights = pool.snapshot(weights, ("servable",)) if rank == 0 else None
     write_deepspeed = engine.checkpoint_engine.take_writer()  # marks the pool busy until written
     module = engine.module
@@ -81,7 +89,10 @@ def stage_checkpoint(
         if own_experts is not None:
             torch.save(own_experts, staged / "deepspeed" / f"module-rank-{rank}.pt")
         if rank == 0:
-            save_model_files(module, staged, weights)
+            if adapter is None:
+                save_model_files(module, staged, weights)
+            else:
+                save_adapter_files(module, staged, weights, adapter)
             (staged / TOKENIZER).write_text(tokenizer_json)
             (staged / CHAT_TEMPLATE_FILE).write_text(chat_template)  # serving and export read it
             if special_tokens is not None:
@@ -134,7 +145,9 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     # lmfoundry's experts come back from each rank's module file instead
     has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
     try:
-        engine.load_checkpoint(str(load_dir), tag="state", load_module_strict=True)
+        # a LoRA run's files leave out the frozen base, which every worker loaded from the base checkpoint
+        frozen = any(not p.requires_grad for p in engine.module.parameters())
+        engine.load_checkpoint(str(load_dir), tag="state", load_module_strict=not frozen)
     finally:
         engine.has_moe_layers = has_moe_layers
         engine._config.load_universal_checkpoint = False

@@ -1,4 +1,4 @@
-"""Training configs, composed of components: each stage's config (pretraining, DPO) is its own
+"""Training configs, composed of components: each stage's config (pretraining, SFT, DPO) is its own
 few keys plus the same component sections, e.g.
 
     parallelism: {num_workers: 8, zero_stage: 2}
@@ -154,6 +154,20 @@ class PairBatchConfig(StageConfig):
         per_micro_step = self.micro_batch_size * world_size
         terms = f"micro_batch_size x num_workers = {self.micro_batch_size} x {world_size}"
         return _micro_steps("global_batch_pairs", self.global_batch_pairs, per_micro_step, terms)
+
+
+class SequenceBatchConfig(StageConfig):
+    """Supervised fine-tuning's batch: packed rows (each several conversations) per forward pass
+    and per optimizer step."""
+
+    micro_batch_size: int = Field(4, ge=1, description="packed rows per worker per forward pass")
+    global_batch_sequences: int = Field(16, ge=1, description="packed rows per optimizer step, all workers")
+
+    def accumulation(self, world_size: int, seq_len: int | None = None) -> int:
+        """Micro-steps per optimizer step (rows, so the sequence length plays no part)."""
+        per_micro_step = self.micro_batch_size * world_size
+        terms = f"micro_batch_size x num_workers = {self.micro_batch_size} x {world_size}"
+        return _micro_steps("global_batch_sequences", self.global_batch_sequences, per_micro_step, terms)
 
 
 class OptimizerConfig(StageConfig):

@@ -20,7 +20,6 @@ global micro-batch, so the position is one number.
 from __future__ import annotations
 
 import json
-import random
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -44,6 +43,7 @@ from lmfoundry.train.config import (
 )
 from lmfoundry.train.engine import check_every_world_size
 from lmfoundry.train.launch import fit, run_config, scaling_config
+from lmfoundry.train.position import epoch_order
 
 logger = get_logger(__name__)
 
@@ -182,12 +182,6 @@ def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tupl
     return loss, stats
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    order = list(range(n))
-    random.Random(seed * 100003 + epoch).shuffle(order)
-    return order
-
-
 @torch.no_grad()
 def preference_accuracy(policy, reference, encoded: list, pad: int, beta: float, batch: int = 16) -> float:
     """The share of pairs whose chosen reply the policy rewards above the rejected one."""
@@ -209,6 +203,7 @@ class DPOObjective:
     kind = "dpo"
     seq_len = 1  # the batch counts pairs
     tokens_per_step = flops_per_token = None
+    adapter = None  # trains every weight
 
     def __init__(self, cfg: DPOConfig, start_dir: str, rank: int, world: int):
         self.cfg, self.rank, self.world = cfg, rank, world

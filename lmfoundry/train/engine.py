@@ -116,10 +116,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
+    return [g for g in groups if g["params"]]  # a LoRA run's adapters are all matrices
 
 
 def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict):

@@ -1,6 +1,6 @@
 """What a training stage supplies to the one training loop (train/skeleton.py): the model, a
-batch source and a loss. Pretraining (train/pretrain.py) and DPO (train/dpo.py) are objectives;
-supervised fine-tuning or a reward model would be others."""
+batch source and a loss. Pretraining (train/pretrain.py), supervised fine-tuning (train/sft.py)
+and DPO (train/dpo.py) are objectives; a reward model would be another."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
+
+from lmfoundry.model.lora import AdapterRef
 
 
 class Objective(Protocol):
@@ -20,6 +22,7 @@ class Objective(Protocol):
     tokenizer_json: str  # saved with every checkpoint
     chat_template: str  # saved with every checkpoint: serving and export read it
     special_tokens: str | None  # special_tokens.json of an imported model, saved with every checkpoint
+    adapter: AdapterRef | None  # a LoRA run's adapter settings and base: checkpoints hold the adapter only
 
     def attach(self, engine) -> None:
         """Called once the engine is built (e.g. to move a reference model to its device)."""

@@ -5,6 +5,7 @@ keeps and a resumed run skips past."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -37,3 +38,10 @@ def timed(iterable: Iterable[T]) -> Iterator[tuple[T, float]]:
         except StopIteration:
             return
         yield item, time.perf_counter() - start
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order of an epoch's n items (pairs, packed conversations) that the seed fixes."""
+    order = list(range(n))
+    random.Random(seed * 100003 + epoch).shuffle(order)
+    return order

@@ -51,6 +51,7 @@ class PretrainObjective:
     kind = "pretrain"
     chat_template = DEFAULT_CHAT_TEMPLATE
     special_tokens = None  # its tokenizer is pack's, with lmfoundry's special tokens, unless init_from says otherwise
+    adapter = None  # trains every weight
 
     def __init__(
         self, cfg: PretrainConfig, seq_len: int, tokenizer_json: str, layout: SplitLayout, rank: int, world: int

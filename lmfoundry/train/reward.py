@@ -220,6 +220,7 @@ def reward_model(start_dir: str) -> Transformer:
 
 class RewardObjective:
     kind = "reward"
+    adapter = None  # trains every weight
     seq_len = 1  # the batch counts examples
     tokens_per_step = flops_per_token = None
 

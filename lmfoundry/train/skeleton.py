@@ -437,5 +437,6 @@ class Trainer:
             objective.chat_template,
             self.staging,
             objective.special_tokens,
+            objective.adapter,
         )
         self.checkpointer.save(pos.step, staged, {"kind": f"lmfoundry.{objective.kind}", "step": pos.step}, write)

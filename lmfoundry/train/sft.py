@@ -1,0 +1,301 @@
+"""Supervised fine-tuning on conversations (Ray Train + DeepSpeed), an objective of the one
+training loop (train/skeleton.py).
+
+The model starts from a checkpoint (lmfoundry's own or one `lmfoundry import hf` wrote) and learns
+the assistant's turns: next-token cross-entropy over the tokens its chat template marks as
+generation, on rows that pack several conversations without attention across them
+(train/sft_data.py). Every worker reads the conversations file, packs it the same way, orders the
+rows by the seed and takes its slice of each global micro-batch, so the data position is one
+number, and the loop's machinery (ZeRO 1-3, asynchronous checkpoints, exact resume, non-finite and
+spike handling, fault drills, the evaluation gate's actions) is pretraining's.
+
+The loss is computed in two steps so that another term can join it: `token_losses` gives the
+logits, each target's cross-entropy and the mask of targets that count; `loss` averages them over
+the micro-batch's assistant tokens.
+
+With a `lora` section the base weights stay frozen and only low-rank adapters train (model/lora.py):
+the optimizer holds the adapters alone, and every checkpoint holds the adapter and a reference to
+the base checkpoint (URI and weights' sha256), which loading merges back in.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+
+from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS, base_sha256, load_model_files
+from lmfoundry.model.flops import train_flops_per_token
+from lmfoundry.model.lora import ADAPTER_WEIGHTS, AdapterRef, LoraConfig, apply_lora
+from lmfoundry.platform import checkpoint, storage
+from lmfoundry.platform.log import get_logger
+from lmfoundry.train import skeleton
+from lmfoundry.train.config import (
+    CheckpointingConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    SequenceBatchConfig,
+    TrainStageConfig,
+)
+from lmfoundry.train.engine import check_every_world_size
+from lmfoundry.train.launch import fit, run_config, scaling_config
+from lmfoundry.train.position import epoch_order
+from lmfoundry.train.pretrain import plot_loss, start_texts
+from lmfoundry.train.sft_data import PAD_DOC, Packed, prepare
+
+logger = get_logger(__name__)
+
+
+# SFT's defaults where they differ from pretraining's: smaller steps from a trained model
+class SFTOptimizerConfig(OptimizerConfig):
+    lr: float = Field(2e-5, gt=0, description="the peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="on matrices only; norms and embeddings are not decayed")
+
+
+class SFTScheduleConfig(ScheduleConfig):
+    max_steps: int = Field(100, ge=1)
+    warmup_steps: int = Field(3, ge=0, description="linear warmup, then cosine decay to min_lr_ratio")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class SFTCheckpointingConfig(CheckpointingConfig):
+    every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
+
+
+class SFTConfig(TrainStageConfig):
+    checkpoint: str = Field(..., description="the starting model: a checkpoint or a run directory")
+    data: str = Field(
+        ..., description='JSONL of {"messages": [...], "tools": [...]} (system/developer/user/assistant/tool turns)'
+    )
+    max_seq_len: int | None = Field(
+        None,
+        ge=8,
+        description="tokens per packed row, the last a target only; longer conversations are cut (default: the model's context + 1)",
+    )
+    batch: SequenceBatchConfig = SequenceBatchConfig()
+    optimizer: SFTOptimizerConfig = SFTOptimizerConfig()
+    schedule: SFTScheduleConfig = SFTScheduleConfig()
+    checkpointing: SFTCheckpointingConfig = SFTCheckpointingConfig()
+    lora: LoraConfig | None = Field(
+        None, description="train low-rank adapters only; checkpoints hold the adapter and a reference to the base"
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        self.batch.accumulation(self.parallelism.num_workers)
+        if self.parallelism.expert_parallel_size > 1:
+            raise ValueError("parallelism.expert_parallel_size: SFT trains without expert parallelism")
+        return self
+
+
+def row_length(cfg: SFTConfig, model_max_seq_len: int) -> int:
+    """Tokens per packed row: the model sees all but the last (the last is only a target)."""
+    if cfg.max_seq_len is not None and cfg.max_seq_len - 1 > model_max_seq_len:
+        raise ValueError(f"max_seq_len={cfg.max_seq_len} exceeds the model's context of {model_max_seq_len} + 1")
+    return cfg.max_seq_len or model_max_seq_len + 1
+
+
+def token_losses(model, tokens: torch.Tensor, assistant: torch.Tensor, docs: torch.Tensor):
+    """Logits (B, T-1, V), each target's cross-entropy (B, T-1) and the mask of targets that count
+    (B, T-1): assistant tokens predicted from within their own conversation."""
+    logits, _ = model(tokens[:, :-1], doc_ids=docs[:, :-1])
+    targets = tokens[:, 1:]
+    losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    counted = assistant[:, 1:] & (docs[:, 1:] == docs[:, :-1])
+    return logits, losses, counted
+
+
+def masked_mean(losses: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    return (losses * counted).sum() / counted.sum().clamp(min=1)
+
+
+class SFTObjective:
+    """Cross-entropy over the assistant tokens of this rank's slice of each global micro-batch."""
+
+    kind = "sft"
+
+    def __init__(self, cfg: SFTConfig, start_dir: str, rank: int, world: int, adapter: AdapterRef | None = None):
+        self.cfg, self.rank, self.world, self.adapter = cfg, rank, world, adapter
+        torch.manual_seed(cfg.seed)
+        self.model = load_model_files(start_dir).train()
+        self.seq_len = row_length(cfg, self.model.cfg.max_seq_len)
+        # the full model's training FLOPs (a LoRA run's are fewer: no gradients of frozen weights)
+        self.flops_per_token = train_flops_per_token(self.model, self.seq_len - 1)
+        if adapter is not None:
+            apply_lora(self.model, adapter.lora)  # the same adapters on every rank: the seed is set
+        self.num_params = self.model.num_params()
+        self.packed, _ = prepare(cfg.data, start_dir, self.seq_len)
+        self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
+        self.chat_template, self.special_tokens = start_texts(start_dir)
+        self.per_global = cfg.batch.micro_batch_size * world
+        self.batches_per_epoch = len(self.packed) // self.per_global
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"{len(self.packed)} packed rows are fewer than one global micro-batch "
+                f"(micro_batch_size x workers = {self.per_global})"
+            )
+        # padding included: the model computes over whole rows
+        self.tokens_per_step = cfg.batch.global_batch_sequences * (self.seq_len - 1)
+        self.device = None
+
+    def attach(self, engine) -> None:
+        self.device = engine.device
+
+    def batches(self, epoch: int, skip: int):
+        order = epoch_order(len(self.packed), self.cfg.seed, epoch)
+        mbs, p = self.cfg.batch.micro_batch_size, self.packed
+        for index in range(skip, self.batches_per_epoch):
+            chunk = order[index * self.per_global : (index + 1) * self.per_global]
+            rows = chunk[self.rank * mbs : (self.rank + 1) * mbs]
+            yield (
+                index,
+                (torch.from_numpy(p.tokens[rows]), torch.from_numpy(p.assistant[rows]), torch.from_numpy(p.docs[rows])),
+            )
+
+    def token_losses(self, engine, batch):
+        tokens, assistant, docs = (t.to(self.device) for t in batch)
+        return token_losses(engine, tokens, assistant, docs)
+
+    def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
+        _, losses, counted = self.token_losses(engine, batch)  # the logits are not kept alive
+        tokens = float((batch[2] != PAD_DOC).sum())  # conversation tokens, padding not counted
+        return masked_mean(losses, counted), {"assistant_tokens": float(counted.sum()), "tokens": tokens}
+
+    def describe(self, metrics: dict) -> str:
+        return (
+            f"lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f} tokens/s {metrics['tokens_per_s']:.0f} "
+            f"assistant tokens per micro-batch {metrics['assistant_tokens']:.0f}"
+        )
+
+    def train_state(self, step: int) -> dict:
+        return {"kind": "sft"}
+
+
+def sft_loop(loop_config: dict) -> None:
+    """Ray Train's per-worker function."""
+    cfg = SFTConfig.model_validate(loop_config["cfg"])
+    base = loop_config["adapter_base"]
+    adapter = AdapterRef(cfg.lora, *base) if cfg.lora is not None else None
+    skeleton.run(
+        cfg,
+        loop_config["run_dir"],
+        lambda rank, world: SFTObjective(cfg, loop_config["start_dir"], rank, world, adapter),
+    )
+
+
+@torch.no_grad()
+def assistant_loss(model, packed: Packed, batch: int = 16) -> float:
+    """The mean cross-entropy over every assistant token of the packed data."""
+    total, count = 0.0, 0
+    for start in range(0, len(packed), batch):
+        rows = slice(start, start + batch)
+        _, losses, counted = token_losses(
+            model,
+            torch.from_numpy(packed.tokens[rows]),
+            torch.from_numpy(packed.assistant[rows]),
+            torch.from_numpy(packed.docs[rows]),
+        )
+        total += float((losses * counted).sum())
+        count += int(counted.sum())
+    return total / max(count, 1)
+
+
+def run_sft(cfg: SFTConfig) -> dict:
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    start_uri = checkpoint.resolve(cfg.checkpoint)
+    start_dir = checkpoint.local_copy(start_uri, model_only=True)
+    final_dir = None
+    try:
+        start_manifest = checkpoint.verify(start_dir, model_only=True)
+        # a LoRA run's checkpoints name their base: this checkpoint, by URI and the checksum of its weights
+        adapter_base = (start_uri, base_sha256(start_manifest, start_uri)) if cfg.lora is not None else None
+        model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
+        seq_len = row_length(cfg, model_cfg["max_seq_len"])
+        packed, report = prepare(cfg.data, start_dir, seq_len)  # fail now on a bad file, not inside the workers
+        per_global = cfg.batch.micro_batch_size * cfg.parallelism.num_workers
+        if len(packed) < per_global:
+            raise ValueError(
+                f"{cfg.data!r} packs into {len(packed)} rows of {seq_len} tokens, fewer than one global "
+                f"micro-batch (micro_batch_size x num_workers = {per_global}); add conversations or lower "
+                "batch.micro_batch_size"
+            )
+        check_every_world_size(cfg, seq_len)
+        if report["truncated"] or sum(report["skipped"].values()):
+            logger.warning(
+                "sft: %d of %d conversations cut to %d tokens; skipped: %s",
+                report["truncated"],
+                report["conversations"],
+                seq_len,
+                report["skipped"],
+            )
+        out = storage.normalize(cfg.output)
+        if storage.is_committed(out) and not cfg.overwrite:
+            logger.info("sft: %s is already committed; skipping (set overwrite=true to redo)", out)
+            return storage.read_manifest(out)
+        if cfg.overwrite:
+            storage.remove_dir(out)
+        elif checkpoint.committed_checkpoints(out):
+            logger.info("sft: %s holds checkpoints of an unfinished run; resuming it", out)
+        started = time.time()
+        trainer = TorchTrainer(
+            sft_loop,
+            train_loop_config={
+                "cfg": cfg.model_dump(mode="json"),
+                "start_dir": start_dir,
+                "run_dir": out,
+                "adapter_base": adapter_base,
+            },
+            scaling_config=scaling_config(cfg.parallelism),
+            torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
+            run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
+        )
+        fit(trainer, cfg.health.max_failures, "SFT")
+        final_uri = checkpoint.latest_valid(out)
+        if final_uri is None:
+            raise RuntimeError("SFT finished without a checkpoint")
+        final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
+        final_dir = checkpoint.local_copy(final_uri, model_only=True)
+        loss = {
+            "before": assistant_loss(load_model_files(start_dir), packed),
+            "after": assistant_loss(load_model_files(final_dir), packed),
+        }
+        state = storage.read_json(storage.join(final_uri, "train_state.json"))
+        gate_action = storage.join(out, checkpoint.GATE_ACTION)
+        stopped = storage.read_json(gate_action) if storage.exists(gate_action) else None
+        plot_loss(out)
+        manifest = storage.commit(
+            out,
+            "sft",
+            {
+                "start_checkpoint": start_uri,
+                "data": cfg.data,
+                "data_report": report,
+                "final_checkpoint": final,
+                "steps": state["step"],
+                "assistant_loss": loss,
+                "first_loss": state["history"][0]["loss"],
+                "final_loss": state["history"][-1]["loss"],
+                "fingerprint": storage.fingerprint(out, [f"{final}/{ADAPTER_WEIGHTS if cfg.lora else WEIGHTS}"]),
+                **({"lora": cfg.lora.model_dump(), "base_sha256": adapter_base[1]} if cfg.lora else {}),
+                "seconds": round(time.time() - started, 2),
+                **({"stopped_by_gate": stopped} if stopped and stopped.get("action") == "stop" else {}),
+            },
+        )
+        logger.info(
+            "sft: %d steps, loss %.4f -> %.4f; assistant loss on the training data %.4f -> %.4f",
+            state["step"],
+            manifest["first_loss"],
+            manifest["final_loss"],
+            loss["before"],
+            loss["after"],
+        )
+        return manifest
+    finally:  # temporary copies of remote checkpoints
+        checkpoint.remove_copy(start_dir, start_uri)
+        if final_dir is not None:
+            checkpoint.remove_copy(final_dir, final_uri)

@@ -1,0 +1,111 @@
+"""Supervised fine-tuning on real Ray Train + DeepSpeed workers: a run with every checkpoint
+evaluated, the same run with a worker killed (bitwise-equal losses after the resume), and a LoRA
+run under ZeRO-3 whose checkpoints hold the adapter only."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from sft_chats import write_chats
+
+from lmfoundry.data.tokenizer import train_bpe
+from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
+from lmfoundry.model.checkpoint import TOKENIZER, WEIGHTS, load_model_files, save_model_files
+from lmfoundry.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.platform import checkpoint
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A small random model with a tokenizer that knows the chats and lmfoundry's chat template."""
+    root = tmp_path_factory.mktemp("sft")
+    chats = write_chats(root / "chats.jsonl", 96)
+    tok = train_bpe(Path(chats).read_text().splitlines() + [DEFAULT_CHAT_TEMPLATE] * 20, 512)
+    torch.manual_seed(0)
+    model = Transformer(
+        ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=256, n_layer=2, d_model=64, n_head=4, n_kv_head=2)
+    )
+    ckpt = root / "base"
+    save_model_files(model, ckpt)
+    (ckpt / TOKENIZER).write_text(tok.to_str())
+    (ckpt / CHAT_TEMPLATE_FILE).write_text(DEFAULT_CHAT_TEMPLATE)
+    checkpoint.seal(ckpt, {"step": 0})
+    return str(ckpt), chats
+
+
+def sft_config(base, out, **overrides):
+    from lmfoundry.jobs.sft import SFTJobConfig
+
+    settings = dict(
+        checkpoint=base[0],
+        data=base[1],
+        output=str(out),
+        optimizer={"lr": 3e-3},
+        schedule={"warmup_steps": 2, "max_steps": 12},
+        batch={"micro_batch_size": 2, "global_batch_sequences": 4},
+        parallelism={"num_workers": 2, "zero_stage": 1, "cpus_per_worker": 0.5},
+        checkpointing={"every": 4, "keep_last": 3},  # every checkpoint stays for its evaluation
+        logging={"every": 1},
+    )
+    return SFTJobConfig(**{**settings, **overrides})
+
+
+def losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_sft_learns_the_assistant_turns_and_resumes_bitwise_after_a_killed_worker(deepspeed_workers, base, tmp_path):
+    from lmfoundry.eval.suite import EvalSuites
+    from lmfoundry.jobs.sft import run_sft_job
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": f"What is {i} + {i}? {2 * i}."}) + "\n" for i in range(20)))
+    reference = run_sft_job(sft_config(base, tmp_path / "ref", eval=EvalSuites(text=[str(held_out)]), eval_cpus=0.5))
+    assert reference["assistant_loss"]["after"] < reference["assistant_loss"]["before"] - 1.0
+    report = reference["data_report"]
+    assert report["conversations"] == report["trained"] == 96 and report["truncated"] == 0
+    assert [e["step"] for e in reference["evaluations"]] == [4, 8, 12]
+    assert all("lm.text_bits_per_byte" in e["metrics"] for e in reference["evaluations"])
+
+    drilled = run_sft_job(
+        sft_config(base, tmp_path / "drilled", drills=[{"at_step": 6, "rank": 1}], health={"max_failures": 1})
+    )
+    assert list((tmp_path / "drilled" / "_drills").iterdir())  # the worker was killed, and the run resumed
+    assert [s for s, _ in losses(tmp_path / "drilled")] == list(range(1, 13))
+    assert losses(tmp_path / "drilled") == losses(tmp_path / "ref")  # bitwise
+    assert drilled["fingerprint"] == reference["fingerprint"]
+
+
+def test_a_lora_run_under_zero3_trains_and_saves_the_adapter_only(deepspeed_workers, base, tmp_path):
+    from lmfoundry.jobs.sft import run_sft_job
+
+    base_weights = (Path(base[0]) / WEIGHTS).read_bytes()
+    cfg = sft_config(
+        base,
+        tmp_path / "lora",
+        lora={"rank": 8, "alpha": 16, "targets": ["wq", "wkv", "wo", "w_gate_up", "w_down"]},
+        optimizer={"lr": 1e-2},
+        parallelism={"num_workers": 2, "zero_stage": 3, "cpus_per_worker": 0.5},
+        schedule={"warmup_steps": 1, "max_steps": 8},
+        drills=[{"at_step": 5, "rank": 0}],
+        health={"max_failures": 1},
+    )
+    result = run_sft_job(cfg)
+    assert result["assistant_loss"]["after"] < result["assistant_loss"]["before"] - 0.2
+    assert [s for s, _ in losses(tmp_path / "lora")] == list(range(1, 9))  # resumed from step 4's adapter
+    final = tmp_path / "lora" / result["final_checkpoint"]
+    assert (final / ADAPTER_WEIGHTS).exists() and not (final / WEIGHTS).exists()
+    ref = json.loads((final / ADAPTER_CONFIG).read_text())
+    assert ref["base"] == base[0] and ref["base_sha256"] == result["base_sha256"]
+    # DeepSpeed's own files hold the adapter and its optimizer state, not the frozen base
+    state_bytes = sum(f.stat().st_size for f in (final / "deepspeed").rglob("*") if f.is_file())
+    assert state_bytes < len(base_weights)
+    assert (Path(base[0]) / WEIGHTS).read_bytes() == base_weights
+    merged = load_model_files(final)
+    assert any(
+        not torch.equal(p, q) for p, q in zip(merged.parameters(), load_model_files(base[0]).parameters(), strict=True)
+    )

@@ -12,9 +12,9 @@ from lmfoundry.agents.tool_data import Reference, ToolDataConfig, run_tool_data,
 from lmfoundry.agents.workflow import load_workflows
 from lmfoundry.jobs.agents import demo_data
 from lmfoundry.model.chat_template import ChatTemplate
-from lmfoundry.serving.engine import parse_tool_call
 from lmfoundry.serving.grammar import check_schema, tool_call_schema
 from lmfoundry.serving.protocol import ChatCompletionRequest
+from lmfoundry.serving.tool_calls import parse_tool_calls
 
 ORDERS_WORKFLOW = "configs/workflows/orders.yaml"
 
@@ -150,7 +150,8 @@ def test_a_conversation_renders_as_the_agent_service_prompts_the_model(made):
         reply = whole[len(prompt) :].split("</tool_call>")[0]
         call = row["messages"][k]["tool_calls"][0]["function"]
         names = [t["function"]["name"] for t in row["tools"]]
-        assert parse_tool_call(reply, names, forced=True)[:2] == (call["name"], json.loads(call["arguments"]))
+        calls, _ = parse_tool_calls(reply, names, forced=True)
+        assert [(c.name, c.arguments) for c in calls] == [(call["name"], json.loads(call["arguments"]))]
 
 
 def test_a_workflow_without_the_tools_is_refused(demo, tmp_path):

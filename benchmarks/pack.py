@@ -122,11 +122,13 @@ def main() -> None:
 
 def write_results(rows: list[dict]) -> None:
     """Written after every size, so a long run keeps what it measured. Sizes this run did not
-    measure keep their rows from the file, each with the date it was measured."""
+    measure keep their rows from the file, each with the date it was measured, and so do the rows
+    of earlier designs (`sizes_before_sorted_files`)."""
     from lifecycle import machine
 
     out = RESULTS / "pack.json"
     measured = {r["documents"] for r in rows}
+    before = {}
     if out.exists():
         earlier = json.loads(out.read_text())
         kept = [
@@ -135,12 +137,14 @@ def write_results(rows: list[dict]) -> None:
             if r["documents"] not in measured
         ]
         rows = sorted(kept + rows, key=lambda r: r["documents"])
+        before = {k: v for k, v in earlier.items() if k == "sizes_before_sorted_files"}
     result = {
         "benchmark": "pack",
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(["python", "benchmarks/pack.py", *sys.argv[1:]]),
         "machine": machine(),
         "sizes": rows,
+        **before,
     }
     RESULTS.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from lmfoundry.model.chat_template import ChatTemplate
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
-from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens
+from lmfoundry.model.tokenizer import SpecialTokens
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import skeleton
@@ -44,6 +44,7 @@ from lmfoundry.train.config import (
 from lmfoundry.train.engine import check_every_world_size
 from lmfoundry.train.launch import fit, run_config, scaling_config
 from lmfoundry.train.position import epoch_order
+from lmfoundry.train.pretrain import start_texts
 
 logger = get_logger(__name__)
 
@@ -214,10 +215,7 @@ class DPOObjective:
         self.encoder = PairEncoder(start_dir, cfg.max_seq_len or self.model.cfg.max_seq_len)
         self.pairs = [self.encoder.encode(p) for p in read_pairs(cfg.pairs)]
         self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
-        template = Path(start_dir) / CHAT_TEMPLATE_FILE  # the chat template the policy was tuned with
-        self.chat_template = template.read_text() if template.exists() else DEFAULT_CHAT_TEMPLATE
-        special = Path(start_dir) / SPECIAL_TOKENS_FILE  # an imported policy keeps its eos and end of turn
-        self.special_tokens = special.read_text() if special.exists() else None
+        self.chat_template, self.special_tokens = start_texts(start_dir)  # an imported model keeps its own
         self.per_global = cfg.batch.micro_batch_size * world
         self.batches_per_epoch = len(self.pairs) // self.per_global
         if self.batches_per_epoch == 0:

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from lmfoundry.clients.reward import encode_reply, encode_steps
-from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
-from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens
+from lmfoundry.model.tokenizer import SpecialTokens
 from lmfoundry.model.transformer import ModelConfig, Transformer
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
@@ -46,6 +45,7 @@ from lmfoundry.train.config import RewardBatchConfig, TrainStageConfig
 from lmfoundry.train.dpo import DPOCheckpointingConfig, DPOOptimizerConfig, DPOScheduleConfig, PairEncoder
 from lmfoundry.train.engine import check_every_world_size
 from lmfoundry.train.launch import fit, run_config, scaling_config
+from lmfoundry.train.pretrain import start_texts
 
 logger = get_logger(__name__)
 
@@ -234,10 +234,7 @@ class RewardObjective:
         train, _ = split(rows, cfg.validation_fraction, cfg.seed)
         self.examples = [self.encoder.encode(fmt, row) for row in train]
         self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
-        template = Path(start_dir) / CHAT_TEMPLATE_FILE
-        self.chat_template = template.read_text() if template.exists() else DEFAULT_CHAT_TEMPLATE
-        special = Path(start_dir) / SPECIAL_TOKENS_FILE
-        self.special_tokens = special.read_text() if special.exists() else None
+        self.chat_template, self.special_tokens = start_texts(start_dir)  # an imported model keeps its own
         self.per_global = cfg.batch.micro_batch_size * world
         self.batches_per_epoch = len(self.examples) // self.per_global
         if self.batches_per_epoch == 0:

@@ -5,7 +5,7 @@ to a receiver that decodes the protobuf the way a collector does."""
 import json
 import threading
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -98,8 +98,10 @@ def test_a_run_is_one_trace_in_json_lines(tmp_path):
     tracer.shutdown()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
 
-    def ns(stamp):
-        return int(datetime.fromisoformat(stamp).timestamp() * 1e6) * 1000
+    def ns(stamp):  # exact integer microseconds: a float timestamp can round a 0.25 s span to 0.249999
+        moment = datetime.fromisoformat(stamp)
+        epoch = datetime(1970, 1, 1, tzinfo=moment.tzinfo)
+        return (moment - epoch) // timedelta(microseconds=1) * 1000
 
     check_trace(
         [

@@ -27,7 +27,7 @@ def _text(value) -> str:
 
 
 def _ns(seconds: float) -> int:
-    return int(seconds * 1e9)
+    return round(seconds * 1e9)
 
 
 def step_attributes(step: dict) -> dict:

@@ -6,10 +6,12 @@ calls are read from the run's steps.
 
     lmfoundry agents demo-data --out work/agents
     lmfoundry tool-data configs/tool_data.yaml --output work/tool_data
-    python benchmarks/agent_sft.py --checkpoint work/agent_sft          # a fine-tuned model
+    python benchmarks/agent_sft.py --build-base work/agent_base         # the model to fine-tune
+    lmfoundry sft configs/sft_agent_cpu.yaml --input work/agent_base --output work/agent_sft
+    python benchmarks/agent_sft.py --checkpoint work/agent_sft          # the fine-tuned model
     python benchmarks/agent_sft.py --untrained --runs 20                # the baseline: random weights
 
-`--untrained` builds a model of the quickstart's size with the 1,024-token context the workflow
+`--build-base` and `--untrained` build a model of the quickstart's size with the 1,024-token context the workflow
 needs (configs/quickstart_agent.yaml), with random weights and the quickstart's tokenizer (4,096
 BPE tokens on the sample corpus's 1,500 documents). It shows what a model that was never
 trained on tool calls does. Writes benchmarks/results/agent_sft.json (or agent_sft_untrained.json).
@@ -43,6 +45,7 @@ def build_untrained(directory: Path) -> None:
 
     from lmfoundry.data.sample_corpus import stdlib_documents
     from lmfoundry.data.tokenizer import train_bpe
+    from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
     from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
     from lmfoundry.model.transformer import ModelConfig, Transformer
     from lmfoundry.platform import checkpoint
@@ -53,6 +56,7 @@ def build_untrained(directory: Path) -> None:
     model = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=1024, **shape)).eval()
     save_model_files(model, directory)
     (directory / TOKENIZER).write_text(tok.to_str())
+    (directory / CHAT_TEMPLATE_FILE).write_text(DEFAULT_CHAT_TEMPLATE)  # what sft renders conversations with
     checkpoint.seal(directory, {"step": 0})
 
 
@@ -151,11 +155,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="the model to serve (a fine-tuned checkpoint)")
     ap.add_argument("--untrained", action="store_true", help="a random-weights model of the quickstart's size")
+    ap.add_argument("--build-base", metavar="DIR", help="only write that random-weights model to DIR (to fine-tune)")
     ap.add_argument("--data", default="work/tool_data", help="a tool-data output (its held-out questions)")
     ap.add_argument("--agents-data", default="work/agents", help="the demo database and corpus tool-data used")
     ap.add_argument("--runs", type=int, default=0, help="at most this many held-out questions (0: all)")
     ap.add_argument("--timeout-s", type=float, default=1800)
     args = ap.parse_args()
+    if args.build_base:
+        build_untrained(Path(args.build_base))
+        print(f"wrote {args.build_base}", file=sys.stderr)
+        return
     if bool(args.checkpoint) == args.untrained:
         ap.error("give --checkpoint or --untrained")
     from lmfoundry.agents.tool_data import Reference

@@ -109,15 +109,41 @@ def test_a_string_is_held_to_its_max_length(grammars, length, fits):
         assert written.endswith(query[:64].encode())
 
 
-def test_escapes_count_as_their_bytes_and_the_bound_holds_across_quotes_in_one_token():
+def test_escapes_and_utf8_characters_count_once_and_the_bound_holds_across_quotes_in_one_token():
     bounds = StringBounds(
         {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"type": "string"}}}
     )
     scanner = JsonScanner(bounds)
-    assert scanner.feed(b'{"a": "x\\"')  # the escaped quote does not close the string: 3 bytes
+    assert scanner.feed(b'{"a": "x\\"')  # an escaped quote: one character, and the string goes on
+    assert scanner.room() == 1 and scanner.feed("\u00e9".encode())  # two bytes, one character
     assert scanner.room() == 0 and not scanner.copy().feed(b"y") and scanner.copy().feed(b'", "b": "')
     assert scanner.feed(b'", "b": "' + b"z" * 100)  # b is unbounded
     assert JsonScanner(bounds).feed(b'{"a": "abc') and not JsonScanner(bounds).feed(b'{"a": "abcd')
+
+
+def test_a_random_walk_through_bounded_strings_never_runs_out_of_tokens(grammars):
+    """Sampled paths (multi-byte characters, escapes) always have a token to go on with, end as
+    JSON the schema accepts, and hold the bound."""
+    import random
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    for seed in range(40):
+        rng, constraint, text = random.Random(seed), grammars.constraint(schema), b""
+        while not constraint.done():
+            token = rng.choice(constraint.allowed())
+            constraint.advance(token)
+            text += constraint.tokens.bytes[token]
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_bounds_follow_refs_and_branches_and_the_loosest_branch_wins():

@@ -13,11 +13,9 @@ vocabulary: 64 characters over 4,096 tokens is about 260,000 transitions, and a 
 string also takes time exponential in n to build. xgrammar keeps such repetition counts out of its
 precomputed automaton and checks them while decoding; so does this module: the automaton is built
 with the plain string's `maxLength` left out (one state, whatever the bound), and
-`JsonSchemaConstraint` follows the JSON as it is written, counts the bytes of the string value being
-written and withholds the tokens that would take it past the bound that the schema gives at that
-place. A JSON string's length counts characters, and each character is at least one byte of the
-raw text (an escape is two), so a bound held on bytes holds on characters; ASCII text without
-escapes gets exactly its bound.
+`JsonSchemaConstraint` follows the JSON as it is written, counts the characters of the string value
+being written (an escape or a multi-byte UTF-8 character is one, as JSON Schema counts them) and
+withholds the tokens that would take it past the bound that the schema gives at that place.
 
 Schemas come from clients, and some small ones compile to huge automata (a string with
 minLength 16, or a pattern of nested repeats). So a schema is first held to static limits
@@ -271,19 +269,21 @@ class Grammars:
 
 
 class TokenTable:
-    """Each token's bytes, and which tokens can open or close a string (those holding a quote or
-    a backslash): the others add their whole length to a string they are written in."""
+    """Each token's bytes and characters, and which tokens can open or close a string (those
+    holding a quote or a backslash): the others add all their characters to a string they are in."""
 
     def __init__(self, by_id: dict[int, bytes], vocab_size: int):
         size = max(vocab_size, max(by_id, default=-1) + 1)
         self.bytes = [by_id.get(i, b"") for i in range(size)]  # special tokens: no text
-        self.length = np.array([len(b) for b in self.bytes], dtype=np.int64)
+        # characters: UTF-8 continuation bytes (0x80-0xBF) go on the character before them
+        self.length = np.array([sum(not 0x80 <= c <= 0xBF for c in b) for b in self.bytes], dtype=np.int64)
         self.delimits = np.array([b'"' in b or b"\\" in b for b in self.bytes], dtype=bool)
 
 
 class JsonScanner:
     """Where the JSON written so far stands: the path of keys and array positions to the current
-    value, and inside a string value, its bytes so far and its bound. The automaton has already
+    value, and inside a string value, its characters so far (as JSON Schema counts them: an
+    escape or a multi-byte UTF-8 character is one) and its bound. The automaton has already
     checked the text, so this follows well-formed JSON only."""
 
     __slots__ = ("bounds", "frames", "in_string", "is_key", "escaped", "key", "used", "bound")
@@ -303,7 +303,7 @@ class JsonScanner:
         return other
 
     def room(self) -> int | None:
-        """Bytes the string value being written may still take (None: unbounded or not in one)."""
+        """Characters the string value being written may still take (None: unbounded or not in one)."""
         if not self.in_string or self.is_key or self.bound is None:
             return None
         return self.bound - self.used
@@ -312,18 +312,20 @@ class JsonScanner:
         """Take the bytes in; False as soon as a string value goes past its bound."""
         for b in data:
             if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif b == 0x5C:  # backslash
-                    self.escaped = True
+                if self.escaped:  # the character after a backslash: one character with it
+                    self.escaped, counts = False, False
+                elif b == 0x5C:
+                    self.escaped, counts = True, True
                 elif b == 0x22:  # the closing quote
                     self.in_string = False
                     if self.is_key:
                         self.frames[-1][1] = self.key.decode("utf-8", "replace")
                     continue
+                else:  # a UTF-8 continuation byte belongs to the character before it
+                    counts = not 0x80 <= b <= 0xBF
                 if self.is_key:
                     self.key.append(b)
-                else:
+                elif counts:
                     self.used += 1
                     if self.bound is not None and self.used > self.bound:
                         return False

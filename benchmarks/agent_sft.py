@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 KEY = "sk-bench-agent-sft-" + "c" * 16
 PORT = 8124
+MAX_SECONDS = 1800
 
 
 def build_untrained(directory: Path) -> None:
@@ -65,6 +66,9 @@ def workflow_file(work: Path, agents_data: Path) -> Path:
     spec = yaml.safe_load((ROOT / "configs/workflows/orders.yaml").read_text())["workflows"]["orders_and_docs"]
     spec["model_url"], spec["api_key_env"] = f"http://127.0.0.1:{PORT}", "LMFOUNDRY_BENCH_AGENT_SFT_KEY"
     spec["secrets"] = ["LMFOUNDRY_BENCH_AGENT_SFT_KEY"]
+    # a run's clock starts when it is queued, and every question is queued at once: the shipped
+    # 120 s would time out runs that waited for a free worker slot rather than ran slowly
+    spec["max_seconds"] = MAX_SECONDS
     spec["tools"]["sql"]["dsn"] = str(agents_data / "orders.sqlite")
     spec["tools"]["docs"]["corpus"] = str(agents_data / "docs.jsonl")
     path = work / "workflows.yaml"
@@ -151,6 +155,17 @@ def judge(question: dict, run: dict, ref) -> dict:
     }
 
 
+def training(run: str) -> dict | None:
+    """What the fine-tuned model's SFT run recorded: steps, time, losses, its data."""
+    from lmfoundry.platform import storage
+
+    if not storage.is_committed(run):
+        return None
+    m = storage.read_manifest(run)
+    keep = ("start_checkpoint", "data", "steps", "seconds", "first_loss", "final_loss", "assistant_loss")
+    return {**{k: m.get(k) for k in keep}, "conversations": m.get("data_report", {}).get("conversations")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="the model to serve (a fine-tuned checkpoint)")
@@ -198,6 +213,8 @@ def main() -> None:
         "command": "python " + " ".join(["benchmarks/agent_sft.py", *sys.argv[1:]]),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "model": "untrained: random weights, 4 layers, d_model 128, 1,024 context" if args.untrained else checkpoint,
+        "training": training(checkpoint) if not args.untrained else None,
+        "workflow_max_seconds": MAX_SECONDS,
         "held_out_questions": len(questions),
         "correct": sum(j["correct"] for j in judged),
         "correct_share": round(sum(j["correct"] for j in judged) / max(1, len(judged)), 3),

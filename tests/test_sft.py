@@ -192,9 +192,9 @@ def test_token_distillation_loss_weighs_ce_against_t2_kl_on_the_assistant_tokens
     positions = counted[0].nonzero().flatten().tolist()
     # assistant targets 3, 4, 6 and 7; token 5 opens the second conversation, not predicted from the first
     assert positions == [1, 2, 4, 5]
-    kl = sum(distill_kl(t_logits[0, p], logits[0, p], 2.0) for p in positions) / len(positions)
-    assert metrics["kl"] == pytest.approx(float(kl), rel=1e-5) and metrics["ce"] == pytest.approx(float(ce))
-    assert loss.item() == pytest.approx(0.75 * float(ce) + 0.25 * 4 * float(kl), rel=1e-5)
+    kl = sum(distill_kl(t_logits[0, p], logits[0, p], 2.0) for p in positions).item() / len(positions)
+    assert metrics["kl"] == pytest.approx(kl, rel=1e-5) and metrics["ce"] == pytest.approx(ce.item())
+    assert loss.item() == pytest.approx(0.75 * ce.item() + 0.25 * 4 * kl, rel=1e-5)
     loss.backward()
     assert all(p.grad is None for p in teacher.parameters())
     assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
@@ -216,3 +216,36 @@ def test_a_teacher_with_another_vocabulary_is_a_config_error_naming_both(tmp_pat
     check_same_vocabulary(dirs["student"], dirs["student"], "work/student", "work/student")
     with pytest.raises(ValueError, match=r"teacher work/teacher .* student work/student .* do not share a vocabulary"):
         check_same_vocabulary(dirs["student"], dirs["teacher"], "work/student", "work/teacher")
+
+
+def test_the_sft_objective_runs_the_teacher_beside_the_student(tmp_path):
+    """The objective as a worker builds it (no Ray): the teacher loaded from its checkpoint, frozen,
+    and the micro-batch's loss carrying both terms."""
+    from lmfoundry.model.checkpoint import save_model_files
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.sft import SFTConfig, SFTObjective
+
+    ckpt = checkpoint_dir(tmp_path)
+    vocab = len(json.loads((ckpt / TOKENIZER).read_text())["model"]["vocab"])
+    shape = {"vocab_size": vocab, "max_seq_len": 128, "n_layer": 1, "d_model": 16, "n_head": 2, "n_kv_head": 1}
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    torch.manual_seed(1)
+    save_model_files(Transformer(ModelConfig(**shape)), teacher)
+    torch.manual_seed(0)
+    save_model_files(Transformer(ModelConfig(**shape)), ckpt)
+    chats = write_chats(tmp_path / "chats.jsonl", 8)
+    cfg = SFTConfig(
+        checkpoint=str(ckpt),
+        data=chats,
+        output=str(tmp_path / "out"),
+        batch={"micro_batch_size": 2, "global_batch_sequences": 2},
+        parallelism={"num_workers": 1},
+        distill={"teacher": str(teacher), "temperature": 2.0, "weight": 0.5},
+    )
+    objective = SFTObjective(cfg, str(ckpt), 0, 1, teacher_dir=str(teacher))
+    objective.device = torch.device("cpu")
+    _, batch = next(objective.batches(0, 0))
+    loss, metrics = objective.loss(objective.model, batch)
+    assert metrics["kl"] > 0 and loss.item() == pytest.approx(0.5 * metrics["ce"] + 0.5 * 4 * metrics["kl"], rel=1e-5)
+    assert not any(p.requires_grad for p in objective.teacher.parameters())

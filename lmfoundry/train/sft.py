@@ -248,7 +248,7 @@ def distill_loss(teacher, cfg: TokenDistillConfig, batch, logits, ce, counted, d
     with torch.no_grad():
         teacher_logits, _ = teacher(tokens[:, :-1], doc_ids=docs[:, :-1])
     kl = masked_mean(distill_kl(teacher_logits, logits, cfg.temperature), counted)
-    metrics.update(ce=float(ce), kl=float(kl))
+    metrics.update(ce=ce.item(), kl=kl.item())
     return (1 - cfg.weight) * ce + cfg.weight * cfg.temperature**2 * kl, metrics
 
 

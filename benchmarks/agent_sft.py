@@ -228,6 +228,8 @@ def main() -> None:
         "wall_s": round(wall, 1),
         "examples": judged[:3],
     }
+    # paths inside the repository as the README's commands give them, not this machine's
+    result = json.loads(json.dumps(result, default=str).replace(f"{ROOT}/", ""))
     name = "agent_sft_untrained.json" if args.untrained else "agent_sft.json"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / name).write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -329,7 +329,8 @@ def run_sft(cfg: SFTConfig) -> dict:
         trainer = TorchTrainer(
             sft_loop,
             train_loop_config={
-                "cfg": cfg.model_dump(mode="json"),
+                # the workers run in another directory: a relative data path would name nothing there
+                "cfg": {**cfg.model_dump(mode="json"), "data": storage.normalize(cfg.data)},
                 "start_dir": start_dir,
                 "run_dir": out,
                 "adapter_base": adapter_base,

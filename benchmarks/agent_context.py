@@ -65,9 +65,8 @@ def grammar_sizes(tok, tools: list[dict]) -> dict:
         functions = [t["function"] for t in tools]
         sizes = {}
         for step, name in (("first_step_sql", "sql"), ("middle_step_any_tool", None)):
-            schema = grammar.bounded_integers(grammar.tool_call_schema(functions, name))
-            _, size = compiled._build(json.dumps(schema, sort_keys=True))
-            sizes[step] = size // grammar.BYTES_PER_TRANSITION
+            index, _ = compiled._index(grammar.tool_call_schema(functions, name))  # as the server compiles it
+            sizes[step] = sum(len(t) for t in index.get_transitions().values())
     finally:
         grammar.MAX_TRANSITIONS = limit
     return {**sizes, "server_limit": limit}

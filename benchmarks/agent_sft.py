@@ -6,10 +6,12 @@ calls are read from the run's steps.
 
     lmfoundry agents demo-data --out work/agents
     lmfoundry tool-data configs/tool_data.yaml --output work/tool_data
-    python benchmarks/agent_sft.py --checkpoint work/agent_sft          # a fine-tuned model
+    python benchmarks/agent_sft.py --build-base work/agent_base         # the model to fine-tune
+    lmfoundry sft configs/sft_agent_cpu.yaml --input work/agent_base --output work/agent_sft
+    python benchmarks/agent_sft.py --checkpoint work/agent_sft          # the fine-tuned model
     python benchmarks/agent_sft.py --untrained --runs 20                # the baseline: random weights
 
-`--untrained` builds a model of the quickstart's size with the 1,024-token context the workflow
+`--build-base` and `--untrained` build a model of the quickstart's size with the 1,024-token context the workflow
 needs (configs/quickstart_agent.yaml), with random weights and the quickstart's tokenizer (4,096
 BPE tokens on the sample corpus's 1,500 documents). It shows what a model that was never
 trained on tool calls does. Writes benchmarks/results/agent_sft.json (or agent_sft_untrained.json).
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 KEY = "sk-bench-agent-sft-" + "c" * 16
 PORT = 8124
+MAX_SECONDS = 1800
 
 
 def build_untrained(directory: Path) -> None:
@@ -43,6 +46,7 @@ def build_untrained(directory: Path) -> None:
 
     from lmfoundry.data.sample_corpus import stdlib_documents
     from lmfoundry.data.tokenizer import train_bpe
+    from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
     from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
     from lmfoundry.model.transformer import ModelConfig, Transformer
     from lmfoundry.platform import checkpoint
@@ -53,6 +57,7 @@ def build_untrained(directory: Path) -> None:
     model = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=1024, **shape)).eval()
     save_model_files(model, directory)
     (directory / TOKENIZER).write_text(tok.to_str())
+    (directory / CHAT_TEMPLATE_FILE).write_text(DEFAULT_CHAT_TEMPLATE)  # what sft renders conversations with
     checkpoint.seal(directory, {"step": 0})
 
 
@@ -61,6 +66,9 @@ def workflow_file(work: Path, agents_data: Path) -> Path:
     spec = yaml.safe_load((ROOT / "configs/workflows/orders.yaml").read_text())["workflows"]["orders_and_docs"]
     spec["model_url"], spec["api_key_env"] = f"http://127.0.0.1:{PORT}", "LMFOUNDRY_BENCH_AGENT_SFT_KEY"
     spec["secrets"] = ["LMFOUNDRY_BENCH_AGENT_SFT_KEY"]
+    # a run's clock starts when it is queued, and every question is queued at once: the shipped
+    # 120 s would time out runs that waited for a free worker slot rather than ran slowly
+    spec["max_seconds"] = MAX_SECONDS
     spec["tools"]["sql"]["dsn"] = str(agents_data / "orders.sqlite")
     spec["tools"]["docs"]["corpus"] = str(agents_data / "docs.jsonl")
     path = work / "workflows.yaml"
@@ -147,15 +155,31 @@ def judge(question: dict, run: dict, ref) -> dict:
     }
 
 
+def training(run: str) -> dict | None:
+    """What the fine-tuned model's SFT run recorded: steps, time, losses, its data."""
+    from lmfoundry.platform import storage
+
+    if not storage.is_committed(run):
+        return None
+    m = storage.read_manifest(run)
+    keep = ("start_checkpoint", "data", "steps", "seconds", "first_loss", "final_loss", "assistant_loss")
+    return {**{k: m.get(k) for k in keep}, "conversations": m.get("data_report", {}).get("conversations")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="the model to serve (a fine-tuned checkpoint)")
     ap.add_argument("--untrained", action="store_true", help="a random-weights model of the quickstart's size")
+    ap.add_argument("--build-base", metavar="DIR", help="only write that random-weights model to DIR (to fine-tune)")
     ap.add_argument("--data", default="work/tool_data", help="a tool-data output (its held-out questions)")
     ap.add_argument("--agents-data", default="work/agents", help="the demo database and corpus tool-data used")
     ap.add_argument("--runs", type=int, default=0, help="at most this many held-out questions (0: all)")
     ap.add_argument("--timeout-s", type=float, default=1800)
     args = ap.parse_args()
+    if args.build_base:
+        build_untrained(Path(args.build_base))
+        print(f"wrote {args.build_base}", file=sys.stderr)
+        return
     if bool(args.checkpoint) == args.untrained:
         ap.error("give --checkpoint or --untrained")
     from lmfoundry.agents.tool_data import Reference
@@ -189,6 +213,8 @@ def main() -> None:
         "command": "python " + " ".join(["benchmarks/agent_sft.py", *sys.argv[1:]]),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "model": "untrained: random weights, 4 layers, d_model 128, 1,024 context" if args.untrained else checkpoint,
+        "training": training(checkpoint) if not args.untrained else None,
+        "workflow_max_seconds": MAX_SECONDS,
         "held_out_questions": len(questions),
         "correct": sum(j["correct"] for j in judged),
         "correct_share": round(sum(j["correct"] for j in judged) / max(1, len(judged)), 3),
@@ -202,6 +228,8 @@ def main() -> None:
         "wall_s": round(wall, 1),
         "examples": judged[:3],
     }
+    # paths inside the repository as the README's commands give them, not this machine's
+    result = json.loads(json.dumps(result, default=str).replace(f"{ROOT}/", ""))
     name = "agent_sft_untrained.json" if args.untrained else "agent_sft.json"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / name).write_text(json.dumps(result, indent=2, default=str) + "\n")

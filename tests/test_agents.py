@@ -335,3 +335,69 @@ def test_a_hostile_tool_output_neither_steers_the_run_nor_lets_the_canary_out(ag
     assert not any(CANARY in (path or "") + (key or "") for path, key in _Orders.calls)
     spans = agents["spans"].read_text() if agents["spans"].exists() else ""
     assert CANARY not in spans
+
+
+class _Flaky(BaseHTTPRequestHandler):
+    """A model endpoint that answers `statuses` in turn, then a tool call."""
+
+    statuses: list = []
+    seen = 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        _Flaky.seen += 1
+        status = _Flaky.statuses.pop(0) if _Flaky.statuses else 200
+        call = {"id": "c0", "type": "function", "function": {"name": "sql", "arguments": '{"query": "SELECT 1"}'}}
+        body = (
+            {
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "tool_calls": [call]}, "finish_reason": "tool_calls"}
+                ]
+            }
+            if status == 200
+            else {"error": {"message": "all 2 schema compile threads are busy", "code": "overloaded"}}
+        )
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize(
+    "statuses, outcome, seen",
+    [
+        ([503, 429], "sql", 3),  # overload passes: retried with backoff
+        ([503] * 5, "answered 503 (after 3 retries)", 4),  # bounded
+        ([400], "answered 400", 1),  # a refusal would be the same again: not retried
+        ([500], "answered 500", 1),
+    ],
+)
+def test_the_worker_retries_an_overloaded_model_endpoint_a_bounded_number_of_times(
+    monkeypatch, statuses, outcome, seen
+):
+    from lmfoundry.agents import worker
+    from lmfoundry.agents.tools import ToolError
+    from lmfoundry.agents.workflow import WorkflowConfig
+
+    monkeypatch.setattr(worker, "MODEL_BACKOFF_S", 0.01)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Flaky.statuses, _Flaky.seen = list(statuses), 0
+    wf = WorkflowConfig(name="flaky", model_url=f"http://127.0.0.1:{server.server_address[1]}", model_retries=3)
+    try:
+        try:
+            result = worker._call_model(wf, [{"role": "user", "content": "hi"}], [], None, time.time() + 60)[0]
+        except ToolError as e:
+            result = str(e)
+        assert outcome in result and _Flaky.seen == seen
+        _Flaky.statuses, _Flaky.seen = [503] * 5, 0  # no retry would end past the run's deadline
+        with pytest.raises(ToolError, match="answered 503"):
+            worker._call_model(wf, [{"role": "user", "content": "hi"}], [], None, time.time() + 0.001)
+        assert _Flaky.seen == 1
+    finally:
+        server.shutdown()

@@ -111,6 +111,7 @@ def test_every_recipe_in_configs_validates():
         "tool_data.yaml": ToolDataConfig,
         "align_dpo.yaml": AlignJobConfig,
         "sft_tiny_cpu.yaml": SFTJobConfig,
+        "sft_agent_cpu.yaml": SFTJobConfig,
         "agents.yaml": AgentsJobConfig,
         "reward_process.yaml": RewardJobConfig,
         "reward_outcome.yaml": RewardJobConfig,

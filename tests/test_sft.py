@@ -157,3 +157,95 @@ def test_the_loss_counts_assistant_targets_within_their_own_conversation_only():
     # targets 2, 3 (doc 0) and 6 (doc 1); token 4 opens doc 1 and is not predicted from doc 0
     assert counted.tolist() == [[True, True, False, False, True]]
     assert masked_mean(losses, counted).item() == pytest.approx(float(np.log(11)))
+
+
+def test_token_distillation_kl_on_a_hand_computed_example():
+    """Teacher (1/4, 3/4), student (1/2, 1/2): KL = 1/4 ln(1/2) + 3/4 ln(3/2) = 0.130812 at T = 1. At
+    T = 2 the teacher's logits halve: (1, sqrt 3) / (1 + sqrt 3) = (0.366025, 0.633975), so
+    KL = 0.366025 ln(0.732051) + 0.633975 ln(1.267949) = 0.036341; a uniform student stays uniform."""
+    from lmfoundry.train.sft import distill_kl
+
+    teacher = torch.tensor([[0.0, float(np.log(3))]])
+    student = torch.tensor([[0.0, 0.0]])
+    assert distill_kl(teacher, student, 1.0).item() == pytest.approx(0.130812, abs=1e-6)
+    assert distill_kl(teacher, student, 2.0).item() == pytest.approx(0.036341, abs=1e-6)
+    assert distill_kl(teacher, teacher, 1.0).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_token_distillation_loss_weighs_ce_against_t2_kl_on_the_assistant_tokens_with_a_frozen_teacher():
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.sft import TokenDistillConfig, distill_kl, distill_loss, masked_mean, token_losses
+
+    torch.manual_seed(0)
+    shape = {"vocab_size": 13, "max_seq_len": 16, "n_layer": 1, "d_model": 16, "n_head": 2, "n_kv_head": 1}
+    student, teacher = Transformer(ModelConfig(**shape)), Transformer(ModelConfig(**shape)).requires_grad_(False)
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    assistant = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    logits, losses, counted = token_losses(student, tokens, assistant, docs)
+    ce = masked_mean(losses, counted)
+    cfg = TokenDistillConfig(teacher="unused", temperature=2.0, weight=0.25)
+    loss, metrics = distill_loss(teacher, cfg, (tokens, assistant, docs), logits, ce, counted, "cpu", {})
+    # the same by hand: the KL at each counted position, averaged, then the weighted sum
+    with torch.no_grad():
+        t_logits, _ = teacher(tokens[:, :-1], doc_ids=docs[:, :-1])
+    positions = counted[0].nonzero().flatten().tolist()
+    # assistant targets 3, 4, 6 and 7; token 5 opens the second conversation, not predicted from the first
+    assert positions == [1, 2, 4, 5]
+    kl = sum(distill_kl(t_logits[0, p], logits[0, p], 2.0) for p in positions).item() / len(positions)
+    assert metrics["kl"] == pytest.approx(kl, rel=1e-5) and metrics["ce"] == pytest.approx(ce.item())
+    assert loss.item() == pytest.approx(0.75 * ce.item() + 0.25 * 4 * kl, rel=1e-5)
+    loss.backward()
+    assert all(p.grad is None for p in teacher.parameters())
+    assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="weight"):
+        TokenDistillConfig(teacher="t", weight=1.5)
+
+
+def test_a_teacher_with_another_vocabulary_is_a_config_error_naming_both(tmp_path):
+    from lmfoundry.train.sft import check_same_vocabulary
+
+    dirs = {}
+    for name, texts in (("student", ["alpha beta gamma"] * 50), ("teacher", ["delta epsilon zeta"] * 50)):
+        d = tmp_path / name
+        d.mkdir()
+        tok = train_bpe(texts, 300)
+        tok.save(str(d / TOKENIZER))
+        (d / "model_config.json").write_text(json.dumps({"vocab_size": tok.get_vocab_size()}))
+        dirs[name] = str(d)
+    check_same_vocabulary(dirs["student"], dirs["student"], "work/student", "work/student")
+    with pytest.raises(ValueError, match=r"teacher work/teacher .* student work/student .* do not share a vocabulary"):
+        check_same_vocabulary(dirs["student"], dirs["teacher"], "work/student", "work/teacher")
+
+
+def test_the_sft_objective_runs_the_teacher_beside_the_student(tmp_path):
+    """The objective as a worker builds it (no Ray): the teacher loaded from its checkpoint, frozen,
+    and the micro-batch's loss carrying both terms."""
+    from lmfoundry.model.checkpoint import save_model_files
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.sft import SFTConfig, SFTObjective
+
+    ckpt = checkpoint_dir(tmp_path)
+    vocab = len(json.loads((ckpt / TOKENIZER).read_text())["model"]["vocab"])
+    shape = {"vocab_size": vocab, "max_seq_len": 128, "n_layer": 1, "d_model": 16, "n_head": 2, "n_kv_head": 1}
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    torch.manual_seed(1)
+    save_model_files(Transformer(ModelConfig(**shape)), teacher)
+    torch.manual_seed(0)
+    save_model_files(Transformer(ModelConfig(**shape)), ckpt)
+    chats = write_chats(tmp_path / "chats.jsonl", 8)
+    cfg = SFTConfig(
+        checkpoint=str(ckpt),
+        data=chats,
+        output=str(tmp_path / "out"),
+        batch={"micro_batch_size": 2, "global_batch_sequences": 2},
+        parallelism={"num_workers": 1},
+        distill={"teacher": str(teacher), "temperature": 2.0, "weight": 0.5},
+    )
+    objective = SFTObjective(cfg, str(ckpt), 0, 1, teacher_dir=str(teacher))
+    objective.device = torch.device("cpu")
+    _, batch = next(objective.batches(0, 0))
+    loss, metrics = objective.loss(objective.model, batch)
+    assert metrics["kl"] > 0 and loss.item() == pytest.approx(0.5 * metrics["ce"] + 0.5 * 4 * metrics["kl"], rel=1e-5)
+    assert not any(p.requires_grad for p in objective.teacher.parameters())

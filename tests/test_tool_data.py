@@ -134,8 +134,7 @@ def test_a_conversation_renders_as_the_agent_service_prompts_the_model(made):
     worker's request at that step (tool_choice required), and parses as the call it records."""
     template = ChatTemplate()
     row = next(r for r in read(made["dir"] / "train.jsonl") if len(r["messages"]) == 7)  # sql, docs, answer
-    # within the server's static limits (maxLength <= 64); the automaton's size is measured in
-    # benchmarks/agent_context.py (docs/agents.md: over the server's limit)
+    # within the server's static limits (maxLength <= 64); tests/test_grammar.py compiles them
     check_schema(tool_call_schema([t["function"] for t in row["tools"]], None))
     whole = template.render(row["messages"], row["tools"])
     turns = [k for k, m in enumerate(row["messages"]) if m["role"] == "assistant"]

@@ -29,6 +29,8 @@ from lmfoundry.platform.tracing import TracingConfig
 logger = get_logger(__name__)
 
 INVALID = "_invalid_reply"  # a model step that was not a complete tool call
+RETRIED_STATUSES = (429, 503)  # the model endpoint is overloaded, or its schema compile threads are busy
+MODEL_BACKOFF_S, MODEL_BACKOFF_MAX_S = 0.5, 8.0
 
 
 class Guard:
@@ -56,25 +58,40 @@ class Guard:
 
 
 def _call_model(
-    wf: WorkflowConfig, messages: list[dict], specs: list[dict], force: str | None
+    wf: WorkflowConfig, messages: list[dict], specs: list[dict], force: str | None, deadline: float
 ) -> tuple[str, dict, dict]:
-    """The model's tool call (name, arguments) and the reply's token counts."""
+    """The model's tool call (name, arguments) and the reply's token counts. A 429 or 503 is
+    retried with exponential backoff, at most `wf.model_retries` times and never past `deadline`
+    (the run's time budget)."""
     from lmfoundry.clients.openai import EndpointError, OpenAIClient
 
     key = os.environ.get(wf.api_key_env) if wf.api_key_env else None
-    try:
-        with OpenAIClient(wf.model_url, wf.model, key) as client:
-            reply = client.chat(
-                messages,
-                tools=specs,
-                max_tokens=wf.max_tokens,
-                temperature=0,
-                tool_choice={"type": "function", "function": {"name": force}} if force else "required",
-            )
-    except EndpointError as e:
-        raise toolkit.ToolError(
-            f"the model endpoint answered {e.status}: {e.text[:200]}", retryable=e.retryable
-        ) from None
+    attempt = 0
+    while True:
+        try:
+            with OpenAIClient(wf.model_url, wf.model, key) as client:
+                reply = client.chat(
+                    messages,
+                    tools=specs,
+                    max_tokens=wf.max_tokens,
+                    temperature=0,
+                    tool_choice={"type": "function", "function": {"name": force}} if force else "required",
+                )
+            break
+        except EndpointError as e:
+            wait = min(MODEL_BACKOFF_S * 2**attempt, MODEL_BACKOFF_MAX_S)
+            # overload and busy compile threads pass; anything else (a 400, a 500) would answer the same again
+            if e.status in RETRIED_STATUSES and attempt < wf.model_retries and time.time() + wait < deadline:
+                attempt += 1
+                logger.info(
+                    "model endpoint answered %d; retry %d of %d in %.1f s", e.status, attempt, wf.model_retries, wait
+                )
+                time.sleep(wait)
+                continue
+            tries = f" (after {attempt} retries)" if attempt else ""
+            raise toolkit.ToolError(
+                f"the model endpoint answered {e.status}{tries}: {e.text[:200]}", retryable=e.retryable
+            ) from None
     usage = {k: (reply.get("usage") or {}).get(k) for k in ("prompt_tokens", "completion_tokens")}
     message = reply["choices"][0]["message"]
     calls = message.get("tool_calls") or []
@@ -283,7 +300,8 @@ def _advance(store: AgentStore, wf: WorkflowConfig, registry: toolkit.ToolRegist
         if wf.answer_on_last_step and model_steps == wf.max_steps - 1:
             force = "final_answer"  # what the run has found so far, rather than nothing
         try:
-            tool, arguments, usage = _call_model(wf, conversation(wf, run, steps), specs, force)
+            deadline = run["created_at"] + wf.max_seconds
+            tool, arguments, usage = _call_model(wf, conversation(wf, run, steps), specs, force, deadline)
         except toolkit.ToolError as e:
             store.set_state(lease, "failed", error=str(e))
             return "failed"

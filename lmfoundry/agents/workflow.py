@@ -197,6 +197,13 @@ class WorkflowConfig(StageConfig):
     )
     max_seconds: float = Field(300.0, gt=0)
     max_tokens: int = Field(256, ge=8, description="per model step; a tool call cut short is an invalid step")
+    model_retries: int = Field(
+        3,
+        ge=0,
+        le=8,
+        description="per model step: times a 429 or 503 from the model endpoint (overloaded, or its schema "
+        "compile threads busy) is retried, after 0.5 s, 1 s, 2 s ... (at most 8 s each), within max_seconds",
+    )
     max_answer_chars: int = Field(2000, ge=1)
     secrets: list[str] = Field([], description="environment variables whose values must never leave the service")
     tenants: list[str] | None = Field(

@@ -7,10 +7,20 @@ text inside the schema's language, `advance(token)` moves on, `done()` says the 
 complete. Indexes are built once per (schema, tokenizer) and cached: building one walks the
 whole vocabulary through the schema's regular expression.
 
+A string's `maxLength` is not compiled into the automaton. Written as a regular expression,
+`"(char){0,n}"` takes one state per length, each with a transition for nearly every token of the
+vocabulary: 64 characters over 4,096 tokens is about 260,000 transitions, and a top-level bounded
+string also takes time exponential in n to build. xgrammar keeps such repetition counts out of its
+precomputed automaton and checks them while decoding; so does this module: the automaton is built
+with the plain string's `maxLength` left out (one state, whatever the bound), and
+`JsonSchemaConstraint` follows the JSON as it is written, counts the characters of the string value
+being written (an escape or a multi-byte UTF-8 character is one, as JSON Schema counts them) and
+withholds the tokens that would take it past the bound that the schema gives at that place.
+
 Schemas come from clients, and some small ones compile to huge automata (a string with
-maxLength 16 takes minutes, the time doubling with each step). So a schema is first held to
-static limits (`check_schema`), then compiled in a worker thread under a timeout
-(`Grammars.prepare`), and the cache is bounded by count and by approximate size.
+minLength 16, or a pattern of nested repeats). So a schema is first held to static limits
+(`check_schema`), then compiled in a worker thread under a timeout (`Grammars.prepare`), and the
+cache is bounded by count and by approximate size.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS
@@ -73,7 +84,7 @@ MAX_PROPERTIES = 256  # object properties, all objects together
 MAX_ENUM_VALUES = 256  # enum values, all enums together
 MAX_PATTERN_CHARS = 128
 MAX_PATTERN_REPEAT = 64  # the n and m of {n}, {n,} and {n,m} in a pattern
-MAX_STRING_LENGTH = 64  # minLength / maxLength: each step adds states (a top-level string grows exponentially)
+MAX_STRING_LENGTH = 64  # minLength (each step adds automaton states) and maxLength (counted while decoding)
 MAX_ITEMS = 16  # minItems / maxItems, minProperties / maxProperties
 MAX_TRANSITIONS = 250_000  # of the built automaton; bigger ones are refused, not cached
 COMPILE_TIMEOUT_S = 10.0
@@ -106,9 +117,11 @@ class GrammarBusy(RuntimeError):
 
 
 def check_schema(schema) -> str:
-    """The schema's canonical JSON (the cache key), after checking it against the limits above."""
+    """The schema's JSON (the cache key), after checking it against the limits above. Keys keep
+    their order: outlines-core writes an object's properties in the order the schema lists them
+    (a tool call's "name" before its "arguments", as the chat template renders calls)."""
     try:
-        text = json.dumps(schema, sort_keys=True, allow_nan=False)
+        text = json.dumps(schema, allow_nan=False)
     except (ValueError, RecursionError) as e:
         raise SchemaRefused(f"the schema is not plain JSON ({e})") from None
     if len(text.encode()) > MAX_SCHEMA_BYTES:
@@ -154,6 +167,9 @@ def _check_bounds(node: dict) -> None:
         value = node.get(key)
         if value is not None and not (isinstance(value, int) and 0 <= value <= limit):
             raise SchemaRefused(f"{key}={value!r}; constrained decoding allows 0 to {limit}")
+    low, high = node.get("minLength"), node.get("maxLength")
+    if low is not None and high is not None and low > high:
+        raise SchemaRefused(f"minLength={low} is above maxLength={high}: no string has such a length")
     pattern = node.get("pattern")
     if pattern is None:
         return
@@ -186,8 +202,9 @@ class Grammars:
         for token_id, raw in token_bytes(tokenizer).items():
             by_bytes.setdefault(raw, []).append(token_id)
         self.vocabulary = Vocabulary(eos_id, by_bytes)
+        self.tokens = TokenTable(token_bytes(tokenizer), tokenizer.get_vocab_size())
         self.cache_size, self.cache_bytes = cache_size, CACHE_BYTES
-        self._cache: OrderedDict[str, tuple[Index, int]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[Index, StringBounds, int]] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="schema-compile")
         self._free = threading.Semaphore(COMPILE_THREADS)  # held until a compile ends, timed out or not
@@ -214,22 +231,23 @@ class Grammars:
 
     def cached_bytes(self) -> int:
         with self._lock:
-            return sum(size for _, size in self._cache.values())
+            return sum(size for *_, size in self._cache.values())
 
-    def _index(self, schema: dict) -> Index:
+    def _index(self, schema: dict) -> tuple[Index, StringBounds]:
         key = check_schema(schema)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key][0]
-        index, size = self._build(json.dumps(bounded_integers(schema), sort_keys=True))
+                return self._cache[key][:2]
+        index, size = self._build(json.dumps(unbounded_strings(bounded_integers(schema))))
+        bounds = StringBounds(schema)
         with self._lock:
-            self._cache[key] = (index, size)
+            self._cache[key] = (index, bounds, size)
             while len(self._cache) > self.cache_size or (
-                len(self._cache) > 1 and sum(s for _, s in self._cache.values()) > self.cache_bytes
+                len(self._cache) > 1 and sum(s for *_, s in self._cache.values()) > self.cache_bytes
             ):
                 self._cache.popitem(last=False)
-        return index
+        return index, bounds
 
     def _build(self, schema_json: str) -> tuple[Index, int]:
         try:
@@ -246,21 +264,193 @@ class Grammars:
 
     def constraint(self, schema: dict) -> JsonSchemaConstraint:
         """The schema's constraint; compiled here, on the caller's thread, unless `prepare` did it."""
-        return JsonSchemaConstraint(Guide(self._index(schema)))
+        index, bounds = self._index(schema)
+        return JsonSchemaConstraint(Guide(index), bounds, self.tokens)
+
+
+class TokenTable:
+    """Each token's bytes and characters, and which tokens can open or close a string (those
+    holding a quote or a backslash): the others add all their characters to a string they are in."""
+
+    def __init__(self, by_id: dict[int, bytes], vocab_size: int):
+        size = max(vocab_size, max(by_id, default=-1) + 1)
+        self.bytes = [by_id.get(i, b"") for i in range(size)]  # special tokens: no text
+        # characters: UTF-8 continuation bytes (0x80-0xBF) go on the character before them
+        self.length = np.array([sum(not 0x80 <= c <= 0xBF for c in b) for b in self.bytes], dtype=np.int64)
+        self.delimits = np.array([b'"' in b or b"\\" in b for b in self.bytes], dtype=bool)
+
+
+class JsonScanner:
+    """Where the JSON written so far stands: the path of keys and array positions to the current
+    value, and inside a string value, its characters so far (as JSON Schema counts them: an
+    escape or a multi-byte UTF-8 character is one) and its bound. The automaton has already
+    checked the text, so this follows well-formed JSON only."""
+
+    __slots__ = ("bounds", "frames", "in_string", "is_key", "escaped", "key", "used", "bound")
+
+    def __init__(self, bounds: StringBounds):
+        self.bounds = bounds
+        self.frames: list[list] = []  # [kind, key or position, awaiting a key]
+        self.in_string = self.is_key = self.escaped = False
+        self.key = bytearray()
+        self.used, self.bound = 0, None
+
+    def copy(self) -> JsonScanner:
+        other = JsonScanner.__new__(JsonScanner)
+        other.bounds, other.frames = self.bounds, [list(f) for f in self.frames]
+        other.in_string, other.is_key, other.escaped = self.in_string, self.is_key, self.escaped
+        other.key, other.used, other.bound = bytearray(self.key), self.used, self.bound
+        return other
+
+    def room(self) -> int | None:
+        """Characters the string value being written may still take (None: unbounded or not in one)."""
+        if not self.in_string or self.is_key or self.bound is None:
+            return None
+        return self.bound - self.used
+
+    def feed(self, data: bytes) -> bool:
+        """Take the bytes in; False as soon as a string value goes past its bound."""
+        for b in data:
+            if self.in_string:
+                if self.escaped:  # the character after a backslash: one character with it
+                    self.escaped, counts = False, False
+                elif b == 0x5C:
+                    self.escaped, counts = True, True
+                elif b == 0x22:  # the closing quote
+                    self.in_string = False
+                    if self.is_key:
+                        self.frames[-1][1] = self.key.decode("utf-8", "replace")
+                    continue
+                else:  # a UTF-8 continuation byte belongs to the character before it
+                    counts = not 0x80 <= b <= 0xBF
+                if self.is_key:
+                    self.key.append(b)
+                elif counts:
+                    self.used += 1
+                    if self.bound is not None and self.used > self.bound:
+                        return False
+            elif b == 0x22:
+                top = self.frames[-1] if self.frames else None
+                self.in_string, self.escaped = True, False
+                self.is_key = top is not None and top[0] == "object" and top[2]
+                if self.is_key:
+                    self.key.clear()
+                else:
+                    self.used, self.bound = 0, self.bounds.at(tuple(f[1] for f in self.frames))
+            elif b == 0x7B:  # {
+                self.frames.append(["object", None, True])
+            elif b == 0x5B:  # [
+                self.frames.append(["array", 0, False])
+            elif b in (0x7D, 0x5D):  # } ]
+                if self.frames:
+                    self.frames.pop()
+            elif b == 0x3A and self.frames:  # :
+                self.frames[-1][2] = False
+            elif b == 0x2C and self.frames:  # ,
+                top = self.frames[-1]
+                if top[0] == "object":
+                    top[2] = True
+                else:
+                    top[1] += 1
+        return True
 
 
 class JsonSchemaConstraint:
-    def __init__(self, guide: Guide):
-        self.guide = guide
+    def __init__(self, guide: Guide, bounds: StringBounds | None = None, tokens: TokenTable | None = None):
+        self.guide, self.tokens = guide, tokens
+        self.scanner = JsonScanner(bounds) if bounds is not None and bounds.any and tokens is not None else None
 
     def allowed(self) -> list[int]:
-        return self.guide.get_tokens()
+        ids = self.guide.get_tokens()
+        if self.scanner is None:
+            return ids
+        ids = np.asarray(ids, dtype=np.int64)
+        plain = ~self.tokens.delimits[ids]
+        room = self.scanner.room()
+        keep = plain if room is None else plain & (self.tokens.length[ids] <= room)
+        # a quote or backslash may end this string and begin another: follow those few through
+        for i in np.flatnonzero(~plain):
+            keep[i] = self.scanner.copy().feed(self.tokens.bytes[ids[i]])
+        return ids[keep].tolist()
 
     def advance(self, token: int) -> None:
         self.guide.advance(token)
+        if self.scanner is not None:
+            self.scanner.feed(self.tokens.bytes[token])
 
     def done(self) -> bool:
         return self.guide.is_finished()
+
+
+# Subschemas that a value's schema is the union or intersection of, and keys a node that has
+# them may still constrain the value with itself.
+_BRANCHES = ("anyOf", "oneOf", "allOf")
+_OWN = ("type", "properties", "additionalProperties", "items", "prefixItems", "maxLength", "enum", "const")
+# Keys whose values are JSON data, not subschemas: never rewritten.
+_LITERALS = ("enum", "const", "default", "examples")
+
+
+class StringBounds:
+    """The `maxLength` a string value may have at a path of keys and array positions: the largest
+    that any of the schema's branches there allows, or None where one of them allows any length.
+    Paths are few (one per string value of the schema), so each is worked out once."""
+
+    def __init__(self, schema):
+        self.root = schema
+        self.any = '"maxLength"' in json.dumps(schema)
+        self._memo: dict[tuple, int | None] = {}
+        self._lock = threading.Lock()
+
+    def at(self, path: tuple) -> int | None:
+        with self._lock:
+            if path not in self._memo:
+                self._memo[path] = self._bound(path)
+            return self._memo[path]
+
+    def _bound(self, path: tuple) -> int | None:
+        nodes = self._expand(self.root, 0)
+        for step in path:
+            nodes = [sub for node in nodes for sub in self._expand(self._child(node, step), 0)]
+        bounds = []
+        for node in nodes:
+            if node is False:
+                continue
+            if not isinstance(node, dict) or node.get("type") != "string" or "pattern" in node or "format" in node:
+                return None  # not a plain string here: its own regex holds it, or any length goes
+            if "enum" in node or "const" in node:
+                continue  # the automaton spells these out
+            if not isinstance(node.get("maxLength"), int):
+                return None
+            bounds.append(node["maxLength"])
+        return max(bounds) if bounds else None
+
+    def _expand(self, node, depth: int) -> list:
+        """The node and the subschemas it is made of ($ref, anyOf, oneOf, allOf), checked
+        acyclic and bounded by check_schema."""
+        if not isinstance(node, dict) or depth > MAX_DEPTH:
+            return [node]
+        combines = "$ref" in node or any(key in node for key in _BRANCHES)
+        # a node that only combines others ({"anyOf": [...]}) says nothing of its own
+        out = [node] if not combines or any(key in node for key in _OWN) else []
+        if "$ref" in node:
+            out += self._expand(_resolve(node["$ref"], self.root), depth + 1)
+        for key in _BRANCHES:
+            for sub in node.get(key) or []:
+                out += self._expand(sub, depth + 1)
+        return out
+
+    @staticmethod
+    def _child(node, step):
+        if not isinstance(node, dict):
+            return node  # true: anything; false: nothing
+        if isinstance(step, str):
+            if isinstance(node.get("properties"), dict):  # outlines-core writes the listed properties only
+                return node["properties"].get(step, False)
+            return node.get("additionalProperties", True) if not node.get("patternProperties") else True
+        if step is None:
+            return True
+        prefix = node.get("prefixItems") or []
+        return prefix[step] if step < len(prefix) else node.get("items", True)
 
 
 def bounded_integers(schema):
@@ -270,10 +460,23 @@ def bounded_integers(schema):
         return [bounded_integers(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: bounded_integers(v) for k, v in schema.items()}
+    out = {k: v if k in _LITERALS else bounded_integers(v) for k, v in schema.items()}
     low, high = out.get("minimum"), out.get("maximum")
     if out.get("type") == "integer" and isinstance(low, int) and isinstance(high, int) and 0 <= high - low <= 256:
         return {"enum": list(range(low, high + 1))}
+    return out
+
+
+def unbounded_strings(schema):
+    """The schema with each plain string's maxLength left out: JsonSchemaConstraint holds those
+    bounds while decoding, so that the automaton needs one state per string, not one per length."""
+    if isinstance(schema, list):
+        return [unbounded_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _LITERALS else unbounded_strings(v) for k, v in schema.items()}
+    if out.get("type") == "string" and "pattern" not in out and "format" not in out:
+        out.pop("maxLength", None)
     return out
 
 

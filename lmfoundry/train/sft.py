@@ -13,6 +13,12 @@ The loss is computed in two steps so that another term can join it: `token_losse
 logits, each target's cross-entropy and the mask of targets that count; `loss` averages them over
 the micro-batch's assistant tokens.
 
+With a `distill` section the loss gains a token-level distillation term: a teacher checkpoint with
+the same tokenizer runs frozen in each worker beside the student, and on the same assistant tokens
+the loss is (1 - weight) x cross-entropy + weight x T^2 x KL(teacher || student), both
+distributions softened by the temperature T (Hinton et al. 2015, "Distilling the Knowledge in a
+Neural Network": the T^2 keeps the soft term's gradients on the hard term's scale as T changes).
+
 With a `lora` section the base weights stay frozen and only low-rank adapters train (model/lora.py):
 the optimizer holds the adapters alone, and every checkpoint holds the adapter and a reference to
 the base checkpoint (URI and weights' sha256), which loading merges back in.
@@ -32,6 +38,7 @@ from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS, base_sh
 from lmfoundry.model.flops import train_flops_per_token
 from lmfoundry.model.lora import ADAPTER_WEIGHTS, AdapterRef, LoraConfig, apply_lora
 from lmfoundry.platform import checkpoint, storage
+from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import skeleton
 from lmfoundry.train.config import (
@@ -66,6 +73,14 @@ class SFTCheckpointingConfig(CheckpointingConfig):
     every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
 
 
+class TokenDistillConfig(StageConfig):
+    teacher: str = Field(..., description="the teacher: a checkpoint or run directory with the student's tokenizer")
+    temperature: float = Field(1.0, gt=0, le=100, description="softens both distributions before the KL")
+    weight: float = Field(
+        0.5, ge=0, le=1, description="of the KL term; the cross-entropy on the data's tokens takes 1 - weight"
+    )
+
+
 class SFTConfig(TrainStageConfig):
     checkpoint: str = Field(..., description="the starting model: a checkpoint or a run directory")
     data: str = Field(
@@ -82,6 +97,9 @@ class SFTConfig(TrainStageConfig):
     checkpointing: SFTCheckpointingConfig = SFTCheckpointingConfig()
     lora: LoraConfig | None = Field(
         None, description="train low-rank adapters only; checkpoints hold the adapter and a reference to the base"
+    )
+    distill: TokenDistillConfig | None = Field(
+        None, description="add KL(teacher || student) on the assistant tokens, from a local teacher checkpoint"
     )
 
     @model_validator(mode="after")
@@ -113,15 +131,57 @@ def masked_mean(losses: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
     return (losses * counted).sum() / counted.sum().clamp(min=1)
 
 
+def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) of each position (..., V) -> (...), both softened by `temperature`."""
+    teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    student = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    return (teacher.exp() * (teacher - student)).sum(-1)
+
+
+def check_same_vocabulary(student_dir: str, teacher_dir: str, student: str, teacher: str) -> None:
+    """Token-level distillation compares distributions token id by token id: the two tokenizers
+    must map the same strings to the same ids, and the models must have as many logits."""
+    from tokenizers import Tokenizer
+
+    vocab = {}
+    for name, directory in ((student, student_dir), (teacher, teacher_dir)):
+        path = Path(directory) / TOKENIZER
+        if not path.is_file():
+            raise ValueError(f"distill: {name} has no {TOKENIZER}; token-level distillation needs both tokenizers")
+        config = json.loads((Path(directory) / MODEL_CONFIG).read_text())
+        vocab[name] = (Tokenizer.from_file(str(path)).get_vocab(), config["vocab_size"])
+    (s_tokens, s_size), (t_tokens, t_size) = vocab[student], vocab[teacher]
+    if s_tokens != t_tokens or s_size != t_size:
+        differ = sorted(set(s_tokens.items()) ^ set(t_tokens.items()))[:3]
+        raise ValueError(
+            f"distill.teacher: the teacher {teacher} ({len(t_tokens)} tokens, {t_size} logits) and the student "
+            f"{student} ({len(s_tokens)} tokens, {s_size} logits) do not share a vocabulary"
+            + (f" (first differences, token and id: {differ})" if differ else "")
+            + "; token-level distillation needs the same tokenizer (use `lmfoundry distill` for sequence-level "
+            "distillation across tokenizers)"
+        )
+
+
 class SFTObjective:
     """Cross-entropy over the assistant tokens of this rank's slice of each global micro-batch."""
 
     kind = "sft"
 
-    def __init__(self, cfg: SFTConfig, start_dir: str, rank: int, world: int, adapter: AdapterRef | None = None):
+    def __init__(
+        self,
+        cfg: SFTConfig,
+        start_dir: str,
+        rank: int,
+        world: int,
+        adapter: AdapterRef | None = None,
+        teacher_dir: str | None = None,
+    ):
         self.cfg, self.rank, self.world, self.adapter = cfg, rank, world, adapter
         torch.manual_seed(cfg.seed)
         self.model = load_model_files(start_dir).train()
+        self.teacher = None
+        if cfg.distill is not None:  # frozen: no gradients, no optimizer state, not in checkpoints
+            self.teacher = load_model_files(teacher_dir).eval().requires_grad_(False)
         self.seq_len = row_length(cfg, self.model.cfg.max_seq_len)
         # the full model's training FLOPs (a LoRA run's are fewer: no gradients of frozen weights)
         self.flops_per_token = train_flops_per_token(self.model, self.seq_len - 1)
@@ -144,6 +204,8 @@ class SFTObjective:
 
     def attach(self, engine) -> None:
         self.device = engine.device
+        if self.teacher is not None:
+            self.teacher.to(self.device)
 
     def batches(self, epoch: int, skip: int):
         order = epoch_order(len(self.packed), self.cfg.seed, epoch)
@@ -161,9 +223,13 @@ class SFTObjective:
         return token_losses(engine, tokens, assistant, docs)
 
     def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
-        _, losses, counted = self.token_losses(engine, batch)  # the logits are not kept alive
+        logits, losses, counted = self.token_losses(engine, batch)
         tokens = float((batch[2] != PAD_DOC).sum())  # conversation tokens, padding not counted
-        return masked_mean(losses, counted), {"assistant_tokens": float(counted.sum()), "tokens": tokens}
+        metrics = {"assistant_tokens": float(counted.sum()), "tokens": tokens}
+        ce = masked_mean(losses, counted)
+        if self.teacher is None:
+            return ce, metrics
+        return distill_loss(self.teacher, self.cfg.distill, batch, logits, ce, counted, self.device, metrics)
 
     def describe(self, metrics: dict) -> str:
         return (
@@ -175,6 +241,17 @@ class SFTObjective:
         return {"kind": "sft"}
 
 
+def distill_loss(teacher, cfg: TokenDistillConfig, batch, logits, ce, counted, device, metrics: dict):
+    """(1 - weight) x cross-entropy + weight x T^2 x KL(teacher || student), the KL averaged over
+    the same assistant tokens as the cross-entropy."""
+    tokens, _, docs = (t.to(device) for t in batch)
+    with torch.no_grad():
+        teacher_logits, _ = teacher(tokens[:, :-1], doc_ids=docs[:, :-1])
+    kl = masked_mean(distill_kl(teacher_logits, logits, cfg.temperature), counted)
+    metrics.update(ce=ce.item(), kl=kl.item())
+    return (1 - cfg.weight) * ce + cfg.weight * cfg.temperature**2 * kl, metrics
+
+
 def sft_loop(loop_config: dict) -> None:
     """Ray Train's per-worker function."""
     cfg = SFTConfig.model_validate(loop_config["cfg"])
@@ -183,7 +260,9 @@ def sft_loop(loop_config: dict) -> None:
     skeleton.run(
         cfg,
         loop_config["run_dir"],
-        lambda rank, world: SFTObjective(cfg, loop_config["start_dir"], rank, world, adapter),
+        lambda rank, world: SFTObjective(
+            cfg, loop_config["start_dir"], rank, world, adapter, loop_config.get("teacher_dir")
+        ),
     )
 
 
@@ -209,9 +288,14 @@ def run_sft(cfg: SFTConfig) -> dict:
 
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
-    final_dir = None
+    final_dir = teacher_dir = teacher_uri = None
     try:
         start_manifest = checkpoint.verify(start_dir, model_only=True)
+        if cfg.distill is not None:
+            teacher_uri = checkpoint.resolve(cfg.distill.teacher)
+            teacher_dir = checkpoint.local_copy(teacher_uri, model_only=True)
+            checkpoint.verify(teacher_dir, model_only=True)
+            check_same_vocabulary(start_dir, teacher_dir, cfg.checkpoint, cfg.distill.teacher)
         # a LoRA run's checkpoints name their base: this checkpoint, by URI and the checksum of its weights
         adapter_base = (start_uri, base_sha256(start_manifest, start_uri)) if cfg.lora is not None else None
         model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
@@ -245,10 +329,12 @@ def run_sft(cfg: SFTConfig) -> dict:
         trainer = TorchTrainer(
             sft_loop,
             train_loop_config={
-                "cfg": cfg.model_dump(mode="json"),
+                # the workers run in another directory: a relative data path would name nothing there
+                "cfg": {**cfg.model_dump(mode="json"), "data": storage.normalize(cfg.data)},
                 "start_dir": start_dir,
                 "run_dir": out,
                 "adapter_base": adapter_base,
+                "teacher_dir": teacher_dir,
             },
             scaling_config=scaling_config(cfg.parallelism),
             torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
@@ -297,5 +383,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         return manifest
     finally:  # temporary copies of remote checkpoints
         checkpoint.remove_copy(start_dir, start_uri)
+        if teacher_dir is not None:
+            checkpoint.remove_copy(teacher_dir, teacher_uri)
         if final_dir is not None:
             checkpoint.remove_copy(final_dir, final_uri)

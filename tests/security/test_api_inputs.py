@@ -378,8 +378,8 @@ def test_ref_cycles_ref_expansion_bombs_and_remote_refs_are_refused(schema, limi
 
 
 def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and_busy_refuses(tiny_serving_checkpoint):
-    """A top-level string with maxLength 14 or 15 takes seconds to compile (the automaton grows
-    exponentially with it; they pass the static limit of 64, so the timeout is what holds them). The compile
+    """A top-level string with minLength 14 or 15 takes seconds to compile (the automaton's build
+    time grows exponentially with it; they pass the static limit of 64, so the timeout is what holds them). The compile
     runs in a thread under a timeout: the event loop keeps ticking, the caller gets SchemaRefused
     at the timeout, and while the timed-out compiles still hold both threads a third is refused
     with GrammarBusy at once instead of queueing."""
@@ -406,12 +406,12 @@ def test_event_loop_keeps_answering_while_slow_schemas_compile_then_time_out_and
 
             beat = asyncio.create_task(heartbeat())
             outcomes = await asyncio.gather(
-                *(grammars.prepare({"type": "string", "maxLength": n}, timeout_s=0.3) for n in (14, 15)),
+                *(grammars.prepare({"type": "string", "minLength": n}, timeout_s=0.3) for n in (14, 15)),
                 return_exceptions=True,
             )
             started = time.perf_counter()
             with pytest.raises(grammar.GrammarBusy):
-                await grammars.prepare({"type": "string", "maxLength": 11}, timeout_s=0.3)
+                await grammars.prepare({"type": "string", "minLength": 11}, timeout_s=0.3)
             busy_after = time.perf_counter() - started
             stop.set()
             await beat

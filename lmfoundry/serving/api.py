@@ -134,6 +134,8 @@ class LLMServer:
         tracing: dict | None = None,
     ):
         self.engines = {v["name"]: InferenceEngine(v["checkpoint"], device, **engine) for v in versions}
+        # a tenant's prompts reuse only the tenant's own prefixes, unless the config shares them
+        self.shared_prefixes = (engine.get("prefix_cache") or {}).get("scope") == "global"
         self.split = SplitSource(
             list(self.engines), {v["name"]: v["weight"] for v in versions}, traffic_file, log=logger
         )
@@ -260,15 +262,15 @@ class LLMServer:
         except GrammarBusy as e:
             raise overloaded(str(e), retry_after_s=5) from None
 
-    @staticmethod
-    def _start(engine, prompts: list[Prompt], req, params, schema, field: str) -> list:
+    def _start(self, engine, prompts: list[Prompt], req, params, schema, field: str, tenant: str) -> list:
         """n engine streams per prompt, choice index prompt * n + i, all queued at once so that
         they share forward passes."""
         streams = []
+        scope = "" if self.shared_prefixes else tenant
         try:
             for p in prompts:
                 for _ in range(req.n):
-                    streams.append(engine.stream(p.ids, for_choice(params, p.budget, len(streams)), schema))
+                    streams.append(engine.stream(p.ids, for_choice(params, p.budget, len(streams)), schema, scope))
         except (Overloaded, ValueError) as e:
             for s in streams:
                 s.cancel()
@@ -447,7 +449,7 @@ class LLMServer:
         try:
             if schema is not None:
                 await self._compile(engine, schema, field)
-            streams = self._start(engine, prepared, req, params, schema, field)
+            streams = self._start(engine, prepared, req, params, schema, field, tenant)
         except ApiError:
             self._refund(tenant, charged)
             raise

@@ -35,6 +35,25 @@ SERVE_CONFIG_ENV = "LMFOUNDRY_SERVE_CONFIG"  # the recipe behind `app`, for `ser
 DRAIN_MARGIN_S = 5.0
 
 
+class PrefixCacheConfig(StageConfig):
+    enabled: bool = Field(True, description="reuse the keys and values of a prompt prefix seen before")
+    max_tokens: int = Field(
+        16384, ge=1, description="prompt tokens kept (memory: this many positions of every layer's keys and values)"
+    )
+    block_tokens: int = Field(16, ge=1, le=1024, description="reuse comes in whole blocks of this many tokens")
+    scope: Literal["tenant", "global"] = Field(
+        "tenant",
+        description="tenant: a prefix is reused only for the tenant that sent it; global: for every tenant "
+        "(a tenant can then tell from the time to first token whether another sent the same prefix lately)",
+    )
+
+    @model_validator(mode="after")
+    def _holds_a_block(self) -> PrefixCacheConfig:
+        if self.max_tokens < self.block_tokens:
+            raise ValueError(f"max_tokens={self.max_tokens} must hold at least one block of {self.block_tokens}")
+        return self
+
+
 class EngineConfig(StageConfig):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -43,7 +62,8 @@ class EngineConfig(StageConfig):
     )
     max_batch_size: int = Field(16, ge=1, description="requests decoded together (KV-cache slots)")
     max_waiting: int = Field(64, ge=0, description="requests queued for a slot; beyond it: 503")
-    max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens admitted per scheduler step")
+    max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens computed per scheduler step")
+    prefix_cache: PrefixCacheConfig = Field(PrefixCacheConfig(), description="shared-prefix reuse (prefix_cache.py)")
 
 
 class LimitsConfig(StageConfig):

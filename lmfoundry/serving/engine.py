@@ -61,7 +61,9 @@ class InferenceEngine:
         max_waiting: int = 256,
         max_prefill_tokens: int = 2048,
         dtype: str = "float32",
+        prefix_cache: dict | None = None,
     ):
+        """prefix_cache: PrefixCacheConfig's keys (app.py); None or not enabled: no reuse."""
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype not in DTYPES:
@@ -82,6 +84,8 @@ class InferenceEngine:
                 max_batch_size,
                 max_waiting,
                 max_prefill_tokens,
+                prefix_cache["max_tokens"] if prefix_cache and prefix_cache["enabled"] else 0,
+                prefix_cache["block_tokens"] if prefix_cache else 16,
             )
         self.context = self.batcher.context
 
@@ -130,12 +134,15 @@ class InferenceEngine:
 
         return Grammars(self.tokenizer, self.special.eos_id(self.tokenizer))
 
-    def stream(self, ids: list[int], params: SamplingParams, schema: dict | None = None) -> TextStream:
+    def stream(
+        self, ids: list[int], params: SamplingParams, schema: dict | None = None, cache_scope: str | None = None
+    ) -> TextStream:
         """Queue a generation now (raises Overloaded at once when the queue is full) and return
-        its text stream; with `schema`, the text is JSON that the schema accepts. Must be called
-        on the event loop that will read the stream."""
+        its text stream; with `schema`, the text is JSON that the schema accepts. `cache_scope`:
+        where the prompt's prefix may be reused (scheduler.submit). Must be called on the event
+        loop that will read the stream."""
         constraint = self.grammars.constraint(schema) if schema is not None else None
-        return TextStream(self, ids, params, constraint)
+        return TextStream(self, ids, params, constraint, cache_scope)
 
 
 class TextStream:
@@ -149,6 +156,7 @@ class TextStream:
         ids: list[int],
         params: SamplingParams,
         constraint=None,
+        cache_scope: str | None = None,
     ):
         self.tokenizer = engine.tokenizer
         self.prompt_tokens = len(ids)
@@ -169,7 +177,7 @@ class TextStream:
             except RuntimeError:  # the event loop is gone: nobody is listening any more
                 self.request.cancel()
 
-        self.request = engine.batcher.submit(ids, params, emit, constraint)
+        self.request = engine.batcher.submit(ids, params, emit, constraint, cache_scope)
 
     def cancel(self) -> None:
         self.request.cancel()

@@ -466,13 +466,17 @@ class LLMServer:
             charged,
             f"the request took longer than {self.timeout_s} s (request_timeout_s)",
         )
-        first = min(s.first_delta_at or time.perf_counter() for s in streams) - started
+        first = min(s.first_token_at or time.perf_counter() for s in streams) - started
         self.metrics.time_to_first_token.labels(version=version).observe(first)
         request.state.span.first_token(first)
         for o in outs:
             if self._output_blocked(o.text, version, tenant):
                 o.text, o.finish_reason, o.logprobs = "", "content_filter", None
         completion = sum(o.completion_tokens for o in outs)
+        # W3C Server-Timing: the engine's time (queue and batch, from submit to the last token)
+        # and the whole handler's, so a client can tell the server's own overhead from the model's
+        engine_s = max((s.request.finished_at or time.perf_counter()) - s.request.submitted_at for s in streams)
+        timing = f"engine;dur={1000 * engine_s:.2f}"
         self.metrics.generated_tokens.labels(version=version, tenant=tenant).inc(completion)
         self.metrics.prompt_tokens.labels(version=version, tenant=tenant).inc(prompt_tokens)
         self._refund(tenant, charged - prompt_tokens - completion)
@@ -503,7 +507,7 @@ class LLMServer:
                     for i, o in enumerate(outs)
                 ],
             )
-            return JSONResponse(reply.model_dump())
+            return JSONResponse(reply.model_dump(), headers=self._timing(timing, started))
         choices = []
         for i, (o, p) in enumerate(zip(outs, choice_prompts)):
             logprobs = None
@@ -517,8 +521,13 @@ class LLMServer:
         return JSONResponse(
             CompletionResponse(
                 id=rid, created=created, model=self.model_name, usage=usage, system_fingerprint=version, choices=choices
-            ).model_dump()
+            ).model_dump(),
+            headers=self._timing(timing, started),
         )
+
+    @staticmethod
+    def _timing(engine: str, started: float) -> dict:
+        return {"server-timing": f"{engine}, app;dur={1000 * (time.perf_counter() - started):.2f}"}
 
     async def _stream_response(
         self, streams, req, chat: bool, tools, prompts, prompt_tokens: int, tenant, charged, started, version, request

@@ -8,6 +8,7 @@ holding back text that could still become a stop string or is half a UTF-8 chara
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import time
@@ -167,13 +168,26 @@ class TextStream:
         self.tokens: list[int] = []
         self.sent = 0  # characters of the decoded text already given out
         self.finished = False
-        self.first_delta_at: float | None = None
+        self.first_token_at: float | None = None  # when the batcher produced it
         loop = asyncio.get_running_loop()
-        self._items: asyncio.Queue = asyncio.Queue()
+        # Items cross from the batcher's thread in a deque; the event loop is woken once per
+        # batch of items, not once per token (a wake-up per token cost a replica 1-2 ms of each
+        # token on a busy 2-core machine: benchmarks/serve_overhead.py). `collect()` without stop
+        # strings needs no token before the last, so then only the end wakes it.
+        self._items: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
+        self._woken = False  # a wake-up is on its way, or the reader is not waiting
+        self._lazy = False
 
         def emit(item) -> None:  # on the batcher's thread
+            if self.first_token_at is None and isinstance(item, int):
+                self.first_token_at = time.perf_counter()
+            self._items.append(item)
+            if self._woken or (self._lazy and isinstance(item, int)):
+                return
+            self._woken = True
             try:
-                loop.call_soon_threadsafe(self._items.put_nowait, item)
+                loop.call_soon_threadsafe(self._ready.set)
             except RuntimeError:  # the event loop is gone: nobody is listening any more
                 self.request.cancel()
 
@@ -185,8 +199,6 @@ class TextStream:
     def _delta(self, text: str, finish: str | None, every_logprob: bool = False) -> Delta:
         """`every_logprob`: the batcher has ended the request, so every log-probability it wrote
         belongs to this delta (a stop token's too); otherwise those of the tokens read so far."""
-        if self.first_delta_at is None:
-            self.first_delta_at = time.perf_counter()
         if finish is not None:
             self.finished = True
             self.cancel()  # a stop string ends the request before the model does
@@ -199,7 +211,7 @@ class TextStream:
         if self.finished:
             raise StopAsyncIteration
         while True:
-            item = await self._items.get()
+            item = await self._next_item()
             if isinstance(item, BaseException):
                 self.finished = True
                 raise GenerationFailed(f"generation failed: {type(item).__name__}: {item}") from item
@@ -217,6 +229,15 @@ class TextStream:
                 start, self.sent = self.sent, ready
                 return self._delta(text[start:ready], None)
 
+    async def _next_item(self):
+        while not self._items:
+            self._ready.clear()
+            self._woken = False
+            if self._items:  # arrived while a stale wake-up was thought to be on its way
+                break
+            await self._ready.wait()
+        return self._items.popleft()
+
     def __aiter__(self):
         return self
 
@@ -224,6 +245,7 @@ class TextStream:
         return await self.next_delta()
 
     async def collect(self) -> Completion:
+        self._lazy = not self.stop
         parts = [d async for d in self]
         last = parts[-1]
         return Completion(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import heapq
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -62,6 +63,8 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)
     scope_key: bytes = b""
     cached: list[int] = field(default_factory=list)  # prefix-cache blocks matched when admitted
+    submitted_at: float = field(default_factory=time.perf_counter)
+    finished_at: float | None = None  # the engine's time for it is finished_at - submitted_at
 
     def cancel(self) -> None:
         """Ends the request at the next token boundary (a client that went away)."""
@@ -369,4 +372,5 @@ class ContinuousBatcher:
     def _finish(self, req: Request, reason: str | BaseException) -> None:
         del self._running[req.slot]
         heapq.heappush(self._free, req.slot)
+        req.finished_at = time.perf_counter()
         req.emit(reason)

@@ -29,6 +29,9 @@ from lmfoundry.platform.log import get_logger
 from lmfoundry.platform.tracing import TracingConfig
 from lmfoundry.safety.guardrails import Guardrail, StreamGate
 from lmfoundry.safety.harm import HarmConfig
+from lmfoundry.safety.refusal import REFUSAL_PATTERNS, PhraseDetector
+from lmfoundry.serving import traffic
+from lmfoundry.serving.canary import CanaryConfig, CanaryWatch
 from lmfoundry.serving.engine import InferenceEngine
 from lmfoundry.serving.errors import ApiError, overloaded
 from lmfoundry.serving.grammar import GrammarBusy, SchemaRefused
@@ -45,6 +48,7 @@ from lmfoundry.serving.protocol import (
 )
 from lmfoundry.serving.request_params import check_choice_count, for_choice, reply_schema, sampling_params
 from lmfoundry.serving.responses import chat_choice, chat_logprobs, completion_logprobs
+from lmfoundry.serving.sampling import SamplingParams
 from lmfoundry.serving.scheduler import Overloaded
 from lmfoundry.serving.streaming import stream_events
 from lmfoundry.serving.tracing import InferenceTracer
@@ -132,6 +136,7 @@ class LLMServer:
         device: str = "auto",
         env_key_roles: list[str] | None = None,
         tracing: dict | None = None,
+        canary: dict | None = None,
     ):
         self.engines = {v["name"]: InferenceEngine(v["checkpoint"], device, **engine) for v in versions}
         # a tenant's prompts reuse only the tenant's own prefixes, unless the config shares them
@@ -150,6 +155,37 @@ class LLMServer:
         self.metrics = ServingMetrics(model_name)
         self.tracer = InferenceTracer(TracingConfig.model_validate(tracing) if tracing else None, model_name)
         self.metrics.sample_engines(self.engines)
+        self.watch = None
+        if canary is not None:
+            self.watch = CanaryWatch(
+                CanaryConfig.model_validate(canary),
+                has_traffic=lambda v: v in self.split.current().weights,
+                withdraw=self._withdraw,
+                probe=self._probe,
+            )
+
+    def _withdraw(self, stable: str, canary: str, reason: str) -> None:
+        traffic.withdraw(self.split.traffic_file, stable, canary, reason)
+        self.split.reload_now()
+
+    def _probe(self, version: str, prompts: list[str], max_tokens: int) -> tuple[float, float]:
+        """The refusal and harmful-compliance rates of `version` on the probe prompts, greedy,
+        straight through its engine (on the canary thread, with an event loop of its own)."""
+        engine = self.engines[version]
+        refused = PhraseDetector(REFUSAL_PATTERNS)
+        harm = self.guard or Guardrail(HarmConfig())
+
+        async def replies() -> list[str]:
+            out = []
+            for prompt in prompts:
+                ids, room = engine.prepare(engine.chat_template.render([{"role": "user", "content": prompt}]), None)
+                out.append((await engine.stream(ids, SamplingParams(min(room, max_tokens), 0.0)).collect()).text)
+            return out
+
+        texts = asyncio.run(replies())
+        refusals = [refused(t) for t in texts]
+        compliant = [not r and harm.blocks(t) for t, r in zip(texts, refusals)]
+        return sum(refusals) / len(texts), sum(compliant) / len(texts)
 
     def check_health(self) -> None:
         for version, engine in self.engines.items():
@@ -164,12 +200,13 @@ class LLMServer:
 
     def _version(self, req) -> str:
         """The version that answers: pinned by `model: NAME:VERSION`, else by the traffic split."""
+        split = self.split.current()
         if req.model is None or req.model == self.model_name:
-            return self.split.current().pick(req.user)
+            return split.pick(req.user)
         name, _, version = req.model.partition(":")
-        if name == self.model_name and version in self.engines:
+        if name == self.model_name and version in self.engines and version not in self.split.withdrawn:
             return version
-        available = [self.model_name] + [f"{self.model_name}:{v}" for v in self.engines]
+        available = [self.model_name] + [f"{self.model_name}:{v}" for v in self._pinnable()]
         raise ApiError(
             404,
             f"model {req.model!r} is not served here; available: {available}",
@@ -177,6 +214,11 @@ class LLMServer:
             "model",
             "model_not_found",
         )
+
+    def _pinnable(self) -> list[str]:
+        """The versions a client may pin: all but those a canary rollback withdrew."""
+        self.split.current()
+        return [v for v in self.engines if v not in self.split.withdrawn]
 
     def _check_fields(self, req) -> list[str]:
         if req.n > self.max_n:
@@ -192,6 +234,7 @@ class LLMServer:
         blocked, score = self.guard.check(text)
         if blocked:
             self.metrics.guardrail_blocks.labels(direction="input", version=version, tenant=tenant).inc()
+            self._blocked(version)
             raise ApiError(
                 400,
                 f"the request was refused by the content policy: its harm score {score:.2f} is at "
@@ -206,7 +249,12 @@ class LLMServer:
         blocked = self.guard.blocks(text)
         if blocked:
             self.metrics.guardrail_blocks.labels(direction="output", version=version, tenant=tenant).inc()
+            self._blocked(version)
         return blocked
+
+    def _blocked(self, version: str) -> None:
+        if self.watch is not None:
+            self.watch.judge.blocked(version)
 
     def _stream_gate(self) -> StreamGate | None:
         return StreamGate(self.guard) if self.guard is not None else None
@@ -219,6 +267,7 @@ class LLMServer:
         released = gate.finish(text) if last else gate.feed(text)
         if released is None:
             self.metrics.guardrail_blocks.labels(direction="output", version=version, tenant=tenant).inc()
+            self._blocked(version)
         return released
 
     async def _admit(self, tenant: str, tokens: int) -> None:
@@ -307,7 +356,7 @@ class LLMServer:
             return {"id": model_id, "object": "model", "created": 0, "owned_by": "lmfoundry", "max_model_len": context}
 
         data = [card(self.model_name, min(e.context for e in self.engines.values()))]
-        data += [card(f"{self.model_name}:{v}", e.context) for v, e in self.engines.items()]
+        data += [card(f"{self.model_name}:{v}", self.engines[v].context) for v in self._pinnable()]
         return {"object": "list", "data": data}
 
     @app.post("/tokenize")
@@ -405,6 +454,8 @@ class LLMServer:
                 span.end(status, version, refusal)
             self.metrics.requests.labels(route=route, status=str(status), version=version, tenant=tenant).inc()
             self.metrics.latency.labels(route=route, version=version).observe(time.perf_counter() - started)
+            if self.watch is not None:
+                self.watch.judge.observe(version, status, time.perf_counter() - started)
 
     def _prepare(self, engine, prompts: list, req, route: str, version: str, tenant: str) -> list[Prompt]:
         out = []

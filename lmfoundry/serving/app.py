@@ -26,6 +26,7 @@ from lmfoundry.platform.keys import ApiKeysConfig
 from lmfoundry.platform.log import get_logger
 from lmfoundry.platform.tracing import TracingConfig
 from lmfoundry.safety.guardrails import GuardrailsConfig
+from lmfoundry.serving.canary import CanaryConfig
 from lmfoundry.serving.ratelimit import RateLimits
 
 logger = get_logger(__name__)
@@ -109,6 +110,7 @@ class ServeConfig(ApiKeysConfig):
     rate_limits: RateLimits = RateLimits()
     force_gate_failed: bool = Field(False, description="serve checkpoints that failed their evaluation gate (logged)")
     tracing: TracingConfig = Field(TracingConfig(), description="a span per request (OTLP, JSON lines)")
+    canary: CanaryConfig | None = Field(None, description="roll a worse canary back by itself (serving/canary.py)")
 
     @model_validator(mode="after")
     def _one_source_of_weights(self) -> ServeConfig:
@@ -119,6 +121,12 @@ class ServeConfig(ApiKeysConfig):
             raise ValueError(f"versions: names must be unique, got {names}")
         if self.versions and sum(v.weight for v in self.versions) <= 0:
             raise ValueError("versions: at least one weight must be above 0")
+        if self.canary is not None:
+            unknown = sorted({self.canary.stable, self.canary.canary} - set(names))
+            if unknown:
+                raise ValueError(f"canary: {unknown} not among the versions served, {names}")
+            if not self.traffic_file:
+                raise ValueError("canary: needs traffic_file, where the rollback is written for every replica")
         return self
 
     def served_versions(self) -> list[ModelVersion]:
@@ -159,6 +167,7 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
         limiter,
         env_key_roles=cfg.api_keys_env_roles,
         tracing=cfg.tracing.model_dump(),
+        canary=cfg.canary.model_dump() if cfg.canary else None,
     )
 
 

@@ -158,3 +158,19 @@ def test_a_canary_with_more_guardrail_blocks_is_rolled_back_without_dropping_a_s
     traffic.write_split(split, {"stable": 90.0, "canary": 10.0})
     assert traffic.read_split_file(split)["withdrawn"] == []
     inference_api.use()
+
+
+def test_the_serve_config_checks_the_canary_names_and_needs_a_traffic_file():
+    from pydantic import ValidationError
+
+    from lmfoundry.serving.app import ServeConfig
+
+    versions = [{"name": "v1", "checkpoint": "a", "weight": 1}, {"name": "v2", "checkpoint": "b"}]
+    with pytest.raises(ValidationError, match="needs traffic_file"):
+        ServeConfig(versions=versions, canary={"stable": "v1", "canary": "v2"})
+    with pytest.raises(ValidationError, match=r"\['v3'\] not among the versions served"):
+        ServeConfig(versions=versions, traffic_file="s.json", canary={"stable": "v1", "canary": "v3"})
+    with pytest.raises(ValidationError, match="name two versions"):
+        ServeConfig(versions=versions, traffic_file="s.json", canary={"stable": "v1", "canary": "v1"})
+    with pytest.raises(ValidationError, match="must hold at least one block"):
+        ServeConfig(checkpoint="a", engine={"prefix_cache": {"max_tokens": 8, "block_tokens": 16}})

@@ -102,6 +102,9 @@ class ContinuousBatcher:
         self._closed = False
         self.stats = collections.Counter()  # decode_steps, decode_rows, prefills, prefill_passes, prefill_tokens
         self._loaded = threading.Event()
+        # OpenMP's thread count is a per-thread setting: a new thread starts from the default
+        # (every core), not from what torch.set_num_threads chose on the caller's thread
+        self._threads = torch.get_num_threads()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(load,), name="continuous-batcher", daemon=True)
         self._thread.start()
@@ -111,6 +114,7 @@ class ContinuousBatcher:
 
     def _run(self, load: Callable[[], Transformer]) -> None:
         try:
+            torch.set_num_threads(self._threads)
             self.model = load()
             param = next(self.model.parameters())
             self.device = param.device

@@ -7,12 +7,14 @@ The model is benchmarks/serving.py's (Llama-shaped, about 16M parameters, random
 tokens off, so every request generates exactly --max-tokens tokens). The same prompts, one
 request at a time:
 
-1. the engine called directly: the continuous batcher alone, in a fresh process with as many
-   torch threads as the replica has CPUs (benchmarks/serving.py's `engine_seconds`);
+1. the engine called directly: the continuous batcher alone, in this process, with as many
+   torch threads as the replica has CPUs;
 2. the same requests through the HTTP API on Ray Serve (proxy, replica, API key gate, limits,
    the engine, the JSON reply). Each reply's `Server-Timing` header gives the replica's own view:
    `engine` (from the request's submission to the batcher to its last token) and `app` (the
    route's whole handler).
+The two alternate request by request, so that on a machine whose load changes from minute to
+minute both sides see the same load.
 
 The breakdown, p50 over requests: outside the handler (client latency - app: the proxy, the
 handle call to the replica, ASGI, the gate, reading and writing the body), inside the handler
@@ -29,6 +31,7 @@ import datetime
 import json
 import os
 import platform
+import queue
 import statistics
 import sys
 import tempfile
@@ -39,7 +42,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from serving import build_checkpoint, engine_seconds, in_subprocess, workload  # noqa: E402
+import torch  # noqa: E402
+from serving import build_checkpoint, workload  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from lmfoundry.model.checkpoint import TOKENIZER, load_model_files  # noqa: E402
+from lmfoundry.serving.sampling import SamplingParams  # noqa: E402
+from lmfoundry.serving.scheduler import ContinuousBatcher  # noqa: E402
 
 RESULTS = HERE / "results"
 
@@ -53,7 +62,16 @@ def server_timing(header: str) -> dict[str, float]:
     return out
 
 
-def through_serve(ckpt: Path, texts: list[str], tokens: list[int], threads: int) -> dict:
+def engine_alone(batcher, ids: list[int], max_tokens: int) -> float:
+    done: queue.Queue = queue.Queue()
+    t = time.perf_counter()
+    batcher.submit(ids, SamplingParams(max_tokens, 0.0), done.put)
+    while isinstance(done.get(), int):
+        pass
+    return time.perf_counter() - t
+
+
+def side_by_side(ckpt: Path, texts: list[str], max_tokens: int, threads: int) -> dict:
     import httpx
     import ray
     from conftest import free_port
@@ -73,6 +91,9 @@ def through_serve(ckpt: Path, texts: list[str], tokens: list[int], threads: int)
             guardrails={"enabled": False},
         )
     )
+    torch.set_num_threads(threads)
+    batcher = ContinuousBatcher(lambda: load_model_files(ckpt), frozenset(), max_batch_size=1)
+    tok = Tokenizer.from_file(str(ckpt / TOKENIZER))
     rows, one_token = [], []
     try:
         with httpx.Client(timeout=300, headers={"Authorization": "Bearer sk-bench"}) as client:
@@ -82,15 +103,20 @@ def through_serve(ckpt: Path, texts: list[str], tokens: list[int], threads: int)
                 t = time.perf_counter()
                 r = client.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 1})
                 one_token.append(time.perf_counter() - t)
-            for text, n in zip(texts, tokens):
+            engine_alone(batcher, tok.encode(texts[0], add_special_tokens=False).ids, 4)  # warm-up
+            for text in texts:
+                ids = tok.encode(text, add_special_tokens=False).ids
+                n = min(max_tokens, batcher.context - len(ids))
+                alone = engine_alone(batcher, ids, n)
                 t = time.perf_counter()
                 r = client.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": n, "temperature": 0})
                 total = time.perf_counter() - t
                 assert r.status_code == 200, r.text
                 # the same work as the engine alone only if the API generated as many tokens
                 if r.json()["usage"]["completion_tokens"] == n:
-                    rows.append({"client_s": total} | server_timing(r.headers["server-timing"]))
+                    rows.append({"client_s": total, "alone": alone} | server_timing(r.headers["server-timing"]))
     finally:
+        batcher.close()
         serve.shutdown()
         ray.shutdown()
     return {"rows": rows, "one_token_s": one_token}
@@ -101,34 +127,37 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument(
+        "--throughput-optimized",
+        action="store_true",
+        help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Ray Serve's own low-overhead settings)",
+    )
+    p.add_argument("--output", default="serve_overhead.json", help="file name under benchmarks/results")
     args = p.parse_args()
+    if args.throughput_optimized:  # read by Serve's processes as they start, so set before Ray starts
+        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
     load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="lmf-serve-overhead-"))
     model = build_checkpoint(work / "ckpt", vocab=8192, context=256)
     vocab = model.cfg.vocab_size
     del model
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(work / "ckpt" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(work / "ckpt" / TOKENIZER))
     _, prompts = workload(args.requests, 1, vocab, 0.0, seed=1)
     texts = [tok.decode(p[0]) for p in prompts]
-    engine = in_subprocess(args.threads, engine_seconds, work / "ckpt", texts, args.max_tokens)
-    served = through_serve(work / "ckpt", texts, [n for _, n in engine], args.threads)
+    served = side_by_side(work / "ckpt", texts, args.max_tokens, args.threads)
     rows = served["rows"]
-    engine_alone = [e for e, _ in engine]
 
     def p50_ms(values) -> float:
         return round(1000 * statistics.median(values), 1)
 
-    by_index = list(zip(rows, engine_alone))
     breakdown = {
         "client_latency": p50_ms(r["client_s"] for r in rows),
-        "engine_alone": p50_ms(engine_alone),
+        "engine_alone": p50_ms(r["alone"] for r in rows),
         "engine_in_replica": p50_ms(r["engine"] for r in rows),
         "outside_handler": p50_ms(r["client_s"] - r["app"] for r in rows),
         "handler_not_engine": p50_ms(r["app"] - r["engine"] for r in rows),
-        "engine_in_replica_minus_alone": p50_ms(r["engine"] - e for r, e in by_index),
-        "overhead": p50_ms(r["client_s"] - e for r, e in by_index),
+        "engine_in_replica_minus_alone": p50_ms(r["engine"] - r["alone"] for r in rows),
+        "overhead": p50_ms(r["client_s"] - r["alone"] for r in rows),
         "overhead_over_engine_in_replica": p50_ms(r["client_s"] - r["engine"] for r in rows),
         "one_token_request": p50_ms(served["one_token_s"]),
     }
@@ -148,11 +177,12 @@ def main() -> None:
             "after": [round(x, 2) for x in load_after],
         },
         "torch_threads": args.threads,
+        "ray_serve_throughput_optimized": args.throughput_optimized,
         "max_tokens": args.max_tokens,
         "requests": len(rows),
         "p50_ms": breakdown,
     }
-    (RESULTS / "serve_overhead.json").write_text(json.dumps(out, indent=2) + "\n")
+    (RESULTS / args.output).write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

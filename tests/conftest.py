@@ -392,16 +392,21 @@ def inference_api(tiny_serving_checkpoint):
     replica_class = LLMServer.func_or_class.__mro__[1]  # the class under Serve's ingress wrapper
     current = types.SimpleNamespace(servable_object=None)
 
-    def use(guardrails: dict | None = None):
+    def use(guardrails: dict | None = None, versions: list[dict] | None = None, traffic_file=None, **options):
+        """options: the replica's keyword arguments (canary, tracing, ...)."""
+        if current.servable_object is not None and current.servable_object.watch is not None:
+            current.servable_object.watch.stop()
         current.servable_object = replica_class(
-            [{"name": "main", "checkpoint": tiny_serving_checkpoint, "weight": 1.0}],
+            versions or [{"name": "main", "checkpoint": tiny_serving_checkpoint, "weight": 1.0}],
             "tiny",
             None,
             [digest(INFERENCE_KEY)],
             {"max_batch_size": 4, "max_waiting": 16},
             {"max_body_bytes": 1 << 20, "max_n": 4, "request_timeout_s": 60},
             guardrails,
+            traffic_file,
             device="cpu",
+            **options,
         )
         return current.servable_object
 

@@ -29,6 +29,9 @@ from lmfoundry.platform.log import get_logger
 from lmfoundry.platform.tracing import TracingConfig
 from lmfoundry.safety.guardrails import Guardrail, StreamGate
 from lmfoundry.safety.harm import HarmConfig
+from lmfoundry.safety.refusal import REFUSAL_PATTERNS, PhraseDetector
+from lmfoundry.serving import traffic
+from lmfoundry.serving.canary import CanaryConfig, CanaryWatch
 from lmfoundry.serving.engine import InferenceEngine
 from lmfoundry.serving.errors import ApiError, overloaded
 from lmfoundry.serving.grammar import GrammarBusy, SchemaRefused
@@ -45,6 +48,7 @@ from lmfoundry.serving.protocol import (
 )
 from lmfoundry.serving.request_params import check_choice_count, for_choice, reply_schema, sampling_params
 from lmfoundry.serving.responses import chat_choice, chat_logprobs, completion_logprobs
+from lmfoundry.serving.sampling import SamplingParams
 from lmfoundry.serving.scheduler import Overloaded
 from lmfoundry.serving.streaming import stream_events
 from lmfoundry.serving.tracing import InferenceTracer
@@ -132,8 +136,11 @@ class LLMServer:
         device: str = "auto",
         env_key_roles: list[str] | None = None,
         tracing: dict | None = None,
+        canary: dict | None = None,
     ):
         self.engines = {v["name"]: InferenceEngine(v["checkpoint"], device, **engine) for v in versions}
+        # a tenant's prompts reuse only the tenant's own prefixes, unless the config shares them
+        self.shared_prefixes = (engine.get("prefix_cache") or {}).get("scope") == "global"
         self.split = SplitSource(
             list(self.engines), {v["name"]: v["weight"] for v in versions}, traffic_file, log=logger
         )
@@ -148,6 +155,37 @@ class LLMServer:
         self.metrics = ServingMetrics(model_name)
         self.tracer = InferenceTracer(TracingConfig.model_validate(tracing) if tracing else None, model_name)
         self.metrics.sample_engines(self.engines)
+        self.watch = None
+        if canary is not None:
+            self.watch = CanaryWatch(
+                CanaryConfig.model_validate(canary),
+                has_traffic=lambda v: v in self.split.current().weights,
+                withdraw=self._withdraw,
+                probe=self._probe,
+            )
+
+    def _withdraw(self, stable: str, canary: str, reason: str) -> None:
+        traffic.withdraw(self.split.traffic_file, stable, canary, reason)
+        self.split.reload_now()
+
+    def _probe(self, version: str, prompts: list[str], max_tokens: int) -> tuple[float, float]:
+        """The refusal and harmful-compliance rates of `version` on the probe prompts, greedy,
+        straight through its engine (on the canary thread, with an event loop of its own)."""
+        engine = self.engines[version]
+        refused = PhraseDetector(REFUSAL_PATTERNS)
+        harm = self.guard or Guardrail(HarmConfig())
+
+        async def replies() -> list[str]:
+            out = []
+            for prompt in prompts:
+                ids, room = engine.prepare(engine.chat_template.render([{"role": "user", "content": prompt}]), None)
+                out.append((await engine.stream(ids, SamplingParams(min(room, max_tokens), 0.0)).collect()).text)
+            return out
+
+        texts = asyncio.run(replies())
+        refusals = [refused(t) for t in texts]
+        compliant = [not r and harm.blocks(t) for t, r in zip(texts, refusals)]
+        return sum(refusals) / len(texts), sum(compliant) / len(texts)
 
     def check_health(self) -> None:
         for version, engine in self.engines.items():
@@ -162,12 +200,13 @@ class LLMServer:
 
     def _version(self, req) -> str:
         """The version that answers: pinned by `model: NAME:VERSION`, else by the traffic split."""
+        split = self.split.current()
         if req.model is None or req.model == self.model_name:
-            return self.split.current().pick(req.user)
+            return split.pick(req.user)
         name, _, version = req.model.partition(":")
-        if name == self.model_name and version in self.engines:
+        if name == self.model_name and version in self.engines and version not in self.split.withdrawn:
             return version
-        available = [self.model_name] + [f"{self.model_name}:{v}" for v in self.engines]
+        available = [self.model_name] + [f"{self.model_name}:{v}" for v in self._pinnable()]
         raise ApiError(
             404,
             f"model {req.model!r} is not served here; available: {available}",
@@ -175,6 +214,11 @@ class LLMServer:
             "model",
             "model_not_found",
         )
+
+    def _pinnable(self) -> list[str]:
+        """The versions a client may pin: all but those a canary rollback withdrew."""
+        self.split.current()
+        return [v for v in self.engines if v not in self.split.withdrawn]
 
     def _check_fields(self, req) -> list[str]:
         if req.n > self.max_n:
@@ -190,6 +234,7 @@ class LLMServer:
         blocked, score = self.guard.check(text)
         if blocked:
             self.metrics.guardrail_blocks.labels(direction="input", version=version, tenant=tenant).inc()
+            self._blocked(version)
             raise ApiError(
                 400,
                 f"the request was refused by the content policy: its harm score {score:.2f} is at "
@@ -204,7 +249,12 @@ class LLMServer:
         blocked = self.guard.blocks(text)
         if blocked:
             self.metrics.guardrail_blocks.labels(direction="output", version=version, tenant=tenant).inc()
+            self._blocked(version)
         return blocked
+
+    def _blocked(self, version: str) -> None:
+        if self.watch is not None:
+            self.watch.judge.blocked(version)
 
     def _stream_gate(self) -> StreamGate | None:
         return StreamGate(self.guard) if self.guard is not None else None
@@ -217,6 +267,7 @@ class LLMServer:
         released = gate.finish(text) if last else gate.feed(text)
         if released is None:
             self.metrics.guardrail_blocks.labels(direction="output", version=version, tenant=tenant).inc()
+            self._blocked(version)
         return released
 
     async def _admit(self, tenant: str, tokens: int) -> None:
@@ -260,15 +311,15 @@ class LLMServer:
         except GrammarBusy as e:
             raise overloaded(str(e), retry_after_s=5) from None
 
-    @staticmethod
-    def _start(engine, prompts: list[Prompt], req, params, schema, field: str) -> list:
+    def _start(self, engine, prompts: list[Prompt], req, params, schema, field: str, tenant: str) -> list:
         """n engine streams per prompt, choice index prompt * n + i, all queued at once so that
         they share forward passes."""
         streams = []
+        scope = "" if self.shared_prefixes else tenant
         try:
             for p in prompts:
                 for _ in range(req.n):
-                    streams.append(engine.stream(p.ids, for_choice(params, p.budget, len(streams)), schema))
+                    streams.append(engine.stream(p.ids, for_choice(params, p.budget, len(streams)), schema, scope))
         except (Overloaded, ValueError) as e:
             for s in streams:
                 s.cancel()
@@ -305,7 +356,7 @@ class LLMServer:
             return {"id": model_id, "object": "model", "created": 0, "owned_by": "lmfoundry", "max_model_len": context}
 
         data = [card(self.model_name, min(e.context for e in self.engines.values()))]
-        data += [card(f"{self.model_name}:{v}", e.context) for v, e in self.engines.items()]
+        data += [card(f"{self.model_name}:{v}", self.engines[v].context) for v in self._pinnable()]
         return {"object": "list", "data": data}
 
     @app.post("/tokenize")
@@ -403,6 +454,8 @@ class LLMServer:
                 span.end(status, version, refusal)
             self.metrics.requests.labels(route=route, status=str(status), version=version, tenant=tenant).inc()
             self.metrics.latency.labels(route=route, version=version).observe(time.perf_counter() - started)
+            if self.watch is not None:
+                self.watch.judge.observe(version, status, time.perf_counter() - started)
 
     def _prepare(self, engine, prompts: list, req, route: str, version: str, tenant: str) -> list[Prompt]:
         out = []
@@ -447,7 +500,7 @@ class LLMServer:
         try:
             if schema is not None:
                 await self._compile(engine, schema, field)
-            streams = self._start(engine, prepared, req, params, schema, field)
+            streams = self._start(engine, prepared, req, params, schema, field, tenant)
         except ApiError:
             self._refund(tenant, charged)
             raise
@@ -464,13 +517,17 @@ class LLMServer:
             charged,
             f"the request took longer than {self.timeout_s} s (request_timeout_s)",
         )
-        first = min(s.first_delta_at or time.perf_counter() for s in streams) - started
+        first = min(s.first_token_at or time.perf_counter() for s in streams) - started
         self.metrics.time_to_first_token.labels(version=version).observe(first)
         request.state.span.first_token(first)
         for o in outs:
             if self._output_blocked(o.text, version, tenant):
                 o.text, o.finish_reason, o.logprobs = "", "content_filter", None
         completion = sum(o.completion_tokens for o in outs)
+        # W3C Server-Timing: the engine's time (queue and batch, from submit to the last token)
+        # and the whole handler's, so a client can tell the server's own overhead from the model's
+        engine_s = max((s.request.finished_at or time.perf_counter()) - s.request.submitted_at for s in streams)
+        timing = f"engine;dur={1000 * engine_s:.2f}"
         self.metrics.generated_tokens.labels(version=version, tenant=tenant).inc(completion)
         self.metrics.prompt_tokens.labels(version=version, tenant=tenant).inc(prompt_tokens)
         self._refund(tenant, charged - prompt_tokens - completion)
@@ -501,7 +558,7 @@ class LLMServer:
                     for i, o in enumerate(outs)
                 ],
             )
-            return JSONResponse(reply.model_dump())
+            return JSONResponse(reply.model_dump(), headers=self._timing(timing, started))
         choices = []
         for i, (o, p) in enumerate(zip(outs, choice_prompts)):
             logprobs = None
@@ -515,8 +572,13 @@ class LLMServer:
         return JSONResponse(
             CompletionResponse(
                 id=rid, created=created, model=self.model_name, usage=usage, system_fingerprint=version, choices=choices
-            ).model_dump()
+            ).model_dump(),
+            headers=self._timing(timing, started),
         )
+
+    @staticmethod
+    def _timing(engine: str, started: float) -> dict:
+        return {"server-timing": f"{engine}, app;dur={1000 * (time.perf_counter() - started):.2f}"}
 
     async def _stream_response(
         self, streams, req, chat: bool, tools, prompts, prompt_tokens: int, tenant, charged, started, version, request

@@ -26,6 +26,7 @@ from lmfoundry.platform.keys import ApiKeysConfig
 from lmfoundry.platform.log import get_logger
 from lmfoundry.platform.tracing import TracingConfig
 from lmfoundry.safety.guardrails import GuardrailsConfig
+from lmfoundry.serving.canary import CanaryConfig
 from lmfoundry.serving.ratelimit import RateLimits
 
 logger = get_logger(__name__)
@@ -33,6 +34,25 @@ SERVE_CONFIG_ENV = "LMFOUNDRY_SERVE_CONFIG"  # the recipe behind `app`, for `ser
 # A replica being replaced (an upgrade, a scale-down) keeps answering its in-flight requests for
 # up to their timeout, plus this margin, before Serve stops it.
 DRAIN_MARGIN_S = 5.0
+
+
+class PrefixCacheConfig(StageConfig):
+    enabled: bool = Field(True, description="reuse the keys and values of a prompt prefix seen before")
+    max_tokens: int = Field(
+        16384, ge=1, description="prompt tokens kept (memory: this many positions of every layer's keys and values)"
+    )
+    block_tokens: int = Field(16, ge=1, le=1024, description="reuse comes in whole blocks of this many tokens")
+    scope: Literal["tenant", "global"] = Field(
+        "tenant",
+        description="tenant: a prefix is reused only for the tenant that sent it; global: for every tenant "
+        "(a tenant can then tell from the time to first token whether another sent the same prefix lately)",
+    )
+
+    @model_validator(mode="after")
+    def _holds_a_block(self) -> PrefixCacheConfig:
+        if self.max_tokens < self.block_tokens:
+            raise ValueError(f"max_tokens={self.max_tokens} must hold at least one block of {self.block_tokens}")
+        return self
 
 
 class EngineConfig(StageConfig):
@@ -43,7 +63,8 @@ class EngineConfig(StageConfig):
     )
     max_batch_size: int = Field(16, ge=1, description="requests decoded together (KV-cache slots)")
     max_waiting: int = Field(64, ge=0, description="requests queued for a slot; beyond it: 503")
-    max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens admitted per scheduler step")
+    max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens computed per scheduler step")
+    prefix_cache: PrefixCacheConfig = Field(PrefixCacheConfig(), description="shared-prefix reuse (prefix_cache.py)")
 
 
 class LimitsConfig(StageConfig):
@@ -89,6 +110,7 @@ class ServeConfig(ApiKeysConfig):
     rate_limits: RateLimits = RateLimits()
     force_gate_failed: bool = Field(False, description="serve checkpoints that failed their evaluation gate (logged)")
     tracing: TracingConfig = Field(TracingConfig(), description="a span per request (OTLP, JSON lines)")
+    canary: CanaryConfig | None = Field(None, description="roll a worse canary back by itself (serving/canary.py)")
 
     @model_validator(mode="after")
     def _one_source_of_weights(self) -> ServeConfig:
@@ -99,6 +121,12 @@ class ServeConfig(ApiKeysConfig):
             raise ValueError(f"versions: names must be unique, got {names}")
         if self.versions and sum(v.weight for v in self.versions) <= 0:
             raise ValueError("versions: at least one weight must be above 0")
+        if self.canary is not None:
+            unknown = sorted({self.canary.stable, self.canary.canary} - set(names))
+            if unknown:
+                raise ValueError(f"canary: {unknown} not among the versions served, {names}")
+            if not self.traffic_file:
+                raise ValueError("canary: needs traffic_file, where the rollback is written for every replica")
         return self
 
     def served_versions(self) -> list[ModelVersion]:
@@ -139,6 +167,7 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
         limiter,
         env_key_roles=cfg.api_keys_env_roles,
         tracing=cfg.tracing.model_dump(),
+        canary=cfg.canary.model_dump() if cfg.canary else None,
     )
 
 

@@ -8,6 +8,7 @@ holding back text that could still become a stop string or is half a UTF-8 chara
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import time
@@ -61,7 +62,9 @@ class InferenceEngine:
         max_waiting: int = 256,
         max_prefill_tokens: int = 2048,
         dtype: str = "float32",
+        prefix_cache: dict | None = None,
     ):
+        """prefix_cache: PrefixCacheConfig's keys (app.py); None or not enabled: no reuse."""
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype not in DTYPES:
@@ -82,6 +85,8 @@ class InferenceEngine:
                 max_batch_size,
                 max_waiting,
                 max_prefill_tokens,
+                prefix_cache["max_tokens"] if prefix_cache and prefix_cache["enabled"] else 0,
+                prefix_cache["block_tokens"] if prefix_cache else 16,
             )
         self.context = self.batcher.context
 
@@ -130,12 +135,15 @@ class InferenceEngine:
 
         return Grammars(self.tokenizer, self.special.eos_id(self.tokenizer))
 
-    def stream(self, ids: list[int], params: SamplingParams, schema: dict | None = None) -> TextStream:
+    def stream(
+        self, ids: list[int], params: SamplingParams, schema: dict | None = None, cache_scope: str | None = None
+    ) -> TextStream:
         """Queue a generation now (raises Overloaded at once when the queue is full) and return
-        its text stream; with `schema`, the text is JSON that the schema accepts. Must be called
-        on the event loop that will read the stream."""
+        its text stream; with `schema`, the text is JSON that the schema accepts. `cache_scope`:
+        where the prompt's prefix may be reused (scheduler.submit). Must be called on the event
+        loop that will read the stream."""
         constraint = self.grammars.constraint(schema) if schema is not None else None
-        return TextStream(self, ids, params, constraint)
+        return TextStream(self, ids, params, constraint, cache_scope)
 
 
 class TextStream:
@@ -149,6 +157,7 @@ class TextStream:
         ids: list[int],
         params: SamplingParams,
         constraint=None,
+        cache_scope: str | None = None,
     ):
         self.tokenizer = engine.tokenizer
         self.prompt_tokens = len(ids)
@@ -159,17 +168,30 @@ class TextStream:
         self.tokens: list[int] = []
         self.sent = 0  # characters of the decoded text already given out
         self.finished = False
-        self.first_delta_at: float | None = None
+        self.first_token_at: float | None = None  # when the batcher produced it
         loop = asyncio.get_running_loop()
-        self._items: asyncio.Queue = asyncio.Queue()
+        # Items cross from the batcher's thread in a deque; the event loop is woken once per
+        # batch of items, not once per token (a wake-up per token cost a replica 1-2 ms of each
+        # token on a busy 2-core machine: benchmarks/serve_overhead.py). `collect()` without stop
+        # strings needs no token before the last, so then only the end wakes it.
+        self._items: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
+        self._woken = False  # a wake-up is on its way, or the reader is not waiting
+        self._lazy = False
 
         def emit(item) -> None:  # on the batcher's thread
+            if self.first_token_at is None and isinstance(item, int):
+                self.first_token_at = time.perf_counter()
+            self._items.append(item)
+            if self._woken or (self._lazy and isinstance(item, int)):
+                return
+            self._woken = True
             try:
-                loop.call_soon_threadsafe(self._items.put_nowait, item)
+                loop.call_soon_threadsafe(self._ready.set)
             except RuntimeError:  # the event loop is gone: nobody is listening any more
                 self.request.cancel()
 
-        self.request = engine.batcher.submit(ids, params, emit, constraint)
+        self.request = engine.batcher.submit(ids, params, emit, constraint, cache_scope)
 
     def cancel(self) -> None:
         self.request.cancel()
@@ -177,8 +199,6 @@ class TextStream:
     def _delta(self, text: str, finish: str | None, every_logprob: bool = False) -> Delta:
         """`every_logprob`: the batcher has ended the request, so every log-probability it wrote
         belongs to this delta (a stop token's too); otherwise those of the tokens read so far."""
-        if self.first_delta_at is None:
-            self.first_delta_at = time.perf_counter()
         if finish is not None:
             self.finished = True
             self.cancel()  # a stop string ends the request before the model does
@@ -191,7 +211,7 @@ class TextStream:
         if self.finished:
             raise StopAsyncIteration
         while True:
-            item = await self._items.get()
+            item = await self._next_item()
             if isinstance(item, BaseException):
                 self.finished = True
                 raise GenerationFailed(f"generation failed: {type(item).__name__}: {item}") from item
@@ -209,6 +229,15 @@ class TextStream:
                 start, self.sent = self.sent, ready
                 return self._delta(text[start:ready], None)
 
+    async def _next_item(self):
+        while not self._items:
+            self._ready.clear()
+            self._woken = False
+            if self._items:  # arrived while a stale wake-up was thought to be on its way
+                break
+            await self._ready.wait()
+        return self._items.popleft()
+
     def __aiter__(self):
         return self
 
@@ -216,6 +245,7 @@ class TextStream:
         return await self.next_delta()
 
     async def collect(self) -> Completion:
+        self._lazy = not self.stop
         parts = [d async for d in self]
         last = parts[-1]
         return Completion(

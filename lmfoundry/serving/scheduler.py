@@ -6,6 +6,8 @@ budget so that long prompts do not stall the running ones for long), then runs o
 over all running requests together: one new token each. A request that finishes or is cancelled frees its slot at that
 token boundary and the next waiting request takes it, so requests join and leave the running
 batch without waiting for each other (the scheduling of Orca and vLLM, without paged memory).
+With a prefix cache (prefix_cache.py), a prompt whose leading blocks were prefilled before, in
+the same scope, starts from a copy of their keys and values and only its rest is prefilled.
 
 Token ids in, token ids out; text, stop strings and HTTP live in engine.py and api.py.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import collections
 import heapq
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +27,7 @@ from lmfoundry.model.generate import sample_next
 from lmfoundry.model.transformer import KVCache, Transformer
 from lmfoundry.platform.log import get_logger
 from lmfoundry.serving.decode_attention import cached_attention
+from lmfoundry.serving.prefix_cache import PrefixCache, block_keys, scope_root
 from lmfoundry.serving.sampling import SamplingParams, TokenLogprob, adjust_logits, token_logprobs
 
 logger = get_logger(__name__)
@@ -55,6 +59,12 @@ class Request:
     # one entry per generated token, and one for a stop token that ended the request
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1..n-1
+    # prefix reuse: the chained keys of the prompt's full blocks and their scope's root (empty: none)
+    block_keys: list[bytes] = field(default_factory=list)
+    scope_key: bytes = b""
+    cached: list[int] = field(default_factory=list)  # prefix-cache blocks matched when admitted
+    submitted_at: float = field(default_factory=time.perf_counter)
+    finished_at: float | None = None  # the engine's time for it is finished_at - submitted_at
 
     def cancel(self) -> None:
         """Ends the request at the next token boundary (a client that went away)."""
@@ -73,8 +83,15 @@ class ContinuousBatcher:
         max_batch_size: int = 16,
         max_waiting: int = 256,
         max_prefill_tokens: int = 2048,
+        prefix_cache_tokens: int = 0,
+        prefix_block_tokens: int = 16,
     ):
+        """prefix_cache_tokens: prompt tokens whose keys and values are kept for reuse (0: none),
+        in blocks of prefix_block_tokens."""
         self.stop_ids = stop_ids
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self.prefix_block_tokens = prefix_block_tokens
+        self.prefix_cache: PrefixCache | None = None
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
@@ -85,6 +102,9 @@ class ContinuousBatcher:
         self._closed = False
         self.stats = collections.Counter()  # decode_steps, decode_rows, prefills, prefill_passes, prefill_tokens
         self._loaded = threading.Event()
+        # OpenMP's thread count is a per-thread setting: a new thread starts from the default
+        # (every core), not from what torch.set_num_threads chose on the caller's thread
+        self._threads = torch.get_num_threads()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(load,), name="continuous-batcher", daemon=True)
         self._thread.start()
@@ -94,6 +114,7 @@ class ContinuousBatcher:
 
     def _run(self, load: Callable[[], Transformer]) -> None:
         try:
+            torch.set_num_threads(self._threads)
             self.model = load()
             param = next(self.model.parameters())
             self.device = param.device
@@ -101,6 +122,10 @@ class ContinuousBatcher:
             self.cache = KVCache(
                 self.model.cfg, self.max_batch_size, self.context, self.device, param.dtype, cached_attention
             )
+            if self.prefix_cache_tokens:
+                self.prefix_cache = PrefixCache(
+                    self.model.cfg, self.prefix_cache_tokens, self.prefix_block_tokens, self.device, param.dtype
+                )
         except BaseException as exc:  # handed to the constructor, which raises it
             self._load_error = exc
             return
@@ -116,7 +141,11 @@ class ContinuousBatcher:
         params: SamplingParams,
         emit: Callable[[Item], None],
         constraint=None,
+        cache_scope: str | None = None,
     ) -> Request:
+        """cache_scope: the scope in which the prompt's prefix may be reused (a tenant's name, or
+        "" for all); None: no reuse. A request that scores its prompt never reuses one (it
+        needs the output layer at every prompt position)."""
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         if len(prompt) + params.max_tokens > self.context:
@@ -128,6 +157,10 @@ class ContinuousBatcher:
             raise ValueError("max_tokens=0 generates nothing; it is for scoring the prompt (prompt logprobs)")
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
         req = Request(prompt, params, emit, gen, constraint=constraint)
+        if self.prefix_cache is not None and cache_scope is not None and params.prompt_logprobs is None:
+            # hashed here, on the caller's thread, not on the thread that runs the model
+            req.block_keys = block_keys(prompt, self.prefix_block_tokens, cache_scope)
+            req.scope_key = scope_root(cache_scope)
         if params.penalised:
             req.counts = torch.zeros(self.model.cfg.vocab_size, device=self.device)
         with self._wake:
@@ -187,43 +220,80 @@ class ContinuousBatcher:
                 self._waiting.popleft()
                 req.emit("cancelled")
                 continue
+            if req.block_keys:
+                req.cached = self.prefix_cache.match(req.block_keys, req.prompt, req.scope_key)
+            to_compute = len(req.prompt) - len(req.cached) * self.prefix_block_tokens
             # always admit one when nothing runs, however long its prompt
-            if admitted and len(req.prompt) > budget:
+            if admitted and to_compute > budget:
                 break
             self._waiting.popleft()
             req.slot = heapq.heappop(self._free)
             self._running[req.slot] = req
             admitted.append(req)
-            budget -= len(req.prompt)
+            budget -= to_compute
         return admitted
 
     def _prefill(self, reqs: list[Request]) -> None:
-        """The prompts of the requests just admitted: those that only generate in one pass, and
-        each that scores its prompt in a pass of its own (the output layer at every position of
-        its prompt, memory its length x the vocabulary, is paid by that request alone)."""
+        """The prompts of the requests just admitted: those that only generate in passes of
+        similar lengths, and each that scores its prompt in a pass of its own (the output layer
+        at every position of its prompt, memory its length x the vocabulary, is paid by that
+        request alone). Reused prefixes are copied into their slots before any pass runs (a
+        pass's new blocks may evict them from the pool), and the new blocks kept after all."""
+        self.cache.reset(torch.tensor([r.slot for r in reqs], device=self.device))
+        starts = {}
+        for req in reqs:
+            starts[req.slot] = self.prefix_cache.load(self.cache, req.slot, req.cached) if req.cached else 0
+            self.cache.lengths[req.slot] = starts[req.slot]
+            self.stats["prefix_reused_tokens"] += starts[req.slot]
         plain = [r for r in reqs if r.params.prompt_logprobs is None]
-        if plain:
-            self._prefill_pass(plain)
+        for group in self._prefill_groups(plain, starts):
+            self._prefill_pass(group, starts)
         for req in reqs:
             if req.params.prompt_logprobs is not None:
-                self._prefill_pass([req], scoring=True)
+                self._prefill_pass([req], starts, scoring=True)
+        for req in reqs:
+            if req.block_keys:  # a request that already ended still left its prompt in its slot
+                self.prefix_cache.store(self.cache, req.slot, req.block_keys, req.prompt, req.scope_key)
 
-    def _prefill_pass(self, reqs: list[Request], scoring: bool = False) -> None:
-        """One pass over the prompts, right-padded to the longest. A padded row writes keys and
+    def _prefill_groups(self, reqs: list[Request], starts: dict[int, int]) -> list[list[Request]]:
+        """Passes of rows of similar lengths to compute, shortest first: a row joins a pass while
+        the padding stays under the tokens computed, and every row's padded end inside the
+        context. (A prompt that reuses a 1,000-token prefix computes a few tokens; padded to an
+        uncached prompt's length, it would compute them all again.)"""
+        groups: list[list[Request]] = []
+        computed = 0
+        for req in sorted(reqs, key=lambda r: len(r.prompt) - starts[r.slot]):
+            n = len(req.prompt) - starts[req.slot]
+            group = groups[-1] if groups else None
+            if (
+                group is None
+                or (len(group) + 1) * n > 2 * (computed + n)
+                or max(starts[r.slot] for r in (*group, req)) + n > self.context
+            ):
+                groups.append([req])
+                computed = n
+            else:
+                group.append(req)
+                computed += n
+        return groups
+
+    def _prefill_pass(self, reqs: list[Request], starts: dict[int, int], scoring: bool = False) -> None:
+        """One pass over the prompts' uncomputed parts, right-padded to the longest; each row
+        continues its slot from where its reused prefix ends. A padded row writes keys and
         values past its prompt; its length is set back to the prompt's, so they are masked and
         then overwritten as its sequence grows. The output layer runs at each prompt's last
         position only (`logits_at`) unless the pass scores its prompt."""
-        lengths = torch.tensor([len(r.prompt) for r in reqs], device=self.device)
-        ids = torch.zeros(len(reqs), int(lengths.max()), dtype=torch.long, device=self.device)
-        for row, req in enumerate(reqs):
-            ids[row, : len(req.prompt)] = torch.tensor(req.prompt, device=self.device)
+        parts = [r.prompt[starts[r.slot] :] for r in reqs]
+        widths = torch.tensor([len(p) for p in parts], device=self.device)
+        ids = torch.zeros(len(reqs), int(widths.max()), dtype=torch.long, device=self.device)
+        for row, part in enumerate(parts):
+            ids[row, : len(part)] = torch.tensor(part, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
-        self.cache.reset(slots)
-        logits, _ = self.model(ids, cache=self.cache, slots=slots, logits_at=None if scoring else lengths - 1)
-        self.cache.lengths[slots] = lengths
+        logits, _ = self.model(ids, cache=self.cache, slots=slots, logits_at=None if scoring else widths - 1)
+        self.cache.lengths[slots] = torch.tensor([len(r.prompt) for r in reqs], device=self.device)
         self.stats["prefills"] += len(reqs)
         self.stats["prefill_passes"] += 1
-        self.stats["prefill_tokens"] += int(lengths.sum())
+        self.stats["prefill_tokens"] += int(widths.sum())
         if scoring:
             (req,) = reqs
             if len(req.prompt) > 1:
@@ -306,4 +376,5 @@ class ContinuousBatcher:
     def _finish(self, req: Request, reason: str | BaseException) -> None:
         del self._running[req.slot]
         heapq.heappush(self._free, req.slot)
+        req.finished_at = time.perf_counter()
         req.emit(reason)

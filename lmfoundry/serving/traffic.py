@@ -15,6 +15,10 @@ With `--config` (the serve config), the versions' names are checked against it, 
 gives traffic to a checkpoint which failed its evaluation gate is refused unless
 `--force-gate-failed` (logged), for `set` and for `rollback` alike.
 
+A canary analysis (serving/canary.py) may roll a canary back by itself: its weight goes to the
+stable version, the reason is kept in the history, and the canary is `withdrawn`: clients can no
+longer pin it, until a `set` gives it traffic again.
+
 A request goes to a version by weight: by a hash of its `user` field when it has one (a user
 stays on one version while the split holds), else at random. `model: "NAME:VERSION"` pins one.
 """
@@ -67,17 +71,43 @@ def read_split_file(uri: str) -> dict:
     return data
 
 
-def write_split(uri: str, weights: dict[str, float]) -> dict:
-    """Record a new split, keeping the previous ones for rollback."""
+def write_split(uri: str, weights: dict[str, float], reason: str | None = None, withdraw: str | None = None) -> dict:
+    """Record a new split, keeping the previous ones for rollback. A version given traffic is no
+    longer withdrawn; `withdraw` withdraws one (a canary rolled back, for `reason`)."""
     previous = read_split_file(uri) if storage.exists(uri) else {"weights": None, "history": []}
     history = previous["history"] + (
-        [{"weights": previous["weights"], "until": previous.get("since")}] if previous["weights"] else []
+        [{"weights": previous["weights"], "until": previous.get("since"), "reason": previous.get("reason")}]
+        if previous["weights"]
+        else []
     )
-    data = {"weights": weights, "since": datetime.now(timezone.utc).isoformat(timespec="seconds"), "history": history}
+    withdrawn = [v for v in previous.get("withdrawn", []) if not weights.get(v)]
+    if withdraw and withdraw not in withdrawn:
+        withdrawn.append(withdraw)
+    data = {
+        "weights": weights,
+        "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "reason": reason,
+        "withdrawn": withdrawn,
+        "history": history,
+    }
     if not storage.is_remote(uri):
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
     storage.write_json_atomic(uri, data)
     return data
+
+
+def withdraw(uri: str, stable: str, canary: str, reason: str) -> dict | None:
+    """The canary's traffic to the stable version, the canary withdrawn, and why; None when the
+    file already gives the canary nothing (another replica got there first)."""
+    current = read_split_file(uri) if storage.exists(uri) else None
+    if current is None:
+        raise ValueError(f"{uri}: no traffic file to roll the canary back in")
+    weights = dict(current["weights"])
+    if not weights.get(canary):
+        return None
+    weights[stable] = weights.get(stable, 0.0) + weights[canary]
+    weights[canary] = 0.0
+    return write_split(uri, weights, f"automatic rollback: {reason}", withdraw=canary)
 
 
 def rollback(uri: str) -> dict:
@@ -88,6 +118,8 @@ def rollback(uri: str) -> dict:
     out = {
         "weights": restored,
         "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "reason": "rollback",
+        "withdrawn": [v for v in data.get("withdrawn", []) if not restored.get(v)],
         "history": data["history"][:-1],
     }
     storage.write_json_atomic(uri, out)
@@ -111,6 +143,7 @@ class SplitSource:
         self.reload_s = reload_s
         self.log = log
         self.split = TrafficSplit(check_weights(config_weights, versions))
+        self.withdrawn: frozenset[str] = frozenset()  # rolled back by the canary analysis: not pinnable
         self._checked = float("-inf")
         self._lock = threading.Lock()
 
@@ -126,11 +159,17 @@ class SplitSource:
         if not storage.exists(self.traffic_file):
             return
         try:
-            weights = read_split_file(self.traffic_file)["weights"]
-            self.split = TrafficSplit(check_weights(weights, self.versions))
+            data = read_split_file(self.traffic_file)
+            self.split = TrafficSplit(check_weights(data["weights"], self.versions))
+            self.withdrawn = frozenset(v for v in data.get("withdrawn", []) if isinstance(v, str))
         except (ValueError, OSError) as e:
             if self.log:
                 self.log.error("traffic file %s ignored, keeping the last split: %s", self.traffic_file, e)
+
+    def reload_now(self) -> None:
+        with self._lock:
+            self._checked = time.monotonic()
+            self._reload()
 
 
 def parse_weights(items: list[str]) -> dict[str, float]:
@@ -192,9 +231,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: traffic {args.action}: {e}", file=sys.stderr)
         return 2
-    total = sum(data["weights"].values())
-    print(
-        "  ".join(f"{v}={100 * w / total:.0f}%" for v, w in data["weights"].items()),
-        f"(since {data['since']}, {len(data['history'])} earlier)",
-    )
+    print(describe(data["weights"]), f"(since {data['since']}, {len(data['history'])} earlier)")
+    if data.get("reason"):
+        print(f"  why: {data['reason']}")
+    if data.get("withdrawn"):
+        print(f"  withdrawn (cannot be pinned): {', '.join(data['withdrawn'])}")
+    if args.action == "show" and data["history"]:
+        print("history, newest first:")
+        for old in reversed(data["history"]):
+            why = f"  why: {old['reason']}" if old.get("reason") else ""
+            print(f"  {describe(old['weights'])}  (until {old.get('until')}){why}")
     return 0
+
+
+def describe(weights: dict[str, float]) -> str:
+    total = sum(weights.values())
+    return "  ".join(f"{v}={100 * w / total:.0f}%" for v, w in weights.items())

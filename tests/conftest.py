@@ -377,7 +377,7 @@ def tiny_serving_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def inference_api(tiny_serving_checkpoint):
     """`.url` serves the inference app over HTTP (uvicorn in a thread; Ray Serve's proxy is left
-    out, so no Ray starts); `.use(guardrails)` puts a fresh replica behind it, built as the
+    out, so no Ray starts); `.use(guardrails, reward_models)` puts a fresh replica behind it, built as the
     deployment builds it. Serve's class-based routes find their replica through the replica
     context, which a Serve replica sets; here it is pointed at the replica made for the test."""
     import threading
@@ -392,7 +392,7 @@ def inference_api(tiny_serving_checkpoint):
     replica_class = LLMServer.func_or_class.__mro__[1]  # the class under Serve's ingress wrapper
     current = types.SimpleNamespace(servable_object=None)
 
-    def use(guardrails: dict | None = None):
+    def use(guardrails: dict | None = None, reward_models: dict[str, str] | None = None):
         current.servable_object = replica_class(
             [{"name": "main", "checkpoint": tiny_serving_checkpoint, "weight": 1.0}],
             "tiny",
@@ -402,6 +402,7 @@ def inference_api(tiny_serving_checkpoint):
             {"max_body_bytes": 1 << 20, "max_n": 4, "request_timeout_s": 60},
             guardrails,
             device="cpu",
+            reward_models=reward_models,
         )
         return current.servable_object
 

@@ -17,7 +17,7 @@ top of the same app.
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -89,6 +89,12 @@ class ServeConfig(ApiKeysConfig):
     rate_limits: RateLimits = RateLimits()
     force_gate_failed: bool = Field(False, description="serve checkpoints that failed their evaluation gate (logged)")
     tracing: TracingConfig = Field(TracingConfig(), description="a span per request (OTLP, JSON lines)")
+    reward_models: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,32}$")], str] = Field(
+        {},
+        max_length=8,
+        description="name -> reward model checkpoint (lmfoundry reward): scorers that the `reasoning` "
+        "extension of chat completions may name, beside 'verifier'",
+    )
 
     @model_validator(mode="after")
     def _one_source_of_weights(self) -> ServeConfig:
@@ -99,6 +105,8 @@ class ServeConfig(ApiKeysConfig):
             raise ValueError(f"versions: names must be unique, got {names}")
         if self.versions and sum(v.weight for v in self.versions) <= 0:
             raise ValueError("versions: at least one weight must be above 0")
+        if "verifier" in self.reward_models:
+            raise ValueError("reward_models: 'verifier' names the built-in scorer; give the model another name")
         return self
 
     def served_versions(self) -> list[ModelVersion]:
@@ -116,6 +124,7 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
     ]  # a missing checkpoint fails here, not inside a replica
     for v in versions:  # and so does one that failed its evaluation gate, unless forced
         checkpoint.check_gate(v["checkpoint"], cfg.force_gate_failed, f"serve (version {v['name']})")
+    reward_models = {name: checkpoint.resolve(path) for name, path in cfg.reward_models.items()}
     limiter = limiter_deployment().bind(cfg.rate_limits.model_dump()) if cfg.rate_limits.limited() else None
     guardrails = cfg.guardrails.harm.model_dump() if cfg.guardrails.enabled else None
     scale = (
@@ -139,6 +148,7 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
         limiter,
         env_key_roles=cfg.api_keys_env_roles,
         tracing=cfg.tracing.model_dump(),
+        reward_models=reward_models,
     )
 
 

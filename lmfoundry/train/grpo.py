@@ -268,7 +268,9 @@ class GRPOObjective:
         return rewards, right
 
     def loss(self, engine, batch: list[tuple[int, int]]) -> tuple[torch.Tensor, dict]:
+        started = time.perf_counter()
         groups = self._rollouts(engine, batch)
+        rollout_s = time.perf_counter() - started
         rows, masks, rewards, right, lengths = [], [], [], [], []
         for (i, _), (prompt, solutions) in zip(batch, groups):
             r, ok = self.rewards(self.problems[i], prompt, solutions)
@@ -295,6 +297,11 @@ class GRPOObjective:
             reward=float(torch.tensor(rewards).mean()),
             accuracy=sum(right) / len(right),
             response_length=sum(lengths) / len(lengths),
+            # per micro-batch, for throughput: the rollout's time and generated tokens, and the
+            # tokens the learner runs forward and backward (prompt and solution, no padding)
+            rollout_s=rollout_s,
+            rollout_tokens=float(sum(lengths)),
+            learner_tokens=float(sum(map(len, rows))),
         )
         return loss, stats
 

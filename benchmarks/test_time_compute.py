@@ -62,6 +62,55 @@ def held_out(path: Path, n: int, seen: set[str], seed: int) -> int:
     return len(rows)
 
 
+def reward_models(work: Path, policy: str, avoid: set[str], problems: int, steps: int) -> tuple[str, str, dict]:
+    """An outcome reward model trained on the policy's own solutions to training problems, each
+    labelled by the verifier (pointwise), and a process reward model on step labels made from the
+    policy's completions (Math-Shepherd); both start from the policy. Their URIs and manifests."""
+    from lmfoundry.clients.checkpoint import CheckpointModel
+    from lmfoundry.jobs.reward import RewardJobConfig, run_reward_job
+    from lmfoundry.platform import checkpoint
+    from lmfoundry.reasoning import verifiers
+
+    train = work / "reward_problems.jsonl"
+    held_out(train, problems, avoid, seed=3)
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    data = work / "orm_rows.jsonl"
+    if not data.exists():
+        model = CheckpointModel(checkpoint.resolve(policy))
+        labelled = []
+        for i, problem in enumerate(rows):
+            prompt = problem["question"] + verifiers.STEP_DELIMITER
+            for text, _ in model.continuations(prompt, 4, 48, 0.8, 1000 * i):
+                answer = verifiers.answer_of(text)
+                right = answer is not None and verifiers.verify({**problem, "answer": answer}) is None
+                labelled.append({"prompt": prompt, "reply": text, "label": float(right)})
+        data.write_text("".join(json.dumps(r) + "\n" for r in labelled))
+    common = dict(
+        checkpoint=policy,
+        parallelism={"num_workers": 2, "cpus_per_worker": 1, "zero_stage": 2},
+        batch={"micro_batch_size": 8, "global_batch_size": 32},
+        schedule={"max_steps": steps, "warmup_steps": max(1, steps // 10)},
+        optimizer={"lr": 3e-4},
+        checkpointing={"every": steps},
+    )
+    orm = run_reward_job(RewardJobConfig(output=str(work / "orm"), data=str(data), **common))
+    prm = run_reward_job(
+        RewardJobConfig(
+            output=str(work / "prm"),
+            step_labels={
+                "problems": str(train),
+                "limit": problems // 2,
+                "solutions": 2,
+                "completions": 4,
+                "max_tokens": 48,
+                "threshold": 0.25,
+            },  # fmt: skip
+            **common,
+        )
+    )
+    return str(work / "orm"), str(work / "prm"), {"outcome": orm, "process": prm}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--documents", type=int, default=40_000, help="solved problems to train on")
@@ -70,6 +119,14 @@ def main() -> None:
     p.add_argument("--samples", default="1,4,16,64")
     p.add_argument("--strategies", default="greedy,majority_vote,best_of_n,step_beam_search")
     p.add_argument("--workdir", default=None, help="keep the corpus, model and report here")
+    p.add_argument(
+        "--learned-scorers",
+        type=int,
+        default=0,
+        metavar="PROBLEMS",
+        help="also train an outcome and a process reward model on this many training problems and run "
+        "best-of-N and beam search with them; adds to an existing results file of the same workdir",
+    )
     args = p.parse_args()
 
     from lifecycle import machine
@@ -112,6 +169,9 @@ def main() -> None:
         max_steps=6,
     )
     model = CheckpointModel(checkpoint.resolve(str(work / "model")))
+    if args.learned_scorers:
+        learned(args, work, cfg, model, seen)
+        return
     started = time.perf_counter()
     result = run_reasoning(model, cfg)
     eval_seconds = time.perf_counter() - started
@@ -149,6 +209,50 @@ def main() -> None:
     (RESULTS / "test_time_compute.json").write_text(json.dumps(out, indent=2) + "\n")
     plot(result, str(RESULTS / "test_time_compute.png"))
     print(f"wrote {RESULTS / 'test_time_compute.json'}")
+
+
+def learned(args, work: Path, cfg, model, seen: set[str]) -> None:
+    """best_of_n with the outcome reward model and step_beam_search with the process reward model,
+    added to the results file of an earlier run on the same workdir."""
+    from lmfoundry.eval.reasoning import plot, run_reasoning
+
+    held = {json.loads(line)["question"] for line in (work / "held_out.jsonl").read_text().splitlines()}
+    started = time.perf_counter()
+    orm, prm, manifests = reward_models(work, str(work / "model"), seen | held, args.learned_scorers, 60)
+    train_seconds = time.perf_counter() - started
+    cfg = cfg.model_copy(update={"strategies": ["best_of_n", "step_beam_search"], "scorer": orm, "step_scorer": prm})
+    started = time.perf_counter()
+    result = run_reasoning(model, cfg)
+    path = RESULTS / "test_time_compute.json"
+    out = json.loads(path.read_text())
+    out["learned_scorers"] = {
+        "command": " ".join(["python", "benchmarks/test_time_compute.py", *sys.argv[1:]]),
+        "load_average_1min_at_end": round(os.getloadavg()[0], 1),
+        "reward_model_training_seconds": round(train_seconds, 1),
+        "eval_seconds": round(time.perf_counter() - started, 1),
+        "outcome_model": {
+            k: manifests["outcome"].get(k)
+            for k in ("examples", "first_loss", "final_loss", "held_out_accuracy", "steps")
+        },
+        "process_model": {
+            k: manifests["process"].get(k)
+            for k in ("examples", "first_loss", "final_loss", "held_out_accuracy", "steps", "step_labels")
+        },
+        "strategies": {
+            "best_of_n (outcome RM)": result["strategies"]["best_of_n"],
+            "step_beam_search (process RM)": result["strategies"]["step_beam_search"],
+        },
+    }
+    for name, rows in out["learned_scorers"]["strategies"].items():
+        for n, row in rows.items():
+            print(f"{name:<32} {n:>4} {row['accuracy']:>9.2f} {row['tokens_per_problem']:>15.1f}")
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    both = {
+        "problems": out["result"]["problems"],
+        "strategies": {**out["result"]["strategies"], **out["learned_scorers"]["strategies"]},
+    }
+    plot(both, str(RESULTS / "test_time_compute.png"))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

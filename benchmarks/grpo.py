@@ -54,9 +54,12 @@ def problems(path: Path, n: int, avoid: set[str], seed: int) -> None:
 
 def held_out_curve(run: Path, held_out: str, limit: int) -> list[dict]:
     """Greedy verified accuracy on the held-out split of every checkpoint the run kept."""
+    import torch
+
     from lmfoundry.clients.checkpoint import CheckpointModel
     from lmfoundry.eval.reasoning import ReasoningConfig, run_reasoning
 
+    torch.set_num_threads(1)  # as test_time_compute.py: one thread decodes faster on a shared machine
     suite = ReasoningConfig(problems=held_out, limit=limit, strategies=["greedy"], max_tokens=MAX_TOKENS)
     points = []
     for ckpt in sorted((run / "checkpoints").glob("step-*")):

@@ -129,6 +129,7 @@ def main() -> None:
     )
     args = p.parse_args()
 
+    import torch
     from lifecycle import machine
 
     from lmfoundry.clients.checkpoint import CheckpointModel
@@ -168,6 +169,9 @@ def main() -> None:
         max_tokens=48,
         max_steps=6,
     )
+    # one thread: on a shared, oversubscribed machine two threads decode this small model several
+    # times slower than one (each waits for the other at every matmul)
+    torch.set_num_threads(1)
     model = CheckpointModel(checkpoint.resolve(str(work / "model")))
     if args.learned_scorers:
         learned(args, work, cfg, model, seen)

@@ -118,6 +118,7 @@ def main() -> None:
     p.add_argument("--problems", type=int, default=100, help="held-out problems")
     p.add_argument("--samples", default="1,4,16,64")
     p.add_argument("--strategies", default="greedy,majority_vote,best_of_n,step_beam_search")
+    p.add_argument("--more-steps", type=int, default=0, help="then continue pretraining for this many steps")
     p.add_argument("--workdir", default=None, help="keep the corpus, model and report here")
     p.add_argument(
         "--learned-scorers",
@@ -166,6 +167,25 @@ def main() -> None:
             )
         )
     )
+    policy = work / "model"
+    continued = None
+    if args.more_steps:  # continued pretraining of the same model on the same corpus, larger batches
+        policy = work / "model_more"
+        if not storage.is_committed(str(policy)):
+            init_ray()
+        continued = storage.read_manifest(str(policy)) if storage.is_committed(str(policy)) else run_pretrain(
+            PretrainConfig(
+                data=str(work / "packed"),
+                init_from=str(work / "model"),
+                output=str(policy),
+                parallelism={"num_workers": 2, "zero_stage": 2},
+                batch={"micro_batch_size": 32, "global_batch_tokens": 2 * 32 * 128},
+                schedule={"max_steps": args.more_steps, "warmup_steps": max(1, args.more_steps // 20)},
+                optimizer={"lr": 2e-3},
+                checkpointing={"every": args.more_steps},
+                logging={"every": max(1, args.more_steps // 10)},
+            )
+        )  # fmt: skip
     problems = held_out(work / "held_out.jsonl", args.problems, seen, seed=1)
     cfg = ReasoningConfig(
         problems=str(work / "held_out.jsonl"),
@@ -178,9 +198,9 @@ def main() -> None:
     # one thread: on a shared, oversubscribed machine two threads decode this small model several
     # times slower than one (each waits for the other at every matmul)
     torch.set_num_threads(1)
-    model = CheckpointModel(checkpoint.resolve(str(work / "model")))
+    model = CheckpointModel(checkpoint.resolve(str(policy)))
     if args.learned_scorers:
-        learned(args, work, cfg, model, seen)
+        learned(args, work, policy, cfg, model, seen)
         return
     started = time.perf_counter()
     result = run_reasoning(model, cfg)
@@ -210,6 +230,9 @@ def main() -> None:
             "model": manifest["model"],
             "seconds": manifest["seconds"],  # of the pretraining run, also when a kept workdir skipped it
             "tokens_seen": manifest["tokens_seen"],
+            "continued": None
+            if continued is None
+            else {k: continued[k] for k in ("steps", "first_loss", "final_loss", "seconds", "tokens_seen")},
         },
         "held_out_problems": problems,
         "eval_seconds": round(eval_seconds, 1),
@@ -222,14 +245,14 @@ def main() -> None:
     print(f"wrote {RESULTS / 'test_time_compute.json'}")
 
 
-def learned(args, work: Path, cfg, model, seen: set[str]) -> None:
+def learned(args, work: Path, policy: Path, cfg, model, seen: set[str]) -> None:
     """best_of_n with the outcome reward model and step_beam_search with the process reward model,
     added to the results file of an earlier run on the same workdir."""
     from lmfoundry.eval.reasoning import plot, run_reasoning
 
     held = {json.loads(line)["question"] for line in (work / "held_out.jsonl").read_text().splitlines()}
     started = time.perf_counter()
-    orm, prm, manifests = reward_models(work, str(work / "model"), seen | held, args.learned_scorers, 60)
+    orm, prm, manifests = reward_models(work, str(policy), seen | held, args.learned_scorers, 60)
     train_seconds = time.perf_counter() - started
     cfg = cfg.model_copy(update={"strategies": ["best_of_n", "step_beam_search"], "scorer": orm, "step_scorer": prm})
     started = time.perf_counter()

@@ -546,8 +546,8 @@ class LLMServer:
         max_tokens = min(prompt.budget, spec.budget_tokens)  # per sample (per step of a beam search)
         # the prompt and the budget, which a strategy overshoots by at most one round
         charged = len(prompt.ids) + spec.budget_tokens + bound * max_tokens
+        params = sampling_params(req, engine.vocab_size, stop)  # its 400s before the tenant is charged
         await self._admit(tenant, charged)
-        params = sampling_params(req, engine.vocab_size, stop)
         seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "big")
         sampler = EngineSampler(engine, asyncio.get_running_loop(), params, time.monotonic() + self.timeout_s)
         try:

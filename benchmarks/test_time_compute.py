@@ -202,6 +202,7 @@ def main() -> None:
     if args.learned_scorers:
         learned(args, work, policy, cfg, model, seen)
         return
+    load_at_start = os.getloadavg()[0]
     started = time.perf_counter()
     result = run_reasoning(model, cfg)
     eval_seconds = time.perf_counter() - started
@@ -222,6 +223,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(["python", "benchmarks/test_time_compute.py", *sys.argv[1:]]),
         "machine": machine(),
+        "load_average_1min_at_eval_start": round(load_at_start, 1),  # the machine may be shared
         "load_average_1min_at_end": round(os.getloadavg()[0], 1),
         "training": {
             "documents": args.documents,

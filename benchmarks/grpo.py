@@ -229,7 +229,7 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-    from lifecycle import machine
+    from lifecycle import machine, recorded_command
 
     from lmfoundry.platform.ray_env import init_ray
 
@@ -266,7 +266,7 @@ def main() -> None:
     out = {
         "benchmark": "grpo",
         "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["python", "benchmarks/grpo.py", *sys.argv[1:]]),
+        "command": recorded_command("benchmarks/grpo.py"),
         "machine": machine(),
         "shared_machine_load_average_1min": {
             "before": round(load_before[0], 1),

@@ -131,7 +131,7 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-    from lifecycle import machine
+    from lifecycle import machine, recorded_command
 
     from lmfoundry.clients.checkpoint import CheckpointModel
     from lmfoundry.data.pack import PackConfig, run_pack
@@ -221,7 +221,7 @@ def main() -> None:
     out = {
         "benchmark": "test_time_compute",
         "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["python", "benchmarks/test_time_compute.py", *sys.argv[1:]]),
+        "command": recorded_command("benchmarks/test_time_compute.py"),
         "machine": machine(),
         "load_average_1min_at_eval_start": round(load_at_start, 1),  # the machine may be shared
         "load_average_1min_at_end": round(os.getloadavg()[0], 1),
@@ -250,6 +250,8 @@ def main() -> None:
 def learned(args, work: Path, policy: Path, cfg, model, seen: set[str]) -> None:
     """best_of_n with the outcome reward model and step_beam_search with the process reward model,
     added to the results file of an earlier run on the same workdir."""
+    from lifecycle import recorded_command
+
     from lmfoundry.eval.reasoning import plot, run_reasoning
 
     held = {json.loads(line)["question"] for line in (work / "held_out.jsonl").read_text().splitlines()}
@@ -262,7 +264,7 @@ def learned(args, work: Path, policy: Path, cfg, model, seen: set[str]) -> None:
     path = RESULTS / "test_time_compute.json"
     out = json.loads(path.read_text())
     out["learned_scorers"] = {
-        "command": " ".join(["python", "benchmarks/test_time_compute.py", *sys.argv[1:]]),
+        "command": recorded_command("benchmarks/test_time_compute.py"),
         "load_average_1min_at_end": round(os.getloadavg()[0], 1),
         "reward_model_training_seconds": round(train_seconds, 1),
         "eval_seconds": round(time.perf_counter() - started, 1),

@@ -226,6 +226,7 @@ def main() -> None:
     p.add_argument("--trl-steps", type=int, default=6, help="GRPOTrainer steps, for its step time")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--workdir", required=True)
+    p.add_argument("--results-name", default="grpo", help="benchmarks/results/NAME.json and NAME.png")
     args = p.parse_args()
 
     import torch
@@ -303,9 +304,9 @@ def main() -> None:
         "reward_per_step": [round(h["reward"], 4) for h in history],
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "grpo.json").write_text(json.dumps(out, indent=2) + "\n")
-    plot(history, curve, before, RESULTS / "grpo.png")
-    print(f"wrote {RESULTS / 'grpo.json'}")
+    (RESULTS / f"{args.results_name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(history, curve, before, RESULTS / f"{args.results_name}.png")
+    print(f"wrote {RESULTS / args.results_name}.json")
 
 
 if __name__ == "__main__":

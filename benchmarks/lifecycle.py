@@ -37,6 +37,19 @@ def machine() -> dict:
     }
 
 
+def recorded_command(script: str) -> str:
+    """The command line as a results file records it: a path given to an option is written as the
+    option's name (`--workdir WORKDIR`), so that no machine's paths enter the results."""
+    import sys
+
+    args = sys.argv[1:]
+    shown = [
+        args[i - 1][2:].upper().replace("-", "_") if i and args[i - 1].startswith("--") and "/" in a else a
+        for i, a in enumerate(args)
+    ]
+    return " ".join(["python", script, *shown])
+
+
 def loss_history(run_dir: str) -> list[list[float]]:
     """Every logged step's [step, loss] of a finished pretraining run, from its final checkpoint."""
     from lmfoundry.platform import storage

@@ -377,7 +377,7 @@ def tiny_serving_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def inference_api(tiny_serving_checkpoint):
     """`.url` serves the inference app over HTTP (uvicorn in a thread; Ray Serve's proxy is left
-    out, so no Ray starts); `.use(guardrails)` puts a fresh replica behind it, built as the
+    out, so no Ray starts); `.use(guardrails, reward_models)` puts a fresh replica behind it, built as the
     deployment builds it. Serve's class-based routes find their replica through the replica
     context, which a Serve replica sets; here it is pointed at the replica made for the test."""
     import threading

@@ -462,3 +462,97 @@ def test_lm_evaluation_harness_local_chat_completions_gets_the_in_process_replie
         want = cut_at_stop(reply, gen_kwargs["until"])
         assert sample["resps"][0][0] == want
     assert all(sample["resps"][0][0].strip() for sample in samples)  # text, not blanks that match anything
+
+
+# ---- the `reasoning` extension of chat completions (serving/reasoning.py) ----
+
+MATHS = [{"role": "user", "content": "Compute (12 + 5) * 3."}]
+
+
+def test_a_plain_chat_request_is_answered_as_without_the_reasoning_extension(inference_api, client, model):
+    """No `reasoning` (or null): greedy decoding of the rendered chat, and usage as before."""
+    net, _ = model
+    ids = post(inference_api, "/tokenize", {"messages": MATHS}).json()["tokens"]
+    expected = greedy(net, ids, 12)
+    _, tok = model
+    for extra in ({}, {"reasoning": None}):
+        raw = post(
+            inference_api, "/v1/chat/completions", {"messages": MATHS, "max_tokens": 12, "temperature": 0, **extra}
+        )
+        body = raw.json()
+        assert "reasoning" not in body
+        assert body["choices"][0]["message"]["content"] == tok.decode(expected)
+        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12}
+
+
+def test_majority_samples_are_engine_requests_and_usage_counts_every_token(inference_api, client):
+    """The n samples of one round are the same engine requests as a completions request with n
+    choices (seed + i each): the same texts, and usage counts all their tokens."""
+    ids = post(inference_api, "/tokenize", {"messages": MATHS}).json()["tokens"]
+    reasoning = {"strategy": "majority", "n": 4, "budget_tokens": 32}
+    reply = client.chat.completions.create(
+        model="tiny", messages=MATHS, max_tokens=8, temperature=1.0, seed=7, extra_body={"reasoning": reasoning}
+    )
+    same = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.0, seed=7, n=4)
+    samples = [c.text for c in same.choices]
+    report = reply.model_extra["reasoning"]
+    assert report["strategy"] == "majority" and report["samples"] == 4 and report["scorer"] is None
+    assert reply.usage.completion_tokens == same.usage.completion_tokens
+    assert reply.usage.prompt_tokens == len(ids) == same.usage.prompt_tokens
+    assert reply.choices[0].message.content in samples  # a random model states no answer: the first sample
+    assert reply.choices[0].message.content == samples[0] and report["votes"] == {}
+    again = client.chat.completions.create(
+        model="tiny", messages=MATHS, max_tokens=8, temperature=1.0, seed=7, extra_body={"reasoning": reasoning}
+    )
+    assert again.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_best_of_n_and_step_beam_stay_within_their_token_budget(client):
+    """Sampling stops once the budget is spent: at most one round (n x max_tokens) over it."""
+    for reasoning, bound in (
+        ({"strategy": "best_of_n", "n": 8, "scorer": "verifier", "budget_tokens": 20}, 8),
+        ({"strategy": "weighted", "n": 8, "scorer": "verifier", "budget_tokens": 20}, 8),
+        ({"strategy": "step_beam", "beam_width": 2, "expand": 2, "max_steps": 3, "scorer": "verifier",
+          "budget_tokens": 40}, 2 * 2),
+    ):  # fmt: skip
+        reply = client.chat.completions.create(
+            model="tiny", messages=MATHS, max_tokens=8, seed=1, extra_body={"reasoning": reasoning}
+        )
+        report = reply.model_extra["reasoning"]
+        assert 0 < reply.usage.completion_tokens <= reasoning["budget_tokens"] + bound * 8, (reasoning, reply.usage)
+        assert report["strategy"] == reasoning["strategy"] and report["scorer"] == "verifier"
+        assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert report["samples"] >= 2  # the beam search sampled steps from at least one partial solution
+
+
+def test_a_served_reward_model_scores_best_of_n(inference_api, client, tiny_serving_checkpoint, tmp_path):
+    """A reward model named in the serve config is a scorer: best-of-N picks the sample it rates
+    highest, so its reply is among the samples and the choice is reproducible."""
+    from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
+    from lmfoundry.platform import checkpoint
+    from lmfoundry.train.reward import reward_model
+
+    torch.manual_seed(0)
+    rm = reward_model(tiny_serving_checkpoint)
+    torch.nn.init.normal_(rm.lm_head.weight)  # a new head scores 0 everywhere: give it an opinion
+    save_model_files(rm, tmp_path)
+    (tmp_path / TOKENIZER).write_text(Path(tiny_serving_checkpoint, TOKENIZER).read_text())
+    checkpoint.seal(tmp_path, {"step": 0})
+    inference_api.use(reward_models={"orm": str(tmp_path)})
+    try:
+        reasoning = {"strategy": "best_of_n", "n": 4, "scorer": "orm", "budget_tokens": 64}
+        kwargs = dict(model="tiny", messages=MATHS, max_tokens=8, seed=3, extra_body={"reasoning": reasoning})
+        reply, again = client.chat.completions.create(**kwargs), client.chat.completions.create(**kwargs)
+        ids = post(inference_api, "/tokenize", {"messages": MATHS}).json()["tokens"]
+        samples = [
+            c.text for c in client.completions.create(model="tiny", prompt=ids, max_tokens=8, seed=3, n=4).choices
+        ]
+        from lmfoundry.clients.reward import RewardScorer
+
+        prompt = post(inference_api, "/detokenize", {"tokens": ids}).json()["prompt"]
+        scores = RewardScorer(str(tmp_path)).score(prompt, samples)
+        best = max(range(4), key=lambda i: (scores[i], -i))
+        assert reply.choices[0].message.content == samples[best] == again.choices[0].message.content
+        assert reply.model_extra["reasoning"]["scorer"] == "orm"
+    finally:
+        inference_api.use()

@@ -154,7 +154,7 @@ def test_reasoning_settings_and_problem_files_are_checked(tmp_path):
 
 def test_samples_decoded_together_equal_each_seed_decoded_alone(tmp_path):
     from lmfoundry.model.checkpoint import load_model_files
-    from lmfoundry.model.generate import generate, sample_many
+    from lmfoundry.model.generate import generate, sample_groups, sample_many
 
     make_checkpoint(tmp_path / "ckpt")
     model = load_model_files(str(tmp_path / "ckpt"))
@@ -167,3 +167,9 @@ def test_samples_decoded_together_equal_each_seed_decoded_alone(tmp_path):
     assert all(len(g.tokens) == 3 and g.finish_reason == "stop" for g in cut)
     with pytest.raises(ValueError, match="2 seeds for 3 samples"):
         sample_many(model, prompt, 3, 10, 1.0, [1, 2])
+    # several prompts of different lengths in one batch (GRPO's groups): each group is what its
+    # prompt gives alone
+    prompts, seeds = [[5, 9], [4, 8, 1, 6, 2], [7]], [[1, 2], [3, 4], [5, 6]]
+    groups = sample_groups(model, prompts, 2, 8, 1.0, seeds, stop_tokens=frozenset({3}))
+    for p, s, group in zip(prompts, seeds, groups):
+        assert [g.tokens for g in group] == [g.tokens for g in sample_many(model, p, 2, 8, 1.0, s, frozenset({3}))]

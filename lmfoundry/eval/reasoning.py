@@ -60,27 +60,6 @@ def read_problems(path: str, limit: int) -> list[dict]:
     return problems
 
 
-class VerifierScorer:
-    """Scores a solution 1 when the verifier accepts its answer, else 0; a partial solution by
-    the fraction of its steps that hold."""
-
-    def __init__(self, problem: dict):
-        self.problem = problem
-
-    def score(self, prompt: str, solutions: list[str]) -> list[float]:
-        return [float(verifiers.verify({**self.problem, "answer": s}) is None) for s in solutions]
-
-    def score_steps(self, prompt: str, partials: list[list[str]]) -> list[float]:
-        scores = []
-        for steps in partials:
-            work = [s for s in steps if not s.startswith(verifiers.ANSWER_PREFIX.strip())]
-            held = [verifiers.step_is_correct(self.problem, s) for s in work]
-            answer = steps[-1] if steps[-1].startswith(verifiers.ANSWER_PREFIX.strip()) else None
-            right = answer is not None and verifiers.verify({**self.problem, "answer": answer}) is None
-            scores.append((sum(held) / len(held) if held else 0.0) * (1.0 if answer is None or right else 0.5))
-        return scores
-
-
 def open_scorers(cfg: ReasoningConfig) -> tuple[RewardScorer | None, RewardScorer | None]:
     """The reward models named in place of the verifier, loaded once."""
     from lmfoundry.platform import checkpoint
@@ -93,7 +72,7 @@ def open_scorers(cfg: ReasoningConfig) -> tuple[RewardScorer | None, RewardScore
 
 def solve(model, problem: dict, strategy: str, n: int, cfg: ReasoningConfig, scorers=(None, None)) -> test_time.Answer:
     prompt = problem["question"] + verifiers.STEP_DELIMITER
-    oracle = VerifierScorer(problem)
+    oracle = verifiers.VerifierScorer(problem)
     scorer = (scorers[1] or oracle) if strategy == "step_beam_search" else (scorers[0] or oracle)
     budget = n * cfg.max_tokens * (cfg.max_steps if strategy == "step_beam_search" else 1)
     common = dict(budget_tokens=budget, temperature=cfg.temperature, seed=cfg.seed)

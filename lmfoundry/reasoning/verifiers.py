@@ -25,9 +25,21 @@ from lmfoundry.safety.sandbox import run_python
 ANSWER_PREFIX = "Answer: "
 
 
+# What `_sympy` parses: sympify evaluates Python, and answers are model output (in serving, a user
+# can steer it): only numbers, x, operators and parentheses, short, with few powers (9**9**9**9
+# would never finish).
+_MATHS = re.compile(r"^[0-9x+\-*/^(). ]{1,128}$")
+_MAX_POWERS = 3
+
+
 def _sympy(text: str):
     import sympy
 
+    if not _MATHS.match(text) or text.replace("^", "**").count("**") > _MAX_POWERS:
+        raise ValueError(
+            f"not a mathematical expression: {text[:64]!r} (allowed: at most 128 characters of digits, x, "
+            f"+ - * / ^ . ( ) and spaces, with at most {_MAX_POWERS} powers)"
+        )
     try:
         return sympy.sympify(text.replace("^", "**"), evaluate=True)
     except (sympy.SympifyError, SyntaxError, TypeError, ValueError, AttributeError) as e:
@@ -250,3 +262,51 @@ def verify(sample: dict, sandbox_timeout_s: float = 10.0) -> str | None:
     if kind == "qa":
         return verify_qa(sample)
     raise ValueError(f"no verifier for kind {kind!r}; allowed: arithmetic, algebra, code, qa")
+
+
+# The questions of the synthetic maths tasks (align/synth.py), read back into the problem a
+# verifier checks: serving's `verifier` scorer gets the question from the user's message.
+_QUESTIONS = (
+    (re.compile(r"^Compute ([0-9+\-*() ]{1,96})\.$"), lambda m: {"kind": "arithmetic", "expression": m[1]}),
+    (
+        re.compile(r"^Solve for x: ([0-9x*+\-() ]{1,96}=[0-9x*+\-() ]{1,96})$"),
+        lambda m: {"kind": "algebra", "task": "solve", "equation": m[1]},
+    ),
+    (
+        re.compile(r"^Expand (\([0-9x*+\-() ]{1,96}\))\.$"),
+        lambda m: {"kind": "algebra", "task": "expand", "product": m[1]},
+    ),
+)
+QUESTION_FORMS = ("Compute EXPRESSION.", "Solve for x: EQUATION", "Expand (PRODUCT).")
+
+
+def problem_of(question: str) -> dict | None:
+    """The arithmetic or algebra problem a question in one of QUESTION_FORMS states, or None."""
+    text = question.strip()
+    for pattern, problem in _QUESTIONS:
+        match = pattern.match(text)
+        if match:
+            return {**problem(match), "question": text}
+    return None
+
+
+class VerifierScorer:
+    """A scorer of test-time search from the verifier of one problem: a solution scores 1 when
+    its answer verifies, else 0; a partial solution, by the fraction of its steps that hold (half
+    that when it ends in a wrong answer). An oracle: the upper bound of a learned reward model."""
+
+    def __init__(self, problem: dict):
+        self.problem = problem
+
+    def score(self, prompt: str, solutions: list[str]) -> list[float]:
+        return [float(verify({**self.problem, "answer": s}) is None) for s in solutions]
+
+    def score_steps(self, prompt: str, partials: list[list[str]]) -> list[float]:
+        scores = []
+        for steps in partials:
+            work = [s for s in steps if not s.startswith(ANSWER_PREFIX.strip())]
+            held = [step_is_correct(self.problem, s) for s in work]
+            answer = steps[-1] if steps[-1].startswith(ANSWER_PREFIX.strip()) else None
+            right = answer is not None and verify({**self.problem, "answer": answer}) is None
+            scores.append((sum(held) / len(held) if held else 0.0) * (1.0 if answer is None or right else 0.5))
+        return scores

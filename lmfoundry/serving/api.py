@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lmfoundry.clients.reward import RewardScorer
 from lmfoundry.platform import gate
 from lmfoundry.platform.gate import error
 from lmfoundry.platform.keys import Authenticator
@@ -43,9 +44,12 @@ from lmfoundry.serving.protocol import (
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
+    ReasoningChatCompletionResponse,
+    ReasoningReport,
     TokenizeRequest,
     Usage,
 )
+from lmfoundry.serving.reasoning import EngineSampler, ReasoningTimeout, sample_bound, scorer_for, solve
 from lmfoundry.serving.request_params import check_choice_count, for_choice, reply_schema, sampling_params
 from lmfoundry.serving.responses import chat_choice, chat_logprobs, completion_logprobs
 from lmfoundry.serving.sampling import SamplingParams
@@ -137,10 +141,16 @@ class LLMServer:
         env_key_roles: list[str] | None = None,
         tracing: dict | None = None,
         canary: dict | None = None,
+        reward_models: dict[str, str] | None = None,
     ):
         self.engines = {v["name"]: InferenceEngine(v["checkpoint"], device, **engine) for v in versions}
         # a tenant's prompts reuse only the tenant's own prefixes, unless the config shares them
         self.shared_prefixes = (engine.get("prefix_cache") or {}).get("scope") == "global"
+        # scorers the `reasoning` extension may name, by name (clients/reward.py refuses a policy)
+        self.reward_models = {
+            name: RewardScorer(path, "cpu" if device == "auto" else device)
+            for name, path in (reward_models or {}).items()
+        }
         self.split = SplitSource(
             list(self.engines), {v["name"]: v["weight"] for v in versions}, traffic_file, log=logger
         )
@@ -487,6 +497,8 @@ class LLMServer:
         stop = self._check_fields(req)
         engine = self.engines[version]
         prepared = self._prepare(engine, prompts, req, route, version, tenant)
+        if getattr(req, "reasoning", None) is not None:
+            return await self._reason(engine, prepared[0], req, stop, started, version, request)
         if len(prepared) * req.n > engine.batcher.max_waiting:  # could never be queued: not a 503 to retry
             raise ApiError(
                 400,
@@ -579,6 +591,69 @@ class LLMServer:
     @staticmethod
     def _timing(engine: str, started: float) -> dict:
         return {"server-timing": f"{engine}, app;dur={1000 * (time.perf_counter() - started):.2f}"}
+
+    async def _reason(self, engine, prompt: Prompt, req, stop: list[str], started: float, version: str, request):
+        """A chat reply chosen by test-time compute (serving/reasoning.py): every sample is an
+        engine request in the continuous batch; usage counts every token generated."""
+        spec, tenant = req.reasoning, self._tenant(request)
+        question = next((m.content for m in reversed(req.messages) if m.role == "user"), "") or ""
+        scorer = scorer_for(spec, question, self.reward_models)
+        bound = sample_bound(spec)
+        if bound > engine.batcher.max_waiting:  # one round could never be queued: not a 503 to retry
+            raise ApiError(
+                400,
+                f"reasoning asks for {bound} samples at once; this server queues at most {engine.batcher.max_waiting}",
+                param="reasoning.n" if spec.strategy != "step_beam" else "reasoning.beam_width",
+            )
+        max_tokens = min(prompt.budget, spec.budget_tokens)  # per sample (per step of a beam search)
+        # the prompt and the budget, which a strategy overshoots by at most one round
+        charged = len(prompt.ids) + spec.budget_tokens + bound * max_tokens
+        params = sampling_params(req, engine.vocab_size, stop)  # its 400s before the tenant is charged
+        await self._admit(tenant, charged)
+        seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "big")
+        sampler = EngineSampler(engine, asyncio.get_running_loop(), params, time.monotonic() + self.timeout_s)
+        try:
+            answer = await asyncio.to_thread(solve, sampler, spec, scorer, prompt.text, max_tokens, seed)
+        except ReasoningTimeout:
+            self._refund(tenant, charged)
+            raise ApiError(
+                408,
+                f"the reasoning request took longer than {self.timeout_s} s (request_timeout_s)",
+                "timeout_error",
+                code="request_timeout",
+            ) from None
+        except Overloaded as e:
+            self._refund(tenant, charged)
+            raise overloaded(f"the server is at capacity ({e})") from None
+        request.state.span.first_token(time.perf_counter() - started)
+        text, finish = answer.solution, "stop"
+        if self._output_blocked(text, version, tenant):
+            text, finish = "", "content_filter"
+        self.metrics.generated_tokens.labels(version=version, tenant=tenant).inc(answer.tokens)
+        self.metrics.prompt_tokens.labels(version=version, tenant=tenant).inc(len(prompt.ids))
+        self._refund(tenant, charged - len(prompt.ids) - answer.tokens)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        request.state.span.answered(rid, [finish], len(prompt.ids), answer.tokens)
+        reply = ReasoningChatCompletionResponse(
+            id=rid,
+            created=int(time.time()),
+            model=self.model_name,
+            system_fingerprint=version,
+            usage=Usage(
+                prompt_tokens=len(prompt.ids),
+                completion_tokens=answer.tokens,
+                total_tokens=len(prompt.ids) + answer.tokens,
+            ),
+            choices=[chat_choice(0, text, finish, [], False, True, None)],
+            reasoning=ReasoningReport(
+                strategy=spec.strategy,
+                scorer=spec.scorer,
+                samples=answer.samples,
+                answer=answer.answer if finish != "content_filter" else None,
+                votes=answer.votes if finish != "content_filter" else {},
+            ),
+        )
+        return JSONResponse(reply.model_dump())
 
     async def _stream_response(
         self, streams, req, chat: bool, tools, prompts, prompt_tokens: int, tenant, charged, started, version, request

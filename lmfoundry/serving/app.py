@@ -17,7 +17,7 @@ top of the same app.
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -111,6 +111,12 @@ class ServeConfig(ApiKeysConfig):
     force_gate_failed: bool = Field(False, description="serve checkpoints that failed their evaluation gate (logged)")
     tracing: TracingConfig = Field(TracingConfig(), description="a span per request (OTLP, JSON lines)")
     canary: CanaryConfig | None = Field(None, description="roll a worse canary back by itself (serving/canary.py)")
+    reward_models: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,32}$")], str] = Field(
+        {},
+        max_length=8,
+        description="name -> reward model checkpoint (lmfoundry reward): scorers that the `reasoning` "
+        "extension of chat completions may name, beside 'verifier'",
+    )
 
     @model_validator(mode="after")
     def _one_source_of_weights(self) -> ServeConfig:
@@ -127,6 +133,8 @@ class ServeConfig(ApiKeysConfig):
                 raise ValueError(f"canary: {unknown} not among the versions served, {names}")
             if not self.traffic_file:
                 raise ValueError("canary: needs traffic_file, where the rollback is written for every replica")
+        if "verifier" in self.reward_models:
+            raise ValueError("reward_models: 'verifier' names the built-in scorer; give the model another name")
         return self
 
     def served_versions(self) -> list[ModelVersion]:
@@ -144,6 +152,7 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
     ]  # a missing checkpoint fails here, not inside a replica
     for v in versions:  # and so does one that failed its evaluation gate, unless forced
         checkpoint.check_gate(v["checkpoint"], cfg.force_gate_failed, f"serve (version {v['name']})")
+    reward_models = {name: checkpoint.resolve(path) for name, path in cfg.reward_models.items()}
     limiter = limiter_deployment().bind(cfg.rate_limits.model_dump()) if cfg.rate_limits.limited() else None
     guardrails = cfg.guardrails.harm.model_dump() if cfg.guardrails.enabled else None
     scale = (
@@ -168,6 +177,7 @@ def build_app(cfg: ServeConfig, env_key_digests: list[str]):
         env_key_roles=cfg.api_keys_env_roles,
         tracing=cfg.tracing.model_dump(),
         canary=cfg.canary.model_dump() if cfg.canary else None,
+        reward_models=reward_models,
     )
 
 

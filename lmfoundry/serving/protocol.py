@@ -282,6 +282,42 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+# The `reasoning` extension of chat completions (serving/reasoning.py): what one request may ask for.
+REASONING_STRATEGIES = ("best_of_n", "majority", "weighted", "step_beam")
+MAX_REASONING_N = 64  # samples of best_of_n, majority and weighted
+MAX_BEAM_WIDTH = 8  # kept partial solutions of step_beam
+MAX_BEAM_EXPAND = 8  # next steps sampled from each of them
+MAX_BEAM_STEPS = 16
+MAX_REASONING_BUDGET = 32_768  # generated tokens, all samples together
+
+
+class Reasoning(BaseModel):
+    """Spend more generated tokens for a better reply: N samples (or a step-level beam search),
+    one reply chosen. Absent, a request is answered as without the extension."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: Literal["best_of_n", "majority", "weighted", "step_beam"]
+    n: int = Field(4, ge=1, le=MAX_REASONING_N, description="samples (best_of_n, majority, weighted)")
+    beam_width: int = Field(2, ge=1, le=MAX_BEAM_WIDTH, description="step_beam: partial solutions kept")
+    expand: int = Field(2, ge=1, le=MAX_BEAM_EXPAND, description="step_beam: next steps sampled from each")
+    max_steps: int = Field(8, ge=1, le=MAX_BEAM_STEPS, description="step_beam: steps of a solution at most")
+    scorer: str | None = Field(
+        None, max_length=64, description="'verifier' or a served reward model; majority takes none, the others one"
+    )
+    budget_tokens: int = Field(
+        ..., ge=1, le=MAX_REASONING_BUDGET, description="generated tokens at most, all samples together"
+    )
+
+    @model_validator(mode="after")
+    def _scorer_fits_the_strategy(self) -> Reasoning:
+        if self.strategy == "majority" and self.scorer is not None:
+            raise ValueError("reasoning.scorer: majority voting counts answers and takes no scorer")
+        if self.strategy != "majority" and self.scorer is None:
+            raise ValueError(f"reasoning.scorer: {self.strategy} needs a scorer ('verifier' or a served reward model)")
+        return self
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
@@ -290,6 +326,7 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool = True  # False: at most one call per reply
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    reasoning: Reasoning | None = None  # lmfoundry's extension: test-time compute (sent in extra_body)
 
     @model_validator(mode="after")
     def _check_lengths_and_logprobs(self) -> ChatCompletionRequest:
@@ -301,6 +338,24 @@ class ChatCompletionRequest(_Request):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_reasoning(self) -> ChatCompletionRequest:
+        """One reply is chosen from many samples: fields that shape several replies, a stream
+        or a reply's format do not combine with it."""
+        if self.reasoning is None:
+            return self
+        clashes = {
+            "n": self.n != 1,
+            "stream": self.stream,
+            "tools": bool(self.tools) and self.tool_choice != "none",
+            "response_format": self.reply_schema() is not None,
+            "logprobs": self.logprobs,
+        }
+        clash = next((name for name, set_ in clashes.items() if set_), None)
+        if clash is not None:
+            raise ValueError(f"reasoning does not combine with {clash}: it chooses one plain-text reply")
         return self
 
     @model_validator(mode="after")
@@ -396,6 +451,21 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None  # the model version that answered
     choices: list[ChatChoice]
     usage: Usage
+
+
+class ReasoningReport(BaseModel):
+    strategy: str
+    scorer: str | None
+    samples: int  # solutions (step_beam: steps) sampled
+    answer: str | None  # the reply's final answer ("Answer: ..."), when it states one
+    votes: dict[str, float]  # majority and weighted: final answer -> votes or summed scores
+
+
+class ReasoningChatCompletionResponse(ChatCompletionResponse):
+    """A `reasoning` request's reply: usage.completion_tokens counts every token every sample
+    generated, the chosen reply's and the discarded samples' alike."""
+
+    reasoning: ReasoningReport
 
 
 MAX_TOKENIZE_CHARS = 1 << 20  # text to /tokenize (the body limit usually binds first)

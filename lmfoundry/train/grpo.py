@@ -35,7 +35,7 @@ import torch
 from pydantic import Field, model_validator
 
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
-from lmfoundry.model.generate import sample_many
+from lmfoundry.model.generate import sample_groups
 from lmfoundry.model.tokenizer import SpecialTokens
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
@@ -138,16 +138,23 @@ def sample_seed(seed: int, epoch: int, index: int, problem: int) -> int:
 
 
 def rollouts(model, tokenizer, eos: int, stop_ids, problems: list[dict], seeds: list[int], cfg_dict: dict) -> list:
-    """For each problem: (prompt ids, [solution ids] x G). Runs on a learner or a rollout actor."""
-    out = []
-    for problem, seed in zip(problems, seeds):
-        prompt = tokenizer.encode(problem["question"] + verifiers.STEP_DELIMITER, add_special_tokens=False).ids or [eos]
-        g = cfg_dict["group_size"]
-        gens = sample_many(
-            model, prompt, g, cfg_dict["max_tokens"], cfg_dict["temperature"], [seed + j for j in range(g)], stop_ids
-        )
-        out.append((prompt, [gen.tokens for gen in gens]))
-    return out
+    """For each problem: (prompt ids, [solution ids] x G), every group decoded in one batch. Runs
+    on a learner or a rollout actor."""
+    g = cfg_dict["group_size"]
+    prompts = [
+        tokenizer.encode(p["question"] + verifiers.STEP_DELIMITER, add_special_tokens=False).ids or [eos]
+        for p in problems
+    ]
+    groups = sample_groups(
+        model,
+        prompts,
+        g,
+        cfg_dict["max_tokens"],
+        cfg_dict["temperature"],
+        [[seed + j for j in range(g)] for seed in seeds],
+        stop_ids,
+    )
+    return [(prompt, [gen.tokens for gen in gens]) for prompt, gens in zip(prompts, groups)]
 
 
 class RolloutWorker:
@@ -268,7 +275,9 @@ class GRPOObjective:
         return rewards, right
 
     def loss(self, engine, batch: list[tuple[int, int]]) -> tuple[torch.Tensor, dict]:
+        started = time.perf_counter()
         groups = self._rollouts(engine, batch)
+        rollout_s = time.perf_counter() - started
         rows, masks, rewards, right, lengths = [], [], [], [], []
         for (i, _), (prompt, solutions) in zip(batch, groups):
             r, ok = self.rewards(self.problems[i], prompt, solutions)
@@ -295,6 +304,11 @@ class GRPOObjective:
             reward=float(torch.tensor(rewards).mean()),
             accuracy=sum(right) / len(right),
             response_length=sum(lengths) / len(lengths),
+            # per micro-batch, for throughput: the rollout's time and generated tokens, and the
+            # tokens the learner runs forward and backward (prompt and solution, no padding)
+            rollout_s=rollout_s,
+            rollout_tokens=float(sum(lengths)),
+            learner_tokens=float(sum(map(len, rows))),
         )
         return loss, stats
 

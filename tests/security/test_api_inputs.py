@@ -279,6 +279,69 @@ def test_openai_fields_over_their_limits_are_400_naming_the_field(api, path, bod
     assert error["type"] == "invalid_request_error" and expected in error["message"], error
 
 
+MATHS = [{"role": "user", "content": "Compute (12 + 5) * 3."}]
+VOTE = {"strategy": "majority", "n": 2, "budget_tokens": 16}
+
+
+@pytest.mark.parametrize(
+    "reasoning, extra, param, expected",
+    [
+        ({**VOTE, "strategy": "mcts"}, {}, "reasoning.strategy", "'best_of_n', 'majority', 'weighted' or 'step_beam'"),
+        ({**VOTE, "n": 65}, {}, "reasoning.n", "less than or equal to 64"),
+        ({**VOTE, "n": 0}, {}, "reasoning.n", "greater than or equal to 1"),
+        ({**VOTE, "n": 10**40}, {}, "reasoning.n", "less than or equal to 64"),
+        ({**VOTE, "beam_width": 9}, {}, "reasoning.beam_width", "less than or equal to 8"),
+        ({**VOTE, "expand": 100}, {}, "reasoning.expand", "less than or equal to 8"),
+        ({**VOTE, "max_steps": 17}, {}, "reasoning.max_steps", "less than or equal to 16"),
+        ({**VOTE, "budget_tokens": 32_769}, {}, "reasoning.budget_tokens", "less than or equal to 32768"),
+        ({**VOTE, "budget_tokens": -1}, {}, "reasoning.budget_tokens", "greater than or equal to 1"),
+        ({"strategy": "majority", "n": 2}, {}, "reasoning.budget_tokens", "Field required"),
+        ({**VOTE, "budget_tokens": "lots"}, {}, "reasoning.budget_tokens", "valid integer"),
+        ({**VOTE, "temperature": 0}, {}, "reasoning.temperature", "Extra inputs are not permitted"),
+        ("best", {}, "reasoning", "valid dictionary"),
+        ({**VOTE, "scorer": "verifier"}, {}, "reasoning", "takes no scorer"),
+        ({**VOTE, "strategy": "best_of_n"}, {}, "reasoning", "needs a scorer"),
+        ({**VOTE, "strategy": "weighted", "scorer": "x" * 65}, {}, "reasoning.scorer", "at most 64 characters"),
+        ({**VOTE, "strategy": "best_of_n", "scorer": "gpt-judge"}, {}, "reasoning.scorer", "allowed: ['verifier']"),
+        ({**VOTE, "strategy": "step_beam", "scorer": "verifier"}, {"messages": HELLO}, "reasoning.scorer", "Compute"),
+        ({**VOTE, "n": 64}, {}, "reasoning.n", "queues at most 16"),
+        (
+            {"strategy": "step_beam", "beam_width": 8, "expand": 8, "scorer": "verifier", "budget_tokens": 16},
+            {},
+            "reasoning.beam_width",
+            "64 samples at once; this server queues at most 16",
+        ),
+        (VOTE, {"n": 2}, None, "does not combine with n"),
+        (VOTE, {"stream": True}, None, "does not combine with stream"),
+        (VOTE, {"logprobs": True}, None, "does not combine with logprobs"),
+        (VOTE, {"response_format": {"type": "json_object"}}, None, "does not combine with response_format"),
+    ],
+)
+def test_reasoning_out_of_range_or_unknown_is_400_naming_the_field(api, reasoning, extra, param, expected):
+    r = post(api, "/v1/chat/completions", {"messages": MATHS, "max_tokens": 4, "reasoning": reasoning, **extra})
+    assert r.status_code == 400, (reasoning, extra, r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and expected in error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_hostile_questions_and_answers_never_reach_sympy_as_code():
+    """The verifier scorer reads the question and the model's answers with sympy, which evaluates
+    Python: anything but short arithmetic is refused before it, and powers cannot explode."""
+    from lmfoundry.reasoning import verifiers
+
+    assert verifiers.problem_of("Compute __import__('os').system('true').") is None
+    assert verifiers.problem_of("Solve for x: 2*x + 1 = 5")["equation"] == "2*x + 1 = 5"
+    problem = verifiers.problem_of("Compute (12 + 5) * 3.")
+    assert verifiers.verify({**problem, "answer": "Answer: 51"}) is None
+    for answer in ("__import__('os').system('true')", "9**9**9**9**9", "x" * 200, "lambda: 1"):
+        started = time.perf_counter()
+        assert "not a mathematical expression" in verifiers.verify({**problem, "answer": f"Answer: {answer}"})
+        assert time.perf_counter() - started < 1.0
+    assert verifiers.VerifierScorer(problem).score_steps("", [["__import__('os') = 1"]]) == [0.0]
+
+
 def test_unimplemented_field_names_cannot_forge_or_flood_the_warning_header(api):
     """Ignored fields are named in a response header: names that are not plain identifiers
     (a CR LF that would start a header of its own, non-Latin-1 text a header cannot carry) and

@@ -57,6 +57,7 @@ def test_help_for_every_command_is_on_stdout_within_a_second_and_names_recipes_t
     for command in COMMANDS:
         r, cpu, imported = cli(command, "--help")
         assert r.returncode == 0 and r.stdout.startswith(f"usage: lmfoundry {command}"), (command, r.stderr[-2000:])
+        assert not imported, f"lmfoundry {command} --help imported {sorted(imported)}"
         assert cpu < 1.0, f"lmfoundry {command} --help took {cpu:.2f} CPU seconds"
         assert not imported - {"pyarrow"} if command in ("keys", "traffic") else not imported, (command, imported)
         recipes = re.findall(r"configs/[\w./-]+\.yaml", r.stdout)

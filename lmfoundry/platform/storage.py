@@ -12,9 +12,10 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow.fs as pafs
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
 
 MANIFEST = "_MANIFEST.json"
 
@@ -32,11 +33,18 @@ def normalize(uri: str) -> str:
     return str(Path(uri).expanduser().resolve())
 
 
+def _pafs():
+    """pyarrow.fs, imported on first use: `lmfoundry keys --help` must not wait for pyarrow."""
+    import pyarrow.fs
+
+    return pyarrow.fs
+
+
 def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     uri = normalize(uri)
     if is_remote(uri):
-        return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), uri
+        return _pafs().FileSystem.from_uri(uri)
+    return _pafs().LocalFileSystem(), uri
 
 
 def join(uri: str, *parts: str) -> str:
@@ -45,23 +53,23 @@ def join(uri: str, *parts: str) -> str:
 
 def exists(uri: str) -> bool:
     fs, path = filesystem(uri)
-    return fs.get_file_info(path).type != pafs.FileType.NotFound
+    return fs.get_file_info(path).type != _pafs().FileType.NotFound
 
 
 def list_files(uri: str, suffixes: tuple[str, ...] = ()) -> list[str]:
     """Files under `uri` (recursively), sorted, skipping hidden and underscore-prefixed names."""
     fs, path = filesystem(uri)
     info = fs.get_file_info(path)
-    if info.type == pafs.FileType.File:
+    if info.type == _pafs().FileType.File:
         return [normalize(uri)]
-    if info.type == pafs.FileType.NotFound:
+    if info.type == _pafs().FileType.NotFound:
         return []
-    found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    found = fs.get_file_info(_pafs().FileSelector(path, recursive=True))
     prefix = uri.split("://")[0] + "://" if is_remote(uri) else ""
     out = []
     for f in found:
         name = f.base_name
-        if f.type != pafs.FileType.File or name.startswith((".", "_")):
+        if f.type != _pafs().FileType.File or name.startswith((".", "_")):
             continue
         if suffixes and not name.endswith(suffixes):
             continue
@@ -118,23 +126,23 @@ def write_jsonl_atomic(uri: str, rows: list[dict]) -> None:
 
 def remove_dir(uri: str) -> None:
     fs, path = filesystem(uri)
-    if fs.get_file_info(path).type != pafs.FileType.NotFound:
+    if fs.get_file_info(path).type != _pafs().FileType.NotFound:
         fs.delete_dir(path)
 
 
 def remove_file(uri: str) -> None:
     fs, path = filesystem(uri)
-    if fs.get_file_info(path).type != pafs.FileType.NotFound:
+    if fs.get_file_info(path).type != _pafs().FileType.NotFound:
         fs.delete_file(path)
 
 
 def list_dirs(uri: str) -> list[str]:
     """Names of the directories directly under `uri`, sorted; none when it does not exist."""
     fs, path = filesystem(uri)
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+    if fs.get_file_info(path).type == _pafs().FileType.NotFound:
         return []
-    found = fs.get_file_info(pafs.FileSelector(path, recursive=False))
-    return sorted(f.base_name for f in found if f.type == pafs.FileType.Directory)
+    found = fs.get_file_info(_pafs().FileSelector(path, recursive=False))
+    return sorted(f.base_name for f in found if f.type == _pafs().FileType.Directory)
 
 
 def upload_file(local_path: str | os.PathLike, uri: str) -> None:

@@ -9,7 +9,9 @@ case the markers of the fixture it gets. A test that nothing marks is the unit t
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import sys
 import time
@@ -332,15 +334,20 @@ def ray_head():
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: the teardown can end every process of it
     )
     try:
         yield f"http://127.0.0.1:{dash}", env
     finally:
+        # SIGTERM lets `ray start` stop its processes one by one, a second's grace each (half a
+        # minute with Serve's actors up); what is left after a few seconds is killed together.
         head.terminate()
         try:
-            head.wait(timeout=60)
+            head.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            head.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=60)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

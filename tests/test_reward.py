@@ -1,6 +1,6 @@
 """Reward models: the losses on hand-computed examples, the data formats and their errors,
 automatic step labels, the scorer, and a process reward model trained on Ray Train + DeepSpeed
-from labels it made itself, through a killed worker."""
+from labels it made itself."""
 
 import json
 import math
@@ -99,9 +99,8 @@ def test_step_labels_come_from_completions_and_are_measured_against_the_truth():
     assert summary["true_steps_labelled_good"] == pytest.approx(2 / 3) and summary["false_steps_labelled_bad"] == 1.0
 
 
-def test_a_process_reward_model_trains_on_its_own_step_labels_through_a_killed_worker(
-    deepspeed_workers, pretrained, tmp_path
-):
+def test_a_process_reward_model_trains_on_its_own_step_labels(deepspeed_workers, pretrained, tmp_path):
+    # a killed worker's resume is the training skeleton's, drilled for pretraining, SFT, DPO and GRPO
     from lmfoundry.align import synth
     from lmfoundry.clients.reward import RewardScorer
     from lmfoundry.jobs.reward import RewardJobConfig, run_reward_job
@@ -118,9 +117,7 @@ def test_a_process_reward_model_trains_on_its_own_step_labels_through_a_killed_w
         schedule={"warmup_steps": 1, "max_steps": 8},
         batch={"micro_batch_size": 2, "global_batch_size": 4},
         parallelism={"num_workers": 2, "cpus_per_worker": 0.5},
-        checkpointing={"every": 2},
-        drills=[{"at_step": 5, "rank": 1}],
-        health={"max_failures": 2},
+        checkpointing={"every": 4},
         logging={"every": 1},
     )  # fmt: skip
     result = run_reward_job(cfg)
@@ -128,7 +125,6 @@ def test_a_process_reward_model_trains_on_its_own_step_labels_through_a_killed_w
     rows = [json.loads(line) for line in (run / "step_labels.jsonl").read_text().splitlines()]
     assert rows and all(len(r["labels"]) == len(r["steps"]) == len(r["true_labels"]) for r in rows)
     assert result["kind"] == "process" and result["step_labels"]["steps"] == sum(len(r["steps"]) for r in rows)
-    assert list((run / "_drills").iterdir())  # the worker was killed, and the run resumed
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == list(range(1, 9))
     assert result["final_loss"] < result["first_loss"]

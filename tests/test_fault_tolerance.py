@@ -96,15 +96,16 @@ def test_stragglers_are_named_by_rank_and_host():
 
 
 def test_killed_workers_resume_to_bitwise_equal_losses(deepspeed_workers, packed, pretrained, tmp_path):
-    """The session's reference run again, with rank 1 killed after step 15 and rank 0 killed
-    while step 30's checkpoint is being written: two restarts, resumed from steps 10 and 20."""
+    """The session's reference run again, with rank 0 killed while step 30's checkpoint is being
+    written: the half-written checkpoint is passed over and the run resumes from step 20. (A
+    worker killed between checkpoints is drilled in the SFT, DPO, GRPO and quickstart tests.)"""
     from lmfoundry.train.config import FaultDrill
     from lmfoundry.train.pretrain import run_pretrain
 
     out = tmp_path / "drilled"
-    drills = [FaultDrill(at_step=15, rank=1), FaultDrill(at_step=30, rank=0, during_save=True)]
-    manifest = run_pretrain(tiny_pretrain_config(packed[0], str(out), drills=drills, health={"max_failures": 2}))
-    assert len(list((out / "_drills").iterdir())) == 2  # both drills fired
+    drills = [FaultDrill(at_step=30, rank=0, during_save=True)]
+    manifest = run_pretrain(tiny_pretrain_config(packed[0], str(out), drills=drills, health={"max_failures": 1}))
+    assert len(list((out / "_drills").iterdir())) == 1  # the drill fired
     reference = [json.loads(line) for line in open(Path(pretrained[0]) / "metrics.jsonl")]
     drilled = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in drilled] == list(range(1, 41))  # every step once: none skipped or repeated
@@ -166,40 +167,25 @@ def test_a_nonfinite_gradient_skips_its_step_and_a_loss_spike_rolls_back(deepspe
 
 
 def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(deepspeed_workers, packed, tmp_path):
-    """ZeRO-3: each rank holds half the weights; the servable checkpoint gathers them, and a
-    run killed after step 6 resumes from step 4 to the uninterrupted run's losses; a run stopped
-    at step 4 finishes at 1 worker. ZeRO-2 with the optimizer offloaded gives the same losses."""
+    """ZeRO-3: each rank holds half the weights; the servable checkpoint gathers them, and a run
+    stopped at step 4 finishes at 1 worker (a killed ZeRO-3 run resuming at its own world size:
+    test_sft_ray's LoRA run). ZeRO-2 with the optimizer offloaded gives the same losses."""
     from safetensors.torch import load_file
 
     from lmfoundry.model.checkpoint import WEIGHTS, load_model_files
-    from lmfoundry.train.config import FaultDrill
     from lmfoundry.train.pretrain import run_pretrain
 
     settings = dict(
         parallelism={"zero_stage": 3}, schedule={"max_steps": 8, "warmup_steps": 2}, checkpointing={"every": 4}
     )
     clean = run_pretrain(tiny_pretrain_config(packed[0], str(tmp_path / "clean"), **settings))
-    drilled = run_pretrain(
-        tiny_pretrain_config(
-            packed[0],
-            str(tmp_path / "drilled"),
-            health={"max_failures": 1},
-            drills=[FaultDrill(at_step=6, rank=1)],
-            **settings,
-        )
-    )
-    rows = {
-        name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("clean", "drilled")
-    }
-    assert [r["step"] for r in rows["drilled"]] == list(range(1, 9))
-    assert [r["loss"] for r in rows["drilled"]] == [r["loss"] for r in rows["clean"]]
+    rows = {"clean": [json.loads(line) for line in open(tmp_path / "clean" / "metrics.jsonl")]}
     assert rows["clean"][-1]["loss"] < rows["clean"][0]["loss"]
     final = tmp_path / "clean" / clean["final_checkpoint"]
     model = load_model_files(final)  # whole weights, the shapes the config promises
     assert model.num_params() > 0
     weights = load_file(str(final / WEIGHTS))
     assert all(t.numel() > 0 for t in weights.values())
-    assert drilled["final_loss"] == clean["final_loss"]
     # stopped after step 4 at 2 workers, finished by 1 (the partitions regathered through a
     # universal checkpoint): the clean run's losses, up to the other summation order
     # the clean run as if it had stopped after step 4's checkpoint: its newest checkpoint and its

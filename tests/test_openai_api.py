@@ -350,7 +350,7 @@ def test_schema_fuzzing_of_every_route_finds_no_server_error(inference_api):
             "--checks",
             "not_a_server_error",
             "--max-examples",
-            "30",
+            "20",
             "--generation-deterministic",
             "--request-timeout",
             "60",

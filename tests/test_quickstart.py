@@ -24,11 +24,11 @@ def test_quickstart_runs_every_stage_in_a_bucket_through_a_killed_worker(own_ray
     cli = str(Path(sys.executable).with_name("lmfoundry"))
     settings = {
         "corpus.num_clean_docs": 250,
-        "pretrain.schedule.max_steps": 12,
+        "pretrain.schedule.max_steps": 8,
         "pretrain.schedule.warmup_steps": 2,
-        "pretrain.checkpointing.every": 6,
+        "pretrain.checkpointing.every": 4,
         "pretrain.logging.every": 1,
-        "pretrain.drills": "[{at_step: 8, rank: 1}]",  # SIGKILL after step 8: resume from step 6
+        "pretrain.drills": "[{at_step: 6, rank: 1}]",  # SIGKILL after step 6: resume from step 4
         "pretrain.health.max_failures": 1,
         "serve.port": free_port(),
         "serve.keys_file": f"{s3_bucket}/serve/keys.json",
@@ -52,7 +52,7 @@ def test_quickstart_runs_every_stage_in_a_bucket_through_a_killed_worker(own_ray
     assert storage.list_files(f"{work}/packed", (".parquet",))
     assert len(storage.list_files(f"{work}/pretrain/_drills")) == 1  # the kill happened
     steps = [row["step"] for row in storage.read_jsonl(f"{work}/pretrain/metrics.jsonl")]
-    assert steps == list(range(1, 13))  # resumed: every step once, none skipped or repeated
-    assert [s for s, _ in checkpoint.committed_checkpoints(f"{work}/pretrain")] == [6, 12]
+    assert steps == list(range(1, 9))  # resumed: every step once, none skipped or repeated
+    assert [s for s, _ in checkpoint.committed_checkpoints(f"{work}/pretrain")] == [4, 8]
     assert storage.list_files(f"{work}/eval", (".json",))
     assert [k["tenant"] for k in keys.read_store(f"{s3_bucket}/serve/keys.json")] == ["quickstart"]

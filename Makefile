@@ -36,7 +36,7 @@ lint: env
 # Bytecode first: where PYTHONDONTWRITEBYTECODE is set, every Ray worker would otherwise compile
 # the package anew (about 0.4 s of CPU each, hundreds of workers in a run of the suite).
 test: env lint
-	$(PY) -m compileall -q lmfoundry tests benchmarks >/dev/null
+	$(PY) -m compileall -q lmfoundry tests benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 

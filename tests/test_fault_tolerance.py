@@ -1,8 +1,9 @@
 """Checkpoints that survive crashes, and training that survives killed workers.
 
 Unit tests of the checkpoint store (atomic commit, retention, corruption), then fault drills on
-2 real DeepSpeed workers under Ray Train: workers killed with SIGKILL mid-run and mid-save
-resume to losses bitwise equal to the uninterrupted session run, and a crash loop ends FAILED.
+real DeepSpeed workers under Ray Train: a worker killed with SIGKILL mid-save resumes to losses
+bitwise equal to the uninterrupted session run, a crash loop ends FAILED, a ZeRO-3 run resumes at
+another world size, and an elastic run shrinks and grows back.
 """
 
 from __future__ import annotations
@@ -166,7 +167,9 @@ def test_a_nonfinite_gradient_skips_its_step_and_a_loss_spike_rolls_back(deepspe
     assert manifest["final_loss"] < manifest["first_loss"] - 0.5
 
 
-def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_bitwise(deepspeed_workers, packed, tmp_path):
+def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_at_another_size(
+    deepspeed_workers, packed, tmp_path
+):
     """ZeRO-3: each rank holds half the weights; the servable checkpoint gathers them, and a run
     stopped at step 4 finishes at 1 worker (a killed ZeRO-3 run resuming at its own world size:
     test_sft_ray's LoRA run). ZeRO-2 with the optimizer offloaded gives the same losses."""

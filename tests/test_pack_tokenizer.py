@@ -20,3 +20,19 @@ def test_token_byte_lengths_sum_to_the_utf8_length_of_any_text():
 def test_vocab_too_small_for_byte_level_is_a_clear_error():
     with pytest.raises(ValueError, match="at least 259"):
         train_bpe(TEXT, vocab_size=100)
+
+
+def test_a_copyable_tokenizer_gives_a_word_or_number_the_same_ids_wherever_it_stands():
+    """Spaces and digits are tokens of their own: the name in a question, a SQL string and an
+    answer, or an order number after a space and after '=', are the same ids; text still round-trips."""
+    texts = ["What did globex spend? customer='globex' globex spent 1075.25 order 17 id=17"] * 40 + TEXT
+    tok = train_bpe(texts, vocab_size=400, copyable=True)
+    ids = lambda s: tok.encode(s).ids  # noqa: E731
+    for word in ("globex", "1075.25", "17"):
+        alone = ids(word)
+        for context in (f"What did {word} spend?", f"customer='{word}'", f'"{word} spent"', f"id={word}"):
+            whole = ids(context)
+            assert any(whole[i : i + len(alone)] == alone for i in range(len(whole))), (word, context)
+    assert all(len(tok.id_to_token(i)) == 1 for i in ids("1075"))
+    for text in TEXT[:2] + ["unseen:  Ωμέγα\tß 0042"]:
+        assert tok.decode(ids(text)) == text

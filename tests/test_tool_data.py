@@ -57,16 +57,19 @@ def test_the_same_inputs_give_the_same_bytes(made, demo):
 
 
 def expected_facts(db, docs: dict, intent: str, v: dict) -> list[str]:
-    """What the answer must say, asked of the database here, not through the generator."""
+    """What the answer must say, asked of the database here, not through the generator (numbers
+    as the tool's JSON shows them)."""
     one = lambda sql, *args: db.execute(sql, args).fetchone()  # noqa: E731
     if intent == "spend":
-        return [f"{one('SELECT SUM(total) FROM orders WHERE customer = ?', v['customer'])[0]:.2f}"]
+        return [json.dumps(one("SELECT SUM(total) FROM orders WHERE customer = ?", v["customer"])[0])]
     if intent == "count":
         return [str(one("SELECT COUNT(*) FROM orders WHERE customer = ?", v["customer"])[0])]
     if intent == "items":
         return [r[0] for r in db.execute("SELECT item FROM orders WHERE customer = ?", (v["customer"],))]
     if intent == "paid":
-        return [f"{one('SELECT total FROM orders WHERE customer = ? AND item = ?', v['customer'], v['item'])[0]:.2f}"]
+        return [
+            json.dumps(one("SELECT total FROM orders WHERE customer = ? AND item = ?", v["customer"], v["item"])[0])
+        ]
     status, item, customer = one("SELECT status, item, customer FROM orders WHERE id = ?", v["order"])
     if intent == "status":
         return [status]
@@ -151,6 +154,41 @@ def test_a_conversation_renders_as_the_agent_service_prompts_the_model(made):
         names = [t["function"]["name"] for t in row["tools"]]
         calls, _ = parse_tool_calls(reply, names, forced=True)
         assert [(c.name, c.arguments) for c in calls] == [(call["name"], json.loads(call["arguments"]))]
+
+
+def test_practice_customers_train_on_their_own_database_and_never_see_a_held_out_row(demo, tmp_path):
+    """Invented customers widen the training split (so a model learns to read the name in the
+    question); their conversations ran against practice.sqlite, which holds the real training rows
+    and the invented ones, and no held-out customer's row or order id."""
+    cfg = ToolDataConfig(
+        workflows=demo["workflows"], output=str(tmp_path / "p"), train_size=300, test_size=30, practice_customers=40
+    )
+    card = run_tool_data(cfg)
+    practice = sqlite3.connect(tmp_path / "p" / "practice.sqlite")
+    real = sqlite3.connect(demo["db"])
+    asked = read(tmp_path / "p" / "questions.jsonl")
+    test = [q for q in asked if q["split"] == "test"]
+    held = {q["values"]["customer"] for q in test if "customer" in q["values"]}
+    held_ids = {
+        r[0] for r in real.execute(f"SELECT id FROM orders WHERE customer IN ({','.join('?' * len(held))})", [*held])
+    }
+    practice_rows = practice.execute("SELECT id, customer FROM orders").fetchall()
+    assert not held & {c for _, c in practice_rows} and not held_ids & {i for i, _ in practice_rows}
+    invented = {c for _, c in practice_rows} - {r[0] for r in real.execute("SELECT customer FROM orders")}
+    assert len(invented) == 40
+    train_customers = {q["values"].get("customer") for q in asked if q["split"] == "train"} - {None}
+    assert len(train_customers & invented) > 20 and card["counts"]["train"]["customers"] == 40 + 7
+    # a training conversation's query gives, on the practice database, the rows the conversation shows
+    for row in read(tmp_path / "p" / "train.jsonl")[:50]:
+        call = row["messages"][2]["tool_calls"][0]
+        shown = json.loads(row["messages"][3]["content"].split("\n")[1])
+        assert shown["rows"] == [list(r) for r in practice.execute(json.loads(call["function"]["arguments"])["query"])]
+    # the test split still asks the real database
+    for row, q in zip(read(tmp_path / "p" / "test.jsonl"), test):
+        query = json.loads(row["messages"][2]["tool_calls"][0]["function"]["arguments"])["query"]
+        assert json.loads(row["messages"][3]["content"].split("\n")[1])["rows"] == [
+            list(r) for r in real.execute(query)
+        ], q
 
 
 def test_a_workflow_without_the_tools_is_refused(demo, tmp_path):

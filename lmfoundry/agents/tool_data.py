@@ -19,15 +19,24 @@ not through the tool. What fails goes to `rejected.jsonl` with the reason.
 The test split holds out phrasings (`test_phrasings` per intent) and values (a share of the
 customers, with their orders and items): no test question's template or customer, order or
 item row appears in a training conversation.
+
+A model trained on a handful of customers learns their names, not to read the name in the
+question: `practice_customers` adds that many invented customers, with orders of their own, to
+the training split. They live in a practice database (`practice.sqlite` in the output: the real
+database's training rows plus the invented ones, never a held-out row), which the training
+split's tools run against; the test split asks the real database about the held-out customers.
+Answers state numbers as the tool showed them, so the model copies them rather than reformats.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import re
 import sqlite3
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -54,6 +63,9 @@ class ToolDataConfig(StageConfig):
     test_size: int = Field(200, ge=1, le=1_000_000, description="at most this many test conversations")
     test_phrasings: int = Field(2, ge=1, description="phrasings of each intent held out for the test split")
     test_share: float = Field(0.3, gt=0, lt=1, description="share of the customers (and their orders) held out")
+    practice_customers: int = Field(
+        0, ge=0, le=10_000, description="invented customers (with orders) added to the training split only"
+    )
     seed: int = 0
     overwrite: bool = False
 
@@ -162,15 +174,16 @@ def first_sql(intent: str, v: dict) -> str:
     }[intent]
 
 
-def money(x: float) -> str:
-    return f"{x:.2f}"
+def shown(x: float | int) -> str:
+    """A number as the tool's JSON result shows it: the answer copies it."""
+    return json.dumps(x)
 
 
 def compose(intent: str, v: dict, rows: list[list]) -> str:
     """The final answer from the first call's rows (policy answers from two calls: `teach`)."""
     first = rows[0]
     if intent == "spend":
-        return f"{v['customer']} spent {money(first[0])} in total."
+        return f"{v['customer']} spent {shown(first[0])} in total."
     if intent == "count":
         return f"{v['customer']} has placed {first[0]} order{'s' if first[0] != 1 else ''}."
     if intent == "items":
@@ -183,7 +196,7 @@ def compose(intent: str, v: dict, rows: list[list]) -> str:
         totals = [total for item, total in rows if item == v["item"]]
         if not totals:
             raise toolkit.ToolError(f"no {v['item']} among the rows")
-        return f"{v['customer']} paid {money(totals[0])} for the {v['item']}."
+        return f"{v['customer']} paid {shown(totals[0])} for the {v['item']}."
     raise AssertionError(f"compose: {intent} answers from two calls")
 
 
@@ -315,23 +328,73 @@ def teach(wf: WorkflowConfig, registry: toolkit.ToolRegistry, guard: Guard, ques
 # --- the splits ---------------------------------------------------------------------------------------
 
 
-def split_values(ref: Reference, share: float, rng: random.Random) -> dict[str, dict[str, list]]:
-    """{split: {slot values}}: a share of the customers, with their orders and (customer, item)
-    rows, held out for the test split."""
+def held_out_customers(ref: Reference, share: float, rng: random.Random) -> set[str]:
     customers = sorted({o["customer"] for o in ref.orders})
     if len(customers) < 2:
         raise ValueError("tool-data needs orders from at least two customers to hold some out")
     rng.shuffle(customers)
-    held = set(customers[: min(len(customers) - 1, max(1, round(share * len(customers))))])
-    out = {}
-    for split, mine in (("train", lambda c: c not in held), ("test", lambda c: c in held)):
-        orders = [o for o in ref.orders if mine(o["customer"])]
-        out[split] = {
-            "customer": sorted({o["customer"] for o in orders}),
-            "order": [o["id"] for o in orders],
-            "customer_item": sorted({(o["customer"], o["item"]) for o in orders}),
-        }
-    return out
+    return set(customers[: min(len(customers) - 1, max(1, round(share * len(customers))))])
+
+
+def slot_values(orders: list[dict]) -> dict[str, list]:
+    return {
+        "customer": sorted({o["customer"] for o in orders}),
+        "order": [o["id"] for o in orders],
+        "customer_item": sorted({(o["customer"], o["item"]) for o in orders}),
+    }
+
+
+def invented_names(n: int, taken: set[str], rng: random.Random) -> list[str]:
+    """n lowercase names, none of them in `taken`: half pronounceable (two or three syllables),
+    half random letters, so that they break into many different tokens."""
+    onsets = "b c d f g h j k l m n p r s t v w z br dr gl gr kr pl st tr".split()
+    vowels, codas = "a e i o u y ai ou ee".split(), ("", "", "", "n", "r", "x", "s", "l", "ch", "ck")
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    names: set[str] = set()
+    while len(names) < n:
+        if len(names) % 2:
+            name = "".join(rng.choice(letters) for _ in range(rng.randint(4, 8)))
+        else:
+            syllables = (rng.choice(onsets) + rng.choice(vowels) for _ in range(rng.randint(2, 3)))
+            name = "".join(syllables) + rng.choice(codas)
+        if name not in taken:
+            names.add(name)
+    return sorted(names)
+
+
+def write_practice_db(path: str, ref: Reference, held: set[str], customers: int, rng: random.Random) -> None:
+    """The real database's training rows plus `customers` invented customers with one to five
+    orders each: items and statuses from the real rows, totals in their range (in quarters), ids
+    no real order has."""
+    kept = [o for o in ref.orders if o["customer"] not in held]
+    items = sorted({o["item"] for o in ref.orders})
+    statuses = [o["status"] for o in ref.orders]  # drawn as often as they occur
+    low, high = min(o["total"] for o in ref.orders), max(o["total"] for o in ref.orders)
+    taken = ref.vocabulary() | {w for o in ref.orders for w in re.findall(r"\w+", str(o["customer"]).lower())}
+    real_ids = {o["id"] for o in ref.orders}
+    next_id = iter(i for i in range(1, 10**9) if i not in real_ids)
+    invented = []
+    for name in invented_names(customers, taken, rng):
+        for item in rng.sample(items, rng.randint(1, min(5, len(items)))):
+            total = round(rng.uniform(low, high) * 4) / 4
+            invented.append({"id": 0, "customer": name, "item": item, "total": total, "status": rng.choice(statuses)})
+    ids = [next(next_id) for _ in invented]
+    rng.shuffle(ids)  # a customer's orders are not numbered in a row
+    for o, i in zip(invented, ids):
+        o["id"] = i
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, customer TEXT, item TEXT, total REAL, status TEXT)")
+        conn.executemany(
+            "INSERT INTO orders (id, customer, item, total, status) VALUES (:id, :customer, :item, :total, :status)",
+            kept + invented,
+        )
+        conn.commit()
+
+
+def on_database(wf: WorkflowConfig, dsn: str) -> WorkflowConfig:
+    """The workflow with its sql tool on another database."""
+    tools = {n: t.model_copy(update={"dsn": dsn}) if t.kind == "sql" else t for n, t in wf.tools.items()}
+    return wf.model_copy(update={"tools": tools})
 
 
 def split_phrasings(held: int, rng: random.Random) -> dict[str, dict[str, list[str]]]:
@@ -384,34 +447,46 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
         logger.info("tool-data: %s is already committed; skipping (set overwrite=true to redo)", out)
         return storage.read_json(storage.join(out, "card.json"))
     started = time.time()
-    rng = random.Random(cfg.seed)
-    values, phrasings = split_values(ref, cfg.test_share, rng), split_phrasings(cfg.test_phrasings, rng)
-    registry, guard = build_registry(wf), Guard(wf.secret_envs())
-    tools = registry.specs(list(wf.tools)) + [final_answer_spec(wf.max_answer_chars)]  # as the worker offers them
-    counts, rejected, asked = {}, [], []
-    for split, size in (("train", cfg.train_size), ("test", cfg.test_size)):
-        kept = []
-        for q in questions(phrasings[split], values[split], size, rng):
-            try:
-                made = teach(wf, registry, guard, q)
-                reason = verify_answer(q["intent"], q["values"], made["answer"], ref)
-            except toolkit.ToolError as e:
-                made, reason = None, str(e)
-            if reason is None and len(made["answer"]) > wf.max_answer_chars:
-                reason = f"the answer is longer than the workflow's max_answer_chars={wf.max_answer_chars}"
-            if reason is not None:
-                rejected.append({"split": split, **q, "reason": reason})
-                continue
-            kept.append({"messages": made["messages"], "tools": tools})
-            asked.append({"split": split, **q, "answer": made["answer"]})
-        storage.write_jsonl_atomic(storage.join(out, f"{split}.jsonl"), kept)
-        counts[split] = {
-            "conversations": len(kept),
-            "by_intent": dict(sorted(Counter(q["intent"] for q in asked if q["split"] == split).items())),
-            "phrasings": sum(map(len, phrasings[split].values())),
-            "customers": len(values[split]["customer"]),
-            "orders": len(values[split]["order"]),
-        }
+    with tempfile.TemporaryDirectory(prefix="lmfoundry-tool-data-") as scratch:
+        rng = random.Random(cfg.seed)
+        held, phrasings = held_out_customers(ref, cfg.test_share, rng), split_phrasings(cfg.test_phrasings, rng)
+        train_wf = wf
+        if cfg.practice_customers:
+            practice = os.path.join(scratch, "practice.sqlite")
+            write_practice_db(practice, ref, held, cfg.practice_customers, rng)
+            storage.upload_file(practice, storage.join(out, "practice.sqlite"))
+            train_wf = on_database(wf, practice)
+        tools = build_registry(wf).specs(list(wf.tools)) + [
+            final_answer_spec(wf.max_answer_chars)
+        ]  # as the worker offers them
+        guard = Guard(wf.secret_envs())
+        counts, rejected, asked = {}, [], []
+        for split, size, split_wf in (("train", cfg.train_size, train_wf), ("test", cfg.test_size, wf)):
+            registry, split_ref = build_registry(split_wf), Reference.read(split_wf)
+            orders = [o for o in split_ref.orders if (o["customer"] in held) == (split == "test")]
+            values = slot_values(orders)
+            kept = []
+            for q in questions(phrasings[split], values, size, rng):
+                try:
+                    made = teach(split_wf, registry, guard, q)
+                    reason = verify_answer(q["intent"], q["values"], made["answer"], split_ref)
+                except toolkit.ToolError as e:
+                    made, reason = None, str(e)
+                if reason is None and len(made["answer"]) > wf.max_answer_chars:
+                    reason = f"the answer is longer than the workflow's max_answer_chars={wf.max_answer_chars}"
+                if reason is not None:
+                    rejected.append({"split": split, **q, "reason": reason})
+                    continue
+                kept.append({"messages": made["messages"], "tools": tools})
+                asked.append({"split": split, **q, "answer": made["answer"]})
+            storage.write_jsonl_atomic(storage.join(out, f"{split}.jsonl"), kept)
+            counts[split] = {
+                "conversations": len(kept),
+                "by_intent": dict(sorted(Counter(q["intent"] for q in asked if q["split"] == split).items())),
+                "phrasings": sum(map(len, phrasings[split].values())),
+                "customers": len(values["customer"]),
+                "orders": len(values["order"]),
+            }
     storage.write_jsonl_atomic(storage.join(out, "questions.jsonl"), asked)
     storage.write_jsonl_atomic(storage.join(out, "rejected.jsonl"), rejected)
     card = {
@@ -422,7 +497,8 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
         "seconds": round(time.time() - started, 2),
     }
     storage.write_json_atomic(storage.join(out, "card.json"), card)
-    fingerprint = storage.fingerprint(out, ["train.jsonl", "test.jsonl", "questions.jsonl", "rejected.jsonl"])
+    parts = ["train.jsonl", "test.jsonl", "questions.jsonl", "rejected.jsonl"]
+    fingerprint = storage.fingerprint(out, parts + (["practice.sqlite"] if cfg.practice_customers else []))
     storage.commit(out, "tool-data", {"card": "card.json", "counts": counts, "fingerprint": fingerprint})
     logger.info("tool-data: %s, %d rejected", counts, len(rejected))
     return {**card, "fingerprint": fingerprint}

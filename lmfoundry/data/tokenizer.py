@@ -13,14 +13,28 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, copyable: bool = False) -> Tokenizer:
+    """`copyable`: a word is the same tokens wherever it stands. Spaces are tokens of their own (no
+    merged " word" tokens) and digits are split one by one (as Llama's and DeepSeek's tokenizers
+    split them), so "globex" in a question, in a SQL string and in an answer, or 17 in "order 17"
+    and in "id=17", are the same ids: a small model can copy them. It costs more tokens per text."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(
             f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
             f"{256 + len(SPECIAL_TOKENS)} (256 bytes and the special tokens)"
         )
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if copyable:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(" ", behavior="isolated"),
+                pre_tokenizers.Digits(individual_digits=True),
+                byte_level,
+            ]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(

@@ -42,7 +42,7 @@ from lmfoundry.train.config import (
     TrainStageConfig,
 )
 from lmfoundry.train.engine import check_every_world_size
-from lmfoundry.train.launch import fit, run_config, scaling_config
+from lmfoundry.train.launch import open_run_dir, train_on_ray
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import start_texts
 
@@ -262,8 +262,6 @@ def dpo_loop(loop_config: dict) -> None:
 
 
 def run_dpo(cfg: DPOConfig) -> dict:
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
     final_dir = None
@@ -272,23 +270,12 @@ def run_dpo(cfg: DPOConfig) -> dict:
         pairs = read_pairs(cfg.pairs)  # fail now on a bad file, not inside the workers
         model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
         check_every_world_size(cfg, seq_len=1)
-        out = storage.normalize(cfg.output)
-        if storage.is_committed(out) and not cfg.overwrite:
-            logger.info("align: %s is already committed; skipping (set overwrite=true to redo)", out)
-            return storage.read_manifest(out)
-        if cfg.overwrite:
-            storage.remove_dir(out)
+        out, done = open_run_dir(cfg, "align")
+        if done:
+            return done
         started = time.time()
-        trainer = TorchTrainer(
-            dpo_loop,
-            train_loop_config={"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out},
-            scaling_config=scaling_config(cfg.parallelism),
-            torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
-            run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
-        )
-        fit(trainer, cfg.health.max_failures, "DPO")
-        final_uri = checkpoint.latest_valid(out)
-        final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
+        loop_config = {"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out}
+        final_uri, final, state = train_on_ray(dpo_loop, loop_config, cfg, out, "DPO")
         final_dir = checkpoint.local_copy(final_uri, model_only=True)
         encoder = PairEncoder(start_dir, cfg.max_seq_len or model_cfg["max_seq_len"])
         encoded = [encoder.encode(p) for p in pairs]
@@ -297,7 +284,6 @@ def run_dpo(cfg: DPOConfig) -> dict:
             "before": preference_accuracy(reference, reference, encoded, encoder.end, cfg.beta),
             "after": preference_accuracy(load_model_files(final_dir), reference, encoded, encoder.end, cfg.beta),
         }
-        state = storage.read_json(storage.join(final_uri, "train_state.json"))
         manifest = storage.commit(
             out,
             "align",

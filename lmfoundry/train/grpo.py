@@ -44,7 +44,7 @@ from lmfoundry.train import skeleton
 from lmfoundry.train.config import RewardBatchConfig, TrainStageConfig
 from lmfoundry.train.dpo import DPOCheckpointingConfig, DPOOptimizerConfig, DPOScheduleConfig
 from lmfoundry.train.engine import check_every_world_size
-from lmfoundry.train.launch import fit, run_config, scaling_config
+from lmfoundry.train.launch import open_run_dir, train_on_ray
 from lmfoundry.train.pretrain import start_texts
 
 logger = get_logger(__name__)
@@ -345,7 +345,6 @@ def start_pool(cfg: RLConfig, start_dir: str) -> list:
 
 def run_grpo(cfg: RLConfig) -> dict:
     import ray
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
@@ -355,30 +354,13 @@ def run_grpo(cfg: RLConfig) -> dict:
         problems = read_problems(cfg.problems)  # fail now on a bad file, not inside the workers
         json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
         check_every_world_size(cfg, seq_len=1)
-        out = storage.normalize(cfg.output)
-        if storage.is_committed(out) and not cfg.overwrite:
-            logger.info("rl: %s is already committed; skipping (set overwrite=true to redo)", out)
-            return storage.read_manifest(out)
-        if cfg.overwrite:
-            storage.remove_dir(out)
+        out, done = open_run_dir(cfg, "rl")
+        if done:
+            return done
         started = time.time()
         pool = start_pool(cfg, start_dir)
-        trainer = TorchTrainer(
-            grpo_loop,
-            train_loop_config={
-                "cfg": cfg.model_dump(mode="json"),
-                "start_dir": start_dir,
-                "run_dir": out,
-                "pool": pool,
-            },
-            scaling_config=scaling_config(cfg.parallelism),
-            torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
-            run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
-        )
-        fit(trainer, cfg.health.max_failures, "GRPO")
-        final_uri = checkpoint.latest_valid(out)
-        final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
-        state = storage.read_json(storage.join(final_uri, "train_state.json"))
+        loop_config = {"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out, "pool": pool}
+        _, final, state = train_on_ray(grpo_loop, loop_config, cfg, out, "GRPO")
         history = state["history"]
         return storage.commit(
             out,

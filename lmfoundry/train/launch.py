@@ -1,5 +1,6 @@
-"""Launching a training stage on Ray Train: the run directory as Ray's storage, the worker
-group's scaling and restarts, and a clear error when the restarts ran out."""
+"""Launching a training stage on Ray Train: the run directory (skipped when committed, cleared
+on overwrite, resumed when it holds checkpoints), the run directory as Ray's storage, the worker
+group's scaling and restarts, a clear error when the restarts ran out, and the final checkpoint."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import signal
 import threading
 from pathlib import PurePosixPath
 
-from lmfoundry.platform import storage
+from lmfoundry.platform import checkpoint, storage
+from lmfoundry.platform.log import get_logger
 from lmfoundry.platform.ray_env import cpu_worker_env
-from lmfoundry.train.config import ParallelismConfig
+from lmfoundry.train.config import ParallelismConfig, TrainStageConfig
+
+logger = get_logger(__name__)
 
 # What deterministic GPU training needs in the worker's environment before CUDA and NCCL start:
 # cuBLAS's fixed workspace (PyTorch's reproducibility notes) and one all-reduce algorithm (what
@@ -83,3 +87,40 @@ def scaling_config(par: ParallelismConfig):
         resources_per_worker=resources,
         elastic_resize_monitor_interval_s=par.elastic_resize_interval_s,
     )
+
+
+def open_run_dir(cfg: TrainStageConfig, stage: str) -> tuple[str, dict | None]:
+    """(the run directory, its manifest when it holds a committed run and overwrite is off: the
+    stage has nothing to do). With overwrite the directory is cleared; checkpoints of an
+    unfinished run are resumed by the workers."""
+    out = storage.normalize(cfg.output)
+    if storage.is_committed(out) and not cfg.overwrite:
+        logger.info("%s: %s is already committed; skipping (set overwrite=true to redo)", stage, out)
+        return out, storage.read_manifest(out)
+    if cfg.overwrite:
+        storage.remove_dir(out)
+    elif checkpoint.committed_checkpoints(out):
+        logger.info("%s: %s holds checkpoints of an unfinished run; resuming it", stage, out)
+    return out, None
+
+
+def train_on_ray(loop, loop_config: dict, cfg: TrainStageConfig, out: str, what: str) -> tuple[str, str, dict]:
+    """Run `loop` on a Ray Train worker group (cfg.parallelism; gloo on CPUs, NCCL on GPUs) with
+    up to cfg.health.max_failures restarts. Returns the newest valid checkpoint: its URI, its name
+    inside the run directory and its train_state.json."""
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    par = cfg.parallelism
+    trainer = TorchTrainer(
+        loop,
+        train_loop_config=loop_config,
+        scaling_config=scaling_config(par),
+        torch_config=TorchConfig(backend="nccl" if par.use_gpu else "gloo"),
+        run_config=run_config(out, cfg.health.max_failures, par.use_gpu, cfg.deterministic),
+    )
+    fit(trainer, cfg.health.max_failures, what)
+    final_uri = checkpoint.latest_valid(out)
+    if final_uri is None:
+        raise RuntimeError(f"{what} finished without a checkpoint")
+    final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
+    return final_uri, final, storage.read_json(storage.join(final_uri, "train_state.json"))

@@ -26,7 +26,7 @@ from lmfoundry.train import skeleton
 from lmfoundry.train.config import PretrainConfig
 from lmfoundry.train.engine import build_engine, check_every_world_size, deepspeed_config
 from lmfoundry.train.expert_parallel import shard_model
-from lmfoundry.train.launch import fit, run_config, scaling_config
+from lmfoundry.train.launch import open_run_dir, train_on_ray
 from lmfoundry.train.shards import SplitLayout, prefetched, rank_batches
 
 logger = get_logger(__name__)
@@ -199,8 +199,6 @@ def plot_loss(run_dir: str) -> None:
 
 
 def run_pretrain(cfg: PretrainConfig) -> dict:
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     data = storage.normalize(cfg.data)
     pack = storage.read_manifest(data)
     if pack.get("stage") != "pack":
@@ -218,14 +216,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             f"micro-batch (num_workers x micro_batch_size = {per_micro_step}); pack more text or "
             "lower batch.micro_batch_size"
         )
-    out = storage.normalize(cfg.output)
-    if storage.is_committed(out) and not cfg.overwrite:
-        logger.info("pretrain: %s is already committed; skipping (set overwrite=true to redo)", out)
-        return storage.read_manifest(out)
-    if cfg.overwrite:
-        storage.remove_dir(out)
-    elif checkpoint.committed_checkpoints(out):
-        logger.info("pretrain: %s holds checkpoints of an unfinished run; resuming it", out)
+    out, done = open_run_dir(cfg, "pretrain")
+    if done:
+        return done
     logger.info("pretrain: DeepSpeed config %s", deepspeed_config(cfg, cfg.parallelism.num_workers, seq_len))
 
     started = time.time()
@@ -238,25 +231,14 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             layout.per_group,
         )
     tokenizer_json = storage.read_bytes(storage.join(data, pack["tokenizer"])).decode()
-    trainer = TorchTrainer(
-        train_loop,
-        train_loop_config={
-            "cfg": cfg.model_dump(mode="json"),
-            "seq_len": seq_len,
-            "tokenizer_json": tokenizer_json,
-            "layout": dataclasses.asdict(layout),
-            "run_dir": out,
-        },
-        scaling_config=scaling_config(cfg.parallelism),
-        torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
-        run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
-    )
-    fit(trainer, cfg.health.max_failures, "pretraining")
-    final_uri = checkpoint.latest_valid(out)
-    if final_uri is None:
-        raise RuntimeError("pretraining finished without a checkpoint")
-    final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
-    state = storage.read_json(storage.join(out, final, "train_state.json"))
+    loop_config = {
+        "cfg": cfg.model_dump(mode="json"),
+        "seq_len": seq_len,
+        "tokenizer_json": tokenizer_json,
+        "layout": dataclasses.asdict(layout),
+        "run_dir": out,
+    }
+    _, final, state = train_on_ray(train_loop, loop_config, cfg, out, "pretraining")
     history = state["loss_history"]
     gate_action = storage.join(out, checkpoint.GATE_ACTION)
     stopped = storage.read_json(gate_action) if storage.exists(gate_action) else None

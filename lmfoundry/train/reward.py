@@ -44,7 +44,7 @@ from lmfoundry.train import skeleton
 from lmfoundry.train.config import RewardBatchConfig, TrainStageConfig
 from lmfoundry.train.dpo import DPOCheckpointingConfig, DPOOptimizerConfig, DPOScheduleConfig, PairEncoder
 from lmfoundry.train.engine import check_every_world_size
-from lmfoundry.train.launch import fit, run_config, scaling_config
+from lmfoundry.train.launch import open_run_dir, train_on_ray
 from lmfoundry.train.pretrain import start_texts
 
 logger = get_logger(__name__)
@@ -277,8 +277,6 @@ def reward_loop(loop_config: dict) -> None:
 
 
 def run_reward(cfg: RewardConfig) -> dict:
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
     final_dir = None
@@ -288,23 +286,12 @@ def run_reward(cfg: RewardConfig) -> dict:
         _, held_out = split(rows, cfg.validation_fraction, cfg.seed)
         model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
         check_every_world_size(cfg, seq_len=1)
-        out = storage.normalize(cfg.output)
-        if storage.is_committed(out) and not cfg.overwrite:
-            logger.info("reward: %s is already committed; skipping (set overwrite=true to redo)", out)
-            return storage.read_manifest(out)
-        if cfg.overwrite:
-            storage.remove_dir(out)
+        out, done = open_run_dir(cfg, "reward")
+        if done:
+            return done
         started = time.time()
-        trainer = TorchTrainer(
-            reward_loop,
-            train_loop_config={"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out},
-            scaling_config=scaling_config(cfg.parallelism),
-            torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
-            run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
-        )
-        fit(trainer, cfg.health.max_failures, "reward model training")
-        final_uri = checkpoint.latest_valid(out)
-        final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
+        loop_config = {"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out}
+        final_uri, final, state = train_on_ray(reward_loop, loop_config, cfg, out, "reward model training")
         final_dir = checkpoint.local_copy(final_uri, model_only=True)
         encoder = Encoder(start_dir, cfg.max_seq_len or model_cfg["max_seq_len"])
         for row in rows:  # counts what max_seq_len cut, over the whole file
@@ -314,7 +301,6 @@ def run_reward(cfg: RewardConfig) -> dict:
             "before": accuracy(reward_model(start_dir).eval(), encoded, encoder.eos),
             "after": accuracy(load_model_files(final_dir).eval(), encoded, encoder.eos),
         }
-        state = storage.read_json(storage.join(final_uri, "train_state.json"))
         manifest = storage.commit(
             out,
             "reward",

@@ -49,7 +49,7 @@ from lmfoundry.train.config import (
     TrainStageConfig,
 )
 from lmfoundry.train.engine import check_every_world_size
-from lmfoundry.train.launch import fit, run_config, scaling_config
+from lmfoundry.train.launch import open_run_dir, train_on_ray
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import plot_loss, start_texts
 from lmfoundry.train.sft_data import PAD_DOC, Packed, prepare
@@ -284,8 +284,6 @@ def assistant_loss(model, packed: Packed, batch: int = 16) -> float:
 
 
 def run_sft(cfg: SFTConfig) -> dict:
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
     final_dir = teacher_dir = teacher_uri = None
@@ -317,40 +315,24 @@ def run_sft(cfg: SFTConfig) -> dict:
                 seq_len,
                 report["skipped"],
             )
-        out = storage.normalize(cfg.output)
-        if storage.is_committed(out) and not cfg.overwrite:
-            logger.info("sft: %s is already committed; skipping (set overwrite=true to redo)", out)
-            return storage.read_manifest(out)
-        if cfg.overwrite:
-            storage.remove_dir(out)
-        elif checkpoint.committed_checkpoints(out):
-            logger.info("sft: %s holds checkpoints of an unfinished run; resuming it", out)
+        out, done = open_run_dir(cfg, "sft")
+        if done:
+            return done
         started = time.time()
-        trainer = TorchTrainer(
-            sft_loop,
-            train_loop_config={
-                # the workers run in another directory: a relative data path would name nothing there
-                "cfg": {**cfg.model_dump(mode="json"), "data": storage.normalize(cfg.data)},
-                "start_dir": start_dir,
-                "run_dir": out,
-                "adapter_base": adapter_base,
-                "teacher_dir": teacher_dir,
-            },
-            scaling_config=scaling_config(cfg.parallelism),
-            torch_config=TorchConfig(backend="nccl" if cfg.parallelism.use_gpu else "gloo"),
-            run_config=run_config(out, cfg.health.max_failures, cfg.parallelism.use_gpu, cfg.deterministic),
-        )
-        fit(trainer, cfg.health.max_failures, "SFT")
-        final_uri = checkpoint.latest_valid(out)
-        if final_uri is None:
-            raise RuntimeError("SFT finished without a checkpoint")
-        final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
+        loop_config = {
+            # the workers run in another directory: a relative data path would name nothing there
+            "cfg": {**cfg.model_dump(mode="json"), "data": storage.normalize(cfg.data)},
+            "start_dir": start_dir,
+            "run_dir": out,
+            "adapter_base": adapter_base,
+            "teacher_dir": teacher_dir,
+        }
+        final_uri, final, state = train_on_ray(sft_loop, loop_config, cfg, out, "SFT")
         final_dir = checkpoint.local_copy(final_uri, model_only=True)
         loss = {
             "before": assistant_loss(load_model_files(start_dir), packed),
             "after": assistant_loss(load_model_files(final_dir), packed),
         }
-        state = storage.read_json(storage.join(final_uri, "train_state.json"))
         gate_action = storage.join(out, checkpoint.GATE_ACTION)
         stopped = storage.read_json(gate_action) if storage.exists(gate_action) else None
         plot_loss(out)

@@ -191,6 +191,13 @@ def test_practice_customers_train_on_their_own_database_and_never_see_a_held_out
         ], q
 
 
+@pytest.mark.parametrize("bad", [-1, 10_001, "many", 2.5])
+def test_practice_customers_out_of_bounds_or_not_a_count_is_refused(demo, tmp_path, bad):
+    with pytest.raises(ValueError, match="practice_customers"):
+        ToolDataConfig(workflows=demo["workflows"], output=str(tmp_path / "x"), practice_customers=bad)
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_workflow_without_the_tools_is_refused(demo, tmp_path):
     spec = yaml.safe_load(open(demo["workflows"]))
     del spec["workflows"]["orders_and_docs"]["tools"]["docs"]

@@ -456,13 +456,14 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
             write_practice_db(practice, ref, held, cfg.practice_customers, rng)
             storage.upload_file(practice, storage.join(out, "practice.sqlite"))
             train_wf = on_database(wf, practice)
-        tools = build_registry(wf).specs(list(wf.tools)) + [
-            final_answer_spec(wf.max_answer_chars)
-        ]  # as the worker offers them
+        registries = {"train": build_registry(train_wf), "test": build_registry(wf)}
+        # the tools as the worker offers them (the same definitions on either database)
+        tools = registries["test"].specs(list(wf.tools)) + [final_answer_spec(wf.max_answer_chars)]
         guard = Guard(wf.secret_envs())
         counts, rejected, asked = {}, [], []
         for split, size, split_wf in (("train", cfg.train_size, train_wf), ("test", cfg.test_size, wf)):
-            registry, split_ref = build_registry(split_wf), Reference.read(split_wf)
+            registry = registries[split]
+            split_ref = ref if split_wf is wf else Reference.read(split_wf)
             orders = [o for o in split_ref.orders if (o["customer"] in held) == (split == "test")]
             values = slot_values(orders)
             kept = []

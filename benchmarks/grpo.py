@@ -34,8 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_time_compute import SOLUTION_TOKENS  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
-GROUP, MAX_TOKENS, TEMPERATURE, BETA = 8, 40, 1.0, 0.04
+GROUP, TEMPERATURE, BETA = 8, 1.0, 0.04
+MAX_TOKENS = SOLUTION_TOKENS  # the start's tokenizer writes an expansion in ~100 tokens
 WORKERS, PER_WORKER, PER_STEP = 2, 4, 8  # problems: per learner micro-batch, per optimizer step
 
 

@@ -7,8 +7,9 @@ search.
 
 1. `synth`'s generators write the training corpus: questions with their solutions in steps
    ("Compute (12 + 5) * 3." / "12 + 5 = 17" / "17 * 3 = 51" / "Answer: 51"), one document each;
-2. `pack` trains a small BPE tokenizer on it and packs it; `pretrain` trains a 4-layer decoder on
-   2 CPU workers (DeepSpeed ZeRO-2);
+2. `pack` trains a small BPE tokenizer on it (digits and spaces are tokens of their own:
+   `copyable_tokens`) and packs it; `pretrain` trains a 4-layer decoder on 2 CPU workers
+   (DeepSpeed ZeRO-2);
 3. held-out problems come from another seed, with every question seen in training removed;
 4. the reasoning suite (eval/reasoning.py) answers each at each sample count. The scorer of
    best-of-N and the step scorer of beam search is the verifier (an oracle: the upper bound of a
@@ -30,6 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# the longest solution, an expansion, is ~100 tokens: digits are tokens of their own (pack's
+# copyable_tokens), which the model needs to copy and combine numbers, and spaces too
+SOLUTION_TOKENS = 112
 
 
 def corpus(path: Path, n: int, seed: int) -> set[str]:
@@ -80,7 +84,7 @@ def reward_models(work: Path, policy: str, avoid: set[str], problems: int, steps
         labelled = []
         for i, problem in enumerate(rows):
             prompt = problem["question"] + verifiers.STEP_DELIMITER
-            for text, _ in model.continuations(prompt, 4, 48, 0.8, 1000 * i):
+            for text, _ in model.continuations(prompt, 4, SOLUTION_TOKENS, 0.8, 1000 * i):
                 answer = verifiers.answer_of(text)
                 right = answer is not None and verifiers.verify({**problem, "answer": answer}) is None
                 labelled.append({"prompt": prompt, "reply": text, "label": float(right)})
@@ -102,7 +106,7 @@ def reward_models(work: Path, policy: str, avoid: set[str], problems: int, steps
                 "limit": problems // 2,
                 "solutions": 2,
                 "completions": 4,
-                "max_tokens": 48,
+                "max_tokens": SOLUTION_TOKENS,
                 "threshold": 0.25,
             },  # fmt: skip
             **common,
@@ -149,7 +153,11 @@ def main() -> None:
     started = time.perf_counter()
     seen = corpus(work / "docs", args.documents, seed=0)
     if not trained:
-        run_pack(PackConfig(input=str(work / "docs"), output=str(work / "packed"), vocab_size=512, seq_len=128))
+        run_pack(
+            PackConfig(
+                input=str(work / "docs"), output=str(work / "packed"), vocab_size=512, seq_len=128, copyable_tokens=True
+            )
+        )
     manifest = (
         storage.read_manifest(str(work / "model"))
         if trained
@@ -192,7 +200,7 @@ def main() -> None:
         limit=problems,
         strategies=args.strategies.split(","),
         samples=[int(n) for n in args.samples.split(",")],
-        max_tokens=48,
+        max_tokens=SOLUTION_TOKENS,
         max_steps=6,
     )
     # one thread: on a shared, oversubscribed machine two threads decode this small model several

@@ -36,3 +36,22 @@ def test_a_copyable_tokenizer_gives_a_word_or_number_the_same_ids_wherever_it_st
     assert all(len(tok.id_to_token(i)) == 1 for i in ids("1075"))
     for text in TEXT[:2] + ["unseen:  Ωμέγα\tß 0042"]:
         assert tok.decode(ids(text)) == text
+
+
+def test_pack_trains_a_copyable_tokenizer_when_asked(ray_local, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    from lmfoundry.data.pack import PackConfig, run_pack
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    texts = [f"Compute {a} * {a + 1}.\n{a} * {a + 1} = {a * (a + 1)}" for a in range(10, 90)]
+    pq.write_table(pa.table({"id": [str(i) for i in range(len(texts))], "text": texts}), docs / "part-0.parquet")
+    for copyable in (False, True):
+        out = tmp_path / f"packed-{copyable}"
+        run_pack(PackConfig(input=str(docs), output=str(out), vocab_size=300, seq_len=16, copyable_tokens=copyable))
+        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+        digits_alone = all(len(tok.id_to_token(i)) == 1 for i in tok.encode("4567").ids)
+        assert digits_alone == copyable

@@ -52,6 +52,11 @@ class PackConfig(StageConfig):
     vocab_size: int = Field(4096, ge=259)
     tokenizer_train_docs: int = Field(100_000, ge=1, description="documents the tokenizer trains on")
     tokenizer: str | None = Field(None, description="a checkpoint whose tokenizer to use instead of training one")
+    copyable_tokens: bool = Field(
+        False,
+        description="train the BPE with spaces as tokens of their own and digits one by one, so a number or word is "
+        "the same ids wherever it stands (arithmetic, copying values); costs more tokens per text",
+    )
     seq_len: int = Field(256, ge=8, description="tokens per training sequence")
     val_fraction: float = Field(0.05, ge=0, lt=1)
     seed: int = Field(0, ge=0, description="orders the documents before they are joined and cut")
@@ -348,7 +353,7 @@ def run_pack(cfg: PackConfig) -> dict:
         logger.info(
             "pack: training a byte-level BPE (vocab %d) on up to %d documents", cfg.vocab_size, cfg.tokenizer_train_docs
         )
-        tok = train_bpe(tokenizer_sample(files, cfg, total), cfg.vocab_size)
+        tok = train_bpe(tokenizer_sample(files, cfg, total), cfg.vocab_size, copyable=cfg.copyable_tokens)
         tokenizer_json, eos, vocab_size = tok.to_str(), eos_id(tok), tok.get_vocab_size()
     storage.write_bytes_atomic(tokenizer_uri, tokenizer_json.encode())
     t = lap("tokenizer", t)

@@ -220,3 +220,21 @@ def test_a_key_in_both_its_old_and_new_place_is_an_error_naming_both(tmp_path):
         )
     with pytest.raises(ValueError, match="lr and optimizer.lr are both set"):
         DPOConfig(checkpoint="c", pairs="p", output="o", lr=1e-5, optimizer={"lr": 2e-5})
+
+
+def test_workers_get_the_data_paths_of_every_post_training_stage_made_absolute(tmp_path, monkeypatch):
+    """A Ray Train worker runs in a directory of its own: a data path relative to where the user
+    ran the command must reach it absolute; an object-store URI reaches it unchanged."""
+    from lmfoundry.train.dpo import DPOConfig
+    from lmfoundry.train.grpo import RLConfig
+    from lmfoundry.train.launch import worker_config
+    from lmfoundry.train.reward import RewardConfig
+    from lmfoundry.train.sft import SFTConfig
+
+    monkeypatch.chdir(tmp_path)
+    common = {"checkpoint": "ckpt", "output": "out"}
+    for cls, field in ((SFTConfig, "data"), (DPOConfig, "pairs"), (RewardConfig, "data"), (RLConfig, "problems")):
+        for given, expected in (("sub/rows.jsonl", str(tmp_path / "sub" / "rows.jsonl")), ("s3://b/rows.jsonl",) * 2):
+            cfg = cls(**{**common, field: given})
+            assert worker_config(cfg, field)[field] == expected, cls.__name__
+            assert cls.model_validate(worker_config(cfg, field)) is not None

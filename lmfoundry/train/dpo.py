@@ -42,7 +42,7 @@ from lmfoundry.train.config import (
     TrainStageConfig,
 )
 from lmfoundry.train.engine import check_every_world_size
-from lmfoundry.train.launch import open_run_dir, train_on_ray
+from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import start_texts
 
@@ -274,7 +274,7 @@ def run_dpo(cfg: DPOConfig) -> dict:
         if done:
             return done
         started = time.time()
-        loop_config = {"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out}
+        loop_config = {"cfg": worker_config(cfg, "pairs"), "start_dir": start_dir, "run_dir": out}
         final_uri, final, state = train_on_ray(dpo_loop, loop_config, cfg, out, "DPO")
         final_dir = checkpoint.local_copy(final_uri, model_only=True)
         encoder = PairEncoder(start_dir, cfg.max_seq_len or model_cfg["max_seq_len"])

@@ -44,7 +44,7 @@ from lmfoundry.train import skeleton
 from lmfoundry.train.config import RewardBatchConfig, TrainStageConfig
 from lmfoundry.train.dpo import DPOCheckpointingConfig, DPOOptimizerConfig, DPOScheduleConfig
 from lmfoundry.train.engine import check_every_world_size
-from lmfoundry.train.launch import open_run_dir, train_on_ray
+from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
 from lmfoundry.train.pretrain import start_texts
 
 logger = get_logger(__name__)
@@ -359,7 +359,7 @@ def run_grpo(cfg: RLConfig) -> dict:
             return done
         started = time.time()
         pool = start_pool(cfg, start_dir)
-        loop_config = {"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out, "pool": pool}
+        loop_config = {"cfg": worker_config(cfg, "problems"), "start_dir": start_dir, "run_dir": out, "pool": pool}
         _, final, state = train_on_ray(grpo_loop, loop_config, cfg, out, "GRPO")
         history = state["history"]
         return storage.commit(

@@ -23,6 +23,12 @@ logger = get_logger(__name__)
 DETERMINISTIC_GPU_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
 
 
+def worker_config(cfg: TrainStageConfig, *paths: str) -> dict:
+    """The config as the workers receive it, with the named fields' local paths made absolute: a
+    Ray worker runs in a directory of its own, where a path relative to the driver's is not there."""
+    return {**cfg.model_dump(mode="json"), **{field: storage.normalize(getattr(cfg, field)) for field in paths}}
+
+
 def worker_env(use_gpu: bool, deterministic: bool = False) -> dict[str, str]:
     """Environment variables for the training workers: the CPU allocator settings
     (ray_env.cpu_worker_env) on the CPU, the deterministic-kernel settings on GPUs when asked."""

@@ -44,7 +44,7 @@ from lmfoundry.train import skeleton
 from lmfoundry.train.config import RewardBatchConfig, TrainStageConfig
 from lmfoundry.train.dpo import DPOCheckpointingConfig, DPOOptimizerConfig, DPOScheduleConfig, PairEncoder
 from lmfoundry.train.engine import check_every_world_size
-from lmfoundry.train.launch import open_run_dir, train_on_ray
+from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
 from lmfoundry.train.pretrain import start_texts
 
 logger = get_logger(__name__)
@@ -290,7 +290,7 @@ def run_reward(cfg: RewardConfig) -> dict:
         if done:
             return done
         started = time.time()
-        loop_config = {"cfg": cfg.model_dump(mode="json"), "start_dir": start_dir, "run_dir": out}
+        loop_config = {"cfg": worker_config(cfg, "data"), "start_dir": start_dir, "run_dir": out}
         final_uri, final, state = train_on_ray(reward_loop, loop_config, cfg, out, "reward model training")
         final_dir = checkpoint.local_copy(final_uri, model_only=True)
         encoder = Encoder(start_dir, cfg.max_seq_len or model_cfg["max_seq_len"])

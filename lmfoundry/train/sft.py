@@ -49,7 +49,7 @@ from lmfoundry.train.config import (
     TrainStageConfig,
 )
 from lmfoundry.train.engine import check_every_world_size
-from lmfoundry.train.launch import open_run_dir, train_on_ray
+from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import plot_loss, start_texts
 from lmfoundry.train.sft_data import PAD_DOC, Packed, prepare
@@ -321,7 +321,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         started = time.time()
         loop_config = {
             # the workers run in another directory: a relative data path would name nothing there
-            "cfg": {**cfg.model_dump(mode="json"), "data": storage.normalize(cfg.data)},
+            "cfg": worker_config(cfg, "data"),
             "start_dir": start_dir,
             "run_dir": out,
             "adapter_base": adapter_base,

@@ -46,4 +46,6 @@ def init_ray(address: str | None = None) -> None:
     else:
         cpus = local_logical_cpus()
         logger.info("starting an embedded local Ray with %d logical CPUs", cpus)
-        ray.init(num_cpus=cpus)
+        # "local": a new Ray of this process's own even when `ray start` left a cluster running on
+        # the machine (ray.init() would join that one, and refuses to be given num_cpus for it)
+        ray.init(address="local", num_cpus=cpus)

@@ -28,7 +28,9 @@ def test_quickstart_runs_every_stage_in_a_bucket_through_a_killed_worker(own_ray
         "pretrain.schedule.warmup_steps": 2,
         "pretrain.checkpointing.every": 4,
         "pretrain.logging.every": 1,
-        "pretrain.drills": "[{at_step: 6, rank: 1}]",  # SIGKILL after step 6: resume from step 4
+        # SIGKILL while saving step 8: saves go one at a time, so step 4's is committed by then
+        # and the run must resume from it (a kill right after a step can beat the save before it)
+        "pretrain.drills": "[{at_step: 8, rank: 1, during_save: true}]",
         "pretrain.health.max_failures": 1,
         "serve.port": free_port(),
         "serve.keys_file": f"{s3_bucket}/serve/keys.json",
@@ -51,6 +53,7 @@ def test_quickstart_runs_every_stage_in_a_bucket_through_a_killed_worker(own_ray
     assert storage.list_files(f"{work}/curated/rejected", (".parquet",))
     assert storage.list_files(f"{work}/packed", (".parquet",))
     assert len(storage.list_files(f"{work}/pretrain/_drills")) == 1  # the kill happened
+    assert f"resumed from {work}/pretrain/checkpoints/step-00000004" in r.stdout + r.stderr
     steps = [row["step"] for row in storage.read_jsonl(f"{work}/pretrain/metrics.jsonl")]
     assert steps == list(range(1, 9))  # resumed: every step once, none skipped or repeated
     assert [s for s, _ in checkpoint.committed_checkpoints(f"{work}/pretrain")] == [4, 8]

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_time_compute import SOLUTION_TOKENS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GROUP, TEMPERATURE, BETA = 8, 1.0, 0.04
+GROUP, BETA = 8, 0.04
 MAX_TOKENS = SOLUTION_TOKENS  # the start's tokenizer writes an expansion in ~100 tokens
 WORKERS, PER_WORKER, PER_STEP = 2, 4, 8  # problems: per learner micro-batch, per optimizer step
 
@@ -71,7 +71,9 @@ def held_out_curve(run: Path, held_out: str, limit: int) -> list[dict]:
     return points
 
 
-def run_ours(start: str, train: Path, held_out: str, out: Path, steps: int, lr: float, limit: int) -> dict:
+def run_ours(
+    start: str, train: Path, held_out: str, out: Path, steps: int, lr: float, limit: int, temperature: float
+) -> dict:
     from lmfoundry.jobs.rl import RLJobConfig, run_rl
     from lmfoundry.platform.config import StageFailed
 
@@ -83,7 +85,7 @@ def run_ours(start: str, train: Path, held_out: str, out: Path, steps: int, lr: 
         held_out_limit=limit,
         group_size=GROUP,
         max_tokens=MAX_TOKENS,
-        temperature=TEMPERATURE,
+        temperature=temperature,
         beta=BETA,
         parallelism={"num_workers": WORKERS, "cpus_per_worker": 1, "zero_stage": 2},
         batch={"micro_batch_size": PER_WORKER, "global_batch_size": PER_STEP},
@@ -120,7 +122,7 @@ def throughput(history: list[dict]) -> dict:
     }
 
 
-def run_trl(start: str, train: Path, work: Path, steps: int, lr: float, threads: int) -> dict:
+def run_trl(start: str, train: Path, work: Path, steps: int, lr: float, threads: int, temperature: float) -> dict:
     """TRL's GRPOTrainer on the exported start, on `threads` torch threads: median seconds per
     optimizer step after the first."""
     import torch
@@ -161,7 +163,7 @@ def run_trl(start: str, train: Path, work: Path, steps: int, lr: float, threads:
         output_dir=str(work / "trl"),
         num_generations=GROUP,
         max_completion_length=MAX_TOKENS,
-        temperature=TEMPERATURE,
+        temperature=temperature,
         beta=BETA,
         learning_rate=lr,
         lr_scheduler_type="cosine",
@@ -228,6 +230,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="GRPO steps")
     p.add_argument("--trl-steps", type=int, default=6, help="GRPOTrainer steps, for its step time")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--temperature", type=float, default=1.0, help="of the rollouts (and of TRL's)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--results-name", default="grpo", help="benchmarks/results/NAME.json and NAME.png")
     args = p.parse_args()
@@ -245,14 +248,20 @@ def main() -> None:
     load_before = os.getloadavg()
     torch.set_num_threads(1)  # the held-out evaluations in this process (the learners are Ray's, on 1 each)
     init_ray()
-    ours = run_ours(args.start, train, args.held_out, work / "rl", args.steps, args.lr, args.held_out_limit)
+    ours = run_ours(
+        args.start, train, args.held_out, work / "rl", args.steps, args.lr, args.held_out_limit, args.temperature
+    )
     verdict = ours["result"]["verdict"]
     curve = held_out_curve(work / "rl", args.held_out, args.held_out_limit)
     ours_speed = throughput(ours["history"])
     load_mid = os.getloadavg()
     # TRL runs in one process: on 2 threads (the cores lmfoundry's two learners use) and on 1
     # (faster on an oversubscribed machine); the faster of the two is compared
-    runs = [run_trl(args.start, train, work, args.trl_steps, args.lr, t) for t in (2, 1)] if args.trl_steps else []
+    runs = (
+        [run_trl(args.start, train, work, args.trl_steps, args.lr, t, args.temperature) for t in (2, 1)]
+        if args.trl_steps
+        else []
+    )
     trl = min(runs, key=lambda r: r["step_seconds_median"]) if runs else None
     load_after = os.getloadavg()
 
@@ -282,7 +291,7 @@ def main() -> None:
             "held_out_problems": args.held_out_limit,
             "group_size": GROUP,
             "max_tokens": MAX_TOKENS,
-            "temperature": TEMPERATURE,
+            "temperature": args.temperature,
             "beta": BETA,
             "lr": args.lr,
             "problems_per_step": PER_STEP,

@@ -238,3 +238,6 @@ def test_workers_get_the_data_paths_of_every_post_training_stage_made_absolute(t
             cfg = cls(**{**common, field: given})
             assert worker_config(cfg, field)[field] == expected, cls.__name__
             assert cls.model_validate(worker_config(cfg, field)) is not None
+    rl = RLConfig(**common, problems="p.jsonl", reward_model="rm", reward_model_weight=0.5)
+    assert worker_config(rl, "problems", "reward_model")["reward_model"] == str(tmp_path / "rm")
+    assert worker_config(RLConfig(**common, problems="p.jsonl"), "reward_model")["reward_model"] is None

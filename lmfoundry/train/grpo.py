@@ -359,7 +359,12 @@ def run_grpo(cfg: RLConfig) -> dict:
             return done
         started = time.time()
         pool = start_pool(cfg, start_dir)
-        loop_config = {"cfg": worker_config(cfg, "problems"), "start_dir": start_dir, "run_dir": out, "pool": pool}
+        loop_config = {
+            "cfg": worker_config(cfg, "problems", "reward_model"),
+            "start_dir": start_dir,
+            "run_dir": out,
+            "pool": pool,
+        }
         _, final, state = train_on_ray(grpo_loop, loop_config, cfg, out, "GRPO")
         history = state["history"]
         return storage.commit(

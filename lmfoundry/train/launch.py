@@ -24,9 +24,11 @@ DETERMINISTIC_GPU_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Rin
 
 
 def worker_config(cfg: TrainStageConfig, *paths: str) -> dict:
-    """The config as the workers receive it, with the named fields' local paths made absolute: a
-    Ray worker runs in a directory of its own, where a path relative to the driver's is not there."""
-    return {**cfg.model_dump(mode="json"), **{field: storage.normalize(getattr(cfg, field)) for field in paths}}
+    """The config as the workers receive it, with the named fields' local paths (those set) made
+    absolute: a Ray worker runs in a directory of its own, where a path relative to the driver's
+    is not there."""
+    given = {field: getattr(cfg, field) for field in paths}
+    return {**cfg.model_dump(mode="json"), **{f: storage.normalize(v) for f, v in given.items() if v is not None}}
 
 
 def worker_env(use_gpu: bool, deterministic: bool = False) -> dict[str, str]:

@@ -2,7 +2,8 @@
 against TRL's GRPOTrainer on the same model, data and reward.
 
     python benchmarks/test_time_compute.py --workdir work/ttc     # trains the starting policy
-    python benchmarks/grpo.py --start work/ttc/model --held-out work/ttc/held_out.jsonl
+    python benchmarks/test_time_compute.py --workdir work/ttc --write-held-out 200
+    python benchmarks/grpo.py --start work/ttc/model --held-out work/ttc/held_out_200.jsonl --held-out-limit 100
 
 1. The start is the small decoder benchmarks/test_time_compute.py trains on synthetic solutions
    in steps (a supervised start: every document is a question and its worked solution).

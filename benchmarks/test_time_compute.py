@@ -132,7 +132,21 @@ def main() -> None:
         help="also train an outcome and a process reward model on this many training problems and run "
         "best-of-N and beam search with them; adds to an existing results file of the same workdir",
     )
+    p.add_argument(
+        "--write-held-out",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only write N held-out problems to WORKDIR/held_out_N.jsonl (the first --problems of them are the "
+        "suite's) and stop: a larger held-out split for benchmarks/grpo.py",
+    )
     args = p.parse_args()
+    if args.write_held_out:
+        work = Path(args.workdir or ".")
+        path = work / f"held_out_{args.write_held_out}.jsonl"
+        held_out(path, args.write_held_out, corpus(work / "docs", args.documents, seed=0), seed=1)
+        print(f"wrote {path}")
+        return
 
     import torch
     from lifecycle import machine, recorded_command

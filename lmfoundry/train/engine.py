@@ -3,6 +3,9 @@ config's components, the parameter groups, the learning-rate schedules and the e
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from lmfoundry.train.config import TrainStageConfig, resolved_precision, world_sizes
@@ -123,9 +126,31 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]  # a LoRA run's adapters are all matrices
 
 
+def import_deepspeed_muon_uncompiled() -> None:
+    """DeepSpeed's engine and ZeRO optimizers import its Muon optimizer whatever the optimizer,
+    and that module wraps its kernels in torch.compile as it loads, which imports TorchInductor:
+    2-3 s of CPU in every worker of every attempt. lmfoundry trains with AdamW and compiles
+    nothing, so the module is imported once with TorchDynamo off, its decorators then leave the
+    kernels as plain functions, and nothing else in the process changes."""
+    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    if name in sys.modules:
+        return
+    previous = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read by torch.compile at each call
+    try:
+        __import__(name)
+    finally:
+        if previous is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = previous
+
+
 def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict):
     """`model` in a DeepSpeed engine that checkpoints asynchronously. Returns engine and scheduler."""
     import deepspeed
+
+    import_deepspeed_muon_uncompiled()
 
     def wsd(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, wsd_schedule(cfg))

@@ -112,7 +112,6 @@ def test_cpu_training_workers_start_with_the_allocator_settings_and_a_users_own_
     assert "MALLOC_MMAP_THRESHOLD_" not in run_config("/runs/a", 1, False).worker_runtime_env["env_vars"]
 
 
-
 def test_deepspeed_loads_without_mlflow_or_torchinductor_and_still_checks_adamw_for_zero():
     """MLflow (for DeepSpeed's autotuner) and TorchInductor (for the Muon optimizer's compiled
     kernels) are a large share of a worker's start: neither loads with lmfoundry's engine, MLflow

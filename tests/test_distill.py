@@ -1,6 +1,7 @@
 """Distillation data: a real teacher (a local OpenAI-compatible HTTP server, and a tiny checkpoint)
 answers a prompt pool; errors are counted, harmful and duplicate answers refused, the output is
-SFT conversations the chat template renders, the same bytes twice."""
+SFT conversations the chat template renders, the same bytes twice; and a student fine-tuned on a
+teacher's answers scores higher on held-out prompts through the evaluation suite."""
 
 import json
 import threading
@@ -205,3 +206,148 @@ def test_a_checkpoint_teacher_through_the_command(tmp_path, capsys):
     assert counts["kept"] == counts["answered"] - counts["refused_by_harm"] - counts["duplicates"]
     assert card["teacher"] == str(tmp_path / "ckpt")
     assert main([str(recipe), "--output", str(tmp_path / "bad"), "--set", "bogus=1"]) == 2
+
+
+# A synthetic task: a review's polarity, said first, then why. The review words are the teacher's
+# lexicon; the held-out reviews combine them in ways the student never saw.
+GOOD = "great friendly fast clean fresh tasty warm helpful quiet lovely cheap polite".split()
+BAD = "awful rude slow dirty stale bland cold useless noisy nasty pricey late".split()
+NOUNS = "food staff service room coffee bread soup waiter table music bill view".split()
+QUESTION = "Review: the {} was {} and the {} was {}. Positive or negative?"
+
+
+def reviews(count: int, seed: int, exclude: set = frozenset()) -> list[str]:
+    import random
+
+    rng, out = random.Random(seed), {}
+    while len(out) < count:
+        words = GOOD if rng.random() < 0.5 else BAD
+        first, second = rng.sample(NOUNS, 2)
+        question = QUESTION.format(first, rng.choice(words), second, rng.choice(words))
+        if question not in exclude:
+            out[question] = None
+    return list(out)
+
+
+def label(review: str) -> str:
+    return "positive" if set(review.replace(".", " ").split()) & set(GOOD) else "negative"
+
+
+class ReviewTeacher(BaseHTTPRequestHandler):
+    """A rule-based teacher behind the OpenAI chat API: the polarity by its lexicon, and the
+    review itself as the reason (so no two answers are the same)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        review = request["messages"][-1]["content"]
+        reason = review.split(". ")[0].removeprefix("Review: ")
+        answer = {"role": "assistant", "content": f"{label(review)}, because {reason}."}
+        body = json.dumps({"choices": [{"message": answer, "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_a_student_distilled_from_a_teacher_scores_higher_on_held_out_reviews(deepspeed_workers, tmp_path):
+    """Sequence-level distillation end to end: the teacher endpoint answers 300 reviews, the
+    answers become SFT data, a small random student is fine-tuned on them on Ray Train, and the
+    evaluation suite scores the student before and after on 50 reviews it never saw (the
+    polarity it generates first, exact match), with the gate against the score before."""
+    import torch
+    import yaml
+
+    from lmfoundry.data.tokenizer import train_bpe
+    from lmfoundry.eval.suite import EvaluateConfig, run_evaluate
+    from lmfoundry.jobs.sft import SFTJobConfig, run_sft_job
+    from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
+    from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.platform import checkpoint
+
+    train = reviews(300, seed=0)
+    held_out = reviews(50, seed=1, exclude=set(train))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ReviewTeacher)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        card = run_distill(
+            DistillConfig(
+                prompts=write_pool(tmp_path / "prompts.jsonl", [{"prompt": q} for q in train]),
+                output=str(tmp_path / "distilled"),
+                teacher={"url": f"http://127.0.0.1:{server.server_address[1]}", "model": "teacher"},
+                max_tokens=32,
+                harm={"offensive_language": False},
+            ),
+            exact_key,
+        )
+    finally:
+        server.shutdown()
+    assert card["counts"]["kept"] == 300, card["counts"]
+
+    # the student: random weights, a tokenizer trained on the training prompts and the template
+    template = ChatTemplate()
+    tok = train_bpe(train + [DEFAULT_CHAT_TEMPLATE] * 20, 512, copyable=True)
+    torch.manual_seed(0)
+    model = Transformer(
+        ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=256, n_layer=2, d_model=64, n_head=4, n_kv_head=2)
+    )
+    student = tmp_path / "student"
+    save_model_files(model, student)
+    (student / TOKENIZER).write_text(tok.to_str())
+    (student / CHAT_TEMPLATE_FILE).write_text(DEFAULT_CHAT_TEMPLATE)
+    checkpoint.seal(student, {"step": 0})
+
+    # the held-out split as a harness-format task: the chat prompt, the polarity before the comma
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    docs = [{"prompt": template.render([{"role": "user", "content": q}]), "label": label(q)} for q in held_out]
+    (tasks / "reviews.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tasks / "reviews.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "task": "review_polarity",
+                "dataset_path": "json",
+                "dataset_kwargs": {"data_files": {"test": "reviews.jsonl"}},
+                "test_split": "test",
+                "output_type": "generate_until",
+                "doc_to_text": "{{prompt}}",
+                "doc_to_target": "{{label}}",
+                "target_delimiter": "",
+                "generation_kwargs": {"until": [","], "max_gen_toks": 4},
+                "metric_list": [{"metric": "exact_match"}],
+            }
+        )
+    )
+
+    def score(ckpt, name, **gate):
+        cfg = EvaluateConfig(checkpoint=str(ckpt), tasks=[str(tasks)], output=str(tmp_path / name), gate=gate)
+        report = run_evaluate(cfg)
+        return report["metrics"]["task.review_polarity.exact_match"], report
+
+    before, _ = score(student, "eval-before")
+    result = run_sft_job(
+        SFTJobConfig(
+            checkpoint=str(student),
+            data=str(tmp_path / "distilled" / "sft.jsonl"),
+            output=str(tmp_path / "sft"),
+            optimizer={"lr": 3e-3},
+            schedule={"warmup_steps": 5, "max_steps": 300},
+            batch={"micro_batch_size": 6, "global_batch_sequences": 6},
+            parallelism={"num_workers": 1, "zero_stage": 1, "cpus_per_worker": 1},
+            checkpointing={"every": 300},
+        )
+    )
+    assert result["data_report"]["trained"] == card["counts"]["kept"]
+    after, report = score(
+        tmp_path / "sft" / result["final_checkpoint"],
+        "eval-after",
+        baseline=str(tmp_path / "eval-before" / "eval.json"),
+        track=["task.review_polarity.exact_match"],
+    )
+    assert before <= 0.1 and after >= 0.8, (before, after)
+    assert report["gate"]["passed"]

@@ -282,7 +282,7 @@ def test_the_import_commands_help_names_every_family_the_importer_takes():
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])  # qwen3: tests/test_readme.py
 def test_the_sample_checkpoint_of_each_family_imports_and_answers_a_chat(tmp_path, family):
     from lmfoundry.clients.checkpoint import CheckpointModel
-    from lmfoundry.model.sample_checkpoint import build_sample_checkpoint
+    from lmfoundry.data.sample_checkpoint import build_sample_checkpoint
 
     src = build_sample_checkpoint(tmp_path / "hf", family)
     assert json.loads((src / "config.json").read_text())["model_type"] == family

@@ -23,14 +23,14 @@ pytestmark = pytest.mark.timeout(900)
 def open_model_block() -> list[str]:
     """The command lines of the README's fenced bash block that builds the sample checkpoint."""
     blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
-    [block] = [b for b in blocks if "lmfoundry.model.sample_checkpoint" in b]
+    [block] = [b for b in blocks if "lmfoundry.data.sample_checkpoint" in b]
     return [line for line in block.splitlines() if line.strip()]
 
 
 def test_the_readme_open_model_path_runs_as_written(own_ray_env, tmp_path):
     lines = open_model_block()
     assert [line.split()[1] if line.startswith("lmfoundry") else line.split()[2] for line in lines] == [
-        "lmfoundry.model.sample_checkpoint",
+        "lmfoundry.data.sample_checkpoint",
         "import",
         "lmfoundry.data.sample_chats",
         "sft",

@@ -3,7 +3,7 @@ Face layout (`config.json`, safetensors, `tokenizer.json`, `tokenizer_config.jso
 template, `generation_config.json`): the README's open-model path (import, fine-tune, evaluate,
 serve) runs on it with nothing downloaded. A real run starts from a real checkpoint directory.
 
-    python -m lmfoundry.model.sample_checkpoint work/tiny-hf [--family qwen3]
+    python -m lmfoundry.data.sample_checkpoint work/tiny-hf [--family qwen3]
 
 The tokenizer is a byte-level BPE trained on the sample conversations (data/sample_chats.py) and
 the chat template, with ChatML's turn markers as special tokens; the template is lmfoundry's
@@ -84,9 +84,7 @@ def build_sample_checkpoint(out: str | Path, family: str = "qwen3", seed: int = 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m lmfoundry.model.sample_checkpoint", description=__doc__.split("\n\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m lmfoundry.data.sample_checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("output", help="the directory to write the Hugging Face checkpoint to")
     p.add_argument("--family", default="qwen3", choices=FAMILIES)
     p.add_argument("--seed", type=int, default=0)

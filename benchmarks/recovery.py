@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -39,8 +38,10 @@ def main() -> None:
     p.add_argument("--add-at", type=int, default=25, help="elastic: and added back after this step")
     p.add_argument("--resize-interval", type=float, default=5.0, help="elastic: seconds between resize checks")
     args = p.parse_args()
+    load_before = os.getloadavg()[0]  # the machine may be shared
 
     from harness.elastic_drill import run_elastic_drill
+    from lifecycle import machine, recorded_command
 
     from lmfoundry.data.curate import CurateConfig, run_curate
     from lmfoundry.data.pack import PackConfig, run_pack
@@ -116,7 +117,11 @@ def main() -> None:
     resumed = next(r for r in runs["killed"]["rows"] if r["time"] > killed_at)
     last_checkpoint = args.kill_at // args.checkpoint_every * args.checkpoint_every
     out = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "benchmark": "recovery",
+        "date": time.strftime("%Y-%m-%d"),
+        "command": recorded_command("benchmarks/recovery.py"),
+        "machine": machine(),
+        "load_average_1min": {"before": round(load_before, 1), "after": round(os.getloadavg()[0], 1)},
         "steps": args.steps,
         "checkpoint_every": args.checkpoint_every,
         "killed_after_step": args.kill_at,

@@ -3,7 +3,7 @@ config's components, the parameter groups, the learning-rate schedules and the e
 
 from __future__ import annotations
 
-import os
+import importlib
 import sys
 
 import torch
@@ -126,24 +126,29 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]  # a LoRA run's adapters are all matrices
 
 
-def import_deepspeed_muon_uncompiled() -> None:
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_deepspeed_muon_uncompiled(name: str = MUON_MODULE) -> None:
     """DeepSpeed's engine and ZeRO optimizers import its Muon optimizer whatever the optimizer,
-    and that module wraps its kernels in torch.compile as it loads, which imports TorchInductor:
-    2-3 s of CPU in every worker of every attempt. lmfoundry trains with AdamW and compiles
-    nothing, so the module is imported once with TorchDynamo off, its decorators then leave the
-    kernels as plain functions, and nothing else in the process changes."""
-    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    and that module wraps its kernels in DeepSpeed's `compiler.compile()` (torch.compile) as it
+    loads, which imports TorchInductor: 2-3 s of CPU in every worker of every attempt. lmfoundry
+    trains with AdamW and compiles nothing, so the module is imported once with DeepSpeed's
+    compile decorator swapped for one that leaves the kernels as plain functions; torch.compile
+    itself is untouched. A DeepSpeed without Muon has nothing to import."""
     if name in sys.modules:
         return
-    previous = os.environ.get("TORCHDYNAMO_DISABLE")
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read by torch.compile at each call
+    from deepspeed.runtime import compiler
+
+    compile_decorator = compiler.compile
+    compiler.compile = lambda *args, **kwargs: lambda fn: fn
     try:
-        __import__(name)
+        importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if not (e.name and name.startswith(e.name)):
+            raise
     finally:
-        if previous is None:
-            del os.environ["TORCHDYNAMO_DISABLE"]
-        else:
-            os.environ["TORCHDYNAMO_DISABLE"] = previous
+        compiler.compile = compile_decorator
 
 
 def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict):

@@ -56,6 +56,7 @@ TIER_FIXTURES = {
     "deepspeed_workers": {"ray", "deepspeed", "slow"},  # the test trains on worker groups of its own
     "deepspeed_processes": {"deepspeed", "slow"},  # DeepSpeed engines in processes it spawns, no Ray
     "own_ray_env": {"ray", "slow"},  # a program in a subprocess that starts a Ray of its own
+    "own_ray_serve_env": {"ray", "slow", "server"},  # ... and serves HTTP from it (Ray Serve)
     "ray_head": {"ray", "slow", "server"},  # a `ray start --head` cluster in a subprocess
     "ray_serve": {"ray", "server"},  # Ray Serve's HTTP proxy on the session's Ray
     "postgres_dsn": {"server", "postgres"},  # a throwaway PostgreSQL server
@@ -131,6 +132,12 @@ def own_ray_env():
     """The environment for a program run in a subprocess that starts a Ray of its own, not the
     session's: RAY_ADDRESS cleared."""
     return {**os.environ, "RAY_ADDRESS": ""}
+
+
+@pytest.fixture
+def own_ray_serve_env(own_ray_env):
+    """own_ray_env for a program that also serves HTTP from its Ray (Ray Serve)."""
+    return own_ray_env
 
 
 @pytest.fixture(scope="module")

@@ -279,7 +279,7 @@ def test_the_import_commands_help_names_every_family_the_importer_takes():
     assert import_model.FAMILIES == ", ".join(hf_import.FAMILIES)  # kept apart so that --help imports no torch
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])  # qwen3: tests/test_readme.py
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_the_sample_checkpoint_of_each_family_imports_and_answers_a_chat(tmp_path, family):
     from lmfoundry.clients.checkpoint import CheckpointModel
     from lmfoundry.data.sample_checkpoint import build_sample_checkpoint
@@ -289,3 +289,16 @@ def test_the_sample_checkpoint_of_each_family_imports_and_answers_a_chat(tmp_pat
     assert import_main(["hf", str(src), str(tmp_path / "ours")]) == 0
     client = CheckpointModel(str(tmp_path / "ours"), device="cpu")
     assert isinstance(client.chat([[{"role": "user", "content": "What is 3 + 4?"}]], 4)[0], str)
+
+
+def test_the_sample_checkpoint_never_writes_into_a_directory_that_holds_files(tmp_path, capsys):
+    from lmfoundry.data.sample_checkpoint import main
+
+    real = tmp_path / "Qwen3-8B"
+    real.mkdir()
+    (real / "model-00001-of-00002.safetensors").write_bytes(b"weights")
+    assert main([str(real)]) == 2
+    assert "is not an empty directory" in capsys.readouterr().err
+    assert [p.name for p in real.iterdir()] == ["model-00001-of-00002.safetensors"]
+    (tmp_path / "file").write_text("x")
+    assert main([str(tmp_path / "file")]) == 2

@@ -16,7 +16,9 @@ from lmfoundry.serving.traffic import write_split
 pytestmark = pytest.mark.timeout(1200)
 
 
-def test_quickstart_runs_every_stage_in_a_bucket_through_a_killed_worker(own_ray_env, s3_server, s3_bucket, tmp_path):
+def test_quickstart_runs_every_stage_in_a_bucket_through_a_killed_worker(
+    own_ray_serve_env, s3_server, s3_bucket, tmp_path
+):
     work = f"{s3_bucket}/qs"
     write_split(f"{s3_bucket}/serve/traffic.json", {"main": 1.0})
     cwd = tmp_path / "cwd"
@@ -37,7 +39,9 @@ def test_quickstart_runs_every_stage_in_a_bucket_through_a_killed_worker(own_ray
         "serve.traffic_file": f"{s3_bucket}/serve/traffic.json",
     }
     cmd = [cli, "quickstart", "--workdir", work, *(a for k, v in settings.items() for a in ("--set", f"{k}={v}"))]
-    r = subprocess.run(cmd, env={**own_ray_env, **s3_server}, cwd=cwd, capture_output=True, text=True, timeout=1100)
+    r = subprocess.run(
+        cmd, env={**own_ray_serve_env, **s3_server}, cwd=cwd, capture_output=True, text=True, timeout=1100
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"work directory {work}" in r.stdout
     assert "assistant:" in r.stdout

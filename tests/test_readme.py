@@ -3,6 +3,7 @@ checkpoint, imports, fine-tunes, evaluates and serves it, one after another in a
 (with the repository's configs). The serve line runs in the background on a port of its own and
 answers one chat completion with the key it printed."""
 
+import contextlib
 import json
 import os
 import re
@@ -27,7 +28,7 @@ def open_model_block() -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
-def test_the_readme_open_model_path_runs_as_written(own_ray_env, tmp_path):
+def test_the_readme_open_model_path_runs_as_written(own_ray_serve_env, tmp_path):
     lines = open_model_block()
     assert [line.split()[1] if line.startswith("lmfoundry") else line.split()[2] for line in lines] == [
         "lmfoundry.data.sample_checkpoint",
@@ -38,7 +39,7 @@ def test_the_readme_open_model_path_runs_as_written(own_ray_env, tmp_path):
         "serve",
     ]
     (tmp_path / "configs").symlink_to(REPO / "configs")
-    env = {**own_ray_env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**own_ray_serve_env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("LMFOUNDRY_API_KEYS", None)  # the server makes its own key and prints it
     for line in lines[:-1]:
         done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -68,7 +69,7 @@ def test_the_readme_open_model_path_runs_as_written(own_ray_env, tmp_path):
             300,
             "the server to print its key",
         )
-        wait_until(lambda: _healthy(port), 120, "the server to answer /health")
+        wait_until(lambda: _healthy(port), 120, lambda: "/health; the server said: " + "".join(output)[-3000:])
         reply = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             headers={"Authorization": f"Bearer {key}"},
@@ -77,12 +78,12 @@ def test_the_readme_open_model_path_runs_as_written(own_ray_env, tmp_path):
         )
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
+        os.killpg(server.pid, signal.SIGINT)  # Ctrl-C, as the README says
+        assert server.wait(timeout=60) in (0, -signal.SIGINT), "".join(output)[-3000:]
     finally:
-        server.send_signal(signal.SIGINT)  # Ctrl-C, as the README says
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        if server.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
 
 

@@ -40,9 +40,19 @@ def hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
     }
-    extra = {"sliding_window": None} if family == "mistral" else {"head_dim": 16} if family == "qwen3" else {}
+    extra = {}
+    if family == "mistral":
+        extra["sliding_window"] = None  # its default (4,096) would be a window inside a longer context
+    if family == "qwen3":
+        extra["head_dim"] = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]  # its default is 128
     return classes[family](
-        **SHAPE, **extra, vocab_size=vocab_size, tie_word_embeddings=True, eos_token_id=eos_id, pad_token_id=pad_id
+        **SHAPE,
+        **extra,
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        bos_token_id=None,  # the template writes none (Llama's default id would be another token here)
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
     )
 
 
@@ -58,9 +68,13 @@ def build_sample_checkpoint(out: str | Path, family: str = "qwen3", seed: int = 
     if family not in FAMILIES:
         raise ValueError(f"family {family!r}; allowed: {', '.join(FAMILIES)}")
     out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        # saving into a real checkpoint's directory would delete its weight shards
+        raise ValueError(f"{out} exists and is not an empty directory: give a new path")
     template, rng = ChatTemplate(), random.Random(seed)
     chats = [conversation(rng, i) for i in range(256)]
     texts = [template.render(c["messages"], c.get("tools", ())) for c in chats]
+    # the template's own text too, so that its markup merges into a few tokens
     tok = train_bpe(texts + [DEFAULT_CHAT_TEMPLATE] * 8, VOCAB_SIZE)
     eos_id, pad_id = tok.token_to_id(IM_END), tok.token_to_id(EOS)
 
@@ -83,13 +97,27 @@ def build_sample_checkpoint(out: str | Path, family: str = "qwen3", seed: int = 
     return out
 
 
+def seed_value(text: str) -> int:
+    seed = int(text)
+    if not 0 <= seed < 2**32:
+        raise argparse.ArgumentTypeError(f"{seed} is not a seed: allowed 0 to 2**32 - 1")
+    return seed
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lmfoundry.data.sample_checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("output", help="the directory to write the Hugging Face checkpoint to")
     p.add_argument("--family", default="qwen3", choices=FAMILIES)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_value, default=0)
     args = p.parse_args(argv)
-    out = build_sample_checkpoint(args.output, args.family, args.seed)
+    try:
+        out = build_sample_checkpoint(args.output, args.family, args.seed)
+    except ImportError as e:
+        print(f"error: the sample checkpoint is built by transformers: pip install transformers ({e})", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote a tiny {args.family} checkpoint with random weights to {out}")
     return 0
 

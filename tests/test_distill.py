@@ -209,23 +209,29 @@ def test_a_checkpoint_teacher_through_the_command(tmp_path, capsys):
 
 
 # A synthetic task: a review's polarity, said first, then why. The review words are the teacher's
-# lexicon; the held-out reviews combine them in ways the student never saw.
+# lexicon. A fifth of the (thing, word) clauses are held out: the held-out reviews are made of
+# those only, so none of their clauses ("the soup was stale") is in the training reviews.
 GOOD = "great friendly fast clean fresh tasty warm helpful quiet lovely cheap polite".split()
 BAD = "awful rude slow dirty stale bland cold useless noisy nasty pricey late".split()
 NOUNS = "food staff service room coffee bread soup waiter table music bill view".split()
 QUESTION = "Review: the {} was {} and the {} was {}. Positive or negative?"
 
 
-def reviews(count: int, seed: int, exclude: set = frozenset()) -> list[str]:
+def reviews(count: int, seed: int, held_out: bool) -> list[str]:
     import random
+
+    def clause(rng, words):
+        while True:
+            noun, word = rng.choice(NOUNS), rng.choice(words)
+            if ((NOUNS.index(noun) + (GOOD + BAD).index(word)) % 5 == 0) == held_out:
+                return noun, word
 
     rng, out = random.Random(seed), {}
     while len(out) < count:
         words = GOOD if rng.random() < 0.5 else BAD
-        first, second = rng.sample(NOUNS, 2)
-        question = QUESTION.format(first, rng.choice(words), second, rng.choice(words))
-        if question not in exclude:
-            out[question] = None
+        (first, a), (second, b) = clause(rng, words), clause(rng, words)
+        if first != second:
+            out[QUESTION.format(first, a, second, b)] = None
     return list(out)
 
 
@@ -256,8 +262,8 @@ class ReviewTeacher(BaseHTTPRequestHandler):
 def test_a_student_distilled_from_a_teacher_scores_higher_on_held_out_reviews(deepspeed_workers, tmp_path):
     """Sequence-level distillation end to end: the teacher endpoint answers 300 reviews, the
     answers become SFT data, a small random student is fine-tuned on them on Ray Train, and the
-    evaluation suite scores the student before and after on 50 reviews it never saw (the
-    polarity it generates first, exact match), with the gate against the score before."""
+    evaluation suite scores the student before and after on 50 reviews whose clauses it never saw
+    (the polarity it generates first, exact match), with the gate against the score before."""
     import torch
     import yaml
 
@@ -269,8 +275,7 @@ def test_a_student_distilled_from_a_teacher_scores_higher_on_held_out_reviews(de
     from lmfoundry.model.transformer import ModelConfig, Transformer
     from lmfoundry.platform import checkpoint
 
-    train = reviews(300, seed=0)
-    held_out = reviews(50, seed=1, exclude=set(train))
+    train, held_out = reviews(300, seed=0, held_out=False), reviews(50, seed=1, held_out=True)
     server = ThreadingHTTPServer(("127.0.0.1", 0), ReviewTeacher)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()

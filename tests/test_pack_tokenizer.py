@@ -38,6 +38,29 @@ def test_a_copyable_tokenizer_gives_a_word_or_number_the_same_ids_wherever_it_st
         assert tok.decode(ids(text)) == text
 
 
+@pytest.mark.parametrize("copyable", [False, True])
+def test_a_served_prompt_that_forces_a_tool_call_starts_the_trained_conversations_tokens(copyable):
+    """Serving renders the conversation so far and appends the opening tag, then the grammar
+    writes the JSON and stops: the prompt's ids must be the start of the ids SFT trained on, and
+    the JSON must end at a token boundary before the closing tag (no `>{"` or `"}}</` merges)."""
+    import random
+
+    from lmfoundry.data.sample_chats import conversation
+    from lmfoundry.model.chat_template import TOOL_CALL_CLOSE, ChatTemplate
+
+    template, rng = ChatTemplate(), random.Random(0)
+    chats = [conversation(rng, i) for i in range(200)]
+    texts = [template.render_conversation(c["messages"], c.get("tools", ()))[0] for c in chats]
+    tok = train_bpe(texts, 512, copyable=copyable)
+    for chat, text in [(c, t) for c, t in zip(chats, texts, strict=True) if "tools" in c][:10]:
+        asked = next(i for i, m in enumerate(chat["messages"]) if m.get("tool_calls"))
+        prompt = template.render(chat["messages"][:asked], chat["tools"], force_tool_call=True)
+        trained, served = tok.encode(text), tok.encode(prompt)
+        assert trained.ids[: len(served.ids)] == served.ids, (served.tokens[-3:], trained.tokens[len(served.ids) - 3 :])
+        close = text.index(TOOL_CALL_CLOSE)
+        assert any(start == close for start, _ in trained.offsets), "the closing tag starts inside a token"
+
+
 def test_pack_trains_a_copyable_tokenizer_when_asked(ray_local, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -6,11 +6,21 @@ The special tokens are the document separator and the chat-template markers used
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from lmfoundry.model.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS
+
+# A tool call's tags are pre-tokens of their own. A served prompt that forces a tool call ends
+# with the opening tag, and the tool-call grammar ends the JSON before the closing tag: a merge
+# across either boundary (`>{"`, `"}}</`) would train the model on tokens that serving never
+# lets it see or write.
+TOOL_CALL_TAGS = pre_tokenizers.Split(
+    Regex("|".join(re.escape(tag) for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE))), behavior="isolated"
+)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, copyable: bool = False) -> Tokenizer:
@@ -28,13 +38,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, cop
     if copyable:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
+                TOOL_CALL_TAGS,
                 pre_tokenizers.Split(" ", behavior="isolated"),
                 pre_tokenizers.Digits(individual_digits=True),
                 byte_level,
             ]
         )
     else:
-        tok.pre_tokenizer = byte_level
+        tok.pre_tokenizer = pre_tokenizers.Sequence([TOOL_CALL_TAGS, byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(

@@ -9,6 +9,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from sft_chats import build_chat_checkpoint
 
 from lmfoundry.align.distill import DistillConfig, read_prompt_pool, run_distill
 from lmfoundry.data.dedup import exact_key
@@ -264,16 +265,10 @@ def test_a_student_distilled_from_a_teacher_scores_higher_on_held_out_reviews(de
     answers become SFT data, a small random student is fine-tuned on them on Ray Train, and the
     evaluation suite scores the student before and after on 50 reviews whose clauses it never saw
     (the polarity it generates first, exact match), with the gate against the score before."""
-    import torch
     import yaml
 
-    from lmfoundry.data.tokenizer import train_bpe
     from lmfoundry.eval.suite import EvaluateConfig, run_evaluate
     from lmfoundry.jobs.sft import SFTJobConfig, run_sft_job
-    from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
-    from lmfoundry.model.checkpoint import TOKENIZER, save_model_files
-    from lmfoundry.model.transformer import ModelConfig, Transformer
-    from lmfoundry.platform import checkpoint
 
     train, held_out = reviews(300, seed=0, held_out=False), reviews(50, seed=1, held_out=True)
     server = ThreadingHTTPServer(("127.0.0.1", 0), ReviewTeacher)
@@ -296,16 +291,7 @@ def test_a_student_distilled_from_a_teacher_scores_higher_on_held_out_reviews(de
 
     # the student: random weights, a tokenizer trained on the training prompts and the template
     template = ChatTemplate()
-    tok = train_bpe(train + [DEFAULT_CHAT_TEMPLATE] * 20, 512, copyable=True)
-    torch.manual_seed(0)
-    model = Transformer(
-        ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=256, n_layer=2, d_model=64, n_head=4, n_kv_head=2)
-    )
-    student = tmp_path / "student"
-    save_model_files(model, student)
-    (student / TOKENIZER).write_text(tok.to_str())
-    (student / CHAT_TEMPLATE_FILE).write_text(DEFAULT_CHAT_TEMPLATE)
-    checkpoint.seal(student, {"step": 0})
+    student = build_chat_checkpoint(tmp_path / "student", train, copyable=True)
 
     # the held-out split as a harness-format task: the chat prompt, the polarity before the comma
     tasks = tmp_path / "tasks"

@@ -7,14 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from sft_chats import write_chats
+from sft_chats import build_chat_checkpoint, write_chats
 
-from lmfoundry.data.tokenizer import train_bpe
-from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
-from lmfoundry.model.checkpoint import TOKENIZER, WEIGHTS, load_model_files, save_model_files
+from lmfoundry.model.checkpoint import WEIGHTS, load_model_files
 from lmfoundry.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from lmfoundry.model.transformer import ModelConfig, Transformer
-from lmfoundry.platform import checkpoint
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -24,17 +20,8 @@ def base(tmp_path_factory):
     """A small random model with a tokenizer that knows the chats and lmfoundry's chat template."""
     root = tmp_path_factory.mktemp("sft")
     chats = write_chats(root / "chats.jsonl", 96)
-    tok = train_bpe(Path(chats).read_text().splitlines() + [DEFAULT_CHAT_TEMPLATE] * 20, 512)
-    torch.manual_seed(0)
-    model = Transformer(
-        ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=256, n_layer=2, d_model=64, n_head=4, n_kv_head=2)
-    )
-    ckpt = root / "base"
-    save_model_files(model, ckpt)
-    (ckpt / TOKENIZER).write_text(tok.to_str())
-    (ckpt / CHAT_TEMPLATE_FILE).write_text(DEFAULT_CHAT_TEMPLATE)
-    checkpoint.seal(ckpt, {"step": 0})
-    return str(ckpt), chats
+    ckpt = build_chat_checkpoint(root / "base", Path(chats).read_text().splitlines())
+    return ckpt, chats
 
 
 def sft_config(base, out, **overrides):

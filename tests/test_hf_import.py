@@ -302,3 +302,7 @@ def test_the_sample_checkpoint_never_writes_into_a_directory_that_holds_files(tm
     assert [p.name for p in real.iterdir()] == ["model-00001-of-00002.safetensors"]
     (tmp_path / "file").write_text("x")
     assert main([str(tmp_path / "file")]) == 2
+    for bad in (["--seed", "-1"], ["--seed", str(2**32)], ["--seed", "x"], ["--family", "deepseek_v3"]):
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path / "new"), *bad])
+        assert e.value.code == 2 and not (tmp_path / "new").exists(), bad

@@ -18,7 +18,8 @@ import random
 import sys
 from pathlib import Path
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# family -> its transformers config class (imported only when a checkpoint is built)
+FAMILIES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 # small enough to fine-tune on two CPU workers in seconds, large enough for the sample chats
 SHAPE = dict(
     hidden_size=64,
@@ -34,18 +35,12 @@ VOCAB_SIZE = 512
 def hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int):
     import transformers
 
-    classes = {
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }
     extra = {}
     if family == "mistral":
         extra["sliding_window"] = None  # its default (4,096) would be a window inside a longer context
     if family == "qwen3":
         extra["head_dim"] = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]  # its default is 128
-    return classes[family](
+    return getattr(transformers, FAMILIES[family])(
         **SHAPE,
         **extra,
         vocab_size=vocab_size,
@@ -107,7 +102,7 @@ def seed_value(text: str) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lmfoundry.data.sample_checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("output", help="the directory to write the Hugging Face checkpoint to")
-    p.add_argument("--family", default="qwen3", choices=FAMILIES)
+    p.add_argument("--family", default="qwen3", choices=list(FAMILIES))
     p.add_argument("--seed", type=seed_value, default=0)
     args = p.parse_args(argv)
     try:

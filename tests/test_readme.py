@@ -41,9 +41,13 @@ def test_the_readme_open_model_path_runs_as_written(own_ray_serve_env, tmp_path)
     (tmp_path / "configs").symlink_to(REPO / "configs")
     env = {**own_ray_serve_env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("LMFOUNDRY_API_KEYS", None)  # the server makes its own key and prints it
+    said = {}
     for line in lines[:-1]:
         done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        said[line.split()[1]] = done.stdout + done.stderr
+    assert "starting an embedded local Ray" in said["sft"]
+    assert "starting an embedded local Ray" not in said["evaluate"]  # no token shards: nothing for Ray to do
     assert json.loads((tmp_path / "work/tiny/model_config.json").read_text())["n_layer"] == 2
     report = json.loads((tmp_path / "work/sft-eval/eval.json").read_text())
     assert any(name.startswith("task.") for name in report["metrics"]), sorted(report["metrics"])

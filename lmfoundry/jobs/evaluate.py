@@ -19,7 +19,15 @@ def main(argv=None) -> int:
             print("error: --baseline needs a path to an earlier eval.json", file=sys.stderr)
             return 2
         argv[at : at + 2] = ["--set", f"gate.baseline={argv[at + 1]}"]
-    return run_stage("evaluate", EvaluateConfig, run_evaluate, argv, input_field="checkpoint", description=__doc__)
+    return run_stage(
+        "evaluate",
+        EvaluateConfig,
+        run_evaluate,
+        argv,
+        input_field="checkpoint",
+        description=__doc__,
+        needs_ray=lambda cfg: bool(cfg.data),  # Ray Data scores the token shards; the rest runs here
+    )
 
 
 if __name__ == "__main__":

@@ -152,17 +152,18 @@ def run_stage(
     input_field: str | None = "input",
     output_field: str | None = "output",
     description: str = "",
-    needs_ray: bool = True,
+    needs_ray: bool | Callable[[StageConfig], bool] = True,
 ) -> int:
     """Parse, validate, connect to Ray, run the stage, print its result as JSON; exit 2 on bad
-    input, 1 on a failure during the run."""
+    input, 1 on a failure during the run. `needs_ray` may be a function of the config, for a
+    stage that uses Ray for some of its work only: a local Ray takes seconds to start and stop."""
     args = stage_parser(stage, description).parse_args(argv)
     try:
         cfg = load_stage_config(args, cls, input_field, output_field)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if needs_ray:
+    if needs_ray(cfg) if callable(needs_ray) else needs_ray:
         from lmfoundry.platform.ray_env import init_ray
 
         init_ray(args.address)

@@ -37,6 +37,12 @@ def test_warmup_must_be_shorter_than_training():
         cfg(schedule={"max_steps": 10, "warmup_steps": 10})
 
 
+def test_no_warmup_is_refused_for_the_cosine_schedule_that_cannot_take_it_and_allowed_for_wsd():
+    with pytest.raises(ValueError, match="warmup_steps=0 with kind=cosine"):
+        cfg(schedule={"max_steps": 10, "warmup_steps": 0})
+    assert cfg(schedule={"max_steps": 10, "warmup_steps": 0, "kind": "wsd"}).schedule.warmup_steps == 0
+
+
 def test_too_little_data_for_one_micro_batch_is_refused_before_training(tmp_path):
     import json
 

@@ -15,7 +15,7 @@ from lmfoundry.model.transformer import ModelConfig, Transformer
 WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
 TOKENIZER = "tokenizer.json"
-_TIED = "lm_head.weight"
+TIED_HEAD = "lm_head.weight"  # the output head, stored once as the embedding when tied
 
 
 def model_state(model: Transformer, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -24,7 +24,7 @@ def model_state(model: Transformer, state: dict[str, torch.Tensor] | None = None
     state = model.state_dict() if state is None else state
     state = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
     if model.cfg.tie_embeddings:
-        state.pop(_TIED, None)
+        state.pop(TIED_HEAD, None)
     return state
 
 
@@ -32,7 +32,11 @@ def save_model_files(model: Transformer, directory: str | Path, state: dict[str,
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(model_state(model, state), str(directory / WEIGHTS), metadata={"format": "pt"})
-    (directory / MODEL_CONFIG).write_text(model.cfg.model_dump_json(indent=2))
+    save_model_config(model, directory)
+
+
+def save_model_config(model: Transformer, directory: str | Path) -> None:
+    (Path(directory) / MODEL_CONFIG).write_text(model.cfg.model_dump_json(indent=2))
 
 
 def save_adapter_files(
@@ -55,7 +59,7 @@ def load_model_files(directory: str | Path, device: str | torch.device = "cpu") 
     cfg = ModelConfig.model_validate(json.loads((directory / MODEL_CONFIG).read_text()))
     model = Transformer(cfg)
     missing, unexpected = model.load_state_dict(load_file(str(directory / WEIGHTS)), strict=False)
-    allowed_missing = {_TIED} if cfg.tie_embeddings else set()
+    allowed_missing = {TIED_HEAD} if cfg.tie_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
         raise ValueError(
             f"checkpoint {directory} does not fit its model config: missing "

@@ -16,8 +16,16 @@ from pathlib import Path
 import torch
 
 from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE
-from lmfoundry.model.checkpoint import TOKENIZER, save_adapter_files, save_model_files
+from lmfoundry.model.checkpoint import (
+    TIED_HEAD,
+    TOKENIZER,
+    WEIGHTS,
+    save_adapter_files,
+    save_model_config,
+    save_model_files,
+)
 from lmfoundry.model.lora import AdapterRef, adapter_state
+from lmfoundry.model.tensor_files import write_safetensors
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
@@ -38,14 +46,63 @@ def _expert_parallel(engine) -> bool:
     return any(layer.ep_group is not None for layer in engine.module.moe_layers())
 
 
-def _gathered(engine):
-    """A context in which every parameter is whole: under ZeRO-3 each rank holds only a
-    partition, and a servable checkpoint needs all of it."""
+def _gathered(engine, names: set[str] | None = None):
+    """A context in which the parameters (those `names` names, else all) are whole: under ZeRO-3
+    each rank holds only a partition of each."""
     if engine.zero_optimization_stage() != 3:
         return contextlib.nullcontext()
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    params = [p for n, p in engine.module.named_parameters() if names is None or n in names]
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _pieces(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model as the pieces a streamed save gathers one at a time, with the prefix of their
+    names in the model's state: each top-level module, and each member of a module list (the
+    blocks)."""
+    pieces = []
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            pieces += [(f"{name}.{i}.", member) for i, member in enumerate(child)]
+        else:
+            pieces.append((f"{name}.", child))
+    return pieces
+
+
+def stream_servable_weights(model: torch.nn.Module, path: Path | None) -> None:
+    """Collective, under ZeRO-3: the servable weights gathered piece by piece (the embedding,
+    each block, the final norm, the output head) and written to `path` (rank 0's; None on the
+    other ranks) while each piece is whole. Besides its own partition, a rank holds one piece at a
+    time, whatever the size of the model; a full gather would hold the whole model on every rank
+    and a second copy on rank 0 for the write."""
+    import deepspeed
+
+    def kept(piece_state: dict) -> dict:  # a tied output head is stored once, as the embedding
+        return {k: v for k, v in piece_state.items() if not (model.cfg.tie_embeddings and k == TIED_HEAD)}
+
+    pieces = [
+        (prefix, piece, kept({prefix + k: v for k, v in piece.state_dict(keep_vars=True).items()}))
+        for prefix, piece in _pieces(model)
+    ]
+    declared = [name for _, _, state in pieces for name in state]
+    if set(declared) != set(kept(model.state_dict(keep_vars=True))):
+        raise RuntimeError("the model's state is not the union of its pieces: it holds tensors of its own")
+    # a ZeRO-3 parameter's own shape is its partition's; ds_shape is the whole one
+    specs = [(n, v.dtype, tuple(getattr(v, "ds_shape", v.shape))) for _, _, state in pieces for n, v in state.items()]
+
+    def gathered_tensors():  # each piece whole only while its tensors are being written
+        for prefix, piece, state in pieces:
+            if not state:
+                continue  # the tied head: nothing of its own to gather
+            with deepspeed.zero.GatheredParameters(list(piece.parameters()), modifier_rank=None):
+                yield from (value for name, value in piece.state_dict().items() if prefix + name in state)
+
+    if path is not None:
+        write_safetensors(path, specs, gathered_tensors())
+    else:
+        for _ in gathered_tensors():  # the other ranks lend their partitions to every gather
+            pass
 
 
 def stage_checkpoint(
@@ -74,11 +131,18 @@ def stage_checkpoint(
     rng = checkpoint.capture_rng_state()
     # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
     own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
-    with _gathered(engine):  # ZeRO-3: every rank lends its partition of the weights for the copy
-        weights = full_state(engine.module)  # collective: gathers sharded experts
-        if adapter is not None:
-            weights = adapter_state(weights)
-        weights = pool.snapshot(weights, ("servable",)) if rank == 0 else None
+    weights = None
+    if engine.zero_optimization_stage() == 3 and adapter is None:
+        # the weights are never whole in one process: written now, piece by piece
+        stream_servable_weights(engine.module, staged / WEIGHTS if rank == 0 else None)
+    else:
+        # ZeRO-3 with an adapter: only the adapter's partitions are lent, not the frozen base's
+        lent = set(adapter_state(dict(engine.module.named_parameters()))) if adapter is not None else None
+        with _gathered(engine, lent):
+            weights = full_state(engine.module)  # collective: gathers sharded experts
+            if adapter is not None:
+                weights = adapter_state(weights)
+            weights = pool.snapshot(weights, ("servable",)) if rank == 0 else None
     write_deepspeed = engine.checkpoint_engine.take_writer()  # marks the pool busy until written
     module = engine.module
 
@@ -89,7 +153,9 @@ def stage_checkpoint(
         if own_experts is not None:
             torch.save(own_experts, staged / "deepspeed" / f"module-rank-{rank}.pt")
         if rank == 0:
-            if adapter is None:
+            if adapter is None and weights is None:
+                save_model_config(module, staged)  # the weights were streamed
+            elif adapter is None:
                 save_model_files(module, staged, weights)
             else:
                 save_adapter_files(module, staged, weights, adapter)

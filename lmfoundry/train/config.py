@@ -199,6 +199,9 @@ class ScheduleConfig(StageConfig):
     def _check(self) -> ScheduleConfig:
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be below max_steps={self.max_steps}")
+        if self.kind == "cosine" and self.warmup_steps < 1:
+            # DeepSpeed's WarmupCosineLR refuses 0, inside every worker once the run has started
+            raise ValueError("warmup_steps=0 with kind=cosine: the cosine schedule needs at least 1 warmup step")
         return self
 
 

@@ -10,7 +10,6 @@ case the markers of the fixture it gets. A test that nothing marks is the unit t
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import signal
 import socket
@@ -33,21 +32,6 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 # MLflow (3.x) refuses a folder as its tracking store unless told that is meant: the tests track
 # into a folder of their own (a deployment points at an MLflow server instead).
 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-# On the CPU, DeepSpeed's engine loads a C++ op (its shared-memory collectives) that torch's JIT
-# extension builder compiles into one folder for every Python environment of the same version
-# (~/.cache/torch_extensions/py311_cpu). The build file there names the environment's path, so
-# when another environment at another path (a second checkout, a worktree's link to this one)
-# starts a worker in between, the next worker group here compiles the op again: a minute and
-# more on two busy cores, inside whichever test starts that group. A folder per environment
-# path keeps one build for the whole suite (the processes Ray and the tests start inherit it).
-os.environ.setdefault(
-    "TORCH_EXTENSIONS_DIR",
-    os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "torch_extensions",
-        "lmfoundry-tests-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:12],
-    ),
-)
 
 # fixture -> the markers of every test that uses it, directly or through other fixtures
 TIER_FIXTURES = {

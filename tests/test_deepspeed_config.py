@@ -118,27 +118,31 @@ def test_cpu_training_workers_start_with_the_allocator_settings_and_a_users_own_
     assert "MALLOC_MMAP_THRESHOLD_" not in run_config("/runs/a", 1, False).worker_runtime_env["env_vars"]
 
 
-def test_deepspeed_loads_without_mlflow_or_torchinductor_and_still_checks_adamw_for_zero():
+def test_deepspeed_loads_without_mlflow_torchinductor_or_a_compiled_op_and_still_checks_adamw_for_zero(tmp_path):
     """MLflow (for DeepSpeed's autotuner) and TorchInductor (for the Muon optimizer's compiled
-    kernels) are a large share of a worker's start: neither loads with lmfoundry's engine, MLflow
-    still imports for lmfoundry's tracking, torch.compile and DeepSpeed's compile decorator still
-    work elsewhere, torch's AdamW still passes DeepSpeed's ZeRO check, and a DeepSpeed without
-    the Muon module is no error."""
+    kernels) are a large share of a worker's start, and DeepSpeed's shared-memory all-reduce op
+    (for its inference engine) is compiled on first use: none loads with lmfoundry's engine, and
+    nothing is compiled. MLflow still imports for lmfoundry's tracking, torch.compile and
+    DeepSpeed's compile decorator still work elsewhere, torch's AdamW still passes DeepSpeed's
+    ZeRO check, and a DeepSpeed without the Muon module is no error."""
+    import os
     import subprocess
     import sys
 
     program = """
 import os, sys, torch
-from lmfoundry.train.engine import import_deepspeed_muon_uncompiled
+from lmfoundry.train.engine import import_deepspeed_muon_uncompiled, prepare_deepspeed
 import deepspeed
 import deepspeed.autotuning.autotuner as tuner
 from deepspeed.runtime import compiler
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-deepspeed.init_distributed(dist_backend="gloo")
 decorator = compiler.compile
 import_deepspeed_muon_uncompiled("deepspeed.runtime.zero.no_such_optimizer.module")  # an older DeepSpeed
-import_deepspeed_muon_uncompiled()
+prepare_deepspeed()
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+deepspeed.init_distributed(dist_backend="gloo")
+from deepspeed.comm import comm
+assert comm.cdb.shm_comm_op is None
 assert tuner.has_mlflow is False and compiler.compile is decorator
 assert is_zero_supported_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
 assert "deepspeed.runtime.zero.muon.muon_optimizer" in sys.modules
@@ -148,5 +152,7 @@ assert torch.compile(identity) is not identity  # TorchDynamo is not switched of
 import mlflow
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ops")}
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
     assert out.stdout.splitlines()[-1:] == ["ok"], out.stdout[-1000:] + out.stderr[-2000:]
+    assert not (tmp_path / "ops").exists() or not any((tmp_path / "ops").iterdir())  # nothing compiled

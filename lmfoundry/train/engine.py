@@ -151,11 +151,28 @@ def import_deepspeed_muon_uncompiled(name: str = MUON_MODULE) -> None:
         compiler.compile = compile_decorator
 
 
+def start_deepspeed_without_inference_op() -> None:
+    """DeepSpeed's communication backend, as it starts on the CPU accelerator, loads its
+    shared-memory all-reduce op: C++ that torch compiles on first use (a minute or more, and a C++
+    compiler on the machine). Only DeepSpeed-Inference's all-reduce calls it; training reduces
+    through torch.distributed. So lmfoundry's processes start the backend without it. (The GPU
+    accelerators have no such op.)"""
+    # by its full name: `from deepspeed.comm import torch` is the torch package itself
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def prepare_deepspeed() -> None:
+    """What a process does once before DeepSpeed starts its backend or an engine: the two
+    imports and builds above, left out."""
+    import_deepspeed_muon_uncompiled()
+    start_deepspeed_without_inference_op()
+
+
 def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict):
     """`model` in a DeepSpeed engine that checkpoints asynchronously. Returns engine and scheduler."""
     import deepspeed
 
-    import_deepspeed_muon_uncompiled()
+    prepare_deepspeed()
 
     def wsd(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, wsd_schedule(cfg))

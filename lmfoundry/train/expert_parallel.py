@@ -49,6 +49,9 @@ def shard_model(model: Transformer, ep_size: int) -> None:
     after torch.distributed is up and before deepspeed.initialize builds the optimizer."""
     import deepspeed
 
+    from lmfoundry.train.engine import prepare_deepspeed
+
+    prepare_deepspeed()
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
     name = group_name(ep_size)
     if name not in groups._get_expert_parallel_group_dict():

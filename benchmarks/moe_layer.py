@@ -87,11 +87,14 @@ def deepspeed_moe(c, h, e, k):
     import deepspeed
     from deepspeed.moe.layer import MoE as DSMoE
 
+    from lmfoundry.train.engine import prepare_deepspeed
+
     if not torch.distributed.is_initialized():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        prepare_deepspeed()  # as the training workers start it: nothing compiled
         deepspeed.init_distributed(dist_backend="gloo")
     layer = DSMoE(
         hidden_size=c, expert=SwiGLUExpert(c, h), num_experts=e, ep_size=1, k=k, drop_tokens=False, use_rts=False

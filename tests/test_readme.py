@@ -45,7 +45,7 @@ def test_the_readme_open_model_path_runs_as_written(own_ray_serve_env, tmp_path)
     for line in lines[:-1]:
         done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-        said[line.split()[1]] = done.stdout + done.stderr
+        said[line.split()[1] if line.startswith("lmfoundry") else line.split()[2]] = done.stdout + done.stderr
     assert "starting an embedded local Ray" in said["sft"]
     assert "starting an embedded local Ray" not in said["evaluate"]  # no token shards: nothing for Ray to do
     assert json.loads((tmp_path / "work/tiny/model_config.json").read_text())["n_layer"] == 2

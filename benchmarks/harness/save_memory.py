@@ -6,7 +6,7 @@ resident set (VmHWM, reset first) over where it stood before:
 - `streamed`: what a checkpoint save does (train/checkpointing.stream_servable_weights), one
   piece of the model gathered at a time and written by rank 0 while it is whole;
 - `full_gather`: every parameter gathered at once and rank 0 copying the whole state for the
-  write, as saves did before (and as DeepSpeed's own 16-bit model save does).
+  write, as saves did before.
 glibc is told to map and unmap every block of 64 KiB or more on its own, so that freed tensors
 leave the resident set at once (as in peak_memory.py).
 """
@@ -77,6 +77,15 @@ def _measure_case(rank: int, cfg: PretrainConfig, path: Path) -> dict:
                 whole.update({k: v.clone() for k, v in state.items()})
 
     row = {"streamed": _peak_rise(streamed), "full_gather": _peak_rise(full_gather)}
+    # rank 0 writing where it cannot (a folder that is not there) raises, and leaves no rank
+    # waiting in a gather: every rank reaches the barrier after it
+    try:
+        stream_servable_weights(engine.module, path.parent / "missing" / path.name if rank == 0 else None)
+        raised = False
+    except OSError:
+        raised = True
+    dist.barrier()
+    row["failed_write_raised_on_rank_0_only"] = raised == (rank == 0)
     if rank == 0:
         if cfg.model.tie_embeddings:
             whole.pop(TIED_HEAD)
@@ -112,8 +121,9 @@ def _worker(rank: int, port: int, configs: list[dict], out_dir: str, results) ->
 
 def measure_save_peaks(configs: list[PretrainConfig], out_dir: str | None = None) -> list[dict]:
     """For each ZeRO-3 config: the model's bytes, its largest piece's, the file's, whether the
-    file holds exactly the fully gathered weights, and the largest per-rank peak rise of the
-    resident set for the streamed write and for a full gather.
+    file holds exactly the fully gathered weights, the largest per-rank peak rise of the
+    resident set for the streamed write and for a full gather, and whether a write that fails on
+    rank 0 raised there alone and left every rank free to go on.
     The streamed files are left in `out_dir` (case-N.safetensors) when given."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,5 +149,8 @@ def measure_save_peaks(configs: list[PretrainConfig], out_dir: str | None = None
         row = dict(results[0][i])
         for way in ("streamed", "full_gather"):  # the larger rank's rise
             row[way] = max(results[rank][i][way] for rank in range(WORLD))
+        row["failed_write_raised_on_rank_0_only"] = all(
+            results[rank][i]["failed_write_raised_on_rank_0_only"] for rank in range(WORLD)
+        )
         merged.append(row)
     return merged

@@ -25,7 +25,7 @@ from lmfoundry.model.checkpoint import (
     save_model_files,
 )
 from lmfoundry.model.lora import AdapterRef, adapter_state
-from lmfoundry.model.tensor_files import write_safetensors
+from lmfoundry.model.tensor_files import DTYPE_NAMES, write_safetensors
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
@@ -73,9 +73,11 @@ def _pieces(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def stream_servable_weights(model: torch.nn.Module, path: Path | None) -> None:
     """Collective, under ZeRO-3: the servable weights gathered piece by piece (the embedding,
     each block, the final norm, the output head) and written to `path` (rank 0's; None on the
-    other ranks) while each piece is whole. Besides its own partition, a rank holds one piece at a
-    time, whatever the size of the model; a full gather would hold the whole model on every rank
-    and a second copy on rank 0 for the write."""
+    other ranks) while each piece is whole. Besides its own partition, a rank holds one gathered
+    piece at a time, whatever the size of the model (its memory rises by about two of the largest
+    piece: the piece and the gather's buffer); a full gather would hold the whole model on every
+    rank and a second copy on rank 0 for the write. If rank 0's write fails, it still takes part
+    in the gathers left, so the other ranks are not left waiting in one, and then raises."""
     import deepspeed
 
     def kept(piece_state: dict) -> dict:  # a tied output head is stored once, as the embedding
@@ -90,6 +92,9 @@ def stream_servable_weights(model: torch.nn.Module, path: Path | None) -> None:
         raise RuntimeError("the model's state is not the union of its pieces: it holds tensors of its own")
     # a ZeRO-3 parameter's own shape is its partition's; ds_shape is the whole one
     specs = [(n, v.dtype, tuple(getattr(v, "ds_shape", v.shape))) for _, _, state in pieces for n, v in state.items()]
+    unwritable = [(n, d) for n, d, _ in specs if d not in DTYPE_NAMES]
+    if unwritable:  # on every rank, before any gather
+        raise ValueError(f"tensors of dtypes safetensors cannot hold: {unwritable[:5]}")
 
     def gathered_tensors():  # each piece whole only while its tensors are being written
         for prefix, piece, state in pieces:
@@ -98,10 +103,12 @@ def stream_servable_weights(model: torch.nn.Module, path: Path | None) -> None:
             with deepspeed.zero.GatheredParameters(list(piece.parameters()), modifier_rank=None):
                 yield from (value for name, value in piece.state_dict().items() if prefix + name in state)
 
-    if path is not None:
-        write_safetensors(path, specs, gathered_tensors())
-    else:
-        for _ in gathered_tensors():  # the other ranks lend their partitions to every gather
+    tensors = gathered_tensors()
+    try:
+        if path is not None:
+            write_safetensors(path, specs, tensors)
+    finally:
+        for _ in tensors:  # the gathers left: every rank lends its partitions to each
             pass
 
 
@@ -132,11 +139,12 @@ def stage_checkpoint(
     # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
     own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
     weights = None
-    if engine.zero_optimization_stage() == 3 and adapter is None:
-        # the weights are never whole in one process: written now, piece by piece
+    streamed = engine.zero_optimization_stage() == 3 and adapter is None
+    if streamed:  # written now, piece by piece: the weights are never whole in one process
+        assert not _expert_parallel(engine)  # the config refuses ZeRO-3 with MoE
         stream_servable_weights(engine.module, staged / WEIGHTS if rank == 0 else None)
     else:
-        # ZeRO-3 with an adapter: only the adapter's partitions are lent, not the frozen base's
+        # (under ZeRO-3 with an adapter, only the adapter's partitions are lent, not the base's)
         lent = set(adapter_state(dict(engine.module.named_parameters()))) if adapter is not None else None
         with _gathered(engine, lent):
             weights = full_state(engine.module)  # collective: gathers sharded experts
@@ -153,8 +161,8 @@ def stage_checkpoint(
         if own_experts is not None:
             torch.save(own_experts, staged / "deepspeed" / f"module-rank-{rank}.pt")
         if rank == 0:
-            if adapter is None and weights is None:
-                save_model_config(module, staged)  # the weights were streamed
+            if streamed:
+                save_model_config(module, staged)
             elif adapter is None:
                 save_model_files(module, staged, weights)
             else:

@@ -162,8 +162,8 @@ def start_deepspeed_without_inference_op() -> None:
 
 
 def prepare_deepspeed() -> None:
-    """What a process does once before DeepSpeed starts its backend or an engine: the two
-    imports and builds above, left out."""
+    """Before DeepSpeed starts its backend or an engine (idempotent): its Muon module imported
+    without TorchInductor, and its backend started without the inference op."""
     import_deepspeed_muon_uncompiled()
     start_deepspeed_without_inference_op()
 

@@ -377,11 +377,10 @@ def write_practice_db(path: str, ref: Reference, held: set[str], customers: int,
     for name in invented_names(customers, taken, rng):
         for item in rng.sample(items, rng.randint(1, min(5, len(items)))):
             total = round(rng.uniform(low, high) * 4) / 4
-            invented.append({"id": 0, "customer": name, "item": item, "total": total, "status": rng.choice(statuses)})
+            invented.append({"customer": name, "item": item, "total": total, "status": rng.choice(statuses)})
     ids = [next(next_id) for _ in invented]
     rng.shuffle(ids)  # a customer's orders are not numbered in a row
-    for o, i in zip(invented, ids):
-        o["id"] = i
+    invented = [{"id": i, **o} for o, i in zip(invented, ids, strict=True)]
     with contextlib.closing(sqlite3.connect(path)) as conn:
         conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, customer TEXT, item TEXT, total REAL, status TEXT)")
         conn.executemany(

@@ -56,7 +56,8 @@ def _train_steps(cfg: PretrainConfig, seq_len: int, world: int, steps: int) -> N
     engine.destroy()
 
 
-def _worker(rank: int, world: int, port: int, configs: list[dict], seq_len: int, steps: int, results) -> None:
+def start_rank(rank: int, world: int, port: int) -> None:
+    """A spawned rank's environment and gloo process group, DeepSpeed's logging quietened."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
@@ -64,6 +65,31 @@ def _worker(rank: int, world: int, port: int, configs: list[dict], seq_len: int,
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def spawn_ranks(worker, args: tuple, world: int) -> dict:
+    """Run `worker(rank, port, *args, results)` in `world` spawned processes, with glibc told to
+    map and unmap every block of 64 KiB or more on its own, so that the resident set follows the
+    live tensors instead of keeping freed memory in the heap. Returns what the ranks put in
+    `results` (a dict by rank)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").Manager().dict()
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        mp.spawn(worker, args=(port, *args, results), nprocs=world, join=True)
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    return dict(results)
+
+
+def _worker(rank: int, port: int, world: int, configs: list[dict], seq_len: int, steps: int, results) -> None:
+    start_rank(rank, world, port)
     try:
         # the first engine in a process imports DeepSpeed's modules and loads its ops: a
         # throwaway step keeps that out of the first figure
@@ -92,26 +118,7 @@ def measure_peak_bytes(configs: list[PretrainConfig], seq_len: int, world_size: 
                 f"model.vocab_size ({cfg.model.vocab_size}) must be set and model.max_seq_len "
                 f"({cfg.model.max_seq_len}) at least seq_len={seq_len}"
             )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").Manager().dict()
-    # glibc then maps every block of 64 KiB or more on its own and unmaps it when freed, so the
-    # resident set follows the live tensors instead of keeping freed memory in the heap
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
-        mp.spawn(
-            _worker,
-            args=(world_size, port, [c.model_dump() for c in configs], seq_len, steps, results),
-            nprocs=world_size,
-            join=True,
-        )
-    finally:
-        if saved is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    results = spawn_ranks(_worker, (world_size, [c.model_dump() for c in configs], seq_len, steps), world_size)
     return [max(results[rank][i] for rank in range(world_size)) for i in range(len(configs))]
 
 

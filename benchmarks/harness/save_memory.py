@@ -14,19 +14,14 @@ leave the resident set at once (as in peak_memory.py).
 from __future__ import annotations
 
 import gc
-import logging
-import os
-import socket
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from harness.peak_memory import _reset_peak_rss, _rss_bytes
+from harness.peak_memory import _reset_peak_rss, _rss_bytes, spawn_ranks, start_rank
 from lmfoundry.model.checkpoint import TIED_HEAD
 from lmfoundry.model.transformer import ModelConfig
 from lmfoundry.train.config import PretrainConfig
@@ -103,13 +98,7 @@ def _measure_case(rank: int, cfg: PretrainConfig, path: Path) -> dict:
 
 
 def _worker(rank: int, port: int, configs: list[dict], out_dir: str, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank)
-    )
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    start_rank(rank, WORLD, port)
     try:
         results[rank] = [
             _measure_case(rank, PretrainConfig.model_validate(raw), Path(out_dir) / f"case-{i}.safetensors")
@@ -125,25 +114,8 @@ def measure_save_peaks(configs: list[PretrainConfig], out_dir: str | None = None
     resident set for the streamed write and for a full gather, and whether a write that fails on
     rank 0 raised there alone and left every rank free to go on.
     The streamed files are left in `out_dir` (case-N.safetensors) when given."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").Manager().dict()
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     with tempfile.TemporaryDirectory() as scratch:
-        try:
-            mp.spawn(
-                _worker,
-                args=(port, [c.model_dump() for c in configs], out_dir or scratch, results),
-                nprocs=WORLD,
-                join=True,
-            )
-        finally:
-            if saved is None:
-                del os.environ["MALLOC_MMAP_THRESHOLD_"]
-            else:
-                os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+        results = spawn_ranks(_worker, ([c.model_dump() for c in configs], out_dir or scratch), WORLD)
     merged = []
     for i in range(len(configs)):
         row = dict(results[0][i])

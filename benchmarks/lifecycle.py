@@ -37,6 +37,20 @@ def machine() -> dict:
     }
 
 
+def results_header(benchmark: str, script: str, load_before: float) -> dict:
+    """The keys a results file opens with: what was measured, when, by which command, on which
+    machine, and the load average (1 min) before the run."""
+    import datetime
+
+    return {
+        "benchmark": benchmark,
+        "date": datetime.date.today().isoformat(),
+        "command": recorded_command(script),
+        "machine": machine(),
+        "load_average_1min_before": round(load_before, 2),
+    }
+
+
 def recorded_command(script: str) -> str:
     """The command line as a results file records it: a path given to an option is written as the
     option's name (`--workdir WORKDIR`), so that no machine's paths enter the results."""

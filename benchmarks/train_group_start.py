@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
 import statistics
@@ -21,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lifecycle import machine, recorded_command
+from lifecycle import results_header
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -99,11 +98,11 @@ def main() -> None:
         print(f"{name:<52} {row['per_run']:>8} {row['median_s']:>23}")
     RESULTS.mkdir(exist_ok=True)
     out = {
-        "benchmark": "fixed cost of a Ray Train run: an empty TorchTrainer.fit on 2 CPU workers",
-        "date": datetime.date.today().isoformat(),
-        "command": recorded_command("benchmarks/train_group_start.py"),
-        "machine": machine(),
-        "load_average_1min_before": round(load_before, 2),
+        **results_header(
+            "fixed cost of a Ray Train run: an empty TorchTrainer.fit on 2 CPU workers",
+            "benchmarks/train_group_start.py",
+            load_before,
+        ),
         **summary,
         "runs_s": [{k: round(v, 2) for k, v in r.items() if k != "began"} for r in runs],
         "actors": actors,

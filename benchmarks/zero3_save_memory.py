@@ -14,13 +14,12 @@ Prints a table; writes benchmarks/results/zero3_save_memory.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 from pathlib import Path
 
 from harness.save_memory import measure_save_peaks, zero3_config
-from lifecycle import machine, recorded_command
+from lifecycle import results_header
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20
@@ -51,11 +50,11 @@ def main() -> None:
         )
     RESULTS.mkdir(exist_ok=True)
     out = {
-        "benchmark": "ZeRO-3 servable-weights write: peak resident-set rise per rank, streamed vs full gather",
-        "date": datetime.date.today().isoformat(),
-        "command": recorded_command("benchmarks/zero3_save_memory.py"),
-        "machine": machine(),
-        "load_average_1min_before": round(load_before, 2),
+        **results_header(
+            "ZeRO-3 servable-weights write: peak resident-set rise per rank, streamed vs full gather",
+            "benchmarks/zero3_save_memory.py",
+            load_before,
+        ),
         "world_size": 2,
         "rows": rows,
     }

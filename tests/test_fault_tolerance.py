@@ -18,6 +18,7 @@ import pytest
 from conftest import tiny_pretrain_config
 
 from lmfoundry.platform import checkpoint
+from lmfoundry.train.config import FaultDrill
 
 
 def stage(tmp_path: Path, rank: int, step: int, payload: bytes) -> Path:
@@ -193,11 +194,7 @@ def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_at_another_
     # universal checkpoint): the clean run's losses, up to the other summation order
     # the clean run as if it had stopped after step 4's checkpoint: its newest checkpoint and its
     # manifest removed (a run killed at 2 workers resumes the same way: test_killed_workers_...)
-    shrunk = tmp_path / "shrunk"
-    shutil.copytree(tmp_path / "clean", shrunk)
-    (shrunk / "_MANIFEST.json").unlink()
-    shutil.rmtree(shrunk / "checkpoints" / "step-00000008")
-    assert [s for s, _ in checkpoint.committed_checkpoints(str(shrunk))] == [4]
+    shrunk = stopped_at(tmp_path / "clean", 4, tmp_path / "shrunk")
     run_pretrain(
         tiny_pretrain_config(packed[0], str(shrunk), **{**settings, "parallelism": {"zero_stage": 3, "num_workers": 1}})
     )
@@ -214,6 +211,61 @@ def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_at_another_
     )
     offload = [json.loads(line)["loss"] for line in open(tmp_path / "offload" / "metrics.jsonl")]
     assert offload == pytest.approx([r["loss"] for r in rows["clean"]], rel=1e-4)
+
+
+def stopped_at(run: Path, step: int, copy: Path) -> Path:
+    """A copy of `run` as if it had stopped after `step`'s checkpoint: the later checkpoints and
+    the run manifest removed (a run killed there resumes the same way: test_killed_workers_...)."""
+    shutil.copytree(run, copy)
+    (copy / "_MANIFEST.json").unlink()
+    for later, uri in checkpoint.committed_checkpoints(str(copy)):
+        if later > step:
+            shutil.rmtree(uri)
+    assert checkpoint.committed_checkpoints(str(copy))[-1][0] == step
+    return copy
+
+
+def losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # every step once
+    return [r["loss"] for r in rows]
+
+
+def test_a_tensor_parallel_run_resumes_exactly_and_moves_between_layouts(
+    deepspeed_workers, packed, pretrained, tmp_path
+):
+    """The reference run (2 workers, data parallel) stopped after step 30 and finished at TP=2
+    (one tensor-parallel group of 2): its losses, up to the rounding of the other summation
+    order. That run stopped after step 35 and finished again at TP=2 with a worker killed after
+    step 38: bitwise its own losses. And finished by one worker holding the whole model: its
+    losses again, up to rounding. Each move between layouts goes through a universal checkpoint."""
+    reference = losses(Path(pretrained[0]))
+    tp2 = {"num_workers": 2, "tensor_parallel_size": 2}
+
+    def finish(run: Path, parallelism: dict, **overrides) -> list[float]:
+        cfg = tiny_pretrain_config(
+            packed[0], str(run), parallelism=parallelism, checkpointing={"every": 5}, **overrides
+        )
+        from lmfoundry.train.pretrain import run_pretrain
+
+        run_pretrain(cfg)
+        return losses(run)
+
+    from_dp = finish(stopped_at(Path(pretrained[0]), 30, tmp_path / "dp-to-tp"), tp2)
+    # each rank of the group saved its own shard of the weights
+    assert len(list((tmp_path / "dp-to-tp").glob("checkpoints/step-00000040/**/mp_rank_0[01]_model_states.pt"))) == 2
+    assert from_dp[:30] == reference[:30]
+    assert from_dp[30:] == pytest.approx(reference[30:], abs=1e-4)
+    killed = stopped_at(tmp_path / "dp-to-tp", 35, tmp_path / "tp-killed")
+    drills = [FaultDrill(at_step=38, rank=1)]
+    assert finish(killed, tp2, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
+    assert len(list((killed / "_drills").iterdir())) == 1  # the drill fired
+    to_dp = finish(stopped_at(tmp_path / "dp-to-tp", 35, tmp_path / "tp-to-dp"), {"num_workers": 1})
+    assert to_dp == pytest.approx(from_dp, abs=1e-4)
+    final = (
+        tmp_path / "tp-to-dp" / json.loads((tmp_path / "tp-to-dp" / "_MANIFEST.json").read_text())["final_checkpoint"]
+    )
+    assert json.loads((final / "train_state.json").read_text())["tensor_parallel_size"] == 1
 
 
 def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(

@@ -210,9 +210,12 @@ class Attention(nn.Module):
         """cached: (cache, slots (B,), rows, positions (B, T), mask (B, 1, T, L)) when decoding;
         mask (B, 1, T, T): which keys each query sees, for packed documents (else causal)."""
         B, T, _ = x.shape
-        H, K, D = self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim
-        q = self.wq(x).view(B, T, H, D)
-        k, v = self.wkv(x).view(B, T, 2, K, D).unbind(2)  # 2 x (B, T, K, D)
+        D = self.cfg.head_dim
+        # Head counts come from the projections' outputs, not the config: under tensor
+        # parallelism each rank's projections hold a slice of the heads (train/tensor_parallel.py).
+        q = self.wq(x).view(B, T, -1, D)
+        k, v = self.wkv(x).view(B, T, 2, -1, D).unbind(2)  # 2 x (B, T, K, D)
+        H, K = q.shape[2], k.shape[2]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or K, T, D)

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,9 @@ from lmfoundry.model.tensor_files import DTYPE_NAMES, write_safetensors
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
+from lmfoundry.train import tensor_parallel
 from lmfoundry.train.expert_parallel import full_state
+from lmfoundry.train.tensor_parallel import tensor_parallel_size
 
 logger = get_logger(__name__)
 
@@ -70,15 +73,24 @@ def _pieces(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return pieces
 
 
-def stream_servable_weights(model: torch.nn.Module, path: Path | None) -> None:
-    """Collective, under ZeRO-3: the servable weights gathered piece by piece (the embedding,
-    each block, the final norm, the output head) and written to `path` (rank 0's; None on the
-    other ranks) while each piece is whole. Besides its own partition, a rank holds one gathered
-    piece at a time, whatever the size of the model (its memory rises by about two of the largest
-    piece: the piece and the gather's buffer); a full gather would hold the whole model on every
-    rank and a second copy on rank 0 for the write. If rank 0's write fails, it still takes part
-    in the gathers left, so the other ranks are not left waiting in one, and then raises."""
+def _zero3_gathered(piece: torch.nn.Module):
     import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(piece.parameters()), modifier_rank=None)
+
+
+def stream_servable_weights(
+    model: torch.nn.Module, path: Path | None, gathered: Callable[[torch.nn.Module], Any] = _zero3_gathered
+) -> None:
+    """Collective, when the weights are split over ranks (ZeRO-3 partitions, or tensor-parallel
+    shards with `gathered=tensor_parallel.gathered`): the servable weights gathered piece by
+    piece (the embedding, each block, the final norm, the output head) and written to `path`
+    (rank 0's; None on the other ranks) while each piece is whole. Besides its own share, a rank
+    holds one gathered piece at a time, whatever the size of the model (its memory rises by about
+    two of the largest piece: the piece and the gather's buffer); a full gather would hold the
+    whole model on every rank and a second copy on rank 0 for the write. If rank 0's write fails,
+    it still takes part in the gathers left, so the other ranks are not left waiting in one, and
+    then raises."""
 
     def kept(piece_state: dict) -> dict:  # a tied output head is stored once, as the embedding
         return {k: v for k, v in piece_state.items() if not (model.cfg.tie_embeddings and k == TIED_HEAD)}
@@ -90,8 +102,11 @@ def stream_servable_weights(model: torch.nn.Module, path: Path | None) -> None:
     declared = [name for _, _, state in pieces for name in state]
     if set(declared) != set(kept(model.state_dict(keep_vars=True))):
         raise RuntimeError("the model's state is not the union of its pieces: it holds tensors of its own")
-    # a ZeRO-3 parameter's own shape is its partition's; ds_shape is the whole one
-    specs = [(n, v.dtype, tuple(getattr(v, "ds_shape", v.shape))) for _, _, state in pieces for n, v in state.items()]
+    # each rank's tensors have its share's shape: the whole shapes are those of the model built
+    # anew from its config, on the meta device (no memory)
+    with torch.device("meta"):
+        whole = type(model)(model.cfg).state_dict()
+    specs = [(n, v.dtype, tuple(whole[n].shape)) for _, _, state in pieces for n, v in state.items()]
     unwritable = [(n, d) for n, d, _ in specs if d not in DTYPE_NAMES]
     if unwritable:  # on every rank, before any gather
         raise ValueError(f"tensors of dtypes safetensors cannot hold: {unwritable[:5]}")
@@ -100,7 +115,7 @@ def stream_servable_weights(model: torch.nn.Module, path: Path | None) -> None:
         for prefix, piece, state in pieces:
             if not state:
                 continue  # the tied head: nothing of its own to gather
-            with deepspeed.zero.GatheredParameters(list(piece.parameters()), modifier_rank=None):
+            with gathered(piece):
                 yield from (value for name, value in piece.state_dict().items() if prefix + name in state)
 
     tensors = gathered_tensors()
@@ -139,10 +154,15 @@ def stage_checkpoint(
     # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
     own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
     weights = None
-    streamed = engine.zero_optimization_stage() == 3 and adapter is None
+    split = tensor_parallel_size(engine) > 1
+    streamed = (engine.zero_optimization_stage() == 3 or split) and adapter is None
     if streamed:  # written now, piece by piece: the weights are never whole in one process
-        assert not _expert_parallel(engine)  # the config refuses ZeRO-3 with MoE
-        stream_servable_weights(engine.module, staged / WEIGHTS if rank == 0 else None)
+        assert not _expert_parallel(engine)  # the config refuses ZeRO-3 and tensor parallelism with MoE
+        path = staged / WEIGHTS if rank == 0 else None
+        if split:
+            stream_servable_weights(engine.module, path, tensor_parallel.gathered)
+        else:
+            stream_servable_weights(engine.module, path)
     else:
         # (under ZeRO-3 with an adapter, only the adapter's partitions are lent, not the base's)
         lent = set(adapter_state(dict(engine.module.named_parameters()))) if adapter is not None else None
@@ -203,9 +223,11 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     state = checkpoint.load_json_state(local / "train_state.json")
-    written_by = state["world_size"]
+    written_by, written_tp = state["world_size"], state.get("tensor_parallel_size", 1)
+    tp = tensor_parallel_size(engine)
+    relayout = (written_by, written_tp) != (world, tp)
     load_dir = local / "deepspeed"
-    if written_by != world:
+    if relayout:
         if _expert_parallel(engine):
             raise ValueError(
                 f"checkpoint {uri} was written by {written_by} workers and this run has {world}: "
@@ -225,7 +247,7 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     finally:
         engine.has_moe_layers = has_moe_layers
         engine._config.load_universal_checkpoint = False
-    if written_by != world:
+    if relayout:
         _mend_universal_load(engine, own_settings)
         dist.barrier()  # every rank of the node has loaded it: the converted copy can go
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -233,10 +255,11 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     if _expert_parallel(engine):
         engine.module.load_state_dict(checkpoint.torch_load_weights(local / "deepspeed" / f"module-rank-{rank}.pt"))
     checkpoint.load_rng_state(local / "deepspeed", suffix=f"-rank-{rank % written_by}")
-    if written_by != world:
-        # the position counts global micro-batches of micro_batch_size x world rows; a checkpoint
-        # sits on a step boundary, so the rows trained on divide evenly at the new world size
-        state = {**state, "batches_in_epoch": state["batches_in_epoch"] * written_by // world}
+    if relayout:
+        # the position counts global micro-batches of micro_batch_size x data-parallel size rows;
+        # a checkpoint sits on a step boundary, so the rows trained on divide evenly at the new size
+        written_dp, dp = written_by // written_tp, world // tp
+        state = {**state, "batches_in_epoch": state["batches_in_epoch"] * written_dp // dp}
     if rank == 0:
         logger.info(
             "resumed from %s: step %d, epoch %d, %d micro-batches into the epoch%s",
@@ -244,7 +267,9 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
             state["step"],
             state["epoch"],
             state["batches_in_epoch"],
-            f" (written by {written_by} workers, now {world})" if written_by != world else "",
+            f" (written by {written_by} workers at tensor parallel {written_tp}, now {world} at {tp})"
+            if relayout
+            else "",
         )
     return state
 

@@ -84,6 +84,13 @@ class ParallelismConfig(StageConfig):
         "overlapped communication) a micro-step",
     )
     expert_parallel_size: int = Field(1, ge=1, description="workers that split each MoE layer's experts")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="workers that split each block's attention heads and MLP columns (DeepSpeed AutoTP; "
+        "pretraining, dense models, ZeRO stages 0-2); each group of this many consecutive ranks trains on "
+        "the same batch",
+    )
     precision: Literal["auto", "fp32", "bf16"] = "auto"
 
     @model_validator(mode="after")
@@ -100,6 +107,26 @@ class ParallelismConfig(StageConfig):
                     f"min_workers (elastic) with expert_parallel_size={self.expert_parallel_size}: a change "
                     "of world size needs every expert's state in one checkpoint format, which expert "
                     "parallelism does not write; use a fixed num_workers"
+                )
+        tp = self.tensor_parallel_size
+        if tp > 1:
+            if self.num_workers % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide num_workers={self.num_workers}")
+            if self.zero_stage == 3:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} with zero_stage=3: DeepSpeed's tensor parallelism composes "
+                    "with ZeRO stages 0-2"
+                )
+            if self.expert_parallel_size > 1:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} with expert_parallel_size={self.expert_parallel_size}: "
+                    "tensor and expert parallelism do not compose yet; choose one"
+                )
+            if self.min_workers is not None:
+                raise ValueError(
+                    f"min_workers (elastic) with tensor_parallel_size={tp}: a lost worker breaks its whole "
+                    "tensor-parallel group; use a fixed num_workers (a checkpoint still resumes at "
+                    "another layout)"
                 )
         if self.num_workers % self.expert_parallel_size:
             raise ValueError(
@@ -306,6 +333,7 @@ class TrainStageConfig(StageConfig):
                 "offload_optimizer",
                 "reduce_bucket_size",
                 "expert_parallel_size",
+                "tensor_parallel_size",
                 "precision",
             )
         },
@@ -326,8 +354,17 @@ class TrainStageConfig(StageConfig):
     def _legacy_keys(cls, data: Any) -> Any:
         return _move_legacy_keys(data, cls.LEGACY_KEYS)
 
+    # whether the stage's objective can train with its model split by tensor parallelism
+    TENSOR_PARALLEL: ClassVar[bool] = False
+
     @model_validator(mode="after")
     def _check_drills(self) -> TrainStageConfig:
+        tp = self.parallelism.tensor_parallel_size
+        if tp > 1 and not self.TENSOR_PARALLEL:
+            raise ValueError(
+                f"parallelism.tensor_parallel_size={tp}: tensor parallelism is for pretraining; "
+                f"{type(self).__name__} trains with data parallelism (tensor_parallel_size 1)"
+            )
         workers = self.parallelism.num_workers
         for drill in self.drills:
             if drill.rank >= workers:
@@ -354,6 +391,7 @@ class PretrainConfig(TrainStageConfig):
         **TrainStageConfig.LEGACY_KEYS,
         **{k: f"batch.{k}" for k in ("micro_batch_size", "global_batch_tokens")},
     }
+    TENSOR_PARALLEL: ClassVar[bool] = True
 
     @model_validator(mode="after")
     def _check(self) -> PretrainConfig:
@@ -368,7 +406,22 @@ class PretrainConfig(TrainStageConfig):
                 )
         if self.parallelism.zero_stage == 3 and moe is not None:
             raise ValueError("zero_stage=3 with an MoE model: DeepSpeed's MoE layers support ZeRO stages 0-2")
+        if self.parallelism.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model, self.parallelism.tensor_parallel_size)
         return self
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    """That `model` splits evenly over `tp` ranks: whole key/value heads (so whole query groups)
+    and whole MLP columns on each."""
+    if model.moe is not None:
+        raise ValueError(
+            f"tensor_parallel_size={tp} with an MoE model: split its experts with expert_parallel_size instead"
+        )
+    if model.n_kv_head % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's n_kv_head={model.n_kv_head}")
+    if model.ffn_hidden % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's MLP width {model.ffn_hidden}")
 
 
 def resolved_precision(parallelism: ParallelismConfig) -> str:
@@ -377,6 +430,13 @@ def resolved_precision(parallelism: ParallelismConfig) -> str:
     if parallelism.precision == "bf16" and not parallelism.use_gpu:
         logger.warning("precision=bf16 on CPU workers is slow; fp32 is the CPU default")
     return parallelism.precision
+
+
+def data_parallel(rank: int, world: int, parallelism: ParallelismConfig) -> tuple[int, int]:
+    """The data-parallel rank and size of worker `rank` of `world`: the workers of a
+    tensor-parallel group (consecutive ranks, as DeepSpeed lays out its mesh) train on one batch."""
+    tp = parallelism.tensor_parallel_size
+    return rank // tp, world // tp
 
 
 def world_sizes(parallelism: ParallelismConfig) -> range:

@@ -8,13 +8,15 @@ import sys
 
 import torch
 
+from lmfoundry.train import tensor_parallel
 from lmfoundry.train.config import TrainStageConfig, resolved_precision, world_sizes
 from lmfoundry.train.snapshot import SnapshotCheckpointEngine
 
 
 def gradient_accumulation(cfg: TrainStageConfig, world_size: int, seq_len: int) -> int:
-    """Micro-steps per optimizer step, from the stage's global batch (tokens or pairs)."""
-    return cfg.batch.accumulation(world_size, seq_len)
+    """Micro-steps per optimizer step, from the stage's global batch (tokens or pairs): the
+    workers of a tensor-parallel group share each micro-batch."""
+    return cfg.batch.accumulation(world_size // cfg.parallelism.tensor_parallel_size, seq_len)
 
 
 def check_every_world_size(cfg: TrainStageConfig, seq_len: int) -> None:
@@ -37,10 +39,14 @@ def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_p
     micro = cfg.batch.micro_batch_size
     accum = gradient_accumulation(cfg, world_size, seq_len)
     bucket = reduce_bucket_elements(cfg, num_params)
+    tp = par.tensor_parallel_size
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
+        # DeepSpeed counts every worker here, those of one tensor-parallel group too (it checks
+        # this product against its world size); the rows per step are this over tp
         "train_batch_size": micro * accum * world_size,
+        **({"tensor_parallel": tensor_parallel.deepspeed_section(tp)} if tp > 1 else {}),
         "gradient_clipping": opt.grad_clip,
         "zero_optimization": {
             "stage": par.zero_stage,

@@ -24,7 +24,7 @@ from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.hardware import device_peak_tflops
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train.checkpointing import resume, stage_checkpoint, stage_root
-from lmfoundry.train.config import TrainStageConfig
+from lmfoundry.train.config import TrainStageConfig, data_parallel
 from lmfoundry.train.drills import Drills
 from lmfoundry.train.engine import build_engine, deepspeed_config
 from lmfoundry.train.expert_load import ExpertLoad
@@ -45,7 +45,8 @@ logger = get_logger(__name__)
 
 
 def run(cfg: TrainStageConfig, run_dir: str, build_objective: Callable[[int, int], Objective]) -> None:
-    """Train `cfg` on this worker: `build_objective(rank, world_size)` supplies model, batches and loss."""
+    """Train `cfg` on this worker: `build_objective(data_rank, data_world)` supplies model, batches
+    and loss for its data-parallel rank (its rank, unless tensor parallelism groups the workers)."""
     import ray.train
 
     ctx = ray.train.get_context()
@@ -56,7 +57,8 @@ def run(cfg: TrainStageConfig, run_dir: str, build_objective: Callable[[int, int
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     if cfg.deterministic:
         use_deterministic_kernels()
-    Trainer(cfg, run_dir, build_objective(rank, world), rank, world).train()
+    # the objective reads the batches of this worker's data-parallel rank
+    Trainer(cfg, run_dir, build_objective(*data_parallel(rank, world, cfg.parallelism)), rank, world).train()
 
 
 def use_deterministic_kernels() -> None:
@@ -92,10 +94,11 @@ class Trainer:
         self.accum = self.ds_config["gradient_accumulation_steps"]
         if rank == 0:
             logger.info(
-                "%s: %.2fM parameters, %d workers, ZeRO-%d, micro batch %d, grad accumulation %d",
+                "%s: %.2fM parameters, %d workers, tensor parallel %d, ZeRO-%d, micro batch %d, grad accumulation %d",
                 objective.kind,
                 objective.num_params / 1e6,
                 world,
+                cfg.parallelism.tensor_parallel_size,
                 cfg.parallelism.zero_stage,
                 cfg.batch.micro_batch_size,
                 self.accum,
@@ -419,6 +422,7 @@ class Trainer:
             "epoch": pos.epoch,
             "batches_in_epoch": pos.batches_in_epoch,
             "world_size": self.world,
+            "tensor_parallel_size": self.cfg.parallelism.tensor_parallel_size,
             **objective.train_state(pos.step),
             "loss": loss,
             "skipped_batches": self.skipped,

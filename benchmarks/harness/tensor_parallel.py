@@ -1,0 +1,80 @@
+"""Train the pretraining model under tensor parallelism and under data parallelism alone, on
+spawned gloo processes, to hold the layouts to the same losses.
+
+Each rank builds the model and its DeepSpeed engine as the training loop does
+(train/pretrain.py's build_pretrain_engine) and trains on seeded random tokens: every step's
+global batch is the same whatever the layout, and the ranks of a tensor-parallel group read the
+same rows (their data-parallel rank's). Afterwards the servable weights are written piece by
+piece as a checkpoint writes them, and rank 0 keeps the engine's logits on one batch, so a caller
+can load the file into the single-device model and compare.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from harness.peak_memory import spawn_ranks, start_rank
+from lmfoundry.train.config import PretrainConfig, data_parallel
+
+
+def global_batches(cfg: PretrainConfig, seq_len: int, steps: int, seed: int = 0):
+    """Each step's rows, the same for every layout: steps x (rows per step, seq_len + 1). A row
+    counts from a random start by a random stride of 1-3 (modulo the vocabulary): a pattern a
+    small model learns within a few steps, so the losses fall and a layout that trains wrongly
+    shows."""
+    rows, vocab = cfg.batch.global_batch_tokens // seq_len, cfg.model.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (steps, rows, 1), generator=generator)
+    stride = torch.randint(1, 4, (steps, rows, 1), generator=generator)
+    return (start + stride * torch.arange(seq_len + 1)) % vocab
+
+
+def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: int, out: str, results) -> None:
+    from lmfoundry.model.checkpoint import WEIGHTS, save_model_config, save_model_files
+    from lmfoundry.train.checkpointing import stream_servable_weights
+    from lmfoundry.train.pretrain import build_pretrain_engine
+    from lmfoundry.train.tensor_parallel import gathered
+
+    start_rank(rank, world, port)
+    try:
+        cfg = PretrainConfig.model_validate(raw)
+        engine, _, ds_config = build_pretrain_engine(cfg, world, seq_len)
+        dp_rank, dp_world = data_parallel(rank, world, cfg.parallelism)
+        micro, accum = cfg.batch.micro_batch_size, ds_config["gradient_accumulation_steps"]
+        losses = []
+        for batch in global_batches(cfg, seq_len, steps):
+            # micro-batch i of the step is rows [i * dp_world + dp_rank] * micro: the rows a
+            # data-parallel rank reads interleave, as the training loop's do
+            step_loss = torch.zeros(())
+            for i in range(accum):
+                first = (i * dp_world + dp_rank) * micro
+                tokens = batch[first : first + micro]
+                loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
+                engine.backward(loss)
+                engine.step()
+                step_loss += loss.detach() / accum
+            dist.all_reduce(step_loss)
+            losses.append(step_loss.item() / world)  # every rank holds its replica's mean
+        probe = global_batches(cfg, seq_len, 1, seed=1)[0, :2, :-1]
+        with torch.no_grad():
+            logits = engine(probe)[0]
+        Path(out).mkdir(parents=True, exist_ok=True)
+        if cfg.parallelism.tensor_parallel_size > 1:  # the checkpoint's streamed write
+            stream_servable_weights(engine.module, Path(out) / WEIGHTS if rank == 0 else None, gathered)
+            if rank == 0:
+                save_model_config(engine.module, out)
+        elif rank == 0:
+            save_model_files(engine.module, out)
+        results[rank] = {"losses": losses, "logits": logits if rank == 0 else None}
+    finally:
+        dist.destroy_process_group()
+
+
+def train_losses(cfg: PretrainConfig, world: int, seq_len: int, steps: int, out: str) -> dict:
+    """The mean loss of each of `steps` optimizer steps of `cfg` on `world` processes, and rank
+    0's logits (2 rows of a probe batch) after them; the servable model files go to `out`."""
+    results = spawn_ranks(_worker, (world, cfg.model_dump(), seq_len, steps, out), world)
+    return results[0]

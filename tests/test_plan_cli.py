@@ -66,6 +66,23 @@ def test_plan_writes_json_plot_and_a_runnable_recipe(tmp_path, monkeypatch):
     assert yaml.safe_load((tmp_path / "p.json").read_text())["plans"]
 
 
+def test_the_70b_recipe_on_1024_gpus_gets_a_tensor_parallel_layout_the_trainer_accepts(tmp_path, monkeypatch):
+    """Without pipeline parallelism (not run yet) the 70B model fits 80 GB only split 8 ways by
+    tensor parallelism: the written recipe says so, and its DeepSpeed JSON shards with AutoTP."""
+    from lmfoundry.platform.config import load_config
+    from lmfoundry.train.config import PretrainConfig
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "70b.yaml"
+    assert main(["configs/pretrain_70b_gpu.yaml", "--gpu", "H100", "--nodes", "128", "--write-config", str(out)]) == 0
+    cfg = load_config(PretrainConfig, out)
+    assert (cfg.parallelism.tensor_parallel_size, cfg.parallelism.num_workers) == (8, 1024)
+    derived = yaml.safe_load((tmp_path / "70b.deepspeed.json").read_text())
+    assert derived["deepspeed"]["tensor_parallel"]["autotp_size"] == 8
+    # 128 data-parallel replicas of micro-batches of 4 sequences of 4,096 tokens: 2 micro-steps
+    assert derived["deepspeed"]["gradient_accumulation_steps"] == 4194304 // (128 * 4 * 4096)
+
+
 def test_unknown_gpu_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["configs/pretrain_7b_gpu.yaml", "--gpu", "V100"]) == 2

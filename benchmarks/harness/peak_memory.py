@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from lmfoundry.model.moe import MoEConfig
 from lmfoundry.model.transformer import ModelConfig
-from lmfoundry.train.config import PretrainConfig, resolved_precision
+from lmfoundry.train.config import PretrainConfig, data_parallel, resolved_precision
 from lmfoundry.train.engine import gradient_accumulation
 
 SEQ_LEN, WORLD = 256, 2  # of the reference cases
@@ -46,7 +46,9 @@ def _train_steps(cfg: PretrainConfig, seq_len: int, world: int, steps: int) -> N
     from lmfoundry.train.pretrain import build_pretrain_engine
 
     engine, _, ds_config = build_pretrain_engine(cfg, world, seq_len)
-    generator = torch.Generator().manual_seed(cfg.seed + dist.get_rank())
+    # the workers of a tensor-parallel group train on the same rows
+    data_rank = data_parallel(dist.get_rank(), world, cfg.parallelism)[0]
+    generator = torch.Generator().manual_seed(cfg.seed + data_rank)
     for _ in range(steps * ds_config["gradient_accumulation_steps"]):
         shape = (cfg.batch.micro_batch_size, seq_len + 1)
         tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=generator)
@@ -123,18 +125,21 @@ def measure_peak_bytes(configs: list[PretrainConfig], seq_len: int, world_size: 
 
 
 def reference_cases() -> dict[str, PretrainConfig]:
-    """Dense and MoE models under ZeRO 0-2, with and without checkpointing and accumulation."""
+    """Dense and MoE models under ZeRO 0-2, with and without checkpointing and accumulation, and
+    expert and tensor parallelism."""
     dense = ModelConfig(vocab_size=4096, max_seq_len=SEQ_LEN, n_layer=4, d_model=256, n_head=4, n_kv_head=2)
     wide = dense.model_copy(update={"d_model": 512, "n_head": 8, "n_kv_head": 4, "vocab_size": 8192})
     moe = dense.model_copy(update={"moe": MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_hidden=128)})
 
-    def cfg(model: ModelConfig, zero: int, micro: int = 8, accumulate: int = 1, ep: int = 1) -> PretrainConfig:
+    def cfg(
+        model: ModelConfig, zero: int, micro: int = 8, accumulate: int = 1, ep: int = 1, tp: int = 1
+    ) -> PretrainConfig:
         return PretrainConfig(
             data="-",
             output="-",
             model=model,
-            parallelism={"zero_stage": zero, "expert_parallel_size": ep},
-            batch={"micro_batch_size": micro, "global_batch_tokens": micro * WORLD * SEQ_LEN * accumulate},
+            parallelism={"zero_stage": zero, "expert_parallel_size": ep, "tensor_parallel_size": tp},
+            batch={"micro_batch_size": micro, "global_batch_tokens": micro * WORLD // tp * SEQ_LEN * accumulate},
             schedule={"max_steps": 10, "warmup_steps": 1},
         )
 
@@ -147,6 +152,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
         "dense 512-wide ZeRO-2, micro 4": cfg(wide, 2, micro=4),
         "MoE 8 experts top-2 ZeRO-2": cfg(moe, 2),
         "MoE, expert parallel 2, ZeRO-2": cfg(moe, 2, ep=2),
+        "dense 512-wide, TP 2, ZeRO-2": cfg(wide, 2, micro=4, tp=2),
     }
 
 
@@ -167,6 +173,7 @@ def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> 
         reduce_bucket_size=par.reduce_bucket_size,
         overlap_comm=par.use_gpu,
     )
-    layout = Layout(tp=1, pp=1, dp=world_size, ep=par.expert_parallel_size)
+    tp = par.tensor_parallel_size
+    layout = Layout(tp=tp, pp=1, dp=world_size // tp, ep=par.expert_parallel_size)
     micro_batches = gradient_accumulation(cfg, world_size, seq_len)
     return training_memory_bytes(model_shape(cfg.model), layout, recipe, micro_batches)

@@ -19,6 +19,61 @@ import torch.distributed as dist
 from harness.peak_memory import spawn_ranks, start_rank
 from lmfoundry.train.config import PretrainConfig, data_parallel
 
+SEQ_LEN, STEPS = 32, 20
+LAYOUTS = {"one worker": (1, 1), "TP 2": (2, 2), "TP 2 x DP 2": (2, 4)}  # name: (tensor parallel, workers)
+
+
+def small_config(tp: int, workers: int) -> PretrainConfig:
+    """A 2-layer model with grouped-query attention, per-head query/key norms and q/k/v biases
+    (Qwen2/3), so that each of the split or summed parts is exercised; 8 sequences a step."""
+    from lmfoundry.model.transformer import ModelConfig
+
+    model = ModelConfig(
+        vocab_size=96,
+        max_seq_len=SEQ_LEN,
+        n_layer=2,
+        d_model=64,
+        n_head=4,
+        n_kv_head=2,
+        qk_norm=True,
+        attention_bias=True,
+    )
+    return PretrainConfig(
+        data="-",
+        output="-",
+        model=model,
+        parallelism={"num_workers": workers, "tensor_parallel_size": tp, "zero_stage": 1},
+        batch={"micro_batch_size": 2, "global_batch_tokens": 8 * SEQ_LEN},
+        schedule={"max_steps": STEPS, "warmup_steps": 2},
+        optimizer={"lr": 3e-3},
+    )
+
+
+def compare_layouts(out: str) -> dict:
+    """Each of LAYOUTS trained STEPS steps (train_losses, model files under out/NAME): its
+    losses, the largest difference from the one-worker run's, and the largest difference between
+    the engine's logits and those of its written weights loaded into the single-device model."""
+    from lmfoundry.model.checkpoint import load_model_files
+
+    rows = {}
+    for name, (tp, workers) in LAYOUTS.items():
+        cfg = small_config(tp, workers)
+        directory = str(Path(out) / name.replace(" ", ""))
+        run = train_losses(cfg, workers, SEQ_LEN, STEPS, directory)
+        probe = global_batches(cfg, SEQ_LEN, 1, seed=1)[0, :2, :-1]
+        with torch.no_grad():
+            reloaded = load_model_files(directory)(probe)[0]
+        rows[name] = {
+            "tensor_parallel": tp,
+            "workers": workers,
+            "losses": run["losses"],
+            "reloaded_logits_max_abs_diff": float((reloaded - run["logits"]).abs().max()),
+        }
+    reference = rows["one worker"]["losses"]
+    for row in rows.values():
+        row["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(row["losses"], reference))
+    return rows
+
 
 def global_batches(cfg: PretrainConfig, seq_len: int, steps: int, seed: int = 0):
     """Each step's rows, the same for every layout: steps x (rows per step, seq_len + 1). A row

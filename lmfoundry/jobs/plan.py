@@ -6,7 +6,7 @@
 The model is counted from the recipe's model config (built on PyTorch's meta device, so a 70B
 model costs no memory); vocab_size and seq_len come from the flags when the recipe leaves them
 to the data. Prints the ranked layouts; --write-config writes the best layout that lmfoundry
-pretrain runs (data and expert parallelism; no tensor or pipeline parallelism yet) as a recipe.
+pretrain runs (tensor, data and expert parallelism; no pipeline parallelism yet) as a recipe.
 """
 
 from __future__ import annotations
@@ -34,13 +34,35 @@ def recipe_model(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelCon
 
 
 def recipe_for(cfg: PretrainConfig, plan) -> dict:
-    """The recipe (in the current keys) with the chosen data/expert-parallel layout filled in."""
+    """The recipe (in the current keys) with the chosen tensor/data/expert-parallel layout filled in."""
     out = cfg.model_dump(mode="json", exclude_unset=True)
     out.setdefault("parallelism", {}).update(
-        num_workers=plan.layout.dp, expert_parallel_size=plan.layout.ep, use_gpu=True, precision="bf16"
+        num_workers=plan.layout.tp * plan.layout.dp,
+        tensor_parallel_size=plan.layout.tp,
+        expert_parallel_size=plan.layout.ep,
+        use_gpu=True,
+        precision="bf16",
     )
     out.setdefault("batch", {})["micro_batch_size"] = plan.micro_batch_size
     return out
+
+
+def runnable_recipe(cfg: PretrainConfig, plan) -> dict | None:
+    """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits, has no pipeline
+    stages (not run yet), and the config accepts it (tensor parallelism needs a dense model whose
+    key/value heads and MLP split evenly, and ZeRO stages 0-2)."""
+    from pydantic import ValidationError
+
+    from lmfoundry.train.config import PretrainConfig
+
+    if not plan.fits or plan.layout.pp > 1:
+        return None
+    recipe = recipe_for(cfg, plan)
+    try:
+        PretrainConfig.model_validate(recipe)
+    except ValidationError:
+        return None
+    return recipe
 
 
 def plot_layouts(plans, cluster: Cluster, path: str) -> None:
@@ -91,7 +113,9 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch; default: search 1, 2, 4, 8")
     p.add_argument("--top", type=int, default=10, help="layouts to print")
     p.add_argument("--json", help="write every plan as JSON here")
-    p.add_argument("--write-config", help="write the best data/expert-parallel layout as a pretrain recipe")
+    p.add_argument(
+        "--write-config", help="write the best layout lmfoundry pretrain runs (tensor/data/expert parallel) as a recipe"
+    )
     p.add_argument("--plot", help="write a PNG of per-GPU memory against throughput for every layout")
     args = p.parse_args(argv)
     from lmfoundry.model.flops import model_shape
@@ -170,15 +194,15 @@ def main(argv=None) -> int:
     if args.plot:
         plot_layouts(plans, cluster, args.plot)
     if args.write_config:
-        runnable = [pl for pl in plans if pl.fits and pl.layout.tp == 1 and pl.layout.pp == 1]
+        runnable = [(pl, recipe) for pl in plans if (recipe := runnable_recipe(cfg, pl)) is not None]
         if not runnable:
             print(
-                "error: plan: no fitting layout without tensor or pipeline parallelism, which lmfoundry "
-                "pretrain does not run yet",
+                "error: plan: no fitting layout that lmfoundry pretrain runs (tensor, data and expert "
+                "parallelism; pipeline parallelism is not run yet)",
                 file=sys.stderr,
             )
             return 2
-        chosen = recipe_for(cfg, runnable[0])
+        best_runnable, chosen = runnable[0]
         with open(args.write_config, "w") as f:
             yaml.safe_dump(chosen, f, sort_keys=False)
         # what the trainer will derive from that recipe: Ray's ScalingConfig and DeepSpeed's JSON
@@ -197,9 +221,10 @@ def main(argv=None) -> int:
                 f,
                 indent=2,
             )
+        lo = best_runnable.layout
         print(
-            f"wrote {args.write_config} (dp={runnable[0].layout.dp}, ep={runnable[0].layout.ep}, micro batch "
-            f"{runnable[0].micro_batch_size}) and {ds_path}"
+            f"wrote {args.write_config} (tp={lo.tp}, dp={lo.dp}, ep={lo.ep}, micro batch "
+            f"{best_runnable.micro_batch_size}) and {ds_path}"
         )
     return 0
 

@@ -13,7 +13,7 @@ import torch
 
 from lmfoundry.model.moe import MoE
 from lmfoundry.model.shape import ModelShape
-from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.model.transformer import ModelConfig, RMSNorm, Transformer
 
 
 def matmul_params(model: Transformer) -> int:
@@ -53,6 +53,10 @@ def model_shape(model_cfg: ModelConfig) -> ModelShape:
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     moe = model_cfg.moe
     expert_hidden = moe_layers[0].expert_hidden if moe_layers else 0
+    whole = [model.embed, model.norm, *(m for m in model.modules() if isinstance(m, RMSNorm))]
+    if not model_cfg.tie_embeddings:
+        whole.append(model.lm_head)
+    replicated = sum(p.numel() for p in {p for m in whole for p in m.parameters(recurse=False)})
     return ModelShape(
         total_params=model.num_params(),
         expert_params=experts,
@@ -68,4 +72,5 @@ def model_shape(model_cfg: ModelConfig) -> ModelShape:
         moe_layers=len(moe_layers),
         expert_hidden=expert_hidden,
         shared_hidden=moe.num_shared_experts * expert_hidden if moe else 0,
+        replicated_params=replicated,
     )

@@ -22,6 +22,9 @@ class ModelShape:
     moe_layers: int = 0  # layers with a routed MLP
     expert_hidden: int = 0
     shared_hidden: int = 0  # all shared experts' width together
+    # whole on every tensor-parallel rank (train/tensor_parallel.py splits the blocks' linear
+    # layers only): the embedding, an untied output head, the norms
+    replicated_params: int = 0
 
     @property
     def dense_ffn(self) -> int:

@@ -18,8 +18,8 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   product); an MoE layer keeps 2 h + 5 f_e per routed row and 4 f_s for shared experts. Under
   tensor parallelism t the norm side (6 h) stays whole and the rest splits by t (Korthikanti et
   al. 2022, "Reducing Activation Recomputation", the same split for Megatron's GPT). The output
-  layer keeps 3 h + V (its norm and the log-probabilities); backward briefly holds two V-wide
-  gradients more, or with activation checkpointing (which keeps only each block's input) one
+  layer keeps 3 h + V (its norm and the log-probabilities; the head is not split by t, as
+  lmfoundry's tensor parallelism keeps it whole); backward briefly holds two V-wide gradients more, or with activation checkpointing (which keeps only each block's input) one
   block's recomputed activations. 1F1B keeps up to p micro-batches in flight on the first
   stage; interleaving adds (p-1)/(p*v) of that. tests/test_planner_memory.py checks the sum
   against the measured peak of real DeepSpeed runs.
@@ -146,6 +146,15 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def dense_params_per_gpu(shape: ModelShape, layout: Layout) -> float:
+    """The dense parameters a GPU holds: the pipeline splits all of them by stage, tensor
+    parallelism the blocks' linear layers only (the embedding, an untied head and the norms stay
+    whole on each rank, as train/tensor_parallel.py lays the model out)."""
+    dense = shape.total_params - shape.expert_params
+    whole = shape.replicated_params
+    return ((dense - whole) / layout.tp + whole) / layout.pp
+
+
 def model_state_bytes(shape: ModelShape, layout: Layout, recipe: Recipe) -> dict:
     """Per-GPU bytes of weights, gradients, optimizer state (master copy and moments) and
     DeepSpeed's gradient-reduction buckets."""
@@ -154,8 +163,7 @@ def model_state_bytes(shape: ModelShape, layout: Layout, recipe: Recipe) -> dict
     w_bytes, g_whole, g_part, opt_bytes = STATE_BYTES[recipe.precision]
     if recipe.zero_stage == 0 and recipe.precision == "fp32":
         opt_bytes = 8  # torch's optimizer steps the fp32 weights themselves: no master copy
-    dense = shape.total_params - shape.expert_params
-    local_dense = dense / (layout.tp * layout.pp)
+    local_dense = dense_params_per_gpu(shape, layout)
     local_expert = shape.expert_params / (layout.ep * layout.pp * layout.tp)
     dp_dense, dp_expert = layout.dp, max(layout.dp // layout.ep, 1)  # ZeRO partitions over these
 
@@ -198,11 +206,11 @@ def activation_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_ba
     )
     layers = (shape.n_layer - shape.moe_layers) * dense_layer + shape.moe_layers * moe_layer
     biggest_layer = moe_layer if shape.moe_layers else dense_layer
-    output = 3 * h + shape.vocab_size / t
+    output = 3 * h + shape.vocab_size  # the output head is whole on every tensor-parallel rank
     if recipe.activation_checkpointing:  # each block keeps its input; backward recomputes one block
-        kept, backward = shape.n_layer * h, max(2 * shape.vocab_size / t, biggest_layer)
+        kept, backward = shape.n_layer * h, max(2 * shape.vocab_size, biggest_layer)
     else:
-        kept, backward = layers, 2 * shape.vocab_size / t
+        kept, backward = layers, 2 * shape.vocab_size
     in_flight = min(micro_batches, p) * (1 + (p - 1) / (p * v) if v > 1 else 1)
     return {"activations": (kept / p * in_flight + output) * tokens * e, "backward_transient": backward * tokens * e}
 
@@ -288,7 +296,7 @@ def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) ->
 
     # communication per GPU per step, GB
     s, b, h = recipe.seq_len, recipe.micro_batch_size, shape.d_model
-    dense_local = (shape.total_params - shape.expert_params) / (layout.tp * layout.pp)
+    dense_local = dense_params_per_gpu(shape, layout)
     expert_local = shape.expert_params / (layout.ep * layout.pp * layout.tp)
     grad_kind = "all_reduce" if recipe.zero_stage <= 1 else "reduce_scatter"
     dp_gb = (

@@ -10,7 +10,6 @@ import torch
 
 from lmfoundry.train import tensor_parallel
 from lmfoundry.train.config import TrainStageConfig, resolved_precision, world_sizes
-from lmfoundry.train.snapshot import SnapshotCheckpointEngine
 
 
 def gradient_accumulation(cfg: TrainStageConfig, world_size: int, seq_len: int) -> int:
@@ -177,6 +176,8 @@ def prepare_deepspeed() -> None:
 def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict):
     """`model` in a DeepSpeed engine that checkpoints asynchronously. Returns engine and scheduler."""
     import deepspeed
+
+    from lmfoundry.train.snapshot import SnapshotCheckpointEngine  # DeepSpeed's: imported with it
 
     prepare_deepspeed()
 

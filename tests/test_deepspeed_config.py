@@ -156,3 +156,48 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
     assert out.stdout.splitlines()[-1:] == ["ok"], out.stdout[-1000:] + out.stderr[-2000:]
     assert not (tmp_path / "ops").exists() or not any((tmp_path / "ops").iterdir())  # nothing compiled
+
+
+def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_out_as_deepspeed_does():
+    from lmfoundry.train.config import data_parallel
+
+    batch = {"micro_batch_size": 2, "global_batch_tokens": 2 * 2 * 128 * 3}  # 2 replicas x 3 micro-steps
+    tp = cfg(parallelism={"num_workers": 4, "tensor_parallel_size": 2}, batch=batch)
+    ds = deepspeed_config(tp, 4, 128)
+    assert ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 2 * 3 * 4  # DeepSpeed counts the group's workers here
+    assert ds["tensor_parallel"]["autotp_size"] == 2
+    # a tensor-parallel group is consecutive ranks: ranks 0, 1 read replica 0's rows
+    assert [data_parallel(r, 4, tp.parallelism) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    pp = cfg(parallelism={"num_workers": 4, "pipeline_parallel_size": 2, "zero_stage": 1}, batch=batch)
+    ds = deepspeed_config(pp, 4, 128)
+    assert ds["gradient_accumulation_steps"] == 3 and ds["train_batch_size"] == 2 * 3 * 2  # replicas only
+    assert "tensor_parallel" not in ds
+    # a pipeline's stages are world / stages ranks apart: ranks 0, 2 are replica 0's stages
+    assert [data_parallel(r, 4, pp.parallelism) for r in range(4)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize(
+    "parallelism, model, refused",
+    [
+        ({"num_workers": 3, "tensor_parallel_size": 2}, {}, "tensor_parallel_size=2 must divide num_workers=3"),
+        ({"tensor_parallel_size": 2, "zero_stage": 3}, {}, "composes with ZeRO stages 0-2"),
+        ({"tensor_parallel_size": 2, "min_workers": 1}, {}, "breaks its whole tensor-parallel group"),
+        ({"tensor_parallel_size": 2}, {"n_head": 4, "n_kv_head": 1}, "must divide the model's n_kv_head=1"),
+        ({"tensor_parallel_size": 2}, {"moe": {"num_experts": 4, "top_k": 1}}, "with an MoE model"),
+        ({"num_workers": 4, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}, "do not compose yet"),
+        ({"pipeline_parallel_size": 2, "zero_stage": 2}, {}, "runs ZeRO stages 0-1"),
+        ({"num_workers": 4, "pipeline_parallel_size": 4, "zero_stage": 1}, {"n_layer": 2}, "one block a stage"),
+        ({"pipeline_parallel_size": 2, "zero_stage": 1}, {"moe": {"num_experts": 4, "top_k": 1}}, "MoE"),
+    ],
+)
+def test_model_parallel_layouts_the_trainer_cannot_run_are_refused_with_the_reason(parallelism, model, refused):
+    with pytest.raises(ValueError, match=refused):
+        cfg(parallelism=parallelism, model=model)
+
+
+def test_tensor_and_pipeline_parallelism_are_refused_outside_pretraining():
+    from lmfoundry.train.dpo import DPOConfig
+
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism are for pretraining"):
+        DPOConfig(output="o", checkpoint="c", pairs="p", parallelism={"tensor_parallel_size": 2})

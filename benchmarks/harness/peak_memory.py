@@ -49,12 +49,17 @@ def _train_steps(cfg: PretrainConfig, seq_len: int, world: int, steps: int) -> N
     # the workers of a tensor-parallel group train on the same rows
     data_rank = data_parallel(dist.get_rank(), world, cfg.parallelism)[0]
     generator = torch.Generator().manual_seed(cfg.seed + data_rank)
-    for _ in range(steps * ds_config["gradient_accumulation_steps"]):
-        shape = (cfg.batch.micro_batch_size, seq_len + 1)
-        tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=generator)
-        loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
-        engine.backward(loss)
-        engine.step()
+    accum = ds_config["gradient_accumulation_steps"]
+    shape = (cfg.batch.micro_batch_size, seq_len + 1)
+    for _ in range(steps):
+        rows = [torch.randint(0, cfg.model.vocab_size, shape, generator=generator) for _ in range(accum)]
+        if cfg.parallelism.pipeline_parallel_size > 1:  # the step through the pipeline, whole
+            engine.train_batch(iter([(tokens[:, :-1], tokens[:, 1:]) for tokens in rows]))
+            continue
+        for tokens in rows:
+            loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
+            engine.backward(loss)
+            engine.step()
     engine.destroy()
 
 
@@ -132,14 +137,20 @@ def reference_cases() -> dict[str, PretrainConfig]:
     moe = dense.model_copy(update={"moe": MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_hidden=128)})
 
     def cfg(
-        model: ModelConfig, zero: int, micro: int = 8, accumulate: int = 1, ep: int = 1, tp: int = 1
+        model: ModelConfig, zero: int, micro: int = 8, accumulate: int = 1, ep: int = 1, tp: int = 1, pp: int = 1
     ) -> PretrainConfig:
+        replicas = WORLD // (tp * pp)
         return PretrainConfig(
             data="-",
             output="-",
             model=model,
-            parallelism={"zero_stage": zero, "expert_parallel_size": ep, "tensor_parallel_size": tp},
-            batch={"micro_batch_size": micro, "global_batch_tokens": micro * WORLD // tp * SEQ_LEN * accumulate},
+            parallelism={
+                "zero_stage": zero,
+                "expert_parallel_size": ep,
+                "tensor_parallel_size": tp,
+                "pipeline_parallel_size": pp,
+            },
+            batch={"micro_batch_size": micro, "global_batch_tokens": micro * replicas * SEQ_LEN * accumulate},
             schedule={"max_steps": 10, "warmup_steps": 1},
         )
 
@@ -153,6 +164,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
         "MoE 8 experts top-2 ZeRO-2": cfg(moe, 2),
         "MoE, expert parallel 2, ZeRO-2": cfg(moe, 2, ep=2),
         "dense 512-wide, TP 2, ZeRO-2": cfg(wide, 2, micro=4, tp=2),
+        "dense 512-wide, PP 2, 4 micro": cfg(wide, 1, micro=4, accumulate=4, pp=2),
     }
 
 
@@ -173,7 +185,7 @@ def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> 
         reduce_bucket_size=par.reduce_bucket_size,
         overlap_comm=par.use_gpu,
     )
-    tp = par.tensor_parallel_size
-    layout = Layout(tp=tp, pp=1, dp=world_size // tp, ep=par.expert_parallel_size)
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    layout = Layout(tp=tp, pp=pp, dp=world_size // (tp * pp), ep=par.expert_parallel_size)
     micro_batches = gradient_accumulation(cfg, world_size, seq_len)
     return training_memory_bytes(model_shape(cfg.model), layout, recipe, micro_batches)

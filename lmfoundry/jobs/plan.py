@@ -6,7 +6,7 @@
 The model is counted from the recipe's model config (built on PyTorch's meta device, so a 70B
 model costs no memory); vocab_size and seq_len come from the flags when the recipe leaves them
 to the data. Prints the ranked layouts; --write-config writes the best layout that lmfoundry
-pretrain runs (tensor, data and expert parallelism; no pipeline parallelism yet) as a recipe.
+pretrain runs (tensor or pipeline, data and expert parallelism) as a recipe.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def recipe_for(cfg: PretrainConfig, plan) -> dict:
     """The recipe (in the current keys) with the chosen tensor/data/expert-parallel layout filled in."""
     out = cfg.model_dump(mode="json", exclude_unset=True)
     out.setdefault("parallelism", {}).update(
-        num_workers=plan.layout.tp * plan.layout.dp,
+        num_workers=plan.layout.tp * plan.layout.pp * plan.layout.dp,
         tensor_parallel_size=plan.layout.tp,
+        pipeline_parallel_size=plan.layout.pp,
         expert_parallel_size=plan.layout.ep,
         use_gpu=True,
         precision="bf16",
@@ -48,14 +49,15 @@ def recipe_for(cfg: PretrainConfig, plan) -> dict:
 
 
 def runnable_recipe(cfg: PretrainConfig, plan) -> dict | None:
-    """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits, has no pipeline
-    stages (not run yet), and the config accepts it (tensor parallelism needs a dense model whose
-    key/value heads and MLP split evenly, and ZeRO stages 0-2)."""
+    """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits, has no virtual
+    pipeline stages (DeepSpeed's pipeline engine has no interleaved schedule), and the config
+    accepts it (tensor parallelism needs a dense model whose key/value heads and MLP split evenly
+    and ZeRO stages 0-2; pipeline stages a dense model and ZeRO stages 0-1; not both at once)."""
     from pydantic import ValidationError
 
     from lmfoundry.train.config import PretrainConfig
 
-    if not plan.fits or plan.layout.pp > 1:
+    if not plan.fits or plan.layout.virtual_stages > 1:
         return None
     recipe = recipe_for(cfg, plan)
     try:
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=10, help="layouts to print")
     p.add_argument("--json", help="write every plan as JSON here")
     p.add_argument(
-        "--write-config", help="write the best layout lmfoundry pretrain runs (tensor/data/expert parallel) as a recipe"
+        "--write-config", help="write the best layout lmfoundry pretrain runs (tensor or pipeline x data) as a recipe"
     )
     p.add_argument("--plot", help="write a PNG of per-GPU memory against throughput for every layout")
     args = p.parse_args(argv)
@@ -197,8 +199,8 @@ def main(argv=None) -> int:
         runnable = [(pl, recipe) for pl in plans if (recipe := runnable_recipe(cfg, pl)) is not None]
         if not runnable:
             print(
-                "error: plan: no fitting layout that lmfoundry pretrain runs (tensor, data and expert "
-                "parallelism; pipeline parallelism is not run yet)",
+                "error: plan: no fitting layout that lmfoundry pretrain runs (tensor or pipeline, data "
+                "and expert parallelism; no virtual pipeline stages, no tensor and pipeline at once)",
                 file=sys.stderr,
             )
             return 2
@@ -223,7 +225,7 @@ def main(argv=None) -> int:
             )
         lo = best_runnable.layout
         print(
-            f"wrote {args.write_config} (tp={lo.tp}, dp={lo.dp}, ep={lo.ep}, micro batch "
+            f"wrote {args.write_config} (tp={lo.tp}, pp={lo.pp}, dp={lo.dp}, ep={lo.ep}, micro batch "
             f"{best_runnable.micro_batch_size}) and {ds_path}"
         )
     return 0

@@ -32,6 +32,7 @@ from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import tensor_parallel
 from lmfoundry.train.expert_parallel import full_state
+from lmfoundry.train.pipeline_parallel import write_servable_weights as write_pipeline_weights
 from lmfoundry.train.tensor_parallel import tensor_parallel_size
 
 logger = get_logger(__name__)
@@ -47,6 +48,10 @@ def stage_root(stage_dir: str | None) -> Path:
 
 def _expert_parallel(engine) -> bool:
     return any(layer.ep_group is not None for layer in engine.module.moe_layers())
+
+
+def _pipelined(engine) -> bool:
+    return bool(getattr(engine, "is_pipe_parallel", False)) and engine.num_stages > 1
 
 
 def _gathered(engine, names: set[str] | None = None):
@@ -155,11 +160,14 @@ def stage_checkpoint(
     own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
     weights = None
     split = tensor_parallel_size(engine) > 1
-    streamed = (engine.zero_optimization_stage() == 3 or split) and adapter is None
+    pipelined = _pipelined(engine)
+    streamed = (engine.zero_optimization_stage() == 3 or split or pipelined) and adapter is None
     if streamed:  # written now, piece by piece: the weights are never whole in one process
-        assert not _expert_parallel(engine)  # the config refuses ZeRO-3 and tensor parallelism with MoE
+        assert not _expert_parallel(engine)  # the config refuses ZeRO-3 and model parallelism with MoE
         path = staged / WEIGHTS if rank == 0 else None
-        if split:
+        if pipelined:
+            write_pipeline_weights(engine, path)
+        elif split:
             stream_servable_weights(engine.module, path, tensor_parallel.gathered)
         else:
             stream_servable_weights(engine.module, path)
@@ -224,9 +232,15 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
 
     state = checkpoint.load_json_state(local / "train_state.json")
     written_by, written_tp = state["world_size"], state.get("tensor_parallel_size", 1)
+    written_pp, pp = state.get("pipeline_parallel_size", 1), engine.num_stages if _pipelined(engine) else 1
     tp = tensor_parallel_size(engine)
-    relayout = (written_by, written_tp) != (world, tp)
+    relayout = (written_by, written_tp, written_pp) != (world, tp, pp)
     load_dir = local / "deepspeed"
+    if relayout and (written_pp > 1 or pp > 1):
+        raise ValueError(
+            f"checkpoint {uri} was written by {written_by} workers in {written_pp} pipeline stages and this run "
+            f"has {world} in {pp}: a pipelined run resumes in the layout it was written in"
+        )
     if relayout:
         if _expert_parallel(engine):
             raise ValueError(
@@ -258,7 +272,7 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     if relayout:
         # the position counts global micro-batches of micro_batch_size x data-parallel size rows;
         # a checkpoint sits on a step boundary, so the rows trained on divide evenly at the new size
-        written_dp, dp = written_by // written_tp, world // tp
+        written_dp, dp = written_by // written_tp, world // tp  # (no pipeline stages on either side)
         state = {**state, "batches_in_epoch": state["batches_in_epoch"] * written_dp // dp}
     if rank == 0:
         logger.info(

@@ -91,7 +91,19 @@ class ParallelismConfig(StageConfig):
         "pretraining, dense models, ZeRO stages 0-2); each group of this many consecutive ranks trains on "
         "the same batch",
     )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="pipeline stages each block of the model is assigned to one of (DeepSpeed's pipeline "
+        "engine, 1F1B; pretraining, dense models, ZeRO stages 0-1); micro-batches per step: the "
+        "gradient accumulation",
+    )
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Workers that hold one replica of the model between them."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @model_validator(mode="after")
     def _check(self) -> ParallelismConfig:
@@ -127,6 +139,24 @@ class ParallelismConfig(StageConfig):
                     f"min_workers (elastic) with tensor_parallel_size={tp}: a lost worker breaks its whole "
                     "tensor-parallel group; use a fixed num_workers (a checkpoint still resumes at "
                     "another layout)"
+                )
+        pp = self.pipeline_parallel_size
+        if pp > 1:
+            if self.num_workers % pp:
+                raise ValueError(f"pipeline_parallel_size={pp} must divide num_workers={self.num_workers}")
+            if tp > 1:
+                raise ValueError(
+                    f"pipeline_parallel_size={pp} with tensor_parallel_size={tp}: they do not compose yet; choose one"
+                )
+            if self.zero_stage > 1:
+                raise ValueError(
+                    f"pipeline_parallel_size={pp} with zero_stage={self.zero_stage}: DeepSpeed's pipeline engine "
+                    "runs ZeRO stages 0-1"
+                )
+            if self.expert_parallel_size > 1 or self.min_workers is not None:
+                raise ValueError(
+                    f"pipeline_parallel_size={pp} runs without expert parallelism and without elastic "
+                    "min_workers; use a fixed num_workers"
                 )
         if self.num_workers % self.expert_parallel_size:
             raise ValueError(
@@ -334,6 +364,7 @@ class TrainStageConfig(StageConfig):
                 "reduce_bucket_size",
                 "expert_parallel_size",
                 "tensor_parallel_size",
+                "pipeline_parallel_size",
                 "precision",
             )
         },
@@ -354,16 +385,17 @@ class TrainStageConfig(StageConfig):
     def _legacy_keys(cls, data: Any) -> Any:
         return _move_legacy_keys(data, cls.LEGACY_KEYS)
 
-    # whether the stage's objective can train with its model split by tensor parallelism
-    TENSOR_PARALLEL: ClassVar[bool] = False
+    # whether the stage's objective can train with its model split by tensor or pipeline parallelism
+    MODEL_PARALLEL: ClassVar[bool] = False
 
     @model_validator(mode="after")
     def _check_drills(self) -> TrainStageConfig:
-        tp = self.parallelism.tensor_parallel_size
-        if tp > 1 and not self.TENSOR_PARALLEL:
+        par = self.parallelism
+        if par.model_parallel_size > 1 and not self.MODEL_PARALLEL:
             raise ValueError(
-                f"parallelism.tensor_parallel_size={tp}: tensor parallelism is for pretraining; "
-                f"{type(self).__name__} trains with data parallelism (tensor_parallel_size 1)"
+                f"parallelism.tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size="
+                f"{par.pipeline_parallel_size}: tensor and pipeline parallelism are for pretraining; "
+                f"{type(self).__name__} trains with data parallelism (both 1)"
             )
         workers = self.parallelism.num_workers
         for drill in self.drills:
@@ -391,7 +423,7 @@ class PretrainConfig(TrainStageConfig):
         **TrainStageConfig.LEGACY_KEYS,
         **{k: f"batch.{k}" for k in ("micro_batch_size", "global_batch_tokens")},
     }
-    TENSOR_PARALLEL: ClassVar[bool] = True
+    MODEL_PARALLEL: ClassVar[bool] = True
 
     @model_validator(mode="after")
     def _check(self) -> PretrainConfig:
@@ -408,6 +440,16 @@ class PretrainConfig(TrainStageConfig):
             raise ValueError("zero_stage=3 with an MoE model: DeepSpeed's MoE layers support ZeRO stages 0-2")
         if self.parallelism.tensor_parallel_size > 1:
             check_tensor_parallel(self.model, self.parallelism.tensor_parallel_size)
+        pp = self.parallelism.pipeline_parallel_size
+        if pp > 1:
+            if moe is not None:
+                raise ValueError(
+                    f"pipeline_parallel_size={pp} with an MoE model: split its experts with expert parallelism"
+                )
+            if self.model.n_layer < pp:
+                raise ValueError(
+                    f"pipeline_parallel_size={pp} needs at least one block a stage (n_layer={self.model.n_layer})"
+                )
         return self
 
 
@@ -433,10 +475,13 @@ def resolved_precision(parallelism: ParallelismConfig) -> str:
 
 
 def data_parallel(rank: int, world: int, parallelism: ParallelismConfig) -> tuple[int, int]:
-    """The data-parallel rank and size of worker `rank` of `world`: the workers of a
-    tensor-parallel group (consecutive ranks, as DeepSpeed lays out its mesh) train on one batch."""
-    tp = parallelism.tensor_parallel_size
-    return rank // tp, world // tp
+    """The data-parallel rank and size of worker `rank` of `world`, as DeepSpeed lays the ranks
+    out: the workers of a tensor-parallel group are consecutive ranks and train on one batch; the
+    stages of a pipeline are `world / pipeline_parallel_size` ranks apart."""
+    dp = world // parallelism.model_parallel_size
+    if parallelism.pipeline_parallel_size > 1:
+        return rank % dp, dp
+    return rank // parallelism.tensor_parallel_size, dp
 
 
 def world_sizes(parallelism: ParallelismConfig) -> range:

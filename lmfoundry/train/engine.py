@@ -15,7 +15,7 @@ from lmfoundry.train.config import TrainStageConfig, resolved_precision, world_s
 def gradient_accumulation(cfg: TrainStageConfig, world_size: int, seq_len: int) -> int:
     """Micro-steps per optimizer step, from the stage's global batch (tokens or pairs): the
     workers of a tensor-parallel group share each micro-batch."""
-    return cfg.batch.accumulation(world_size // cfg.parallelism.tensor_parallel_size, seq_len)
+    return cfg.batch.accumulation(world_size // cfg.parallelism.model_parallel_size, seq_len)
 
 
 def check_every_world_size(cfg: TrainStageConfig, seq_len: int) -> None:
@@ -38,13 +38,14 @@ def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_p
     micro = cfg.batch.micro_batch_size
     accum = gradient_accumulation(cfg, world_size, seq_len)
     bucket = reduce_bucket_elements(cfg, num_params)
-    tp = par.tensor_parallel_size
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
-        # DeepSpeed counts every worker here, those of one tensor-parallel group too (it checks
-        # this product against its world size); the rows per step are this over tp
-        "train_batch_size": micro * accum * world_size,
+        # DeepSpeed checks this product against its world size: every worker, those of one
+        # tensor-parallel group too (the rows per step are this over tp), but the data-parallel
+        # replicas only under its pipeline engine
+        "train_batch_size": micro * accum * world_size // pp,
         **({"tensor_parallel": tensor_parallel.deepspeed_section(tp)} if tp > 1 else {}),
         "gradient_clipping": opt.grad_clip,
         "zero_optimization": {
@@ -185,6 +186,11 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, wsd_schedule(cfg))
 
     client_scheduler = wsd if cfg.schedule.kind == "wsd" else None  # else DeepSpeed's from the config
+    if cfg.parallelism.pipeline_parallel_size > 1:
+        from lmfoundry.train.pipeline_parallel import pipeline_module
+
+        deepspeed.init_distributed()  # the pipeline's groups are made before the engine: over torch's process group
+        model = pipeline_module(model, cfg.parallelism.pipeline_parallel_size)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, cfg.optimizer.weight_decay),

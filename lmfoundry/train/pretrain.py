@@ -91,6 +91,12 @@ class PretrainObjective:
         tokens = tokens.to(self.device)
         return engine(tokens[:, :-1], tokens[:, 1:])[1], {}  # the logits are not kept alive
 
+    def pipeline_inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch as DeepSpeed's pipeline engine takes it: the first stage's inputs, the
+        last stage's targets."""
+        tokens = tokens.to(self.device)
+        return tokens[:, :-1], tokens[:, 1:]
+
     def describe(self, metrics: dict) -> str:
         imbalance = metrics.get("expert_imbalance")
         balance = f" expert imbalance {imbalance:.2f}" if imbalance is not None else ""

@@ -92,13 +92,18 @@ class Trainer:
         self.engine, self.scheduler = build_engine(objective.model, cfg, self.ds_config)
         objective.attach(self.engine)
         self.accum = self.ds_config["gradient_accumulation_steps"]
+        # DeepSpeed's pipeline engine takes a whole step's micro-batches at once
+        self.pipelined = cfg.parallelism.pipeline_parallel_size > 1
+        self.pending: list = []  # a pipelined step's micro-batches, until it has them all
         if rank == 0:
             logger.info(
-                "%s: %.2fM parameters, %d workers, tensor parallel %d, ZeRO-%d, micro batch %d, grad accumulation %d",
+                "%s: %.2fM parameters, %d workers, tensor parallel %d, pipeline stages %d, ZeRO-%d, micro batch %d, "
+                "grad accumulation %d",
                 objective.kind,
                 objective.num_params / 1e6,
                 world,
                 cfg.parallelism.tensor_parallel_size,
+                cfg.parallelism.pipeline_parallel_size,
                 cfg.parallelism.zero_stage,
                 cfg.batch.micro_batch_size,
                 self.accum,
@@ -165,7 +170,8 @@ class Trainer:
         """Train on the rest of this epoch's micro-batches; False when the run ended inside it."""
         pos = self.position
         for (index, batch), waited in timed(self.objective.batches(pos.epoch, pos.batches_in_epoch)):
-            if not self._micro_batch(index, batch, waited):
+            train = self._pipeline_micro_batch if self.pipelined else self._micro_batch
+            if not train(index, batch, waited):
                 continue  # no optimizer step was completed
             if self.expert_load:
                 self.expert_load.end_step()
@@ -283,6 +289,32 @@ class Trainer:
             return False
         return self._apply_step()
 
+    def _pipeline_micro_batch(self, index: int, batch, waited: float) -> bool:
+        """Keep a micro-batch for the pipelined step; with the step's last, run the step through
+        the pipeline (forward and backward of every micro-batch on the 1F1B schedule, then the
+        optimizer step). True when it completed an optimizer step."""
+        pos, engine = self.position, self.engine
+        started = time.perf_counter()
+        self.pending.append(self.objective.pipeline_inputs(batch))
+        pos.batches_in_epoch = index + 1
+        self.busy_s += waited
+        if len(self.pending) < self.accum:
+            return False
+        step, self.pending = self.pending, []
+        self.drills.before_optimizer_step(pos.step + 1, engine.optimizer)
+        drilled = self.drills.nan_gradients(pos.step + 1, engine.module)
+        loss = engine.train_batch(iter(step))  # the step's mean over every micro-batch and replica
+        if drilled:
+            drilled.remove()
+        self.busy_s += time.perf_counter() - started
+        self.micro += self.accum
+        self.sums.add({"loss": float(loss)})
+        if not engine.was_step_applied():
+            self._skip_step()
+            return False
+        self.health.finite_loss()
+        return self._apply_step()
+
     def _skip_step(self) -> None:
         """DeepSpeed found the step's gradients non-finite on some rank (its global gradient norm,
         ZeRO stages 1-3) and left the weights, the optimizer and the schedule as they were: the
@@ -337,7 +369,7 @@ class Trainer:
         """The loop's own state after the engine was rolled back to the checkpoint of `state`."""
         self.position.step, self.history = state["step"], state["history"]
         self.rollbacks += 1
-        self.micro = 0
+        self.micro, self.pending = 0, []
         self.sums.clear()
         self.health.reset()
         self.t_last, self.step_last = time.time(), self.position.step
@@ -423,6 +455,7 @@ class Trainer:
             "batches_in_epoch": pos.batches_in_epoch,
             "world_size": self.world,
             "tensor_parallel_size": self.cfg.parallelism.tensor_parallel_size,
+            "pipeline_parallel_size": self.cfg.parallelism.pipeline_parallel_size,
             **objective.train_state(pos.step),
             "loss": loss,
             "skipped_batches": self.skipped,

@@ -1,12 +1,14 @@
-"""Train the pretraining model under tensor parallelism and under data parallelism alone, on
-spawned gloo processes, to hold the layouts to the same losses.
+"""Train the pretraining model under tensor and pipeline parallelism and under data parallelism
+alone, on spawned gloo processes, to hold the layouts to the same losses.
 
 Each rank builds the model and its DeepSpeed engine as the training loop does
-(train/pretrain.py's build_pretrain_engine) and trains on seeded random tokens: every step's
-global batch is the same whatever the layout, and the ranks of a tensor-parallel group read the
-same rows (their data-parallel rank's). Afterwards the servable weights are written piece by
-piece as a checkpoint writes them, and rank 0 keeps the engine's logits on one batch, so a caller
-can load the file into the single-device model and compare.
+(train/pretrain.py's build_pretrain_engine) and trains on seeded tokens: every step's global
+batch is the same whatever the layout, and the ranks of a tensor-parallel group or of a pipeline
+read the rows of their data-parallel rank. A pipelined step goes through DeepSpeed's pipeline
+engine whole (train_batch), as the training loop's does. Afterwards the servable weights are
+written as a checkpoint writes them (piece by piece, or layer by layer from each stage), and rank 0
+keeps the engine's logits on one batch (not under pipeline stages, whose logits only the last
+stage sees), so a caller can load the file into the single-device model and compare.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ from harness.peak_memory import spawn_ranks, start_rank
 from lmfoundry.train.config import PretrainConfig, data_parallel
 
 SEQ_LEN, STEPS = 32, 20
-LAYOUTS = {"one worker": (1, 1), "TP 2": (2, 2), "TP 2 x DP 2": (2, 4)}  # name: (tensor parallel, workers)
+# name: (tensor parallel, pipeline stages, workers)
+LAYOUTS = {"one worker": (1, 1, 1), "TP 2 x DP 2": (2, 1, 4), "PP 2": (1, 2, 2), "PP 2 x DP 2": (1, 2, 4)}
 
 
-def small_config(tp: int, workers: int) -> PretrainConfig:
+def small_config(tp: int, pp: int, workers: int) -> PretrainConfig:
     """A 2-layer model with grouped-query attention, per-head query/key norms and q/k/v biases
-    (Qwen2/3), so that each of the split or summed parts is exercised; 8 sequences a step."""
+    (Qwen2/3), so that each of the split or summed parts is exercised, and a tied head (on the
+    last stage, the first stage's embedding); 8 sequences a step, in micro-batches of 2 (4 per
+    step through a pipeline of one replica)."""
     from lmfoundry.model.transformer import ModelConfig
 
     model = ModelConfig(
@@ -42,7 +47,12 @@ def small_config(tp: int, workers: int) -> PretrainConfig:
         data="-",
         output="-",
         model=model,
-        parallelism={"num_workers": workers, "tensor_parallel_size": tp, "zero_stage": 1},
+        parallelism={
+            "num_workers": workers,
+            "tensor_parallel_size": tp,
+            "pipeline_parallel_size": pp,
+            "zero_stage": 1,
+        },
         batch={"micro_batch_size": 2, "global_batch_tokens": 8 * SEQ_LEN},
         schedule={"max_steps": STEPS, "warmup_steps": 2},
         optimizer={"lr": 3e-3},
@@ -51,28 +61,31 @@ def small_config(tp: int, workers: int) -> PretrainConfig:
 
 def compare_layouts(out: str) -> dict:
     """Each of LAYOUTS trained STEPS steps (train_losses, model files under out/NAME): its
-    losses, the largest difference from the one-worker run's, and the largest difference between
-    the engine's logits and those of its written weights loaded into the single-device model."""
+    losses and their largest difference from the one-worker run's, and the largest difference of
+    the logits of its written weights, loaded into the single-device model, from those of the
+    one-worker engine and of its own engine (None through a pipeline)."""
     from lmfoundry.model.checkpoint import load_model_files
 
     rows = {}
-    for name, (tp, workers) in LAYOUTS.items():
-        cfg = small_config(tp, workers)
+    for name, (tp, pp, workers) in LAYOUTS.items():
+        cfg = small_config(tp, pp, workers)
         directory = str(Path(out) / name.replace(" ", ""))
         run = train_losses(cfg, workers, SEQ_LEN, STEPS, directory)
-        probe = global_batches(cfg, SEQ_LEN, 1, seed=1)[0, :2, :-1]
         with torch.no_grad():
-            reloaded = load_model_files(directory)(probe)[0]
-        rows[name] = {
-            "tensor_parallel": tp,
-            "workers": workers,
-            "losses": run["losses"],
-            "reloaded_logits_max_abs_diff": float((reloaded - run["logits"]).abs().max()),
-        }
-    reference = rows["one worker"]["losses"]
+            reloaded = load_model_files(directory)(probe_batch(cfg))[0]
+        rows[name] = {"tensor_parallel": tp, "pipeline_stages": pp, "workers": workers, **run, "reloaded": reloaded}
+    reference_losses, reference_logits = rows["one worker"]["losses"], rows["one worker"]["logits"]
     for row in rows.values():
-        row["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(row["losses"], reference))
+        row["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(row["losses"], reference_losses))
+        reloaded, own = row.pop("reloaded"), row.pop("logits")
+        # the written weights against the one-worker engine, and against the run's own engine
+        row["reloaded_vs_one_worker_logits"] = float((reloaded - reference_logits).abs().max())
+        row["reloaded_vs_own_engine_logits"] = None if own is None else float((reloaded - own).abs().max())
     return rows
+
+
+def probe_batch(cfg: PretrainConfig) -> torch.Tensor:
+    return global_batches(cfg, SEQ_LEN, 1, seed=1)[0, :2, :-1]
 
 
 def global_batches(cfg: PretrainConfig, seq_len: int, steps: int, seed: int = 0):
@@ -90,6 +103,7 @@ def global_batches(cfg: PretrainConfig, seq_len: int, steps: int, seed: int = 0)
 def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: int, out: str, results) -> None:
     from lmfoundry.model.checkpoint import WEIGHTS, save_model_config, save_model_files
     from lmfoundry.train.checkpointing import stream_servable_weights
+    from lmfoundry.train.pipeline_parallel import write_servable_weights as write_pipeline_weights
     from lmfoundry.train.pretrain import build_pretrain_engine
     from lmfoundry.train.tensor_parallel import gathered
 
@@ -99,30 +113,37 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
         engine, _, ds_config = build_pretrain_engine(cfg, world, seq_len)
         dp_rank, dp_world = data_parallel(rank, world, cfg.parallelism)
         micro, accum = cfg.batch.micro_batch_size, ds_config["gradient_accumulation_steps"]
+        pipelined = cfg.parallelism.pipeline_parallel_size > 1
         losses = []
         for batch in global_batches(cfg, seq_len, steps):
             # micro-batch i of the step is rows [i * dp_world + dp_rank] * micro: the rows a
             # data-parallel rank reads interleave, as the training loop's do
+            rows = [batch[(i * dp_world + dp_rank) * micro :][:micro] for i in range(accum)]
+            if pipelined:  # the step's mean over every micro-batch and replica, on every rank
+                losses.append(float(engine.train_batch(iter([(r[:, :-1], r[:, 1:]) for r in rows]))))
+                continue
             step_loss = torch.zeros(())
-            for i in range(accum):
-                first = (i * dp_world + dp_rank) * micro
-                tokens = batch[first : first + micro]
+            for tokens in rows:
                 loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
                 engine.backward(loss)
                 engine.step()
                 step_loss += loss.detach() / accum
             dist.all_reduce(step_loss)
             losses.append(step_loss.item() / world)  # every rank holds its replica's mean
-        probe = global_batches(cfg, seq_len, 1, seed=1)[0, :2, :-1]
-        with torch.no_grad():
-            logits = engine(probe)[0]
+        logits = None
+        if not pipelined:
+            with torch.no_grad():
+                logits = engine(probe_batch(cfg))[0]
         Path(out).mkdir(parents=True, exist_ok=True)
-        if cfg.parallelism.tensor_parallel_size > 1:  # the checkpoint's streamed write
-            stream_servable_weights(engine.module, Path(out) / WEIGHTS if rank == 0 else None, gathered)
-            if rank == 0:
-                save_model_config(engine.module, out)
+        path = Path(out) / WEIGHTS if rank == 0 else None
+        if pipelined:  # the checkpoint's write, layer by layer from each stage
+            write_pipeline_weights(engine, path)
+        elif cfg.parallelism.tensor_parallel_size > 1:  # the checkpoint's streamed write
+            stream_servable_weights(engine.module, path, gathered)
         elif rank == 0:
             save_model_files(engine.module, out)
+        if rank == 0:
+            save_model_config(engine.module, out)
         results[rank] = {"losses": losses, "logits": logits if rank == 0 else None}
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,156 @@
+"""Pipeline parallelism for the transformer, applied from outside the model file: the model's own
+modules cut into DeepSpeed pipeline layers (the embedding, each block, the final norm, the output
+head), the blocks spread evenly over `pipeline_parallel_size` stages, and DeepSpeed's pipeline
+engine running them on its 1F1B schedule (Narayanan et al. 2021, PipeDream-Flush): each stage
+keeps at most as many micro-batches in flight as there are stages after it, and the gradients of a
+step's micro-batches are accumulated before the one optimizer step.
+
+A tied output head is the embedding's weight on the last stage: DeepSpeed keeps a copy on the
+first and the last stage, in step (broadcast at the start, gradients summed across the two).
+
+DeepSpeed's pipeline engine rather than torch.distributed.pipelining, because the loop already
+runs on DeepSpeed's engine: its ZeRO-1 partitions the optimizer within each stage's data-parallel
+group and its checkpoints hold each layer's file. It has no interleaved (virtual-stage)
+schedule, which is why lmfoundry has none either.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lmfoundry.model.checkpoint import TIED_HEAD
+from lmfoundry.model.tensor_files import write_safetensors
+from lmfoundry.model.transformer import Transformer
+
+
+class Embedding(nn.Module):
+    """The first stage's embedding (and, tied, the last stage's copy of it for the head), built
+    on each stage that holds it from the model's weight. Its weight is named `embed.weight`, as
+    in the model, so that the optimizer's groups exempt it from weight decay there too."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.embed = nn.Embedding.from_pretrained(weight.detach().clone(), freeze=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.embed(idx)
+
+
+def tied_head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, embedding.embed.weight)
+
+
+class BlockLayer(nn.Module):
+    """One block, positions 0..T-1 (pretraining's rows hold one stream each)."""
+
+    def __init__(self, model: Transformer, index: int):
+        super().__init__()
+        self.block = model.blocks[index]
+        self.register_buffer("cos", model.rope_cos, persistent=False)
+        self.register_buffer("sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        return self.block(x, self.cos[None, :T], self.sin[None, :T])
+
+
+class Wrapped(nn.Module):
+    """A module of the model (the final norm, an untied head) as a pipeline layer."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def pipeline_module(model: Transformer, stages: int):
+    """`model` (the same on every rank) as a DeepSpeed PipelineModule over `stages` stages.
+    Every layer knows the prefix of its tensors' names in the model's state (`state_prefixes`),
+    so the servable weights are written under the single-device model's names."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    if model.cfg.moe is not None:
+        raise ValueError("pipeline parallelism runs dense models: split an MoE model's experts with expert parallelism")
+    if model.cfg.n_layer < stages:
+        raise ValueError(f"{stages} pipeline stages need at least one block each; the model has {model.cfg.n_layer}")
+
+    class TransformerPipe(PipelineModule):
+        cfg = model.cfg
+        state_prefixes = ["embed.", *(f"blocks.{i}." for i in range(model.cfg.n_layer)), "norm.", "lm_head."]
+
+        def moe_layers(self) -> list:
+            return []
+
+    tied = model.cfg.tie_embeddings
+    weight = model.embed.weight
+    if tied:
+        first = TiedLayerSpec("embed", Embedding, weight, tied_weight_attr="embed.weight")
+        head = TiedLayerSpec("embed", Embedding, weight, forward_fn=tied_head, tied_weight_attr="embed.weight")
+    else:
+        first, head = LayerSpec(Embedding, weight), LayerSpec(Wrapped, model.lm_head)
+    blocks = [LayerSpec(BlockLayer, model, i) for i in range(model.cfg.n_layer)]
+    return TransformerPipe(
+        layers=[first, *blocks, LayerSpec(Wrapped, model.norm), head],
+        num_stages=stages,
+        loss_fn=next_token_loss,
+        partition_method="type:BlockLayer",  # the blocks evenly; the embedding first, the head last
+        # recompute each block in backward instead of keeping its activations, as the model does
+        activation_checkpoint_interval=1 if model.cfg.activation_checkpointing else 0,
+    )
+
+
+def _layer_state(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """A pipeline layer's tensors under the model's names."""
+    own = {Wrapped: "module.", BlockLayer: "block.", Embedding: "embed."}[type(layer)]
+    return {prefix + k.removeprefix(own): v for k, v in layer.state_dict().items()}
+
+
+def write_servable_weights(engine, path) -> None:
+    """Collective: the servable weights under the single-device model's names, written by rank 0
+    (stage 0, data-parallel rank 0) to `path` layer by layer; each layer that another stage
+    holds is sent by that stage's data-parallel rank 0 while it is written. Rank 0 holds one
+    layer of another stage at a time."""
+    import torch.distributed as dist
+
+    module = engine.module
+    grid = module._grid
+    owner_of = [module.stage_owner(i) for i in range(len(module.state_prefixes))]
+    with torch.device("meta"):
+        whole = Transformer(module.cfg).state_dict()
+    if module.cfg.tie_embeddings:
+        del whole[TIED_HEAD]
+    dtype = next(module.parameters()).dtype
+    specs = [(name, dtype, tuple(t.shape)) for name, t in whole.items()]
+    rank = dist.get_rank()
+    local = {}
+    if grid.data_parallel_id == 0:
+        for offset, layer in enumerate(module.forward_funcs):
+            index = module._local_start + offset
+            if isinstance(layer, nn.Module) and not (module.cfg.tie_embeddings and index == len(owner_of) - 1):
+                local.update(_layer_state(layer, module.state_prefixes[index]))
+
+    def tensors():
+        for name, dtype_, shape in specs:
+            index = next(i for i, p in enumerate(module.state_prefixes) if name.startswith(p))
+            source = grid.stage_to_global(stage_id=owner_of[index], data=0)
+            if source == 0:
+                yield local[name]
+            else:
+                received = torch.empty(shape, dtype=dtype_)
+                dist.recv(received, src=source)
+                yield received
+
+    if rank == 0:
+        write_safetensors(path, specs, tensors())
+    elif grid.data_parallel_id == 0 and grid.get_stage_id() != 0:
+        for name, _, _ in specs:
+            if name in local:
+                dist.send(local[name].contiguous(), dst=0)

@@ -22,15 +22,20 @@ from harness.peak_memory import spawn_ranks, start_rank
 from lmfoundry.train.config import PretrainConfig, data_parallel
 
 SEQ_LEN, STEPS = 32, 20
-# name: (tensor parallel, pipeline stages, workers)
-LAYOUTS = {"one worker": (1, 1, 1), "TP 2 x DP 2": (2, 1, 4), "PP 2": (1, 2, 2), "PP 2 x DP 2": (1, 2, 4)}
+# name: (tensor parallel, pipeline stages, workers, activation checkpointing)
+LAYOUTS = {
+    "one worker": (1, 1, 1, False),
+    "TP 2 x DP 2": (2, 1, 4, False),
+    "PP 2": (1, 2, 2, False),
+    "PP 2 x DP 2, recompute": (1, 2, 4, True),
+}
 
 
-def small_config(tp: int, pp: int, workers: int) -> PretrainConfig:
+def small_config(tp: int, pp: int, workers: int, recompute: bool = False) -> PretrainConfig:
     """A 2-layer model with grouped-query attention, per-head query/key norms and q/k/v biases
     (Qwen2/3), so that each of the split or summed parts is exercised, and a tied head (on the
     last stage, the first stage's embedding); 8 sequences a step, in micro-batches of 2 (4 per
-    step through a pipeline of one replica)."""
+    step through a pipeline of one replica). `recompute`: activation checkpointing."""
     from lmfoundry.model.transformer import ModelConfig
 
     model = ModelConfig(
@@ -42,6 +47,7 @@ def small_config(tp: int, pp: int, workers: int) -> PretrainConfig:
         n_kv_head=2,
         qk_norm=True,
         attention_bias=True,
+        activation_checkpointing=recompute,
     )
     return PretrainConfig(
         data="-",
@@ -67,9 +73,9 @@ def compare_layouts(out: str) -> dict:
     from lmfoundry.model.checkpoint import load_model_files
 
     rows = {}
-    for name, (tp, pp, workers) in LAYOUTS.items():
-        cfg = small_config(tp, pp, workers)
-        directory = str(Path(out) / name.replace(" ", ""))
+    for name, (tp, pp, workers, recompute) in LAYOUTS.items():
+        cfg = small_config(tp, pp, workers, recompute)
+        directory = str(Path(out) / name.replace(" ", "").replace(",", "-"))
         run = train_losses(cfg, workers, SEQ_LEN, STEPS, directory)
         with torch.no_grad():
             reloaded = load_model_files(directory)(probe_batch(cfg))[0]

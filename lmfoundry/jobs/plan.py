@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     if args.plot:
         plot_layouts(plans, cluster, args.plot)
     if args.write_config:
-        runnable = [(pl, recipe) for pl in plans if (recipe := runnable_recipe(cfg, pl)) is not None]
+        runnable = [(pl, written) for pl in plans if (written := runnable_recipe(cfg, pl)) is not None]
         if not runnable:
             print(
                 "error: plan: no fitting layout that lmfoundry pretrain runs (tensor or pipeline, data "

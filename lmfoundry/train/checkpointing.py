@@ -168,7 +168,8 @@ def stage_checkpoint(
         if pipelined:
             write_pipeline_weights(engine, path)
         elif split:
-            stream_servable_weights(engine.module, path, tensor_parallel.gathered)
+            if rank < tensor_parallel_size(engine):  # rank 0's group (consecutive ranks) alone gathers
+                stream_servable_weights(engine.module, path, tensor_parallel.gathered)
         else:
             stream_servable_weights(engine.module, path)
     else:

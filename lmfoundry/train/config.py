@@ -94,9 +94,9 @@ class ParallelismConfig(StageConfig):
     pipeline_parallel_size: int = Field(
         1,
         ge=1,
-        description="pipeline stages each block of the model is assigned to one of (DeepSpeed's pipeline "
-        "engine, 1F1B; pretraining, dense models, ZeRO stages 0-1); micro-batches per step: the "
-        "gradient accumulation",
+        description="stages the model's blocks are spread over (DeepSpeed's pipeline engine, 1F1B; "
+        "pretraining, dense models, ZeRO stages 0-1); a step's micro-batches (its gradient accumulation) "
+        "flow through them",
     )
     precision: Literal["auto", "fp32", "bf16"] = "auto"
 
@@ -126,8 +126,9 @@ class ParallelismConfig(StageConfig):
                 raise ValueError(f"tensor_parallel_size={tp} must divide num_workers={self.num_workers}")
             if self.zero_stage == 3:
                 raise ValueError(
-                    f"tensor_parallel_size={tp} with zero_stage=3: DeepSpeed's tensor parallelism composes "
-                    "with ZeRO stages 0-2"
+                    f"tensor_parallel_size={tp} with zero_stage=3: lmfoundry runs tensor parallelism with ZeRO "
+                    "stages 0-2 (its checkpoint writer gathers tensor-parallel shards or ZeRO-3 partitions, "
+                    "not both)"
                 )
             if self.expert_parallel_size > 1:
                 raise ValueError(
@@ -175,9 +176,12 @@ class TokenBatchConfig(StageConfig):
     )
 
     def accumulation(self, world_size: int, seq_len: int) -> int:
-        """Micro-steps per optimizer step."""
+        """Micro-steps per optimizer step; world_size: the data-parallel replicas (the workers,
+        unless tensor or pipeline parallelism groups them)."""
         per_micro_step = self.micro_batch_size * world_size * seq_len
-        terms = f"micro_batch_size x workers x seq_len = {self.micro_batch_size} x {world_size} x {seq_len}"
+        terms = (
+            f"micro_batch_size x data-parallel replicas x seq_len = {self.micro_batch_size} x {world_size} x {seq_len}"
+        )
         return _micro_steps("global_batch_tokens", self.global_batch_tokens, per_micro_step, terms)
 
 

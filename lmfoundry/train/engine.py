@@ -14,7 +14,7 @@ from lmfoundry.train.config import TrainStageConfig, resolved_precision, world_s
 
 def gradient_accumulation(cfg: TrainStageConfig, world_size: int, seq_len: int) -> int:
     """Micro-steps per optimizer step, from the stage's global batch (tokens or pairs): the
-    workers of a tensor-parallel group share each micro-batch."""
+    workers of a tensor-parallel group, or the stages of a pipeline, share each micro-batch."""
     return cfg.batch.accumulation(world_size // cfg.parallelism.model_parallel_size, seq_len)
 
 

@@ -1,9 +1,10 @@
 """Pipeline parallelism for the transformer, applied from outside the model file: the model's own
 modules cut into DeepSpeed pipeline layers (the embedding, each block, the final norm, the output
 head), the blocks spread evenly over `pipeline_parallel_size` stages, and DeepSpeed's pipeline
-engine running them on its 1F1B schedule (Narayanan et al. 2021, PipeDream-Flush): each stage
-keeps at most as many micro-batches in flight as there are stages after it, and the gradients of a
-step's micro-batches are accumulated before the one optimizer step.
+engine running them on its 1F1B schedule (Narayanan et al. 2021, PipeDream-Flush): after a
+warm-up of forwards, each stage alternates one forward and one backward, so stage s of p holds at
+most p - s micro-batches' activations, and the gradients of a step's micro-batches are
+accumulated before the one optimizer step.
 
 A tied output head is the embedding's weight on the last stage: DeepSpeed keeps a copy on the
 first and the last stage, in step (broadcast at the start, gradients summed across the two).
@@ -43,17 +44,22 @@ def tied_head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
 
 
 class BlockLayer(nn.Module):
-    """One block, positions 0..T-1 (pretraining's rows hold one stream each)."""
+    """One block, positions 0..T-1 (pretraining's rows hold one stream each); with the model's
+    activation checkpointing, recomputed in backward as the model recomputes it."""
 
     def __init__(self, model: Transformer, index: int):
         super().__init__()
         self.block = model.blocks[index]
+        self.recompute = model.cfg.activation_checkpointing
         self.register_buffer("cos", model.rope_cos, persistent=False)
         self.register_buffer("sin", model.rope_sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[1]
-        return self.block(x, self.cos[None, :T], self.sin[None, :T])
+        cos, sin = self.cos[None, :T], self.sin[None, :T]
+        if self.recompute and self.training:
+            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
+        return self.block(x, cos, sin)
 
 
 class Wrapped(nn.Module):
@@ -102,8 +108,6 @@ def pipeline_module(model: Transformer, stages: int):
         num_stages=stages,
         loss_fn=next_token_loss,
         partition_method="type:BlockLayer",  # the blocks evenly; the embedding first, the head last
-        # recompute each block in backward instead of keeping its activations, as the model does
-        activation_checkpoint_interval=1 if model.cfg.activation_checkpointing else 0,
     )
 
 
@@ -117,7 +121,8 @@ def write_servable_weights(engine, path) -> None:
     """Collective: the servable weights under the single-device model's names, written by rank 0
     (stage 0, data-parallel rank 0) to `path` layer by layer; each layer that another stage
     holds is sent by that stage's data-parallel rank 0 while it is written. Rank 0 holds one
-    layer of another stage at a time."""
+    layer of another stage at a time. If rank 0's write fails, it still receives what the other
+    stages send, so none is left waiting, and then raises."""
     import torch.distributed as dist
 
     module = engine.module
@@ -144,12 +149,17 @@ def write_servable_weights(engine, path) -> None:
             if source == 0:
                 yield local[name]
             else:
-                received = torch.empty(shape, dtype=dtype_)
+                received = torch.empty(shape, dtype=dtype_, device=engine.device)  # NCCL receives on the GPU
                 dist.recv(received, src=source)
                 yield received
 
     if rank == 0:
-        write_safetensors(path, specs, tensors())
+        received = tensors()
+        try:
+            write_safetensors(path, specs, received)
+        finally:
+            for _ in received:  # what the other stages still send
+                pass
     elif grid.data_parallel_id == 0 and grid.get_stage_id() != 0:
         for name, _, _ in specs:
             if name in local:

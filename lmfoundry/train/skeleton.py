@@ -13,6 +13,7 @@ writes RUN/gate_action.json), the loop stops, or rolls back to the newest checkp
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 import warnings
@@ -294,25 +295,29 @@ class Trainer:
         the pipeline (forward and backward of every micro-batch on the 1F1B schedule, then the
         optimizer step). True when it completed an optimizer step."""
         pos, engine = self.position, self.engine
-        started = time.perf_counter()
         self.pending.append(self.objective.pipeline_inputs(batch))
         pos.batches_in_epoch = index + 1
+        # data waits only: the pipeline's step waits on the other stages (no straggler signal)
         self.busy_s += waited
         if len(self.pending) < self.accum:
             return False
         step, self.pending = self.pending, []
         self.drills.before_optimizer_step(pos.step + 1, engine.optimizer)
         drilled = self.drills.nan_gradients(pos.step + 1, engine.module)
-        loss = engine.train_batch(iter(step))  # the step's mean over every micro-batch and replica
-        if drilled:
-            drilled.remove()
-        self.busy_s += time.perf_counter() - started
+        try:
+            loss = float(engine.train_batch(iter(step)))  # the step's mean over every micro-batch and replica
+        finally:
+            if drilled:
+                drilled.remove()
         self.micro += self.accum
-        self.sums.add({"loss": float(loss)})
-        if not engine.was_step_applied():
+        if not engine.was_step_applied():  # DeepSpeed found non-finite gradients (ZeRO-1, bf16)
             self._skip_step()
             return False
+        if not math.isfinite(loss):  # the same on every stage: the step was applied to the weights
+            reason = self.health.nonfinite_loss() or "a non-finite loss in a pipelined step that was applied"
+            raise Diverged(reason, pos.step)
         self.health.finite_loss()
+        self.sums.add({"loss": loss})
         return self._apply_step()
 
     def _skip_step(self) -> None:

@@ -11,7 +11,8 @@ Per-head query/key norms (Qwen3) stay whole, but each rank sees only its heads, 
 gradients are summed over the tensor-parallel group.
 
 DeepSpeed was chosen over DTensor because the training loop already runs on DeepSpeed's engine:
-AutoTP composes with its ZeRO stages 0-2, checkpoints each rank's shard with its optimizer
+AutoTP composes with its ZeRO stages (lmfoundry runs 0-2: its checkpoint writer gathers either
+tensor-parallel shards or ZeRO-3 partitions), checkpoints each rank's shard with its optimizer
 partition, and its universal checkpoint merges the shards into a layout-free form that resumes
 at any other layout (train/checkpointing.py).
 """

@@ -181,7 +181,7 @@ def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_ou
     "parallelism, model, refused",
     [
         ({"num_workers": 3, "tensor_parallel_size": 2}, {}, "tensor_parallel_size=2 must divide num_workers=3"),
-        ({"tensor_parallel_size": 2, "zero_stage": 3}, {}, "composes with ZeRO stages 0-2"),
+        ({"tensor_parallel_size": 2, "zero_stage": 3}, {}, "runs tensor parallelism with ZeRO stages 0-2"),
         ({"tensor_parallel_size": 2, "min_workers": 1}, {}, "breaks its whole tensor-parallel group"),
         ({"tensor_parallel_size": 2}, {"n_head": 4, "n_kv_head": 1}, "must divide the model's n_kv_head=1"),
         ({"tensor_parallel_size": 2}, {"moe": {"num_experts": 4, "top_k": 1}}, "with an MoE model"),

@@ -15,5 +15,6 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
     assert reference[-1] < reference[0] - 1.0, reference  # it learns
     for name, row in rows.items():
         assert row["loss_max_abs_diff"] <= 1e-4, (name, row["losses"], reference)
+        assert row["grad_norm_max_rel_diff"] <= 1e-4, (name, row["grad_norms"])  # clipping sees the whole model
         assert row["reloaded_vs_one_worker_logits"] <= 1e-4, name
         assert row["reloaded_vs_own_engine_logits"] is None or row["reloaded_vs_own_engine_logits"] <= 1e-5, name

@@ -67,7 +67,8 @@ def small_config(tp: int, pp: int, workers: int, recompute: bool = False) -> Pre
 
 def compare_layouts(out: str) -> dict:
     """Each of LAYOUTS trained STEPS steps (train_losses, model files under out/NAME): its
-    losses and their largest difference from the one-worker run's, and the largest difference of
+    losses and gradient norms (the whole model's, which clipping uses) and their largest
+    differences from the one-worker run's, and the largest difference of
     the logits of its written weights, loaded into the single-device model, from those of the
     one-worker engine and of its own engine (None through a pipeline)."""
     from lmfoundry.model.checkpoint import load_model_files
@@ -80,9 +81,11 @@ def compare_layouts(out: str) -> dict:
         with torch.no_grad():
             reloaded = load_model_files(directory)(probe_batch(cfg))[0]
         rows[name] = {"tensor_parallel": tp, "pipeline_stages": pp, "workers": workers, **run, "reloaded": reloaded}
-    reference_losses, reference_logits = rows["one worker"]["losses"], rows["one worker"]["logits"]
+    reference = rows["one worker"]
+    reference_losses, reference_logits = reference["losses"], reference["logits"]
     for row in rows.values():
         row["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(row["losses"], reference_losses))
+        row["grad_norm_max_rel_diff"] = max(abs(a / b - 1) for a, b in zip(row["grad_norms"], reference["grad_norms"]))
         reloaded, own = row.pop("reloaded"), row.pop("logits")
         # the written weights against the one-worker engine, and against the run's own engine
         row["reloaded_vs_one_worker_logits"] = float((reloaded - reference_logits).abs().max())
@@ -120,13 +123,14 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
         dp_rank, dp_world = data_parallel(rank, world, cfg.parallelism)
         micro, accum = cfg.batch.micro_batch_size, ds_config["gradient_accumulation_steps"]
         pipelined = cfg.parallelism.pipeline_parallel_size > 1
-        losses = []
+        losses, grad_norms = [], []
         for batch in global_batches(cfg, seq_len, steps):
             # micro-batch i of the step is rows [i * dp_world + dp_rank] * micro: the rows a
             # data-parallel rank reads interleave, as the training loop's do
             rows = [batch[(i * dp_world + dp_rank) * micro :][:micro] for i in range(accum)]
             if pipelined:  # the step's mean over every micro-batch and replica, on every rank
                 losses.append(float(engine.train_batch(iter([(r[:, :-1], r[:, 1:]) for r in rows]))))
+                grad_norms.append(float(engine.get_global_grad_norm()))
                 continue
             step_loss = torch.zeros(())
             for tokens in rows:
@@ -136,6 +140,7 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
                 step_loss += loss.detach() / accum
             dist.all_reduce(step_loss)
             losses.append(step_loss.item() / world)  # every rank holds its replica's mean
+            grad_norms.append(float(engine.get_global_grad_norm()))  # the whole model's, before clipping
         logits = None
         if not pipelined:
             with torch.no_grad():
@@ -150,7 +155,7 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
             save_model_files(engine.module, out)
         if rank == 0:
             save_model_config(engine.module, out)
-        results[rank] = {"losses": losses, "logits": logits if rank == 0 else None}
+        results[rank] = {"losses": losses, "grad_norms": grad_norms, "logits": logits if rank == 0 else None}
     finally:
         dist.destroy_process_group()
 

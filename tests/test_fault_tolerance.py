@@ -318,3 +318,28 @@ def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_retur
     reference = [json.loads(line) for line in open(Path(pretrained[0]) / "metrics.jsonl")]
     assert [r["loss"] for r in rows[:10]] == [r["loss"] for r in reference[:10]]
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"world_size": 0},
+        {"world_size": 2, "tensor_parallel_size": 0},
+        {"world_size": 2, "pipeline_parallel_size": "2"},
+        {"world_size": 3, "tensor_parallel_size": 2},
+        {"world_size": True},
+        {},
+    ],
+)
+def test_a_training_state_with_an_impossible_layout_is_refused_before_any_arithmetic(layout):
+    from lmfoundry.train.checkpointing import _written_layout
+
+    with pytest.raises(ValueError, match="each must be a positive integer"):
+        _written_layout({"step": 10, **layout}, "run/checkpoints/step-00000010")
+
+
+def test_older_training_states_name_only_their_workers():
+    from lmfoundry.train.checkpointing import _written_layout
+
+    assert _written_layout({"world_size": 2}, "uri") == (2, 1, 1)
+    assert _written_layout({"world_size": 4, "tensor_parallel_size": 2}, "uri") == (4, 2, 1)

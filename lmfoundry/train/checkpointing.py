@@ -232,9 +232,8 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     state = checkpoint.load_json_state(local / "train_state.json")
-    written_by, written_tp = state["world_size"], state.get("tensor_parallel_size", 1)
-    written_pp, pp = state.get("pipeline_parallel_size", 1), engine.num_stages if _pipelined(engine) else 1
-    tp = tensor_parallel_size(engine)
+    written_by, written_tp, written_pp = _written_layout(state, uri)
+    tp, pp = tensor_parallel_size(engine), engine.num_stages if _pipelined(engine) else 1
     relayout = (written_by, written_tp, written_pp) != (world, tp, pp)
     load_dir = local / "deepspeed"
     if relayout and (written_pp > 1 or pp > 1):
@@ -287,6 +286,19 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
             else "",
         )
     return state
+
+
+def _written_layout(state: dict, uri: str) -> tuple[int, int, int]:
+    """The workers, tensor-parallel size and pipeline stages that wrote the checkpoint (older
+    checkpoints name only the workers), checked before any arithmetic is done with them."""
+    layout = (state.get("world_size"), state.get("tensor_parallel_size", 1), state.get("pipeline_parallel_size", 1))
+    world, tp, pp = layout
+    if not all(type(n) is int and n >= 1 for n in layout) or world % (tp * pp):
+        raise ValueError(
+            f"checkpoint {uri}: train_state.json names world_size={world!r}, tensor_parallel_size={tp!r}, "
+            f"pipeline_parallel_size={pp!r}; each must be a positive integer, tensor x pipeline dividing world_size"
+        )
+    return layout
 
 
 def _mend_universal_load(engine, own_settings: list[dict]) -> None:

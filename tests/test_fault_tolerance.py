@@ -268,25 +268,38 @@ def test_a_tensor_parallel_run_resumes_exactly_and_moves_between_layouts(
     assert json.loads((final / "train_state.json").read_text())["tensor_parallel_size"] == 1
 
 
-def test_a_pipelined_run_survives_a_killed_stage_and_resumes_exactly(deepspeed_workers, packed, pretrained, tmp_path):
-    """The reference run in 2 pipeline stages (one block each, 4 micro-batches a step through
-    DeepSpeed's 1F1B schedule), the second stage's worker killed after step 25: the group
-    restarts from step 20's checkpoint and ends with the reference's losses, up to the rounding of
-    the other summation order. Stopped after step 30 and finished again: bitwise its own losses."""
+def test_a_pipelined_run_resumes_exactly_after_a_killed_stage_and_moves_between_layouts(
+    deepspeed_workers, packed, pretrained, tmp_path
+):
+    """The reference run (2 workers, data parallel) stopped after step 30 and finished in 2
+    pipeline stages (one block each, 4 micro-batches a step through DeepSpeed's 1F1B schedule):
+    its losses, up to the rounding of the other summation order. That run stopped after step 35
+    and finished again in 2 stages with the second stage's worker killed after step 38: bitwise
+    its own losses. And finished by one worker holding the whole model: its losses, up to
+    rounding. Each move between layouts goes through a universal checkpoint, its parameters
+    renamed between the pipeline's layers and the model."""
     from lmfoundry.train.pretrain import run_pretrain
 
+    reference = losses(Path(pretrained[0]))
     pp2 = {"num_workers": 2, "pipeline_parallel_size": 2, "zero_stage": 1}
-    out = tmp_path / "pipelined"
-    drills = [FaultDrill(at_step=25, rank=1)]
-    run_pretrain(tiny_pretrain_config(packed[0], str(out), parallelism=pp2, drills=drills, health={"max_failures": 1}))
-    assert len(list((out / "_drills").iterdir())) == 1  # the drill fired
-    pipelined = losses(out)
-    assert pipelined == pytest.approx(losses(Path(pretrained[0])), abs=1e-4)
-    # each stage saved its own layers
-    assert len(list(out.glob("checkpoints/step-00000040/**/layer_0[0-4]-model_states.pt"))) == 4
-    again = stopped_at(out, 30, tmp_path / "again")
-    run_pretrain(tiny_pretrain_config(packed[0], str(again), parallelism=pp2))
-    assert losses(again) == pipelined  # bitwise
+
+    def finish(run: Path, parallelism: dict, **overrides) -> list[float]:
+        run_pretrain(
+            tiny_pretrain_config(packed[0], str(run), parallelism=parallelism, checkpointing={"every": 5}, **overrides)
+        )
+        return losses(run)
+
+    from_dp = finish(stopped_at(Path(pretrained[0]), 30, tmp_path / "dp-to-pp"), pp2)
+    assert from_dp[:30] == reference[:30]
+    assert from_dp[30:] == pytest.approx(reference[30:], abs=1e-4)
+    # each stage saved its own layers: the embedding, 2 blocks, the norm (the tied head is the embedding)
+    assert len(list((tmp_path / "dp-to-pp").glob("checkpoints/step-00000040/**/layer_0[0-4]-model_states.pt"))) == 4
+    killed = stopped_at(tmp_path / "dp-to-pp", 35, tmp_path / "pp-killed")
+    drills = [FaultDrill(at_step=38, rank=1)]
+    assert finish(killed, pp2, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
+    assert len(list((killed / "_drills").iterdir())) == 1  # the drill fired
+    to_dp = finish(stopped_at(tmp_path / "dp-to-pp", 35, tmp_path / "pp-to-dp"), {"num_workers": 1})
+    assert to_dp == pytest.approx(from_dp, abs=1e-4)
 
 
 def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(

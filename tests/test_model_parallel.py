@@ -18,3 +18,30 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
         assert row["grad_norm_max_rel_diff"] <= 1e-4, (name, row["grad_norms"])  # clipping sees the whole model
         assert row["reloaded_vs_one_worker_logits"] <= 1e-4, name
         assert row["reloaded_vs_own_engine_logits"] is None or row["reloaded_vs_own_engine_logits"] <= 1e-5, name
+
+
+def test_a_universal_checkpoints_parameters_are_renamed_between_the_model_and_its_pipeline(tmp_path):
+    import pytest
+
+    from lmfoundry.model.transformer import ModelConfig
+    from lmfoundry.train.checkpointing import _rename_parameters
+    from lmfoundry.train.pipeline_parallel import pipeline_parameter_names
+
+    cfg = ModelConfig(vocab_size=32, max_seq_len=8, n_layer=2, d_model=16, n_head=2, n_kv_head=1, tie_embeddings=False)
+    names = pipeline_parameter_names(cfg)
+    assert names["embed.weight"] == "0.embed.weight" and names["lm_head.weight"] == "4.module.weight"
+    assert names["blocks.1.attn.wq.weight"] == "2.block.attn.wq.weight" and names["norm.weight"] == "3.module.weight"
+    zero = tmp_path / "zero"
+    for name in names:
+        (zero / name).mkdir(parents=True)
+        (zero / name / "fp32.pt").write_text(name)
+    (zero / "optimizer_state.pt").write_text("common")
+    _rename_parameters(zero, names, to_pipeline=True)
+    assert (zero / "2.block.attn.wq.weight" / "fp32.pt").read_text() == "blocks.1.attn.wq.weight"
+    _rename_parameters(zero, names, to_pipeline=False)  # and back
+    assert sorted(p.name for p in zero.iterdir()) == sorted([*names, "optimizer_state.pt"])
+    (zero / "blocks.7.attn.wq.weight").mkdir()  # a parameter the model does not have
+    with pytest.raises(ValueError, match="blocks.7.attn.wq.weight"):
+        _rename_parameters(zero, names, to_pipeline=True)
+    tied = pipeline_parameter_names(cfg.model_copy(update={"tie_embeddings": True}))
+    assert tied["embed.weight"] == "tied_modules.embed.embed.weight" and "lm_head.weight" not in tied

@@ -2,7 +2,8 @@
 training state in memory (DeepSpeed's files, its RNG states, its own experts) and rank 0 the
 servable model files; the files are written and persisted in the background
 (platform/checkpoint.py). A resume loads the newest valid checkpoint on every rank, converting
-it through a DeepSpeed universal checkpoint when the world size changed."""
+it through a DeepSpeed universal checkpoint when the layout (workers, tensor-parallel size,
+pipeline stages) changed."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import tensor_parallel
 from lmfoundry.train.expert_parallel import full_state
+from lmfoundry.train.pipeline_parallel import pipeline_parameter_names
 from lmfoundry.train.pipeline_parallel import write_servable_weights as write_pipeline_weights
 from lmfoundry.train.tensor_parallel import tensor_parallel_size
 
@@ -236,11 +238,6 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     tp, pp = tensor_parallel_size(engine), engine.num_stages if _pipelined(engine) else 1
     relayout = (written_by, written_tp, written_pp) != (world, tp, pp)
     load_dir = local / "deepspeed"
-    if relayout and (written_pp > 1 or pp > 1):
-        raise ValueError(
-            f"checkpoint {uri} was written by {written_by} workers in {written_pp} pipeline stages and this run "
-            f"has {world} in {pp}: a pipelined run resumes in the layout it was written in"
-        )
     if relayout:
         if _expert_parallel(engine):
             raise ValueError(
@@ -248,7 +245,9 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
                 f"a change of world size is supported without expert parallelism only (each rank's "
                 f"experts are its own files); resume with {written_by} workers"
             )
-        load_dir = universal_copy(local, uri)
+        load_dir = universal_copy(
+            local, uri, from_pipeline=written_pp > 1, to_pipeline=pp > 1, model_cfg=engine.module.cfg
+        )
         engine._config.load_universal_checkpoint = True  # read per load: this load only
         own_settings = [{k: g[k] for k in ("weight_decay", "name") if k in g} for g in engine.optimizer.param_groups]
     # DeepSpeed's MoE loader wants per-expert files that it writes only for its own MoE layers;
@@ -272,7 +271,7 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     if relayout:
         # the position counts global micro-batches of micro_batch_size x data-parallel size rows;
         # a checkpoint sits on a step boundary, so the rows trained on divide evenly at the new size
-        written_dp, dp = written_by // written_tp, world // tp  # (no pipeline stages on either side)
+        written_dp, dp = written_by // (written_tp * written_pp), world // (tp * pp)
         state = {**state, "batches_in_epoch": state["batches_in_epoch"] * written_dp // dp}
     if rank == 0:
         logger.info(
@@ -281,7 +280,8 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
             state["step"],
             state["epoch"],
             state["batches_in_epoch"],
-            f" (written by {written_by} workers at tensor parallel {written_tp}, now {world} at {tp})"
+            f" (written by {written_by} workers at tensor parallel {written_tp} and {written_pp} pipeline stages, "
+            f"now {world} at {tp} and {pp})"
             if relayout
             else "",
         )
@@ -316,6 +316,24 @@ def _mend_universal_load(engine, own_settings: list[dict]) -> None:
             state["step"] = state["step"].clone()
 
 
+def _rename_parameters(zero_dir: Path, pipeline_names: dict[str, str], to_pipeline: bool) -> None:
+    """A universal checkpoint's parameter folders renamed between the model's names and the
+    pipeline module's (`pipeline_names`: model name -> pipeline name). A tied head, which
+    DeepSpeed also writes under the head's own name, is the embedding's folder in the pipeline."""
+    renames = pipeline_names if to_pipeline else {v: k for k, v in pipeline_names.items()}
+    if to_pipeline and TIED_HEAD not in pipeline_names and (zero_dir / TIED_HEAD).is_dir():
+        shutil.rmtree(zero_dir / TIED_HEAD)
+    folders = {p.name for p in zero_dir.iterdir() if p.is_dir()}
+    if folders != set(renames):
+        raise ValueError(
+            f"the checkpoint's parameters are not the model's: {sorted(folders ^ set(renames))[:5]} differ"
+        )
+    for old, new in renames.items():
+        (zero_dir / old).rename(zero_dir / f"{new}.renamed")  # two passes: a new name may be an old one
+    for new in renames.values():
+        (zero_dir / f"{new}.renamed").rename(zero_dir / new)
+
+
 # DeepSpeed's converter, run with its checkpoint classes allowed and every load weights-only
 WEIGHTS_ONLY_UNIVERSAL_CONVERSION = """
 import runpy, sys, torch
@@ -326,11 +344,16 @@ runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__")
 """
 
 
-def universal_copy(local: Path, uri: str) -> Path:
+def universal_copy(
+    local: Path, uri: str, from_pipeline: bool = False, to_pipeline: bool = False, model_cfg=None
+) -> Path:
     """The checkpoint's ZeRO state as a DeepSpeed universal checkpoint (whole parameters and
-    optimizer moments, no partitioning), which loads at any world size. The first rank of each
-    node converts it into a node-local folder named by the checkpoint's manifest (its checksums),
-    so another checkpoint at the same path never reuses it; the node's other ranks wait for it."""
+    optimizer moments, no partitioning, one folder per parameter), which loads at any world size.
+    A pipelined run names its parameters by pipeline layer: the folders are renamed from the
+    layout that wrote them to the one that loads them (`from_pipeline`, `to_pipeline`; the
+    model's config gives the names). The first rank of each node converts it into a node-local
+    folder named by the checkpoint's manifest (its checksums) and the naming, so another
+    checkpoint at the same path never reuses it; the node's other ranks wait for it."""
     import hashlib
     import subprocess
     import sys
@@ -338,7 +361,7 @@ def universal_copy(local: Path, uri: str) -> Path:
     import torch.distributed as dist
 
     identity = hashlib.sha256(uri.encode() + (local / checkpoint.CHECKPOINT_MANIFEST).read_bytes()).hexdigest()[:16]
-    out = Path(tempfile.gettempdir()) / f"lmfoundry-universal-{identity}"
+    out = Path(tempfile.gettempdir()) / f"lmfoundry-universal-{identity}-{int(from_pipeline)}{int(to_pipeline)}"
     deepspeed_dir = local / "deepspeed"
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (out / "latest_universal").exists():
         shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
@@ -367,6 +390,8 @@ def universal_copy(local: Path, uri: str) -> Path:
             raise RuntimeError(
                 f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
             )
+        if from_pipeline != to_pipeline:
+            _rename_parameters(scratch / "state" / "zero", pipeline_parameter_names(model_cfg), to_pipeline)
         (scratch / "latest_universal").write_text("state")
         try:
             os.replace(scratch, out)

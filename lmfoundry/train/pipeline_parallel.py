@@ -111,6 +111,26 @@ def pipeline_module(model: Transformer, stages: int):
     )
 
 
+def pipeline_parameter_names(cfg) -> dict[str, str]:
+    """Each parameter's name in the model (as the single-device model names it) -> its name in
+    the pipeline module: the layers are numbered embedding 0, blocks 1..n, norm n+1, head n+2,
+    and a tied embedding is DeepSpeed's `tied_modules.embed`. A universal checkpoint's parameter
+    folders are renamed with it, to move optimizer state between pipelined and other layouts."""
+    with torch.device("meta"):
+        params = [name for name, _ in Transformer(cfg).named_parameters()]  # a tied head is the embedding
+    n, names = cfg.n_layer, {}
+    for name in params:
+        top, rest = name.split(".", 1)
+        if top == "embed":
+            names[name] = ("tied_modules.embed.embed." if cfg.tie_embeddings else "0.embed.") + rest
+        elif top == "blocks":
+            index, rest = rest.split(".", 1)
+            names[name] = f"{int(index) + 1}.block.{rest}"
+        else:
+            names[name] = f"{n + 1 if top == 'norm' else n + 2}.module.{rest}"
+    return names
+
+
 def _layer_state(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     """A pipeline layer's tensors under the model's names."""
     own = {Wrapped: "module.", BlockLayer: "block.", Embedding: "embed."}[type(layer)]

@@ -231,6 +231,15 @@ def losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows]
 
 
+def finish(data: str, run: Path, parallelism: dict, **overrides) -> list[float]:
+    """The reference run's config at `parallelism`, a checkpoint every 5 steps, run (or resumed)
+    in `run`: its losses."""
+    from lmfoundry.train.pretrain import run_pretrain
+
+    run_pretrain(tiny_pretrain_config(data, str(run), parallelism=parallelism, checkpointing={"every": 5}, **overrides))
+    return losses(run)
+
+
 def test_a_tensor_parallel_run_resumes_exactly_and_moves_between_layouts(
     deepspeed_workers, packed, pretrained, tmp_path
 ):
@@ -242,25 +251,16 @@ def test_a_tensor_parallel_run_resumes_exactly_and_moves_between_layouts(
     reference = losses(Path(pretrained[0]))
     tp2 = {"num_workers": 2, "tensor_parallel_size": 2}
 
-    def finish(run: Path, parallelism: dict, **overrides) -> list[float]:
-        cfg = tiny_pretrain_config(
-            packed[0], str(run), parallelism=parallelism, checkpointing={"every": 5}, **overrides
-        )
-        from lmfoundry.train.pretrain import run_pretrain
-
-        run_pretrain(cfg)
-        return losses(run)
-
-    from_dp = finish(stopped_at(Path(pretrained[0]), 30, tmp_path / "dp-to-tp"), tp2)
+    from_dp = finish(packed[0], stopped_at(Path(pretrained[0]), 30, tmp_path / "dp-to-tp"), tp2)
     # each rank of the group saved its own shard of the weights
     assert len(list((tmp_path / "dp-to-tp").glob("checkpoints/step-00000040/**/mp_rank_0[01]_model_states.pt"))) == 2
     assert from_dp[:30] == reference[:30]
     assert from_dp[30:] == pytest.approx(reference[30:], abs=1e-4)
     killed = stopped_at(tmp_path / "dp-to-tp", 35, tmp_path / "tp-killed")
     drills = [FaultDrill(at_step=38, rank=1)]
-    assert finish(killed, tp2, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
+    assert finish(packed[0], killed, tp2, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
     assert len(list((killed / "_drills").iterdir())) == 1  # the drill fired
-    to_dp = finish(stopped_at(tmp_path / "dp-to-tp", 35, tmp_path / "tp-to-dp"), {"num_workers": 1})
+    to_dp = finish(packed[0], stopped_at(tmp_path / "dp-to-tp", 35, tmp_path / "tp-to-dp"), {"num_workers": 1})
     assert to_dp == pytest.approx(from_dp, abs=1e-4)
     final = (
         tmp_path / "tp-to-dp" / json.loads((tmp_path / "tp-to-dp" / "_MANIFEST.json").read_text())["final_checkpoint"]
@@ -278,27 +278,20 @@ def test_a_pipelined_run_resumes_exactly_after_a_killed_stage_and_moves_between_
     its own losses. And finished by one worker holding the whole model: its losses, up to
     rounding. Each move between layouts goes through a universal checkpoint, its parameters
     renamed between the pipeline's layers and the model."""
-    from lmfoundry.train.pretrain import run_pretrain
 
     reference = losses(Path(pretrained[0]))
     pp2 = {"num_workers": 2, "pipeline_parallel_size": 2, "zero_stage": 1}
 
-    def finish(run: Path, parallelism: dict, **overrides) -> list[float]:
-        run_pretrain(
-            tiny_pretrain_config(packed[0], str(run), parallelism=parallelism, checkpointing={"every": 5}, **overrides)
-        )
-        return losses(run)
-
-    from_dp = finish(stopped_at(Path(pretrained[0]), 30, tmp_path / "dp-to-pp"), pp2)
+    from_dp = finish(packed[0], stopped_at(Path(pretrained[0]), 30, tmp_path / "dp-to-pp"), pp2)
     assert from_dp[:30] == reference[:30]
     assert from_dp[30:] == pytest.approx(reference[30:], abs=1e-4)
     # each stage saved its own layers: the embedding, 2 blocks, the norm (the tied head is the embedding)
     assert len(list((tmp_path / "dp-to-pp").glob("checkpoints/step-00000040/**/layer_0[0-4]-model_states.pt"))) == 4
     killed = stopped_at(tmp_path / "dp-to-pp", 35, tmp_path / "pp-killed")
     drills = [FaultDrill(at_step=38, rank=1)]
-    assert finish(killed, pp2, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
+    assert finish(packed[0], killed, pp2, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
     assert len(list((killed / "_drills").iterdir())) == 1  # the drill fired
-    to_dp = finish(stopped_at(tmp_path / "dp-to-pp", 35, tmp_path / "pp-to-dp"), {"num_workers": 1})
+    to_dp = finish(packed[0], stopped_at(tmp_path / "dp-to-pp", 35, tmp_path / "pp-to-dp"), {"num_workers": 1})
     assert to_dp == pytest.approx(from_dp, abs=1e-4)
 
 

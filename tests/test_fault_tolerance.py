@@ -240,59 +240,42 @@ def finish(data: str, run: Path, parallelism: dict, **overrides) -> list[float]:
     return losses(run)
 
 
-def test_a_tensor_parallel_run_resumes_exactly_and_moves_between_layouts(
-    deepspeed_workers, packed, pretrained, tmp_path
+@pytest.mark.parametrize(
+    "parallelism, own_files",
+    [
+        # each rank of the tensor-parallel group saves its own shard of the weights
+        ({"num_workers": 2, "tensor_parallel_size": 2}, ("mp_rank_0[01]_model_states.pt", 2)),
+        # each stage saves its own layers: the embedding, 2 blocks, the norm (the tied head is the
+        # embedding); 4 micro-batches a step through DeepSpeed's 1F1B schedule
+        ({"num_workers": 2, "pipeline_parallel_size": 2, "zero_stage": 1}, ("layer_0[0-4]-model_states.pt", 4)),
+    ],
+    ids=["tensor-parallel", "pipelined"],
+)
+def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_layouts(
+    parallelism, own_files, deepspeed_workers, packed, pretrained, tmp_path
 ):
-    """The reference run (2 workers, data parallel) stopped after step 30 and finished at TP=2
-    (one tensor-parallel group of 2): its losses, up to the rounding of the other summation
-    order. That run stopped after step 35 and finished again at TP=2 with a worker killed after
-    step 38: bitwise its own losses. And finished by one worker holding the whole model: its
-    losses again, up to rounding. Each move between layouts goes through a universal checkpoint."""
+    """The reference run (2 workers, data parallel) stopped after step 30 and finished at TP 2,
+    or in 2 pipeline stages: its losses, up to the rounding of the other summation order. That
+    run stopped after step 35 and finished again in its layout with the second worker killed
+    after step 38: bitwise its own losses. And finished by one worker holding the whole model:
+    its losses, up to rounding. Each move between layouts goes through a universal checkpoint
+    (a pipeline's parameters renamed between its layers and the model)."""
     reference = losses(Path(pretrained[0]))
-    tp2 = {"num_workers": 2, "tensor_parallel_size": 2}
-
-    from_dp = finish(packed[0], stopped_at(Path(pretrained[0]), 30, tmp_path / "dp-to-tp"), tp2)
-    # each rank of the group saved its own shard of the weights
-    assert len(list((tmp_path / "dp-to-tp").glob("checkpoints/step-00000040/**/mp_rank_0[01]_model_states.pt"))) == 2
+    moved = tmp_path / "from-dp"
+    from_dp = finish(packed[0], stopped_at(Path(pretrained[0]), 30, moved), parallelism)
+    pattern, count = own_files
+    assert len(list(moved.glob(f"checkpoints/step-00000040/**/{pattern}"))) == count
     assert from_dp[:30] == reference[:30]
     assert from_dp[30:] == pytest.approx(reference[30:], abs=1e-4)
-    killed = stopped_at(tmp_path / "dp-to-tp", 35, tmp_path / "tp-killed")
+    killed = stopped_at(moved, 35, tmp_path / "killed")
     drills = [FaultDrill(at_step=38, rank=1)]
-    assert finish(packed[0], killed, tp2, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
+    assert finish(packed[0], killed, parallelism, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
     assert len(list((killed / "_drills").iterdir())) == 1  # the drill fired
-    to_dp = finish(packed[0], stopped_at(tmp_path / "dp-to-tp", 35, tmp_path / "tp-to-dp"), {"num_workers": 1})
+    to_dp = finish(packed[0], stopped_at(moved, 35, tmp_path / "to-dp"), {"num_workers": 1})
     assert to_dp == pytest.approx(from_dp, abs=1e-4)
-    final = (
-        tmp_path / "tp-to-dp" / json.loads((tmp_path / "tp-to-dp" / "_MANIFEST.json").read_text())["final_checkpoint"]
-    )
-    assert json.loads((final / "train_state.json").read_text())["tensor_parallel_size"] == 1
-
-
-def test_a_pipelined_run_resumes_exactly_after_a_killed_stage_and_moves_between_layouts(
-    deepspeed_workers, packed, pretrained, tmp_path
-):
-    """The reference run (2 workers, data parallel) stopped after step 30 and finished in 2
-    pipeline stages (one block each, 4 micro-batches a step through DeepSpeed's 1F1B schedule):
-    its losses, up to the rounding of the other summation order. That run stopped after step 35
-    and finished again in 2 stages with the second stage's worker killed after step 38: bitwise
-    its own losses. And finished by one worker holding the whole model: its losses, up to
-    rounding. Each move between layouts goes through a universal checkpoint, its parameters
-    renamed between the pipeline's layers and the model."""
-
-    reference = losses(Path(pretrained[0]))
-    pp2 = {"num_workers": 2, "pipeline_parallel_size": 2, "zero_stage": 1}
-
-    from_dp = finish(packed[0], stopped_at(Path(pretrained[0]), 30, tmp_path / "dp-to-pp"), pp2)
-    assert from_dp[:30] == reference[:30]
-    assert from_dp[30:] == pytest.approx(reference[30:], abs=1e-4)
-    # each stage saved its own layers: the embedding, 2 blocks, the norm (the tied head is the embedding)
-    assert len(list((tmp_path / "dp-to-pp").glob("checkpoints/step-00000040/**/layer_0[0-4]-model_states.pt"))) == 4
-    killed = stopped_at(tmp_path / "dp-to-pp", 35, tmp_path / "pp-killed")
-    drills = [FaultDrill(at_step=38, rank=1)]
-    assert finish(packed[0], killed, pp2, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
-    assert len(list((killed / "_drills").iterdir())) == 1  # the drill fired
-    to_dp = finish(packed[0], stopped_at(tmp_path / "dp-to-pp", 35, tmp_path / "pp-to-dp"), {"num_workers": 1})
-    assert to_dp == pytest.approx(from_dp, abs=1e-4)
+    final = tmp_path / "to-dp" / json.loads((tmp_path / "to-dp" / "_MANIFEST.json").read_text())["final_checkpoint"]
+    state = json.loads((final / "train_state.json").read_text())
+    assert (state["tensor_parallel_size"], state["pipeline_parallel_size"]) == (1, 1)
 
 
 def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(

@@ -19,8 +19,9 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   tensor parallelism t the norm side (6 h) stays whole and the rest splits by t (Korthikanti et
   al. 2022, "Reducing Activation Recomputation", the same split for Megatron's GPT). The output
   layer keeps 3 h + V (its norm and the log-probabilities; the head is not split by t, as
-  lmfoundry's tensor parallelism keeps it whole); backward briefly holds two V-wide gradients more, or with activation checkpointing (which keeps only each block's input) one
-  block's recomputed activations. 1F1B keeps up to p micro-batches in flight on the first
+  lmfoundry's tensor parallelism keeps it whole); backward briefly holds two V-wide gradients
+  more, or with activation checkpointing (which keeps only each block's input) one block's
+  recomputed activations. 1F1B keeps up to p micro-batches in flight on the first
   stage; interleaving adds (p-1)/(p*v) of that. tests/test_planner_memory.py checks the sum
   against the measured peak of real DeepSpeed runs.
 - pipeline bubble, as a fraction of the step: (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) with v

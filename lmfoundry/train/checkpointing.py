@@ -53,7 +53,7 @@ def _expert_parallel(engine) -> bool:
 
 
 def _pipelined(engine) -> bool:
-    return bool(getattr(engine, "is_pipe_parallel", False)) and engine.num_stages > 1
+    return getattr(engine, "is_pipe_parallel", False)  # DeepSpeed's pipeline engine, 2 stages or more
 
 
 def _gathered(engine, names: set[str] | None = None):

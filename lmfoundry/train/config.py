@@ -120,10 +120,11 @@ class ParallelismConfig(StageConfig):
                     "of world size needs every expert's state in one checkpoint format, which expert "
                     "parallelism does not write; use a fixed num_workers"
                 )
-        tp = self.tensor_parallel_size
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            if self.num_workers % size:
+                raise ValueError(f"{name}={size} must divide num_workers={self.num_workers}")
         if tp > 1:
-            if self.num_workers % tp:
-                raise ValueError(f"tensor_parallel_size={tp} must divide num_workers={self.num_workers}")
             if self.zero_stage == 3:
                 raise ValueError(
                     f"tensor_parallel_size={tp} with zero_stage=3: lmfoundry runs tensor parallelism with ZeRO "
@@ -141,10 +142,7 @@ class ParallelismConfig(StageConfig):
                     "tensor-parallel group; use a fixed num_workers (a checkpoint still resumes at "
                     "another layout)"
                 )
-        pp = self.pipeline_parallel_size
         if pp > 1:
-            if self.num_workers % pp:
-                raise ValueError(f"pipeline_parallel_size={pp} must divide num_workers={self.num_workers}")
             if tp > 1:
                 raise ValueError(
                     f"pipeline_parallel_size={pp} with tensor_parallel_size={tp}: they do not compose yet; choose one"

@@ -123,3 +123,42 @@ def test_search_ranks_fitting_layouts_first_and_fastest_first():
     best = fitting[0]
     assert 0.05 < best.mfu <= recipe.achievable_fraction and best.memory_gb["total"] <= 141
     assert best.checkpoint_interval_s > 0 and best.cost > 0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_the_busiest_pipeline_stage_holds_its_blocks_and_one_vocabulary_table(tied, pp):
+    """Against the model's own modules, cut as train/pipeline_parallel.py cuts them: the blocks
+    evenly over the stages, the embedding on the first, the final norm and the head (or, tied,
+    the embedding again) on the last."""
+    from lmfoundry.model.flops import model_shape
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.planner.search import dense_params_per_gpu
+
+    cfg = ModelConfig(
+        vocab_size=8192, max_seq_len=64, n_layer=4, d_model=64, n_head=4, n_kv_head=2, tie_embeddings=tied
+    )
+    model = Transformer(cfg)
+
+    def count(*modules) -> int:
+        return sum(p.numel() for m in modules for p in m.parameters())
+
+    per_stage = cfg.n_layer // pp
+    stages = [count(*model.blocks[s * per_stage : (s + 1) * per_stage]) for s in range(pp)]
+    stages[0] += model.embed.weight.numel()
+    stages[-1] += count(model.norm) + model.embed.weight.numel()  # the head is as large, tied or not
+    if pp == 1:
+        stages = [model.num_params()]
+    assert dense_params_per_gpu(model_shape(cfg), Layout(tp=1, pp=pp, dp=1)) == pytest.approx(max(stages), rel=2e-3)
+
+
+def test_tensor_parallel_sizes_keep_whole_key_value_heads_and_mlp_columns():
+    """A model with 2 key/value heads is never split 4 or 8 ways, though its 16 query heads
+    would allow it: the trainer refuses such a layout (train/config.py check_tensor_parallel)."""
+    from lmfoundry.model.flops import model_shape
+    from lmfoundry.model.transformer import ModelConfig
+
+    cfg = ModelConfig(vocab_size=32000, max_seq_len=4096, n_layer=16, d_model=2048, n_head=16, n_kv_head=2)
+    recipe = Recipe(seq_len=4096, global_batch_tokens=4096 * 256, token_budget=1e11, zero_stage=1)
+    plans = search(model_shape(cfg), recipe, Cluster(gpu("H100"), 8, 2))
+    assert plans and {p.layout.tp for p in plans} == {1, 2}

@@ -15,6 +15,7 @@ class ModelShape:
     n_layer: int
     d_model: int
     n_head: int
+    n_kv_head: int = 0  # 0: as many as n_head
     top_k: int = 0
     num_experts: int = 0
     vocab_size: int = 32000
@@ -25,6 +26,14 @@ class ModelShape:
     # whole on every tensor-parallel rank (train/tensor_parallel.py splits the blocks' linear
     # layers only): the embedding, an untied output head, the norms
     replicated_params: int = 0
+    # the input embedding; an untied output head is as large. Under pipeline parallelism the
+    # first stage holds the embedding and the last the head (or, tied, the embedding again)
+    embedding_params: int = 0
+    tied_embeddings: bool = True
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
 
     @property
     def dense_ffn(self) -> int:

@@ -10,7 +10,8 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   moments), 4 + 12 without ZeRO. ZeRO-1 partitions the optimizer side but the gradients, ZeRO-2
   all of it, ZeRO-3 the weights too (plus a gathered layer); offload moves the partitioned
   optimizer side to CPU memory. ZeRO-1/2 add the gradient-reduction bucket DeepSpeed allocates
-  (two with overlapped communication).
+  (two with overlapped communication). Counted on the busiest GPU: tensor parallelism splits the
+  blocks' linear layers, the pipeline the blocks, and an end stage keeps a vocabulary table whole.
 - activations: what autograd keeps for this project's block (model/transformer.py), counted
   per token in elements: the block input, the two RMSNorm outputs, q, k and v (key/value heads
   repeated for attention under GQA), the attention output and its reshaped copy, the residual
@@ -148,12 +149,20 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
 
 
 def dense_params_per_gpu(shape: ModelShape, layout: Layout) -> float:
-    """The dense parameters a GPU holds: the pipeline splits all of them by stage, tensor
-    parallelism the blocks' linear layers only (the embedding, an untied head and the norms stay
-    whole on each rank, as train/tensor_parallel.py lays the model out)."""
+    """The dense parameters the busiest GPU holds. Tensor parallelism splits the blocks' linear
+    layers only (the embedding, an untied head and the norms stay whole on each rank, as
+    train/tensor_parallel.py lays the model out). The pipeline spreads the blocks evenly over its
+    stages but keeps the embedding whole on the first and the head (or, tied, the embedding again)
+    on the last (train/pipeline_parallel.py): an end stage holds one vocabulary table beside its
+    blocks."""
     dense = shape.total_params - shape.expert_params
     whole = shape.replicated_params
-    return ((dense - whole) / layout.tp + whole) / layout.pp
+    if layout.pp == 1:
+        return (dense - whole) / layout.tp + whole
+    table = shape.embedding_params
+    tables = table * (1 if shape.tied_embeddings else 2)
+    norms = whole - tables
+    return ((dense - whole) / layout.tp + norms) / layout.pp + table
 
 
 def model_state_bytes(shape: ModelShape, layout: Layout, recipe: Recipe) -> dict:
@@ -372,7 +381,12 @@ def search(
     fitting ones first, fastest first, and of equally fast ones the largest micro-batch (this
     model of step time does not see that bigger matmuls run closer to the peak; kernels do)."""
     plans = []
-    tps = [t for t in _divisors(cluster.gpus_per_node) if shape.n_head % t == 0]
+    # whole heads, whole key/value heads and whole MLP columns on each rank (as the trainer refuses)
+    tps = [
+        t
+        for t in _divisors(cluster.gpus_per_node)
+        if shape.n_head % t == 0 and shape.kv_heads % t == 0 and shape.dense_ffn % t == 0
+    ]
     for tp, pp in itertools.product(tps, _divisors(cluster.gpus)):
         if cluster.gpus % (tp * pp) or shape.n_layer % pp:
             continue

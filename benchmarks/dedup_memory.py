@@ -1,6 +1,6 @@
 """The driver's memory in curation's dedup phase, by corpus size: the dedup of `lmfoundry curate`
-(data/dedup_pipeline.run_dedup, on local Ray) over a generated work directory of 100,000 and
-300,000 documents (or --sizes), as phase 1 of curate leaves it.
+(data/dedup_pipeline.run_dedup, on local Ray) over a generated work directory of 100,000,
+300,000 and 1,000,000 documents (or --sizes), as phase 1 of curate leaves it.
 
 The documents are generated, not curated, so that the dedup phase can be measured at sizes whose
 document phase would take an hour here: each has a random text of 60 words, a text hash and 16
@@ -10,9 +10,11 @@ shingles 0.83) that shares 12 of the 16 band keys with its original; the rest sh
 
 Driver memory: the resident set of this process, sampled every 20 ms by a thread while run_dedup
 runs; the table gives the peak above the level just before the call. The Ray workers' memory is
-theirs, not the driver's, and is not counted.
+theirs, not the driver's, and is not counted. Each size runs twice, each time in a process and
+on a local Ray of its own: with Ray's default workers, which return results under 100 KiB inline to the driver,
+and with the workers `lmfoundry curate` starts (platform/ray_env.py CURATION_WORKER_ENV).
 
-    python benchmarks/dedup_memory.py                    # 100,000 and 300,000 documents
+    python benchmarks/dedup_memory.py                    # 100,000, 300,000 and 1,000,000 documents
     python benchmarks/dedup_memory.py --sizes 20000      # a smoke run
 
 Prints a table; writes benchmarks/results/dedup_memory.json.
@@ -123,35 +125,60 @@ def measure(n: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def main() -> None:
-    from lifecycle import machine
-
+def measure_sizes(env: dict[str, str], sizes: list[int], rows) -> None:
+    """In a process of its own (a fresh heap: memory an earlier run freed would hide this one's
+    growth), on a local Ray whose workers start with `env`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from lmfoundry.platform.ray_env import init_ray
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="100000,300000", help="corpus sizes in documents")
-    args = p.parse_args()
-    init_ray()
+    init_ray(worker_env=env)
     measure(5_000)  # warm-up: Ray's workers and imports, so the first size does not pay them
+    rows.extend([measure(n) for n in sizes])
+
+
+def main() -> None:
+    import multiprocessing
+
+    from lifecycle import machine
+
+    from lmfoundry.platform.ray_env import CURATION_WORKER_ENV
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="100000,300000,1000000", help="corpus sizes in documents")
+    args = p.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    # side by side: Ray's default returns results under 100 KiB inline to the driver;
+    # `lmfoundry curate` starts its workers with only those under 1 KiB inline
+    settings = {"Ray's default workers": {}, "lmfoundry curate's workers": CURATION_WORKER_ENV}
     rows = []
-    print(f"{'documents':>10} {'seconds':>8} {'peak RSS above, MiB':>20} {'exact':>7} {'near':>7}")
-    for n in (int(s) for s in args.sizes.split(",")):
-        row = measure(n)
-        rows.append(row)
-        print(
-            f"{n:>10,d} {row['seconds']:>8.1f} {row['driver_rss_peak_above_mib']:>20.1f} "
-            f"{row['exact_duplicates']:>7,d} {row['near_duplicates']:>7,d}",
-            flush=True,
-        )
-        result = {
-            "benchmark": "dedup_memory",
-            "date": time.strftime("%Y-%m-%d"),
-            "command": " ".join(["python", "benchmarks/dedup_memory.py", *sys.argv[1:]]),
-            "machine": machine(),
-            "sizes": rows,
-        }
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "dedup_memory.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'workers':<28} {'documents':>10} {'seconds':>8} {'peak RSS above, MiB':>20} {'exact':>7} {'near':>7}")
+    ctx = multiprocessing.get_context("spawn")
+    for name, env in settings.items():
+        with ctx.Manager() as manager:
+            measured = manager.list()
+            child = ctx.Process(target=measure_sizes, args=(env, sizes, measured))
+            child.start()
+            child.join()
+            if child.exitcode:
+                raise SystemExit(f"the {name} run failed (exit code {child.exitcode})")
+            measured = list(measured)
+        for row in measured:
+            rows.append({"workers": name, "worker_env": env, **row})
+            print(
+                f"{name:<28} {row['documents']:>10,d} {row['seconds']:>8.1f} "
+                f"{row['driver_rss_peak_above_mib']:>20.1f} {row['exact_duplicates']:>7,d} "
+                f"{row['near_duplicates']:>7,d}",
+                flush=True,
+            )
+    result = {
+        "benchmark": "dedup_memory",
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python", "benchmarks/dedup_memory.py", *sys.argv[1:]]),
+        "machine": machine(),
+        "sizes": rows,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "dedup_memory.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS / 'dedup_memory.json'}")
 
 

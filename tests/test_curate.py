@@ -176,3 +176,23 @@ def test_distributed_dedup_finds_the_clusters_a_union_find_finds(curated):
         found.setdefault(rep, {rep}).add(doc_id)
     assert sorted(map(sorted, found.values())) == sorted(sorted(c) for c in expected.values() if len(c) > 1)
     assert set(found) <= set(kept["id"])  # every cluster keeps its representative
+
+
+def test_the_curate_job_starts_its_workers_with_small_results_kept_out_of_the_driver(tmp_path, monkeypatch):
+    """`lmfoundry curate` connects with the worker environment that keeps the driver flat over
+    corpus size (platform/ray_env.py, measured by benchmarks/dedup_memory.py); a user's own
+    setting of it wins."""
+    import lmfoundry.jobs.curate as job
+    import lmfoundry.platform.ray_env as ray_env
+
+    seen = []
+    monkeypatch.setattr(ray_env, "init_ray", lambda address=None, worker_env=None: seen.append(worker_env))
+    monkeypatch.setattr(job, "run_curate", lambda cfg: {"ok": True})
+    (tmp_path / "raw").mkdir()
+    argv = ["configs/curate.yaml", "--input", str(tmp_path / "raw"), "--output", str(tmp_path / "out")]
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("RAY_max_direct_call_object_size", raising=False)
+    assert job.main(argv) == 0
+    monkeypatch.setenv("RAY_max_direct_call_object_size", "4096")
+    assert job.main(argv) == 0
+    assert seen == [{"RAY_max_direct_call_object_size": "1024"}, {}]

@@ -153,10 +153,12 @@ def run_stage(
     output_field: str | None = "output",
     description: str = "",
     needs_ray: bool | Callable[[StageConfig], bool] = True,
+    worker_env: dict[str, str] | None = None,
 ) -> int:
     """Parse, validate, connect to Ray, run the stage, print its result as JSON; exit 2 on bad
     input, 1 on a failure during the run. `needs_ray` may be a function of the config, for a
-    stage that uses Ray for some of its work only: a local Ray takes seconds to start and stop."""
+    stage that uses Ray for some of its work only: a local Ray takes seconds to start and stop.
+    `worker_env`: environment variables for the job's Ray workers (platform/ray_env.py)."""
     args = stage_parser(stage, description).parse_args(argv)
     try:
         cfg = load_stage_config(args, cls, input_field, output_field)
@@ -166,7 +168,7 @@ def run_stage(
     if needs_ray(cfg) if callable(needs_ray) else needs_ray:
         from lmfoundry.platform.ray_env import init_ray
 
-        init_ray(args.address)
+        init_ray(args.address, worker_env)
     try:
         result = fn(cfg)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

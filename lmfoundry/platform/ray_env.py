@@ -26,6 +26,21 @@ def cpu_worker_env() -> dict[str, str]:
     return {k: v for k, v in CPU_ALLOCATOR_ENV.items() if k not in os.environ}
 
 
+# A task's result smaller than this many bytes goes back inline to its owner, the driver, and lives
+# in the driver's own heap while a reference to it does (Ray's default: 100 KiB). Curation's
+# sort shuffles cut data into partitions x partitions pieces, most of them small, so inline
+# results grew the driver with the square of the corpus's partitions: 172 MiB above its start
+# at a million documents, against 62 MiB with only results under 1 KiB inline, for 71 s of
+# dedup instead of 46 s (benchmarks/dedup_memory.py). Ray reads the setting when a worker
+# process starts, so it goes in the environment of the job's workers.
+CURATION_WORKER_ENV = {"RAY_max_direct_call_object_size": "1024"}
+
+
+def curation_worker_env() -> dict[str, str]:
+    """The settings above for a curation job's workers, except those the environment already sets."""
+    return {k: v for k, v in CURATION_WORKER_ENV.items() if k not in os.environ}
+
+
 def local_logical_cpus() -> int:
     # Ray Train workers each hold a CPU for the whole run while Ray Data's ingest tasks need CPUs
     # too; with exactly as many logical CPUs as cores they can wait on each other forever. Twice
@@ -33,19 +48,22 @@ def local_logical_cpus() -> int:
     return max(4, 2 * (os.cpu_count() or 1))
 
 
-def init_ray(address: str | None = None) -> None:
-    """Connect once per process: to `address` / RAY_ADDRESS when given, else start a local Ray."""
+def init_ray(address: str | None = None, worker_env: dict[str, str] | None = None) -> None:
+    """Connect once per process: to `address` / RAY_ADDRESS when given, else start a local Ray.
+    `worker_env`: environment variables for every worker process of this job (a process that is
+    already connected keeps the job it has)."""
     import ray
 
     if ray.is_initialized():
         return
+    runtime_env = {"env_vars": worker_env} if worker_env else None
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("connecting to the Ray cluster at %s", address)
-        ray.init(address=address)
+        ray.init(address=address, runtime_env=runtime_env)
     else:
         cpus = local_logical_cpus()
         logger.info("starting an embedded local Ray with %d logical CPUs", cpus)
         # "local": a new Ray of this process's own even when `ray start` left a cluster running on
         # the machine (ray.init() would join that one, and refuses to be given num_cpus for it)
-        ray.init(address="local", num_cpus=cpus)
+        ray.init(address="local", num_cpus=cpus, runtime_env=runtime_env)

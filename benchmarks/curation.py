@@ -259,9 +259,9 @@ def timed_curate(work: Path) -> tuple[dict, float, int, dict[str, float]]:
 
 
 def bench_scaling(sizes: list[int]) -> list[dict]:
-    from lmfoundry.platform.ray_env import init_ray
+    from lmfoundry.platform.ray_env import curation_worker_env, init_ray
 
-    init_ray()
+    init_ray(worker_env=curation_worker_env())  # the workers `lmfoundry curate` starts
     rows = []
     for n in sizes:
         work = Path(tempfile.mkdtemp(prefix=f"curate-{n}-"))
@@ -357,9 +357,9 @@ def bench_multilingual(megabytes: int) -> dict:
     what was kept per language."""
     import pyarrow.parquet as pq
 
-    from lmfoundry.platform.ray_env import init_ray
+    from lmfoundry.platform.ray_env import curation_worker_env, init_ray
 
-    init_ray()
+    init_ray(worker_env=curation_worker_env())  # the workers `lmfoundry curate` starts
     work = Path(tempfile.mkdtemp(prefix="curate-multilingual-"))
     written = multilingual_folder(work / "raw", megabytes)
     size = sum(f.stat().st_size for f in (work / "raw").rglob("*.txt"))

@@ -179,9 +179,14 @@ def test_distributed_dedup_finds_the_clusters_a_union_find_finds(curated):
 
 
 def test_the_curate_job_starts_its_workers_with_small_results_kept_out_of_the_driver(tmp_path, monkeypatch):
-    """`lmfoundry curate` connects with the worker environment that keeps the driver flat over
-    corpus size (platform/ray_env.py, measured by benchmarks/dedup_memory.py); a user's own
-    setting of it wins."""
+    """`lmfoundry curate` connects with the worker environment that keeps small results out of
+    the driver's heap (platform/ray_env.py, measured by benchmarks/dedup_memory.py). A user's
+    own value wins and travels to the workers; a job submitted with the variable in its runtime
+    environment keeps it there (Ray refuses the same key from the job and from ray.init)."""
+    import json
+
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
     import lmfoundry.jobs.curate as job
     import lmfoundry.platform.ray_env as ray_env
 
@@ -192,7 +197,12 @@ def test_the_curate_job_starts_its_workers_with_small_results_kept_out_of_the_dr
     argv = ["configs/curate.yaml", "--input", str(tmp_path / "raw"), "--output", str(tmp_path / "out")]
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("RAY_max_direct_call_object_size", raising=False)
+    monkeypatch.delenv(RAY_JOB_CONFIG_JSON_ENV_VAR, raising=False)
     assert job.main(argv) == 0
     monkeypatch.setenv("RAY_max_direct_call_object_size", "4096")
     assert job.main(argv) == 0
-    assert seen == [{"RAY_max_direct_call_object_size": "1024"}, {}]
+    submitted = {"runtime_env": {"env_vars": {"RAY_max_direct_call_object_size": "4096"}}}
+    monkeypatch.setenv(RAY_JOB_CONFIG_JSON_ENV_VAR, json.dumps(submitted))
+    assert job.main(argv) == 0
+    key = "RAY_max_direct_call_object_size"
+    assert seen == [{key: "1024"}, {key: "4096"}, {}]

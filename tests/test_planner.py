@@ -125,19 +125,19 @@ def test_search_ranks_fitting_layouts_first_and_fastest_first():
     assert best.checkpoint_interval_s > 0 and best.cost > 0
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("head", ["tied", "untied", "reward"])
 @pytest.mark.parametrize("pp", [1, 2, 4])
-def test_the_busiest_pipeline_stage_holds_its_blocks_and_one_vocabulary_table(tied, pp):
+def test_the_busiest_pipeline_stage_holds_its_blocks_and_one_vocabulary_table(head, pp):
     """Against the model's own modules, cut as train/pipeline_parallel.py cuts them: the blocks
     evenly over the stages, the embedding on the first, the final norm and the head (or, tied,
-    the embedding again) on the last."""
+    the embedding again) on the last. A reward model's scalar head leaves the first stage the
+    busier one."""
     from lmfoundry.model.flops import model_shape
     from lmfoundry.model.transformer import ModelConfig, Transformer
     from lmfoundry.planner.search import dense_params_per_gpu
 
-    cfg = ModelConfig(
-        vocab_size=8192, max_seq_len=64, n_layer=4, d_model=64, n_head=4, n_kv_head=2, tie_embeddings=tied
-    )
+    heads = {"tied": {}, "untied": {"tie_embeddings": False}, "reward": {"tie_embeddings": False, "reward_head": True}}
+    cfg = ModelConfig(vocab_size=8192, max_seq_len=64, n_layer=4, d_model=64, n_head=4, n_kv_head=2, **heads[head])
     model = Transformer(cfg)
 
     def count(*modules) -> int:
@@ -146,7 +146,7 @@ def test_the_busiest_pipeline_stage_holds_its_blocks_and_one_vocabulary_table(ti
     per_stage = cfg.n_layer // pp
     stages = [count(*model.blocks[s * per_stage : (s + 1) * per_stage]) for s in range(pp)]
     stages[0] += model.embed.weight.numel()
-    stages[-1] += count(model.norm) + model.embed.weight.numel()  # the head is as large, tied or not
+    stages[-1] += count(model.norm) + model.lm_head.weight.numel()  # tied: the embedding itself
     if pp == 1:
         stages = [model.num_params()]
     assert dense_params_per_gpu(model_shape(cfg), Layout(tp=1, pp=pp, dp=1)) == pytest.approx(max(stages), rel=2e-3)

@@ -75,5 +75,5 @@ def model_shape(model_cfg: ModelConfig) -> ModelShape:
         shared_hidden=moe.num_shared_experts * expert_hidden if moe else 0,
         replicated_params=replicated,
         embedding_params=model.embed.weight.numel(),
-        tied_embeddings=model_cfg.tie_embeddings,
+        head_params=0 if model_cfg.tie_embeddings else model.lm_head.weight.numel(),
     )

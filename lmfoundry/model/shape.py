@@ -26,10 +26,10 @@ class ModelShape:
     # whole on every tensor-parallel rank (train/tensor_parallel.py splits the blocks' linear
     # layers only): the embedding, an untied output head, the norms
     replicated_params: int = 0
-    # the input embedding; an untied output head is as large. Under pipeline parallelism the
-    # first stage holds the embedding and the last the head (or, tied, the embedding again)
+    # Under pipeline parallelism the first stage holds the input embedding and the last the
+    # output head: an untied head's own parameters, or (0 here) the tied embedding again
     embedding_params: int = 0
-    tied_embeddings: bool = True
+    head_params: int = 0
 
     @property
     def kv_heads(self) -> int:

@@ -153,16 +153,15 @@ def dense_params_per_gpu(shape: ModelShape, layout: Layout) -> float:
     layers only (the embedding, an untied head and the norms stay whole on each rank, as
     train/tensor_parallel.py lays the model out). The pipeline spreads the blocks evenly over its
     stages but keeps the embedding whole on the first and the head (or, tied, the embedding again)
-    on the last (train/pipeline_parallel.py): an end stage holds one vocabulary table beside its
+    on the last (train/pipeline_parallel.py): the busier end stage holds one of them beside its
     blocks."""
     dense = shape.total_params - shape.expert_params
     whole = shape.replicated_params
     if layout.pp == 1:
         return (dense - whole) / layout.tp + whole
-    table = shape.embedding_params
-    tables = table * (1 if shape.tied_embeddings else 2)
-    norms = whole - tables
-    return ((dense - whole) / layout.tp + norms) / layout.pp + table
+    first, last = shape.embedding_params, shape.head_params or shape.embedding_params
+    norms = whole - shape.embedding_params - shape.head_params
+    return ((dense - whole) / layout.tp + norms) / layout.pp + max(first, last)
 
 
 def model_state_bytes(shape: ModelShape, layout: Layout, recipe: Recipe) -> dict:
@@ -381,7 +380,8 @@ def search(
     fitting ones first, fastest first, and of equally fast ones the largest micro-batch (this
     model of step time does not see that bigger matmuls run closer to the peak; kernels do)."""
     plans = []
-    # whole heads, whole key/value heads and whole MLP columns on each rank (as the trainer refuses)
+    # whole heads, whole key/value heads and whole MLP columns on each rank (the trainer refuses
+    # other sizes, and any TP of an MoE model: `plan --write-config` checks the config for that)
     tps = [
         t
         for t in _divisors(cluster.gpus_per_node)

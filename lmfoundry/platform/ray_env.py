@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from lmfoundry.platform.log import get_logger
@@ -37,8 +38,15 @@ CURATION_WORKER_ENV = {"RAY_max_direct_call_object_size": "1024"}
 
 
 def curation_worker_env() -> dict[str, str]:
-    """The settings above for a curation job's workers, except those the environment already sets."""
-    return {k: v for k, v in CURATION_WORKER_ENV.items() if k not in os.environ}
+    """The settings above for a curation job's workers. A value the driver's environment already
+    has wins (a cluster reached by address does not inherit it otherwise), and a key the
+    submitted job's runtime environment sets is left to it: Ray refuses the same variable from
+    both the job and `ray.init`."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    job = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
+    submitted = (job.get("runtime_env") or {}).get("env_vars") or {}
+    return {k: os.environ.get(k, v) for k, v in CURATION_WORKER_ENV.items() if k not in submitted}
 
 
 def local_logical_cpus() -> int:

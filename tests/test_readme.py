@@ -83,7 +83,12 @@ def test_the_readme_open_model_path_runs_as_written(own_ray_serve_env, tmp_path)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
         os.killpg(server.pid, signal.SIGINT)  # Ctrl-C, as the README says
-        assert server.wait(timeout=60) in (0, -signal.SIGINT), "".join(output)[-3000:]
+        # Serve's shutdown and Ray's teardown took over 60 s once in a full suite on 2 loaded cores
+        try:
+            code = server.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail("Ctrl-C did not stop the server within 180 s:\n" + "".join(output)[-3000:])
+        assert code in (0, -signal.SIGINT), "".join(output)[-3000:]
     finally:
         if server.poll() is None:
             with contextlib.suppress(ProcessLookupError):

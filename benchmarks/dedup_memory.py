@@ -11,8 +11,9 @@ shingles 0.83) that shares 12 of the 16 band keys with its original; the rest sh
 Driver memory: the resident set of this process, sampled every 20 ms by a thread while run_dedup
 runs; the table gives the peak above the level just before the call. The Ray workers' memory is
 theirs, not the driver's, and is not counted. Each size runs twice, each time in a process and
-on a local Ray of its own: with Ray's default workers, which return results under 100 KiB inline to the driver,
-and with the workers `lmfoundry curate` starts (platform/ray_env.py CURATION_WORKER_ENV).
+on a local Ray of its own: with Ray's default workers, which return results under 100 KiB
+inline to the driver, and with the workers `lmfoundry curate` starts (platform/ray_env.py
+CURATION_WORKER_ENV).
 
     python benchmarks/dedup_memory.py                    # 100,000, 300,000 and 1,000,000 documents
     python benchmarks/dedup_memory.py --sizes 20000      # a smoke run

@@ -65,7 +65,7 @@ def model_shape(model_cfg: ModelConfig) -> ModelShape:
         n_layer=model_cfg.n_layer,
         d_model=model_cfg.d_model,
         n_head=model_cfg.n_head,
-        n_kv_head=model_cfg.n_kv_head or model_cfg.n_head,
+        n_kv_head=model_cfg.n_kv_head,
         top_k=moe.top_k if moe else 0,
         num_experts=moe.num_experts if moe else 0,
         vocab_size=model_cfg.vocab_size,

@@ -27,7 +27,8 @@ Each run is a fresh process (spawned), so no system inherits another's threads: 
 ops slow down for good once a second thread of a process has run OpenMP-parallel work.
 Throughput is generated tokens over the time from the first request to the last token. First,
 the decode step's attention is timed alone, scaled_dot_product_attention against the model's
-decode_attention on the same tensors. Then 20
+decode_attention on the same tensors, and the whole decode step with the linear layers as
+nn.Linear against packed for oneDNN (what the engine runs on CPU). Then 20
 requests go through the HTTP API on Ray Serve one at a time, and the API's overhead per request
 is its latency minus the engine's time for the same request measured alone.
 Prints a table; writes benchmarks/results/serving.json.
@@ -52,9 +53,10 @@ from lmfoundry.data.sample_corpus import stdlib_documents
 from lmfoundry.data.tokenizer import train_bpe
 from lmfoundry.model.checkpoint import TOKENIZER, load_model_files, save_model_files
 from lmfoundry.model.export import export_hf
-from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.model.transformer import KVCache, ModelConfig, Transformer
 from lmfoundry.platform import checkpoint
-from lmfoundry.serving.engine import DTYPES
+from lmfoundry.serving.engine import DTYPES, load_for_serving
+from lmfoundry.serving.packed_linear import pack_linears
 from lmfoundry.serving.sampling import SamplingParams
 from lmfoundry.serving.scheduler import ContinuousBatcher
 
@@ -104,10 +106,10 @@ def summary(name: str, c: int, t0: float, ends: list[float], ttfts: list[float],
     }
 
 
-def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int, dtype: torch.dtype) -> dict:
+def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int, dtype: str) -> dict:
     c, rounds = len(starts), len(prompts[0])
     batcher = ContinuousBatcher(
-        lambda: load_model_files(ckpt).to(dtype), frozenset(), max_batch_size=min(c, 64), max_waiting=1024
+        lambda: load_for_serving(ckpt, "cpu", dtype), frozenset(), max_batch_size=min(c, 64), max_waiting=1024
     )
     ended: queue.Queue = queue.Queue()  # (stream, round) of each request that has ended
     sent, first, counts, ends = {}, {}, {}, []
@@ -193,10 +195,9 @@ def in_subprocess(threads: int, fn, *args):
 
 
 def run_system(system: str, work: Path, starts, prompts, max_tokens: int, dtype_name: str) -> dict:
-    dtype = DTYPES[dtype_name]
     if system == "lmf":
-        return run_lmfoundry(work / "ckpt", starts, prompts, max_tokens, dtype)
-    hf = load_hf(work / "hf", dtype)
+        return run_lmfoundry(work / "ckpt", starts, prompts, max_tokens, dtype_name)
+    hf = load_hf(work / "hf", DTYPES[dtype_name])
     if system == "seq":
         return run_hf_sequential(hf, starts, prompts, max_tokens, PAD_ID)
     return run_hf_static(hf, starts, prompts, max_tokens, PAD_ID)
@@ -248,7 +249,7 @@ def engine_seconds(ckpt: Path, texts: list[str], max_tokens: int) -> list[tuple[
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(ckpt / TOKENIZER))
-    batcher = ContinuousBatcher(lambda: load_model_files(ckpt), frozenset(), max_batch_size=1)
+    batcher = ContinuousBatcher(lambda: load_for_serving(ckpt, "cpu", "float32"), frozenset(), max_batch_size=1)
     out = []
     try:
         for text in [texts[0]] + texts:  # the first is a warm-up
@@ -365,6 +366,52 @@ def attention_kernels(lengths=(64, 128, 256), batch: int = 16, repeats: int = 7,
     return rows
 
 
+def decode_steps(
+    ckpt: Path, dtype_name: str, batches=(1, 16, 64), cache_length: int = 96, repeats: int = 7, steps: int = 20
+) -> list[dict]:
+    """Milliseconds per decode step of the benchmark model (one new token for each of `batch`
+    rows, `cache_length` positions cached), its linear layers as nn.Linear against packed for
+    oneDNN (serving/packed_linear.py, what the engine runs), interleaved repeat by repeat;
+    medians. The greedy tokens of the two must agree."""
+    dtype = DTYPES[dtype_name]
+    models = {"linear": load_model_files(ckpt).to(dtype)}
+    models["packed"] = load_model_files(ckpt).to(dtype)
+    if not pack_linears(models["packed"]):
+        return []  # oneDNN does not run this precision here
+    rows = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(3, models["linear"].cfg.vocab_size, (batch, cache_length), generator=gen)
+        caches, tokens = {}, {}
+        with torch.inference_mode():
+            for name, model in models.items():
+                caches[name] = KVCache(model.cfg, batch, model.cfg.max_seq_len, "cpu", dtype)
+                logits, _ = model(prompt, cache=caches[name])
+                tokens[name] = logits[:, -1:].argmax(-1)
+            agree = bool((tokens["linear"] == tokens["packed"]).all())
+            times: dict[str, list[float]] = {name: [] for name in models}
+            for _ in range(repeats):
+                for name, model in models.items():
+                    t = time.perf_counter()
+                    for _ in range(steps):
+                        model(tokens[name], cache=caches[name])
+                    times[name].append((time.perf_counter() - t) / steps * 1e3)
+                    caches[name].lengths -= steps  # every repeat decodes at the same cache length
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        rows.append(
+            {
+                "dtype": dtype_name,
+                "batch": batch,
+                "cache_length": cache_length,
+                "linear_ms": round(med["linear"], 2),
+                "packed_ms": round(med["packed"], 2),
+                "speedup": round(med["linear"] / med["packed"], 2),
+                "same_first_tokens": agree,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -373,12 +420,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4, help="requests each stream sends, one after another")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of: {', '.join(DTYPES)}")
+    p.add_argument("--concurrency", help="comma-separated stream counts (default 1,4,16,64; --quick: 1,4)")
     args = p.parse_args()
     dtypes = args.dtypes.split(",")
     if not set(dtypes) <= set(DTYPES):
         p.error(f"--dtypes {args.dtypes!r}: each must be one of {', '.join(DTYPES)}")
     torch.set_num_threads(args.threads)
     levels = [1, 4] if args.quick else [1, 4, 16, 64]
+    if args.concurrency:
+        try:
+            levels = [int(c) for c in args.concurrency.split(",")]
+        except ValueError:
+            levels = []
+        if not levels or min(levels) < 1:
+            p.error(f"--concurrency {args.concurrency!r}: give positive integers separated by commas")
     max_tokens = 16 if args.quick else args.max_tokens
     work = Path(tempfile.mkdtemp(prefix="lmf-serving-bench-"))
     model = build_checkpoint(work / "ckpt", vocab=8192, context=256)
@@ -391,6 +446,14 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|")
     for r in kernels:
         print(f"| {r['batch']} | {r['cache_length']} | {r['sdpa_us']} | {r['decode_attention_us']} | {r['speedup']} |")
+    steps = [r for dtype in dtypes for r in in_subprocess(args.threads, decode_steps, work / "ckpt", dtype)]
+    print("\n| dtype | batch | cache length | nn.Linear ms/step | packed ms/step | speedup | same tokens |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for r in steps:
+        print(
+            f"| {r['dtype']} | {r['batch']} | {r['cache_length']} | {r['linear_ms']} | {r['packed_ms']} | "
+            f"{r['speedup']} | {r['same_first_tokens']} |"
+        )
     rows = []
     for dtype in dtypes:
         for c in levels:
@@ -451,6 +514,7 @@ def main() -> None:
         "ratios": ratios,
         "serve_overhead": overhead,
         "decode_attention": kernels,
+        "decode_step": steps,
     }
     (RESULTS / "serving.json").write_text(json.dumps(out, indent=2))
 

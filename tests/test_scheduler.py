@@ -167,12 +167,15 @@ def test_the_engine_serves_in_bfloat16_when_asked(tmp_path):
 
     from lmfoundry.serving.app import EngineConfig
     from lmfoundry.serving.engine import DTYPES, InferenceEngine
+    from lmfoundry.serving.packed_linear import PackedLinear, supported
 
     fp32, _ = make_checkpoint(tmp_path / "ckpt")
     engine = InferenceEngine(str(tmp_path / "ckpt"), "cpu", max_batch_size=2, dtype="bfloat16")
     try:
         bf16 = engine.batcher.model
         assert next(bf16.parameters()).dtype == engine.batcher.cache.k.dtype == torch.bfloat16
+        if supported(torch.device("cpu"), torch.bfloat16):
+            assert isinstance(bf16.lm_head, PackedLinear)
         ids = engine.encode("def add(a, b):")
         with torch.inference_mode():
             want, got = fp32(torch.tensor([ids]))[0], bf16(torch.tensor([ids]))[0]

@@ -21,7 +21,9 @@ from tokenizers import Tokenizer
 from lmfoundry.model.chat_template import ChatTemplate
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
 from lmfoundry.model.tokenizer import SpecialTokens
+from lmfoundry.model.transformer import Transformer
 from lmfoundry.platform import checkpoint
+from lmfoundry.serving.packed_linear import pack_linears
 from lmfoundry.serving.sampling import SamplingParams, TokenLogprob
 from lmfoundry.serving.scheduler import ContinuousBatcher
 
@@ -53,6 +55,14 @@ class GenerationFailed(RuntimeError):
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def load_for_serving(directory: str | Path, device: str, dtype: str) -> Transformer:
+    """The checkpoint's model as the engine runs it: in `dtype`, its linear layers packed for
+    oneDNN on the CPU (packed_linear.py)."""
+    model = load_model_files(directory, device).to(DTYPES[dtype])
+    pack_linears(model)
+    return model
+
+
 class InferenceEngine:
     def __init__(
         self,
@@ -80,7 +90,7 @@ class InferenceEngine:
             self.special = SpecialTokens.of_checkpoint(local)
             self.stop_ids = self.special.stop_ids(self.tokenizer)
             self.batcher = ContinuousBatcher(
-                lambda: load_model_files(local, device).to(DTYPES[dtype]),
+                lambda: load_for_serving(local, device, dtype),
                 self.stop_ids,
                 max_batch_size,
                 max_waiting,

@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism against one worker holding the whole model: the same 20
 steps on the same global batches (benchmarks/harness/model_parallel.py), at TP 2 x DP 2 on 4
-gloo processes, PP 2 on 2 (4 micro-batches a step, 1F1B) and PP 2 x DP 2 on 4 (with activation
-checkpointing, whose recomputation must not change the losses). The figures: the
+gloo processes, PP 2 on 2 (4 micro-batches a step, 1F1B), PP 2 x DP 2 on 4 (with activation
+checkpointing, whose recomputation must not change the losses) and TP 2 x PP 2 on 4 (each
+stage split over 2 ranks, 4 micro-batches a step). The figures: the
 largest loss difference from the one-worker run, the largest relative difference of the gradient
 norm (clipping's), and the largest logit difference between the
 weights each run wrote, loaded into the single-device model, and the one-worker engine (and the

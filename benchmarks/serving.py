@@ -17,7 +17,8 @@ For each concurrency c in 1, 4, 16, 64: c client streams start at uniformly rand
 the first `--spread` seconds; each sends `--rounds` requests one after another (the next when
 the last has ended), prompts of 16-64 random tokens.
 - lmfoundry: each request joins the continuous batch when it is sent (ContinuousBatcher, the
-  engine the API runs).
+  engine the API runs, its linear layers packed for oneDNN); and the same with the linear layers
+  left as nn.Linear, to tell the packing's share of the speed from the machine's.
 - HF one at a time: a server that runs `generate` for one request after another, oldest first;
   time to first token includes the wait in its queue.
 - HF static batch: one round of the c streams' requests left-padded into one batch and one
@@ -106,11 +107,14 @@ def summary(name: str, c: int, t0: float, ends: list[float], ttfts: list[float],
     }
 
 
-def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int, dtype: str) -> dict:
+def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int, dtype: str, packed: bool = True) -> dict:
+    """packed=False: the engine with its linear layers left as nn.Linear (not what it runs)."""
     c, rounds = len(starts), len(prompts[0])
-    batcher = ContinuousBatcher(
-        lambda: load_for_serving(ckpt, "cpu", dtype), frozenset(), max_batch_size=min(c, 64), max_waiting=1024
-    )
+
+    def load():
+        return load_for_serving(ckpt, "cpu", dtype) if packed else load_model_files(ckpt).to(DTYPES[dtype])
+
+    batcher = ContinuousBatcher(load, frozenset(), max_batch_size=min(c, 64), max_waiting=1024)
     ended: queue.Queue = queue.Queue()  # (stream, round) of each request that has ended
     sent, first, counts, ends = {}, {}, {}, []
 
@@ -142,7 +146,12 @@ def run_lmfoundry(ckpt: Path, starts, prompts, max_tokens: int, dtype: str) -> d
         batcher.close()
     assert all(n == max_tokens for n in counts.values()), counts
     return summary(
-        "lmfoundry continuous batching", c, t0, ends, [first[k] - sent[k] for k in sent], sum(counts.values())
+        "lmfoundry continuous batching" + ("" if packed else ", nn.Linear"),
+        c,
+        t0,
+        ends,
+        [first[k] - sent[k] for k in sent],
+        sum(counts.values()),
     )
 
 
@@ -195,8 +204,8 @@ def in_subprocess(threads: int, fn, *args):
 
 
 def run_system(system: str, work: Path, starts, prompts, max_tokens: int, dtype_name: str) -> dict:
-    if system == "lmf":
-        return run_lmfoundry(work / "ckpt", starts, prompts, max_tokens, dtype_name)
+    if system in ("lmf", "lmf-linear"):
+        return run_lmfoundry(work / "ckpt", starts, prompts, max_tokens, dtype_name, packed=system == "lmf")
     hf = load_hf(work / "hf", DTYPES[dtype_name])
     if system == "seq":
         return run_hf_sequential(hf, starts, prompts, max_tokens, PAD_ID)
@@ -460,7 +469,8 @@ def main() -> None:
             rounds = args.rounds if c < 64 else max(1, args.rounds // 2)
             starts, prompts = workload(c, rounds, vocab, args.spread if c > 1 else 0.0, seed=0)
             # the systems one after another on the same requests, twice (once at 64), each one's median
-            systems = ["lmf", "seq", "static"] if c <= 16 else ["lmf", "static"]  # one at a time at 64: ~10 min
+            # one at a time at 64: ~10 min; the engine unpacked as well, to tell its share from the machine's
+            systems = ["lmf", "lmf-linear", "seq", "static"] if c <= 16 else ["lmf", "lmf-linear", "static"]
             runs: dict[str, list[dict]] = {name: [] for name in systems}
             for _ in range(1 if c == 64 else 2):
                 for name in systems:

@@ -175,6 +175,14 @@ def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_ou
     assert "tensor_parallel" not in ds
     # a pipeline's stages are world / stages ranks apart: ranks 0, 2 are replica 0's stages
     assert [data_parallel(r, 4, pp.parallelism) for r in range(4)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    # both: stage, then replica, then tensor-parallel rank; ranks 0, 1, 4, 5 are replica 0
+    both = cfg(
+        parallelism={"num_workers": 8, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1},
+        batch=batch,
+    )
+    ds = deepspeed_config(both, 8, 128)
+    assert ds["train_batch_size"] == 2 * ds["gradient_accumulation_steps"] * 2 and "tensor_parallel" in ds
+    assert [data_parallel(r, 8, both.parallelism)[0] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 @pytest.mark.parametrize(
@@ -185,7 +193,11 @@ def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_ou
         ({"tensor_parallel_size": 2, "min_workers": 1}, {}, "breaks its whole tensor-parallel group"),
         ({"tensor_parallel_size": 2}, {"n_head": 4, "n_kv_head": 1}, "must divide the model's n_kv_head=1"),
         ({"tensor_parallel_size": 2}, {"moe": {"num_experts": 4, "top_k": 1}}, "with an MoE model"),
-        ({"num_workers": 4, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}, "do not compose yet"),
+        (
+            {"num_workers": 6, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1},
+            {},
+            "tensor_parallel_size=2 x pipeline_parallel_size=2 must divide num_workers=6",
+        ),
         ({"pipeline_parallel_size": 2, "zero_stage": 2}, {}, "runs ZeRO stages 0-1"),
         ({"num_workers": 4, "pipeline_parallel_size": 4, "zero_stage": 1}, {"n_layer": 2}, "one block a stage"),
         ({"pipeline_parallel_size": 2, "zero_stage": 1}, {"moe": {"num_experts": 4, "top_k": 1}}, "MoE"),

@@ -246,16 +246,20 @@ def finish(data: str, run: Path, parallelism: dict, **overrides) -> list[float]:
         # each rank of the tensor-parallel group saves its own shard of the weights
         ({"num_workers": 2, "tensor_parallel_size": 2}, ("mp_rank_0[01]_model_states.pt", 2)),
         # each stage saves its own layers: the embedding, 2 blocks, the norm (the tied head is the
-        # embedding); 4 micro-batches a step through DeepSpeed's 1F1B schedule
-        ({"num_workers": 2, "pipeline_parallel_size": 2, "zero_stage": 1}, ("layer_0[0-4]-model_states.pt", 4)),
+        # embedding), each split over the stage's 2 tensor-parallel ranks; 4 micro-batches a step
+        # through DeepSpeed's 1F1B schedule
+        (
+            {"num_workers": 4, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1},
+            ("layer_0[0-4]-model_0[01]-model_states.pt", 8),
+        ),
     ],
-    ids=["tensor-parallel", "pipelined"],
+    ids=["tensor-parallel", "tensor-parallel-pipelined"],
 )
 def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_layouts(
     parallelism, own_files, deepspeed_workers, packed, pretrained, tmp_path
 ):
     """The reference run (2 workers, data parallel) stopped after step 30 and finished at TP 2,
-    or in 2 pipeline stages: its losses, up to the rounding of the other summation order. That
+    or at TP 2 in each of 2 pipeline stages: its losses, up to the rounding of the other summation order. That
     run stopped after step 35 and finished again in its layout with the second worker killed
     after step 38: bitwise its own losses. And finished by one worker holding the whole model:
     its losses, up to rounding. Each move between layouts goes through a universal checkpoint

@@ -1,10 +1,11 @@
 """Tensor parallelism (train/tensor_parallel.py) and pipeline parallelism
 (train/pipeline_parallel.py) train the model the data-parallel run trains: on gloo processes
 (benchmarks/harness/model_parallel.py), the losses of 20 steps at TP 2 x DP 2 (4 workers), PP 2
-(2 workers, 4 micro-batches a step) and PP 2 x DP 2 (4 workers, activation checkpointing) are
-those of one worker holding the whole model, and the weights each run writes (piece by piece, or
-layer by layer from each stage) are whole: loaded into the single-device model they give the
-engines' logits."""
+(2 workers, 4 micro-batches a step), PP 2 x DP 2 (4 workers, activation checkpointing) and TP 2 x
+PP 2 (4 workers, each stage split over 2, 4 micro-batches a step) are those of one worker holding
+the whole model, and the weights each run writes (piece by piece, or layer by layer from each
+stage, gathered over its tensor-parallel group) are whole: loaded into the single-device model
+they give the engines' logits."""
 
 from harness.model_parallel import compare_layouts
 

@@ -28,6 +28,7 @@ LAYOUTS = {
     "TP 2 x DP 2": (2, 1, 4, False),
     "PP 2": (1, 2, 2, False),
     "PP 2 x DP 2, recompute": (1, 2, 4, True),
+    "TP 2 x PP 2": (2, 2, 4, False),
 }
 
 

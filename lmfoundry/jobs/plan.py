@@ -52,7 +52,7 @@ def runnable_recipe(cfg: PretrainConfig, plan) -> dict | None:
     """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits, has no virtual
     pipeline stages (DeepSpeed's pipeline engine has no interleaved schedule), and the config
     accepts it (tensor parallelism needs a dense model whose key/value heads and MLP split evenly
-    and ZeRO stages 0-2; pipeline stages a dense model and ZeRO stages 0-1; not both at once)."""
+    and ZeRO stages 0-2; pipeline stages a dense model and ZeRO stages 0-1)."""
     from pydantic import ValidationError
 
     from lmfoundry.train.config import PretrainConfig
@@ -199,8 +199,8 @@ def main(argv=None) -> int:
         runnable = [(pl, written) for pl in plans if (written := runnable_recipe(cfg, pl)) is not None]
         if not runnable:
             print(
-                "error: plan: no fitting layout that lmfoundry pretrain runs (tensor or pipeline, data "
-                "and expert parallelism; no virtual pipeline stages, no tensor and pipeline at once)",
+                "error: plan: no fitting layout that lmfoundry pretrain runs (tensor, pipeline, data "
+                "and expert parallelism; no virtual pipeline stages)",
                 file=sys.stderr,
             )
             return 2

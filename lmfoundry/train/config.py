@@ -142,11 +142,11 @@ class ParallelismConfig(StageConfig):
                     "tensor-parallel group; use a fixed num_workers (a checkpoint still resumes at "
                     "another layout)"
                 )
+        if self.num_workers % (tp * pp):
+            raise ValueError(
+                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} must divide num_workers={self.num_workers}"
+            )
         if pp > 1:
-            if tp > 1:
-                raise ValueError(
-                    f"pipeline_parallel_size={pp} with tensor_parallel_size={tp}: they do not compose yet; choose one"
-                )
             if self.zero_stage > 1:
                 raise ValueError(
                     f"pipeline_parallel_size={pp} with zero_stage={self.zero_stage}: DeepSpeed's pipeline engine "
@@ -478,12 +478,11 @@ def resolved_precision(parallelism: ParallelismConfig) -> str:
 
 def data_parallel(rank: int, world: int, parallelism: ParallelismConfig) -> tuple[int, int]:
     """The data-parallel rank and size of worker `rank` of `world`, as DeepSpeed lays the ranks
-    out: the workers of a tensor-parallel group are consecutive ranks and train on one batch; the
-    stages of a pipeline are `world / pipeline_parallel_size` ranks apart."""
+    out (pipeline stage, then data-parallel rank, then tensor-parallel rank): the workers of a
+    tensor-parallel group are consecutive ranks and train on one batch; the stages of a pipeline
+    are `world / pipeline_parallel_size` ranks apart."""
     dp = world // parallelism.model_parallel_size
-    if parallelism.pipeline_parallel_size > 1:
-        return rank % dp, dp
-    return rank // parallelism.tensor_parallel_size, dp
+    return rank % (world // parallelism.pipeline_parallel_size) // parallelism.tensor_parallel_size, dp
 
 
 def world_sizes(parallelism: ParallelismConfig) -> range:

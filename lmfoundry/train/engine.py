@@ -45,7 +45,7 @@ def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_p
         # DeepSpeed checks this product against its world size: every worker, those of one
         # tensor-parallel group too (the rows per step are this over tp), but the data-parallel
         # replicas only under its pipeline engine
-        "train_batch_size": micro * accum * world_size // pp,
+        "train_batch_size": micro * accum * (world_size // (pp * tp) if pp > 1 else world_size),
         **({"tensor_parallel": tensor_parallel.deepspeed_section(tp)} if tp > 1 else {}),
         "gradient_clipping": opt.grad_clip,
         "zero_optimization": {
@@ -186,16 +186,23 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, wsd_schedule(cfg))
 
     client_scheduler = wsd if cfg.schedule.kind == "wsd" else None  # else DeepSpeed's from the config
-    if cfg.parallelism.pipeline_parallel_size > 1:
-        from lmfoundry.train.pipeline_parallel import pipeline_module
+    tp, pp = cfg.parallelism.tensor_parallel_size, cfg.parallelism.pipeline_parallel_size
+    if pp > 1:
+        from lmfoundry.train.pipeline_parallel import pipeline_module, share_groups_with_tensor_parallelism
 
         deepspeed.init_distributed()  # the pipeline's groups are made before the engine: over torch's process group
-        model = pipeline_module(model, cfg.parallelism.pipeline_parallel_size)
+        model = pipeline_module(model, pp, tp)
+        if tp > 1:
+            share_groups_with_tensor_parallelism(model._grid)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, cfg.optimizer.weight_decay),
         config=ds_config,
         lr_scheduler=client_scheduler,
     )
+    if pp > 1 and tp > 1:
+        from lmfoundry.train.pipeline_parallel import finish_tensor_parallel_pipeline
+
+        finish_tensor_parallel_pipeline(engine)
     engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
     return engine, scheduler

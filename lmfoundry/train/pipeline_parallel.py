@@ -9,6 +9,15 @@ accumulated before the one optimizer step.
 A tied output head is the embedding's weight on the last stage: DeepSpeed keeps a copy on the
 first and the last stage, in step (broadcast at the start, gradients summed across the two).
 
+With tensor parallelism as well (Megatron's 3D layout, as Megatron-DeepSpeed composes it), the
+ranks are laid out stage, then data-parallel replica, then tensor-parallel rank, and AutoTP
+(train/tensor_parallel.py) splits each stage's blocks over the stage's consecutive ranks: the
+pipeline grid's groups are handed to AutoTP before the engine is built, and the engine is
+given the grid back afterwards (`share_groups_with_tensor_parallelism`,
+`finish_tensor_parallel_pipeline`). Between stages each rank of a group sends a 1/T part of the
+activations (DeepSpeed's partitioned pipeline transfers), and the next stage's group gathers
+them.
+
 DeepSpeed's pipeline engine rather than torch.distributed.pipelining, because the loop already
 runs on DeepSpeed's engine: its ZeRO-1 partitions the optimizer within each stage's data-parallel
 group and its checkpoints hold each layer's file. It has no interleaved (virtual-stage)
@@ -77,11 +86,14 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def pipeline_module(model: Transformer, stages: int):
-    """`model` (the same on every rank) as a DeepSpeed PipelineModule over `stages` stages.
-    Every layer knows the prefix of its tensors' names in the model's state (`state_prefixes`),
-    so the servable weights are written under the single-device model's names."""
+def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1):
+    """`model` (the same on every rank) as a DeepSpeed PipelineModule over `stages` stages, each
+    stage's layers split over `tensor_parallel` consecutive ranks. Every layer knows the prefix
+    of its tensors' names in the model's state (`state_prefixes`), so the servable weights are
+    written under the single-device model's names."""
+    import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     if model.cfg.moe is not None:
         raise ValueError("pipeline parallelism runs dense models: split an MoE model's experts with expert parallelism")
@@ -103,12 +115,86 @@ def pipeline_module(model: Transformer, stages: int):
     else:
         first, head = LayerSpec(Embedding, weight), LayerSpec(Wrapped, model.lm_head)
     blocks = [LayerSpec(BlockLayer, model, i) for i in range(model.cfg.n_layer)]
+    # ranks laid out stage, then data-parallel replica, then tensor-parallel rank (innermost)
+    replicas = dist.get_world_size() // (stages * tensor_parallel)
     return TransformerPipe(
         layers=[first, *blocks, LayerSpec(Wrapped, model.norm), head],
-        num_stages=stages,
+        topology=PipeModelDataParallelTopology(num_pp=stages, num_mp=tensor_parallel, num_dp=replicas),
         loss_fn=next_token_loss,
         partition_method="type:BlockLayer",  # the blocks evenly; the embedding first, the head last
     )
+
+
+def share_groups_with_tensor_parallelism(grid) -> None:
+    """Before the engine is built: DeepSpeed's AutoTP takes its tensor-parallel group from
+    `deepspeed.utils.groups`, which it would otherwise lay out as data x tensor parallel over the
+    whole world, across the pipeline's stages. Seeded with the pipeline grid's groups, AutoTP
+    splits each layer over the grid's tensor-parallel ranks (the stage's consecutive ranks), its
+    gradients are averaged over the stage's replicas and the gradient norm is summed over the
+    whole model (every stage and every shard)."""
+    from deepspeed.utils import groups
+
+    groups._TENSOR_MODEL_PARALLEL_GROUP = grid.get_slice_parallel_group()
+    groups._DATA_PARALLEL_GROUP = grid.get_data_parallel_group()
+    groups._MODEL_PARALLEL_GROUP = grid.get_model_parallel_group()
+
+
+class TensorParallelGrid:
+    """The pipeline grid as the engine's model-parallel unit under tensor parallelism too: AutoTP
+    makes DeepSpeed's `groups` module the engine's, which has none of the pipeline's groups, and
+    the grid has none of the two tensor-parallel queries the engine's first forward makes."""
+
+    def __init__(self, grid):
+        self.grid = grid
+
+    def __getattr__(self, name: str):
+        return getattr(self.grid, name)
+
+    def get_tensor_model_parallel_group(self):
+        return self.grid.get_slice_parallel_group()
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.grid.slice_group[0]  # the global rank of the group's first member
+
+
+def _merged(a, b):
+    """Two stages' universal-checkpoint descriptions as one: dicts united key by key, lists
+    united keeping the first one's order."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _merged(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+    if isinstance(a, list) and isinstance(b, list):
+        return a + [x for x in b if x not in a]
+    return a
+
+
+def share_universal_checkpoint_info(module) -> None:
+    """Collective over each pipeline: AutoTP describes how to merge the tensor-parallel shards of
+    the parameters a stage holds (which split by rows, which by columns, which are whole), and
+    each stage's checkpoint files carry its own description; DeepSpeed's universal conversion
+    reads one file's. Every stage gets the description of the whole model."""
+    import functools
+
+    import torch.distributed as dist
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    grid = module._grid
+    infos = [None] * grid.get_pipe_parallel_world_size()
+    dist.all_gather_object(
+        infos, getattr(module, UNIVERSAL_CHECKPOINT_INFO, None), group=grid.get_pipe_parallel_group()
+    )
+    setattr(module, UNIVERSAL_CHECKPOINT_INFO, functools.reduce(_merged, infos))
+
+
+def finish_tensor_parallel_pipeline(engine) -> None:
+    """After the engine of a pipeline whose stages AutoTP split (collective): the grid as its
+    model-parallel unit again, its checkpoint files named by the rank in the stage x
+    tensor-parallel grid, as in a pipeline alone (`groups` gives the tensor-parallel rank, and
+    the stages' files would clash), and the whole model's universal-checkpoint description."""
+    grid = engine.module._grid
+    engine.mpu = TensorParallelGrid(grid)
+    engine.mp_world_size = grid.get_model_parallel_world_size()
+    engine.checkpoint_mp_rank = grid.get_model_parallel_rank()
+    share_universal_checkpoint_info(engine.module)
 
 
 def pipeline_parameter_names(cfg) -> dict[str, str]:
@@ -139,48 +225,69 @@ def _layer_state(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
 
 def write_servable_weights(engine, path) -> None:
     """Collective: the servable weights under the single-device model's names, written by rank 0
-    (stage 0, data-parallel rank 0) to `path` layer by layer; each layer that another stage
-    holds is sent by that stage's data-parallel rank 0 while it is written. Rank 0 holds one
-    layer of another stage at a time. If rank 0's write fails, it still receives what the other
-    stages send, so none is left waiting, and then raises."""
+    (stage 0, data-parallel rank 0, tensor-parallel rank 0) to `path` layer by layer; each layer
+    that another stage holds is sent by that stage's first rank of data-parallel replica 0 while
+    it is written. Under tensor parallelism a stage's layers are gathered one at a time over its
+    group (a collective of the group) while they are read. Rank 0 holds one layer of another
+    stage at a time. If rank 0's write fails, it still receives what the other stages send and
+    takes part in its group's gathers, so none is left waiting, and then raises."""
+    import contextlib
+
     import torch.distributed as dist
+
+    from lmfoundry.train.tensor_parallel import gathered
 
     module = engine.module
     grid = module._grid
+    tied, last = module.cfg.tie_embeddings, len(module.state_prefixes) - 1
     owner_of = [module.stage_owner(i) for i in range(len(module.state_prefixes))]
     with torch.device("meta"):
         whole = Transformer(module.cfg).state_dict()
-    if module.cfg.tie_embeddings:
+    if tied:
         del whole[TIED_HEAD]
     dtype = next(module.parameters()).dtype
     specs = [(name, dtype, tuple(t.shape)) for name, t in whole.items()]
-    rank = dist.get_rank()
-    local = {}
-    if grid.data_parallel_id == 0:
+    # the pipeline layer each tensor belongs to (prefixes end in ".": "blocks.1." is not "blocks.10.")
+    layer_of = {name: next(i for i, p in enumerate(module.state_prefixes) if name.startswith(p)) for name in whole}
+    split = grid.get_slice_parallel_world_size() > 1
+
+    def local_layers():
+        """(index, tensors) of each of this rank's layers, whole while it is read."""
         for offset, layer in enumerate(module.forward_funcs):
             index = module._local_start + offset
-            if isinstance(layer, nn.Module) and not (module.cfg.tie_embeddings and index == len(owner_of) - 1):
-                local.update(_layer_state(layer, module.state_prefixes[index]))
+            if isinstance(layer, nn.Module) and not (tied and index == last):
+                with gathered(layer) if split else contextlib.nullcontext():
+                    yield index, _layer_state(layer, module.state_prefixes[index])
 
-    def tensors():
-        for name, dtype_, shape in specs:
-            index = next(i for i, p in enumerate(module.state_prefixes) if name.startswith(p))
-            source = grid.stage_to_global(stage_id=owner_of[index], data=0)
-            if source == 0:
-                yield local[name]
-            else:
-                received = torch.empty(shape, dtype=dtype_, device=engine.device)  # NCCL receives on the GPU
-                dist.recv(received, src=source)
-                yield received
+    if dist.get_rank() == 0:
+        own = local_layers()
+        held: tuple[int, dict] = (-1, {})
 
-    if rank == 0:
+        def tensors():
+            nonlocal held
+            for name, dtype_, shape in specs:
+                index = layer_of[name]
+                source = grid.stage_to_global(stage_id=owner_of[index], data=0, model=0)
+                if source == 0:
+                    while held[0] != index:
+                        held = next(own)
+                    yield held[1][name]
+                else:
+                    received = torch.empty(shape, dtype=dtype_, device=engine.device)  # NCCL receives on the GPU
+                    dist.recv(received, src=source)
+                    yield received
+
         received = tensors()
         try:
             write_safetensors(path, specs, received)
         finally:
             for _ in received:  # what the other stages still send
                 pass
-    elif grid.data_parallel_id == 0 and grid.get_stage_id() != 0:
-        for name, _, _ in specs:
-            if name in local:
-                dist.send(local[name].contiguous(), dst=0)
+            for _ in own:  # the gathers its group still runs
+                pass
+    elif grid.data_parallel_id == 0:
+        sends = grid.get_stage_id() != 0 and grid.get_slice_parallel_rank() == 0
+        for index, state in local_layers():
+            for name, _, _ in specs:
+                if sends and layer_of[name] == index:
+                    dist.send(state[name].contiguous(), dst=0)

@@ -67,8 +67,9 @@ def test_plan_writes_json_plot_and_a_runnable_recipe(tmp_path, monkeypatch):
 
 
 def test_the_70b_recipe_on_1024_gpus_gets_a_tensor_parallel_layout_the_trainer_accepts(tmp_path, monkeypatch):
-    """Without pipeline parallelism (not run yet) the 70B model fits 80 GB only split 8 ways by
-    tensor parallelism: the written recipe says so, and its DeepSpeed JSON shards with AutoTP."""
+    """On 1,024 GPUs the fastest layouts need virtual pipeline stages (which the trainer does
+    not run); of the rest, TP 8 x DP 128 is best: the written recipe says so, and its DeepSpeed
+    JSON shards with AutoTP."""
     from lmfoundry.platform.config import load_config
     from lmfoundry.train.config import PretrainConfig
 
@@ -81,6 +82,23 @@ def test_the_70b_recipe_on_1024_gpus_gets_a_tensor_parallel_layout_the_trainer_a
     assert derived["deepspeed"]["tensor_parallel"]["autotp_size"] == 8
     # 128 data-parallel replicas of micro-batches of 4 sequences of 4,096 tokens: 2 micro-steps
     assert derived["deepspeed"]["gradient_accumulation_steps"] == 4194304 // (128 * 4 * 4096)
+
+
+def test_on_64_gpus_the_70b_recipe_written_splits_each_pipeline_stage_by_tensor_parallelism(tmp_path, monkeypatch):
+    """Eight nodes do not hold 128 replicas of TP 8: the best layout the trainer runs is
+    TP 2 x PP 4 x DP 8, and the DeepSpeed JSON derived from it counts the 8 replicas only."""
+    from lmfoundry.platform.config import load_config
+    from lmfoundry.train.config import PretrainConfig
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "70b.yaml"
+    assert main(["configs/pretrain_70b_gpu.yaml", "--gpu", "H100", "--nodes", "8", "--write-config", str(out)]) == 0
+    par = load_config(PretrainConfig, out).parallelism
+    assert (par.tensor_parallel_size, par.pipeline_parallel_size, par.num_workers) == (2, 4, 64)
+    ds = yaml.safe_load((tmp_path / "70b.deepspeed.json").read_text())["deepspeed"]
+    assert ds["tensor_parallel"]["autotp_size"] == 2 and ds["zero_optimization"]["stage"] == 1
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 8
+    assert ds["train_batch_size"] * 4096 == 4194304
 
 
 def test_unknown_gpu_is_a_clear_error(capsys, monkeypatch):

@@ -168,6 +168,22 @@ def reference_cases() -> dict[str, PretrainConfig]:
     }
 
 
+def composed_cases() -> dict[str, PretrainConfig]:
+    """Tensor and pipeline parallelism together, on 4 processes (one replica of TP 2 x PP 2):
+    the benchmark measures it beside the reference cases (the test, to stay short, does not)."""
+    wide = ModelConfig(vocab_size=8192, max_seq_len=SEQ_LEN, n_layer=4, d_model=512, n_head=8, n_kv_head=4)
+    return {
+        "dense 512-wide, TP 2 x PP 2, 4 micro": PretrainConfig(
+            data="-",
+            output="-",
+            model=wide,
+            parallelism={"num_workers": 4, "zero_stage": 1, "tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+            batch={"micro_batch_size": 4, "global_batch_tokens": 4 * SEQ_LEN * 4},
+            schedule={"max_steps": 10, "warmup_steps": 1},
+        )
+    }
+
+
 def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> dict:
     """The planner's per-rank memory for this config trained the way measure_peak_bytes does."""
     from lmfoundry.model.flops import model_shape

@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.16"
+	$(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.19,<0.20"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 

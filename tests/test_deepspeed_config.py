@@ -181,8 +181,9 @@ def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_ou
         batch=batch,
     )
     ds = deepspeed_config(both, 8, 128)
-    assert ds["train_batch_size"] == 2 * ds["gradient_accumulation_steps"] * 2 and "tensor_parallel" in ds
-    assert [data_parallel(r, 8, both.parallelism)[0] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert ds["gradient_accumulation_steps"] == 3 and ds["train_batch_size"] == 2 * 3 * 2  # replicas only
+    assert "tensor_parallel" in ds
+    assert [data_parallel(r, 8, both.parallelism) for r in range(8)] == [(0, 2), (0, 2), (1, 2), (1, 2)] * 2
 
 
 @pytest.mark.parametrize(
@@ -198,7 +199,13 @@ def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_ou
             {},
             "tensor_parallel_size=2 x pipeline_parallel_size=2 must divide num_workers=6",
         ),
-        ({"pipeline_parallel_size": 2, "zero_stage": 2}, {}, "runs ZeRO stages 0-1"),
+        ({"pipeline_parallel_size": 2, "zero_stage": 2}, {}, "runs with zero_stage=1"),
+        ({"pipeline_parallel_size": 2, "zero_stage": 0}, {}, "clips by a wrong gradient norm at 0"),
+        (
+            {"num_workers": 4, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1},
+            {"moe": {"num_experts": 4, "top_k": 1}},
+            "pipeline stages run dense models",
+        ),
         ({"num_workers": 4, "pipeline_parallel_size": 4, "zero_stage": 1}, {"n_layer": 2}, "one block a stage"),
         ({"pipeline_parallel_size": 2, "zero_stage": 1}, {"moe": {"num_experts": 4, "top_k": 1}}, "MoE"),
     ],

@@ -9,9 +9,10 @@ from lmfoundry.model.generate import generate
 from lmfoundry.model.transformer import KVCache, ModelConfig, Transformer
 from lmfoundry.serving.packed_linear import PackedLinear, pack_linears, supported
 
-pytestmark = pytest.mark.skipif(not supported(torch.device("cpu"), torch.float32), reason="no oneDNN on this CPU")
+needs_onednn = pytest.mark.skipif(not supported(torch.device("cpu"), torch.float32), reason="no oneDNN on this CPU")
 
 
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [(1, 48), (5, 48), (3, 7, 48), (64, 48)])
 def test_packed_linear_equals_nn_linear(bias, rows):
@@ -41,6 +42,7 @@ def _model(**overrides) -> Transformer:
     return Transformer(ModelConfig(**(cfg | overrides))).eval()
 
 
+@needs_onednn
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_model_gives_the_same_logits_and_tokens(tied):
     plain, packed = _model(tie_embeddings=tied), _model(tie_embeddings=tied)
@@ -64,12 +66,24 @@ def test_packed_model_gives_the_same_logits_and_tokens(tied):
     )
 
 
-def test_pack_linears_leaves_training_models_alone():
+def test_pack_linears_leaves_training_models_and_other_precisions_alone():
     model = _model().train()
     assert pack_linears(model) == 0
     assert all(type(b.attn.wq) is nn.Linear for b in model.blocks)
+    half = _model().to(torch.float16)  # oneDNN is not asked to run float16
+    assert not supported(torch.device("cpu"), torch.float16) and pack_linears(half) == 0
+    assert type(half.lm_head) is nn.Linear
 
 
+@needs_onednn
+def test_a_packed_model_refuses_to_be_moved_or_cast():
+    model = _model()
+    pack_linears(model)
+    with pytest.raises(RuntimeError, match="pack it after"):
+        model.to(torch.float64)
+
+
+@needs_onednn
 def test_the_engine_runs_packed_layers_on_cpu(tmp_path):
     from test_export import make_checkpoint
 

@@ -6,7 +6,7 @@
 The model is counted from the recipe's model config (built on PyTorch's meta device, so a 70B
 model costs no memory); vocab_size and seq_len come from the flags when the recipe leaves them
 to the data. Prints the ranked layouts; --write-config writes the best layout that lmfoundry
-pretrain runs (tensor or pipeline, data and expert parallelism) as a recipe.
+pretrain runs (tensor, pipeline, data and expert parallelism) as a recipe.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def runnable_recipe(cfg: PretrainConfig, plan) -> dict | None:
     """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits, has no virtual
     pipeline stages (DeepSpeed's pipeline engine has no interleaved schedule), and the config
     accepts it (tensor parallelism needs a dense model whose key/value heads and MLP split evenly
-    and ZeRO stages 0-2; pipeline stages a dense model and ZeRO stages 0-1)."""
+    and ZeRO stages 0-2; pipeline stages a dense model and ZeRO stage 1)."""
     from pydantic import ValidationError
 
     from lmfoundry.train.config import PretrainConfig
@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=10, help="layouts to print")
     p.add_argument("--json", help="write every plan as JSON here")
     p.add_argument(
-        "--write-config", help="write the best layout lmfoundry pretrain runs (tensor or pipeline x data) as a recipe"
+        "--write-config",
+        help="write the best layout lmfoundry pretrain runs (tensor x pipeline x data, experts) as a recipe",
     )
     p.add_argument("--plot", help="write a PNG of per-GPU memory against throughput for every layout")
     args = p.parse_args(argv)

@@ -25,15 +25,19 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """`linear` for inference only: its weight as oneDNN's packed tensor (opaque, no gradient),
-    its bias as it was. A tied output head packs a copy of the embedding it shares."""
+    """`linear` for inference only: its weight as oneDNN's packed tensor (opaque: no gradient, no
+    storage to copy, save or move), its bias as a buffer. A tied output head packs a copy of the
+    embedding it shares. Pack a model after moving and casting it: it cannot be moved after."""
 
     def __init__(self, linear: nn.Linear, rows_hint: int = 16):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # rows_hint: the number of input rows the layout is chosen for; any number runs
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        raise RuntimeError("a model with packed linear layers cannot be moved or cast: pack it after .to()")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -95,7 +95,7 @@ class ParallelismConfig(StageConfig):
         1,
         ge=1,
         description="stages the model's blocks are spread over (DeepSpeed's pipeline engine, 1F1B; "
-        "pretraining, dense models, ZeRO stages 0-1); a step's micro-batches (its gradient accumulation) "
+        "pretraining, dense models, ZeRO stage 1); a step's micro-batches (its gradient accumulation) "
         "flow through them",
     )
     precision: Literal["auto", "fp32", "bf16"] = "auto"
@@ -147,10 +147,14 @@ class ParallelismConfig(StageConfig):
                 f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} must divide num_workers={self.num_workers}"
             )
         if pp > 1:
-            if self.zero_stage > 1:
+            if self.zero_stage != 1:
+                # ZeRO-2/3 the pipeline engine refuses; under ZeRO-0 its gradient clipping counts
+                # the unsplit parameters of the first stage only (deepspeed.runtime.utils.clip_grad_norm_
+                # keys on the rank in the stage x tensor grid), so the norm would be wrong
                 raise ValueError(
-                    f"pipeline_parallel_size={pp} with zero_stage={self.zero_stage}: DeepSpeed's pipeline engine "
-                    "runs ZeRO stages 0-1"
+                    f"pipeline_parallel_size={pp} with zero_stage={self.zero_stage}: pipeline parallelism runs "
+                    "with zero_stage=1 (DeepSpeed's pipeline engine refuses 2-3, and clips by a wrong "
+                    "gradient norm at 0)"
                 )
             if self.expert_parallel_size > 1 or self.min_workers is not None:
                 raise ValueError(
@@ -440,18 +444,19 @@ class PretrainConfig(TrainStageConfig):
                 )
         if self.parallelism.zero_stage == 3 and moe is not None:
             raise ValueError("zero_stage=3 with an MoE model: DeepSpeed's MoE layers support ZeRO stages 0-2")
-        if self.parallelism.tensor_parallel_size > 1:
-            check_tensor_parallel(self.model, self.parallelism.tensor_parallel_size)
         pp = self.parallelism.pipeline_parallel_size
-        if pp > 1:
+        if pp > 1:  # first: its advice (expert parallelism) is not refused with tensor parallelism
             if moe is not None:
                 raise ValueError(
-                    f"pipeline_parallel_size={pp} with an MoE model: split its experts with expert parallelism"
+                    f"pipeline_parallel_size={pp} with an MoE model: pipeline stages run dense models; "
+                    "split an MoE model's experts with expert_parallel_size and no pipeline"
                 )
             if self.model.n_layer < pp:
                 raise ValueError(
                     f"pipeline_parallel_size={pp} needs at least one block a stage (n_layer={self.model.n_layer})"
                 )
+        if self.parallelism.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model, self.parallelism.tensor_parallel_size)
         return self
 
 

@@ -126,12 +126,12 @@ def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1):
 
 
 def share_groups_with_tensor_parallelism(grid) -> None:
-    """Before the engine is built: DeepSpeed's AutoTP takes its tensor-parallel group from
+    """Before the engine is built: DeepSpeed's AutoTP takes its groups from
     `deepspeed.utils.groups`, which it would otherwise lay out as data x tensor parallel over the
-    whole world, across the pipeline's stages. Seeded with the pipeline grid's groups, AutoTP
-    splits each layer over the grid's tensor-parallel ranks (the stage's consecutive ranks), its
-    gradients are averaged over the stage's replicas and the gradient norm is summed over the
-    whole model (every stage and every shard)."""
+    whole world: its tensor-parallel groups (consecutive ranks) are the grid's, but its
+    data-parallel and model-parallel groups would span the pipeline's stages. Seeded with the
+    grid's groups, the engine averages gradients over the stage's replicas only and sums the
+    gradient norm over the whole model (every stage and every shard)."""
     from deepspeed.utils import groups
 
     groups._TENSOR_MODEL_PARALLEL_GROUP = grid.get_slice_parallel_group()
@@ -190,7 +190,15 @@ def finish_tensor_parallel_pipeline(engine) -> None:
     model-parallel unit again, its checkpoint files named by the rank in the stage x
     tensor-parallel grid, as in a pipeline alone (`groups` gives the tensor-parallel rank, and
     the stages' files would clash), and the whole model's universal-checkpoint description."""
+    from deepspeed.utils import groups
+
     grid = engine.module._grid
+    if groups.get_data_parallel_group() is not grid.get_data_parallel_group():
+        # lmfoundry relies on DeepSpeed 0.19 keeping groups set before the engine is built
+        raise RuntimeError(
+            "DeepSpeed replaced the pipeline grid's groups while building the engine: tensor x pipeline "
+            "parallelism needs the DeepSpeed release pyproject.toml names"
+        )
     engine.mpu = TensorParallelGrid(grid)
     engine.mp_world_size = grid.get_model_parallel_world_size()
     engine.checkpoint_mp_rank = grid.get_model_parallel_rank()

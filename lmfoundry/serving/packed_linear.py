@@ -1,7 +1,8 @@
 """Linear layers for CPU inference with each weight reordered once, at load, into oneDNN's
 blocked layout: the reorder that `nn.Linear` otherwise leaves to the GEMM on every call is paid
-once, and the products that decoding runs (a few rows against a whole weight) run 1.5-3x faster
-on this project's 2-core CPU machine (benchmarks/serving.py times the decode step both ways). It
+once, and the products that decoding runs (a few rows against a whole weight) ran 1.1-3.7x
+faster at the serving benchmark's shapes on this project's 2-core CPU machine, the whole decode
+step 1.4-1.8x in float32 (benchmarks/serving.py times the decode step both ways). It
 is what PyTorch Inductor's freezing pass does to a CPU graph's linear layers, applied here to
 the eager model so that the engine keeps its dynamic shapes without compiling.
 

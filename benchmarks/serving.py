@@ -333,10 +333,13 @@ def serve_overhead(ckpt: Path, prompts: list[list[int]], max_tokens: int, thread
     }
 
 
-def attention_kernels(lengths=(64, 128, 256), batch: int = 16, repeats: int = 7, calls: int = 200) -> list[dict]:
+def attention_kernels(
+    dtype_name: str = "float32", lengths=(64, 128, 256), batch: int = 16, repeats: int = 7, calls: int = 200
+) -> list[dict]:
     """Microseconds per decode-step attention call at the benchmark model's shapes (6 query heads,
     2 key/value heads, head dim 64), scaled_dot_product_attention against the model's own
-    decode_attention, interleaved repeat by repeat; medians."""
+    decode_attention, interleaved repeat by repeat; medians. The engine picks between the two by
+    timing them at load (serving/decode_attention.py): these are the same two, timed longer."""
     import torch.nn.functional as F
 
     from lmfoundry.serving.decode_attention import decode_attention
@@ -344,8 +347,10 @@ def attention_kernels(lengths=(64, 128, 256), batch: int = 16, repeats: int = 7,
     rows = []
     for length in lengths:
         gen = torch.Generator().manual_seed(length)
-        q = torch.randn(batch, 6, 1, 64, generator=gen)
-        k, v = (torch.randn(batch, 2, length, 64, generator=gen) for _ in range(2))
+        dtype = DTYPES[dtype_name]
+        q = torch.randn(batch, 6, 1, 64, generator=gen).to(dtype)
+        # views of a longer buffer, as the engine's cache is read
+        k, v = (torch.randn(batch, 2, 2 * length, 64, generator=gen).to(dtype)[:, :, :length] for _ in range(2))
         filled = torch.randint(length // 2, length + 1, (batch,), generator=gen)
         mask = torch.arange(length)[None, None, None, :] < filled[:, None, None, None]
         kernels = {
@@ -365,6 +370,7 @@ def attention_kernels(lengths=(64, 128, 256), batch: int = 16, repeats: int = 7,
         med = {name: statistics.median(ts) for name, ts in times.items()}
         rows.append(
             {
+                "dtype": dtype_name,
                 "batch": batch,
                 "cache_length": length,
                 "sdpa_us": round(med["sdpa"], 1),
@@ -450,11 +456,14 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     vocab = model.cfg.vocab_size
     del model
-    kernels = in_subprocess(args.threads, attention_kernels)
-    print("\n| batch | cache length | SDPA us | decode_attention us | speedup |")
-    print("|---:|---:|---:|---:|---:|")
+    kernels = [r for dtype in dtypes for r in in_subprocess(args.threads, attention_kernels, dtype)]
+    print("\n| dtype | batch | cache length | SDPA us | decode_attention us | speedup |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in kernels:
-        print(f"| {r['batch']} | {r['cache_length']} | {r['sdpa_us']} | {r['decode_attention_us']} | {r['speedup']} |")
+        print(
+            f"| {r['dtype']} | {r['batch']} | {r['cache_length']} | {r['sdpa_us']} | "
+            f"{r['decode_attention_us']} | {r['speedup']} |"
+        )
     steps = [r for dtype in dtypes for r in in_subprocess(args.threads, decode_steps, work / "ckpt", dtype)]
     print("\n| dtype | batch | cache length | nn.Linear ms/step | packed ms/step | speedup | same tokens |")
     print("|---|---:|---:|---:|---:|---:|---|")

@@ -194,22 +194,34 @@ def test_decode_attention_equals_sdpa_with_shared_key_value_heads_and_a_mask():
         assert torch.allclose(decode_attention(q, k, v, mask), ref, atol=1e-5)
 
 
-def test_a_cached_decode_step_past_the_decode_attention_threshold_matches_the_full_forward():
+@pytest.mark.parametrize("decode_kernel", [True, False, None])  # None: the faster one, timed here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cached_decode_step_past_the_decode_attention_threshold_matches_the_full_forward(decode_kernel, dtype):
     from lmfoundry.model.transformer import KVCache, ModelConfig, Transformer
-    from lmfoundry.serving.decode_attention import DECODE_ATTENTION_MIN_WORK, cached_attention
+    from lmfoundry.serving.decode_attention import DECODE_ATTENTION_MIN_WORK, engine_attention
 
     torch.manual_seed(0)
-    model = Transformer(
-        ModelConfig(vocab_size=64, max_seq_len=160, n_layer=1, d_model=32, n_head=4, n_kv_head=2)
-    ).eval()
+    cfg = ModelConfig(vocab_size=64, max_seq_len=160, n_layer=1, d_model=32, n_head=4, n_kv_head=2)
+    model = Transformer(cfg).eval().to(dtype)
     idx = torch.randint(0, 64, (16, 130))
-    assert 16 * 130 >= DECODE_ATTENTION_MIN_WORK  # the decode step below takes decode_attention
+    assert 16 * 130 >= DECODE_ATTENTION_MIN_WORK  # the decode step below may take decode_attention
+    attention = engine_attention(cfg.n_head, cfg.n_kv_head, cfg.head_dim, dtype, "cpu", decode_kernel)
     with torch.inference_mode():
-        full = model(idx)[0][:, -1]
-        cache = KVCache(model.cfg, 16, 160, "cpu", torch.float32, cached_attention)
+        full = model(idx)[0][:, -1].float()
+        cache = KVCache(model.cfg, 16, 160, "cpu", dtype, attention)
         model(idx[:, :-1], cache=cache)
-        step = model(idx[:, -1:], cache=cache)[0][:, -1]
-    assert torch.allclose(step, full, atol=1e-4)
+        step = model(idx[:, -1:], cache=cache)[0][:, -1].float()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05  # bfloat16 keeps 8 bits
+    torch.testing.assert_close(step, full, atol=tolerance, rtol=tolerance)
+
+
+def test_the_engine_times_the_decode_kernel_only_on_cpu():
+    from lmfoundry.model import transformer
+    from lmfoundry.serving.decode_attention import engine_attention
+
+    assert engine_attention(4, 2, 8, torch.float32, "meta") is transformer.cached_attention  # not timed
+    assert engine_attention(4, 2, 8, torch.float32, "cpu", decode_kernel=False) is transformer.cached_attention
+    assert engine_attention(4, 2, 8, torch.float32, "cpu", decode_kernel=True) is not transformer.cached_attention
 
 
 def test_a_packed_row_gives_each_document_the_logits_it_gets_alone():

@@ -26,7 +26,7 @@ import torch
 from lmfoundry.model.generate import sample_next
 from lmfoundry.model.transformer import KVCache, Transformer
 from lmfoundry.platform.log import get_logger
-from lmfoundry.serving.decode_attention import cached_attention
+from lmfoundry.serving.decode_attention import engine_attention
 from lmfoundry.serving.prefix_cache import PrefixCache, block_keys, scope_root
 from lmfoundry.serving.sampling import SamplingParams, TokenLogprob, adjust_logits, token_logprobs
 
@@ -119,9 +119,9 @@ class ContinuousBatcher:
             param = next(self.model.parameters())
             self.device = param.device
             self.context = self.model.cfg.max_seq_len
-            self.cache = KVCache(
-                self.model.cfg, self.max_batch_size, self.context, self.device, param.dtype, cached_attention
-            )
+            cfg = self.model.cfg
+            attention = engine_attention(cfg.n_head, cfg.n_kv_head, cfg.head_dim, param.dtype, self.device)
+            self.cache = KVCache(cfg, self.max_batch_size, self.context, self.device, param.dtype, attention)
             if self.prefix_cache_tokens:
                 self.prefix_cache = PrefixCache(
                     self.model.cfg, self.prefix_cache_tokens, self.prefix_block_tokens, self.device, param.dtype

@@ -57,7 +57,7 @@ from lmfoundry.model.export import export_hf
 from lmfoundry.model.transformer import KVCache, ModelConfig, Transformer
 from lmfoundry.platform import checkpoint
 from lmfoundry.serving.engine import DTYPES, load_for_serving
-from lmfoundry.serving.packed_linear import pack_linears
+from lmfoundry.serving.packed_linear import supported
 from lmfoundry.serving.sampling import SamplingParams
 from lmfoundry.serving.scheduler import ContinuousBatcher
 
@@ -389,10 +389,9 @@ def decode_steps(
     oneDNN (serving/packed_linear.py, what the engine runs), interleaved repeat by repeat;
     medians. The greedy tokens of the two must agree."""
     dtype = DTYPES[dtype_name]
-    models = {"linear": load_model_files(ckpt).to(dtype)}
-    models["packed"] = load_model_files(ckpt).to(dtype)
-    if not pack_linears(models["packed"]):
-        return []  # oneDNN does not run this precision here
+    if not supported(torch.device("cpu"), dtype):
+        return []  # oneDNN does not run this precision here: the engine leaves nn.Linear as it is
+    models = {"linear": load_model_files(ckpt).to(dtype), "packed": load_for_serving(ckpt, "cpu", dtype_name)}
     rows = []
     for batch in batches:
         gen = torch.Generator().manual_seed(batch)

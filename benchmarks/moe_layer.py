@@ -9,6 +9,12 @@
                               machine, measured in the same run (the dense limit's thin products
                               run well below it)
 
+Each side runs twice, each time in a process of its own: with glibc's allocator defaults, where
+every large tensor is a fresh mapping whose pages fault in on first touch, and with the settings
+lmfoundry's CPU training workers run with (platform/ray_env.py CPU_ALLOCATOR_ENV), where freed
+memory is reused. The MoE layers allocate several tensors of tokens x top-k rows a pass, so the
+allocator moves their rate (DeepSpeed's the most) while the square product barely moves.
+
     python benchmarks/moe_layer.py            # 64 experts, top-6, d_model 512, expert hidden 128, 4096 tokens
     python benchmarks/moe_layer.py --quick    # fewer repeats
 
@@ -24,6 +30,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +41,7 @@ import torch.nn.functional as F
 from lifecycle import results_header
 
 from lmfoundry.model.moe import MoE, MoEConfig
+from lmfoundry.platform.ray_env import CPU_ALLOCATOR_ENV
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -107,16 +116,18 @@ def deepspeed_moe(c, h, e, k):
     return layer
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=6)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--expert-hidden", type=int, default=128)
-    args = p.parse_args()
-    load_before = os.getloadavg()[0]
+ALLOCATORS = {
+    # glibc's defaults: every large tensor is a fresh mmap, its pages faulted in (and zeroed) on
+    # first touch, unmapped again when freed
+    "glibc defaults": {},
+    # what lmfoundry's CPU training workers run with (platform/ray_env.py): freed memory stays in
+    # the heap and is reused
+    "lmfoundry's CPU training workers": CPU_ALLOCATOR_ENV,
+}
+
+
+def measure(args) -> dict:
+    """Every layer and the square product, interleaved, in this process."""
     repeats = 3 if args.quick else 7
     N, E, K, C, H = args.tokens, args.experts, args.top_k, args.d_model, args.expert_hidden
     torch.manual_seed(0)
@@ -169,20 +180,59 @@ def main() -> None:
                 "vs_square_product": flops / med / 1e9 / square_gflops,
             }
         )
-    print(
-        f"MoE fwd+bwd, fp32 CPU ({torch.get_num_threads()} threads): {N} tokens, {E} experts, top-{K}, "
-        f"d_model {C}, expert hidden {H}; {flops / 1e9:.1f} GFLOP per pass; median of {repeats}"
-    )
-    print(f"2048x2048 fp32 product: {square_gflops:.1f} GFLOP/s")
-    print(
-        f"{'layer':30s} {'median s':>9s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'x DS':>6s} {'of dense':>8s} "
-        f"{'of 2048^2':>9s}"
-    )
-    for r in rows:
-        print(
-            f"{r['name']:30s} {r['median_s']:9.3f} {r['tokens_per_s']:9.0f} {r['gflop_per_s']:8.1f} "
-            f"{r['vs_deepspeed']:6.2f} {r['vs_dense_limit']:8.0%} {r['vs_square_product']:9.0%}"
+    return {
+        "square_product_gflop_per_s": square_gflops,
+        "gflop_per_pass": flops / 1e9,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--expert-hidden", type=int, default=128)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(measure(args)))
+        return
+    load_before = os.getloadavg()[0]
+    N, E, K, C, H = args.tokens, args.experts, args.top_k, args.d_model, args.expert_hidden
+    # glibc reads its allocator settings when a process starts: a process per setting
+    base_env = {k: v for k, v in os.environ.items() if k not in CPU_ALLOCATOR_ENV}
+    measured = {}
+    for allocator, env in ALLOCATORS.items():
+        child = subprocess.run(
+            [sys.executable, __file__, "--child", *sys.argv[1:]],
+            env={**base_env, **env},
+            capture_output=True,
+            text=True,
+            check=True,
         )
+        measured[allocator] = json.loads(child.stdout.strip().splitlines()[-1])
+    first = next(iter(measured.values()))
+    print(
+        f"MoE fwd+bwd, fp32 CPU ({first['threads']} threads): {N} tokens, {E} experts, top-{K}, "
+        f"d_model {C}, expert hidden {H}; {first['gflop_per_pass']:.1f} GFLOP per pass; median of {first['repeats']}"
+    )
+    for allocator, m in measured.items():
+        print(f"\nallocator: {allocator}; 2048x2048 fp32 product: {m['square_product_gflop_per_s']:.1f} GFLOP/s")
+        print(
+            f"{'layer':30s} {'median s':>9s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'x DS':>6s} {'of dense':>8s} "
+            f"{'of 2048^2':>9s}"
+        )
+        for r in m["rows"]:
+            print(
+                f"{r['name']:30s} {r['median_s']:9.3f} {r['tokens_per_s']:9.0f} {r['gflop_per_s']:8.1f} "
+                f"{r['vs_deepspeed']:6.2f} {r['vs_dense_limit']:8.0%} {r['vs_square_product']:9.0%}"
+            )
+    rows = [{"allocator": allocator, **r} for allocator, m in measured.items() for r in m["rows"]]
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "moe_layer.json"
     out.write_text(
@@ -193,15 +243,18 @@ def main() -> None:
                     "benchmarks/moe_layer.py",
                     load_before,
                 ),
-                "square_product_gflop_per_s": square_gflops,
+                "square_product_gflop_per_s": {a: m["square_product_gflop_per_s"] for a, m in measured.items()},
+                "allocator_env": {
+                    a: " ".join(f"{k}={v}" for k, v in env.items()) or "none" for a, env in ALLOCATORS.items()
+                },
                 "tokens": N,
                 "experts": E,
                 "top_k": K,
                 "d_model": C,
                 "expert_hidden": H,
-                "gflop_per_pass": flops / 1e9,
-                "repeats": repeats,
-                "threads": torch.get_num_threads(),
+                "gflop_per_pass": first["gflop_per_pass"],
+                "repeats": first["repeats"],
+                "threads": first["threads"],
                 "cpus": os.cpu_count(),
                 "rows": rows,
             },

@@ -10,13 +10,14 @@ shingles 0.83) that shares 12 of the 16 band keys with its original; the rest sh
 
 Driver memory: the resident set of this process, sampled every 20 ms by a thread while run_dedup
 runs; the table gives the peak above the level just before the call. The Ray workers' memory is
-theirs, not the driver's, and is not counted. Each size runs twice, each time in a process and
-on a local Ray of its own: with Ray's default workers, which return results under 100 KiB
-inline to the driver, and with the workers `lmfoundry curate` starts (platform/ray_env.py
-CURATION_WORKER_ENV).
+theirs, not the driver's, and is not counted. Each size runs once per shuffle (dedup.shuffle:
+sort, the default, and Ray's shuffle v2) and per kind of worker, each time in a process and on
+a local Ray of its own: Ray's default workers, which return results under 100 KiB inline to the
+driver, and the workers `lmfoundry curate` starts (platform/ray_env.py CURATION_WORKER_ENV).
 
     python benchmarks/dedup_memory.py                    # 100,000, 300,000 and 1,000,000 documents
     python benchmarks/dedup_memory.py --sizes 20000      # a smoke run
+    python benchmarks/dedup_memory.py --shuffles v2      # one shuffle
 
 Prints a table; writes benchmarks/results/dedup_memory.json.
 """
@@ -89,14 +90,14 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(n: int) -> dict:
+def measure(n: int, shuffle: str) -> dict:
     from lmfoundry.data.curate import CurateConfig
     from lmfoundry.data.dedup_pipeline import run_dedup
 
     work = Path(tempfile.mkdtemp(prefix="lmf-dedup-"))
     try:
         planted = write_work_dir(work, n)
-        cfg = CurateConfig(input=str(work), output=str(work))
+        cfg = CurateConfig(input=str(work), output=str(work), dedup={"shuffle": shuffle})
         base, peak, done = rss(), [0], threading.Event()
 
         def sample() -> None:
@@ -126,15 +127,15 @@ def measure(n: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def measure_sizes(env: dict[str, str], sizes: list[int], rows) -> None:
+def measure_sizes(env: dict[str, str], shuffle: str, sizes: list[int], rows) -> None:
     """In a process of its own (a fresh heap: memory an earlier run freed would hide this one's
     growth), on a local Ray whose workers start with `env`."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from lmfoundry.platform.ray_env import init_ray
 
     init_ray(worker_env=env)
-    measure(5_000)  # warm-up: Ray's workers and imports, so the first size does not pay them
-    rows.extend([measure(n) for n in sizes])
+    measure(5_000, shuffle)  # warm-up: Ray's workers and imports, so the first size does not pay them
+    rows.extend([measure(n, shuffle) for n in sizes])
 
 
 def main() -> None:
@@ -146,31 +147,37 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="100000,300000,1000000", help="corpus sizes in documents")
+    p.add_argument("--shuffles", default="sort,v2", help="dedup.shuffle settings to compare")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    shuffles = args.shuffles.split(",")
     # side by side: Ray's default returns results under 100 KiB inline to the driver;
     # `lmfoundry curate` starts its workers with only those under 1 KiB inline
     settings = {"Ray's default workers": {}, "lmfoundry curate's workers": CURATION_WORKER_ENV}
     rows = []
-    print(f"{'workers':<28} {'documents':>10} {'seconds':>8} {'peak RSS above, MiB':>20} {'exact':>7} {'near':>7}")
+    print(
+        f"{'shuffle':<8} {'workers':<28} {'documents':>10} {'seconds':>8} {'peak RSS above, MiB':>20} "
+        f"{'exact':>7} {'near':>7}"
+    )
     ctx = multiprocessing.get_context("spawn")
-    for name, env in settings.items():
-        with ctx.Manager() as manager:
-            measured = manager.list()
-            child = ctx.Process(target=measure_sizes, args=(env, sizes, measured))
-            child.start()
-            child.join()
-            if child.exitcode:
-                raise SystemExit(f"the {name} run failed (exit code {child.exitcode})")
-            measured = list(measured)
-        for row in measured:
-            rows.append({"workers": name, "worker_env": env, **row})
-            print(
-                f"{name:<28} {row['documents']:>10,d} {row['seconds']:>8.1f} "
-                f"{row['driver_rss_peak_above_mib']:>20.1f} {row['exact_duplicates']:>7,d} "
-                f"{row['near_duplicates']:>7,d}",
-                flush=True,
-            )
+    for shuffle in shuffles:
+        for name, env in settings.items():
+            with ctx.Manager() as manager:
+                measured = manager.list()
+                child = ctx.Process(target=measure_sizes, args=(env, shuffle, sizes, measured))
+                child.start()
+                child.join()
+                if child.exitcode:
+                    raise SystemExit(f"the {shuffle} / {name} run failed (exit code {child.exitcode})")
+                measured = list(measured)
+            for row in measured:
+                rows.append({"shuffle": shuffle, "workers": name, "worker_env": env, **row})
+                print(
+                    f"{shuffle:<8} {name:<28} {row['documents']:>10,d} {row['seconds']:>8.1f} "
+                    f"{row['driver_rss_peak_above_mib']:>20.1f} {row['exact_duplicates']:>7,d} "
+                    f"{row['near_duplicates']:>7,d}",
+                    flush=True,
+                )
     result = {
         "benchmark": "dedup_memory",
         "date": time.strftime("%Y-%m-%d"),

@@ -178,6 +178,36 @@ def test_distributed_dedup_finds_the_clusters_a_union_find_finds(curated):
     assert set(found) <= set(kept["id"])  # every cluster keeps its representative
 
 
+def test_shuffle_v2_finds_the_duplicates_the_sort_shuffle_finds(sample_corpus, curated, tmp_path):
+    """dedup.shuffle v2 (the driver's memory flat with the corpus) writes the same duplicates as
+    the default sort shuffle, from the session's curated corpus's document shards; afterwards
+    Ray Data's shuffle strategy is the one it was before."""
+    import shutil
+
+    import ray
+
+    from lmfoundry.data.curate import CurateConfig
+    from lmfoundry.data.dedup_pipeline import run_dedup, shuffle_strategy
+
+    before = ray.data.DataContext.get_current().shuffle_strategy
+    with shuffle_strategy("v2", 7):
+        context = ray.data.DataContext.get_current()
+        assert (context.shuffle_strategy.value, context.default_hash_shuffle_parallelism) == ("shuffle_v2", 7)
+    shutil.copytree(Path(curated[0]) / "_work" / "docs", tmp_path / "_work" / "docs")
+    shards = len(list((tmp_path / "_work" / "docs").glob("*.parquet")))
+    cfg = CurateConfig(input=sample_corpus[0], output=str(tmp_path), dedup={"shuffle": "v2"})
+    stats = run_dedup(cfg, str(tmp_path), shards)
+
+    def duplicates(out):
+        t = pq.read_table(Path(out) / "_work" / "dedup" / "duplicates").to_pandas()
+        return t.sort_values("doc_key").reset_index(drop=True)
+
+    ours, sorts = duplicates(tmp_path), duplicates(curated[0])
+    assert stats["exact_duplicates"] + stats["near_duplicates"] == len(sorts) >= 10
+    assert ours.equals(sorts)
+    assert ray.data.DataContext.get_current().shuffle_strategy == before
+
+
 def test_the_curate_job_starts_its_workers_with_small_results_kept_out_of_the_driver(tmp_path, monkeypatch):
     """`lmfoundry curate` connects with the worker environment that keeps small results out of
     the driver's heap (platform/ray_env.py, measured by benchmarks/dedup_memory.py). A user's

@@ -20,6 +20,7 @@ verification), so recall at the 0.8 threshold is bounded by the banding, precisi
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 import numpy as np
 import xxhash
@@ -54,6 +55,12 @@ class DedupConfig(StageConfig):
     seed: int = 42
     # Bucket rows are grouped into this many hash partitions per million documents.
     partitions_per_million: int = Field(64, ge=1)
+    shuffle: Literal["sort", "v2"] = Field(
+        "sort",
+        description="Ray Data's shuffle for the dedup groupbys: 'sort' (sort-based; the driver holds a record "
+        "of every piece of every shuffle, so its memory grows with the corpus) or 'v2' (Ray's shuffle v2; the "
+        "driver's memory stays flat, slower on a small machine); benchmarks/dedup_memory.py measures both",
+    )
     semantic: SemanticDedupConfig = SemanticDedupConfig()
 
     @model_validator(mode="after")

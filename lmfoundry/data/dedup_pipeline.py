@@ -6,6 +6,7 @@ per pair passes through the driver. Writes `_work/dedup/duplicates/shard-N.parqu
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -260,12 +261,6 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
     candidate pairs verified by true Jaccard (verified_pairs); clusters by connected components
     on the cluster (data/components.py). The driver holds counts only, nothing per document or
     per pair. Writes `_work/dedup/duplicates/shard-N.parquet`: (doc_key, reason, duplicate_of)."""
-    import ray
-    from ray.data.context import ShuffleStrategy
-    from ray.data.expressions import col
-
-    from lmfoundry.data.components import connected_components
-
     marker = work_path(out, "dedup", "_DONE.json")
     if storage.exists(marker):
         logger.info("curate: dedup already done; resuming after it")
@@ -285,9 +280,45 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
         "verified_pairs": 0,
         "near_duplicates": 0,
     }
-    # The sort-based shuffle runs on tasks, which reuse warm workers; the hash shuffle starts
-    # a set of aggregator actors for every groupby (seconds each on a small cluster).
-    ray.data.DataContext.get_current().shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
+    with shuffle_strategy(cfg.dedup.shuffle, parts):
+        stats.update(find_and_write_duplicates(cfg, out, files, num_kept, parts, stats))
+    stats["seconds"] = round(time.time() - started, 2)
+    storage.write_json_atomic(marker, stats)
+    logger.info("curate: dedup: %s", stats)
+    return stats
+
+
+@contextlib.contextmanager
+def shuffle_strategy(name: str, partitions: int):
+    """Ray Data's shuffle for the groupbys inside, and the previous one back afterwards.
+
+    sort: the sort-based shuffle, on tasks that reuse warm workers. The driver owns every piece
+    of every shuffle (partitions x blocks of them), so its memory grows with the corpus.
+    v2: Ray's shuffle v2, map and reduce tasks whose pieces the driver does not hold: its memory
+    stays flat. Every groupby gets `partitions`, those that name no count too (v2's default of
+    200 is seconds of empty tasks on a small corpus). benchmarks/dedup_memory.py runs both."""
+    import ray
+    from ray.data.context import ShuffleStrategy
+
+    context = ray.data.DataContext.get_current()
+    saved = context.shuffle_strategy, context.default_hash_shuffle_parallelism
+    context.shuffle_strategy = ShuffleStrategy.SHUFFLE_V2 if name == "v2" else ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
+    context.default_hash_shuffle_parallelism = partitions
+    try:
+        yield
+    finally:
+        context.shuffle_strategy, context.default_hash_shuffle_parallelism = saved
+
+
+def find_and_write_duplicates(
+    cfg: CurateConfig, out: str, files: list[str], num_kept: int, parts: int, stats: dict
+) -> dict:
+    """The duplicates' edges, their clusters, and each shard's duplicates written; returns the
+    counts by reason (and fills the pair counts into `stats`)."""
+    from ray.data.expressions import col
+
+    from lmfoundry.data.components import connected_components
+
     edges, marked = [], []
     if files and num_kept and (cfg.dedup.exact or cfg.dedup.fuzzy):
         kept = read_parquet_files(files, ["doc_key", "reason", "_text_hash", "_buckets"]).filter(
@@ -335,11 +366,7 @@ def run_dedup(cfg: CurateConfig, out: str, num_shards: int) -> dict:
         for row in written.iter_rows():  # a row a shard
             for key in counts:
                 counts[key] += int(row[key])
-    stats.update(counts)
-    stats["seconds"] = round(time.time() - started, 2)
-    storage.write_json_atomic(marker, stats)
-    logger.info("curate: dedup: %s", stats)
-    return stats
+    return counts
 
 
 def _assign_cluster(batch: dict, centroids: np.ndarray) -> dict:

@@ -30,10 +30,11 @@ def cpu_worker_env() -> dict[str, str]:
 # A task's result smaller than this many bytes goes back inline to its owner, the driver, and lives
 # in the driver's own heap while a reference to it does (Ray's default: 100 KiB). Curation's
 # sort shuffles cut data into partitions x partitions pieces, most of them small, so inline
-# results grew the driver with the square of the corpus's partitions: 172 MiB above its start
-# at a million documents, against 62 MiB with only results under 1 KiB inline, for 71 s of
-# dedup instead of 46 s (benchmarks/dedup_memory.py). Ray reads the setting when a worker
-# process starts, so it goes in the environment of the job's workers.
+# results grew the driver with the square of the corpus's partitions: 150 MiB above its start
+# at a million documents, against 69 MiB with only results under 1 KiB inline, for 62 s of
+# dedup instead of 41 s (benchmarks/dedup_memory.py; dedup.shuffle v2 keeps it flat, slower).
+# Ray reads the setting when a worker process starts, so it goes in the environment of the
+# job's workers.
 CURATION_WORKER_ENV = {"RAY_max_direct_call_object_size": "1024"}
 
 

@@ -13,7 +13,7 @@ Each side runs twice, each time in a process of its own: with glibc's allocator 
 every large tensor is a fresh mapping whose pages fault in on first touch, and with the settings
 lmfoundry's CPU training workers run with (platform/ray_env.py CPU_ALLOCATOR_ENV), where freed
 memory is reused. The MoE layers allocate several tensors of tokens x top-k rows a pass, so the
-allocator moves their rate (DeepSpeed's the most) while the square product barely moves.
+allocator moves their rates (DeepSpeed's more than lmfoundry's) while the square product barely moves.
 
     python benchmarks/moe_layer.py            # 64 experts, top-6, d_model 512, expert hidden 128, 4096 tokens
     python benchmarks/moe_layer.py --quick    # fewer repeats
@@ -205,7 +205,10 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     N, E, K, C, H = args.tokens, args.experts, args.top_k, args.d_model, args.expert_hidden
     # glibc reads its allocator settings when a process starts: a process per setting
-    base_env = {k: v for k, v in os.environ.items() if k not in CPU_ALLOCATOR_ENV}
+    # (and nothing else of the caller's that would tune or replace the allocator)
+    base_env = {
+        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")
+    }
     measured = {}
     for allocator, env in ALLOCATORS.items():
         child = subprocess.run(
@@ -213,8 +216,9 @@ def main() -> None:
             env={**base_env, **env},
             capture_output=True,
             text=True,
-            check=True,
         )
+        if child.returncode:
+            raise SystemExit(f"the run with {allocator} failed:\n{child.stderr[-4000:]}")
         measured[allocator] = json.loads(child.stdout.strip().splitlines()[-1])
     first = next(iter(measured.values()))
     print(

@@ -178,25 +178,41 @@ def test_distributed_dedup_finds_the_clusters_a_union_find_finds(curated):
     assert set(found) <= set(kept["id"])  # every cluster keeps its representative
 
 
-def test_shuffle_v2_finds_the_duplicates_the_sort_shuffle_finds(sample_corpus, curated, tmp_path):
-    """dedup.shuffle v2 (the driver's memory flat with the corpus) writes the same duplicates as
-    the default sort shuffle, from the session's curated corpus's document shards; afterwards
-    Ray Data's shuffle strategy is the one it was before."""
+def test_shuffle_v2_finds_the_duplicates_the_sort_shuffle_finds(sample_corpus, curated, tmp_path, monkeypatch):
+    """dedup.shuffle v2 (the driver holds none of the shuffles' pieces) writes the same
+    duplicates as the default sort shuffle, from the session's curated corpus's document shards.
+    The dedup runs under v2 with its own partition count, and Ray Data's settings are given
+    back afterwards."""
     import shutil
 
     import ray
+    from ray.data.context import ShuffleStrategy
 
+    import lmfoundry.data.dedup_pipeline as pipeline
     from lmfoundry.data.curate import CurateConfig
-    from lmfoundry.data.dedup_pipeline import run_dedup, shuffle_strategy
 
-    before = ray.data.DataContext.get_current().shuffle_strategy
-    with shuffle_strategy("v2", 7):
-        context = ray.data.DataContext.get_current()
-        assert (context.shuffle_strategy.value, context.default_hash_shuffle_parallelism) == ("shuffle_v2", 7)
+    context = ray.data.DataContext.get_current()
+    saved = context.shuffle_strategy, context.default_hash_shuffle_parallelism
+    monkeypatch.setattr(context, "shuffle_strategy", ShuffleStrategy.HASH_SHUFFLE)  # neither of the two
+    monkeypatch.setattr(context, "default_hash_shuffle_parallelism", 13)
+    seen = []
+    find = pipeline.find_and_write_duplicates
+
+    def spy(cfg, out, files, num_kept, parts, stats):
+        now = ray.data.DataContext.get_current()
+        seen.append((now.shuffle_strategy, now.default_hash_shuffle_parallelism, parts))
+        return find(cfg, out, files, num_kept, parts, stats)
+
+    monkeypatch.setattr(pipeline, "find_and_write_duplicates", spy)
     shutil.copytree(Path(curated[0]) / "_work" / "docs", tmp_path / "_work" / "docs")
     shards = len(list((tmp_path / "_work" / "docs").glob("*.parquet")))
     cfg = CurateConfig(input=sample_corpus[0], output=str(tmp_path), dedup={"shuffle": "v2"})
-    stats = run_dedup(cfg, str(tmp_path), shards)
+    stats = pipeline.run_dedup(cfg, str(tmp_path), shards)
+
+    [(strategy, partitions, parts)] = seen
+    assert strategy == ShuffleStrategy.SHUFFLE_V2 and partitions == parts == stats["partitions"]
+    assert (context.shuffle_strategy, context.default_hash_shuffle_parallelism) == (ShuffleStrategy.HASH_SHUFFLE, 13)
+    assert saved != (ShuffleStrategy.HASH_SHUFFLE, 13)
 
     def duplicates(out):
         t = pq.read_table(Path(out) / "_work" / "dedup" / "duplicates").to_pandas()
@@ -205,7 +221,6 @@ def test_shuffle_v2_finds_the_duplicates_the_sort_shuffle_finds(sample_corpus, c
     ours, sorts = duplicates(tmp_path), duplicates(curated[0])
     assert stats["exact_duplicates"] + stats["near_duplicates"] == len(sorts) >= 10
     assert ours.equals(sorts)
-    assert ray.data.DataContext.get_current().shuffle_strategy == before
 
 
 def test_the_curate_job_starts_its_workers_with_small_results_kept_out_of_the_driver(tmp_path, monkeypatch):

@@ -136,3 +136,20 @@ def test_experts_with_no_rows_still_give_shaped_outputs_and_zero_gradients(dispa
     assert out.shape == (0, 32)
     out.sum().backward()
     assert w.grad is not None and float(w.grad.abs().sum()) == 0.0
+
+
+def test_the_dispatch_gather_and_combine_differentiate_like_index_select_and_index_add():
+    """The MoE's row gather and row sum (index_select and index_add into outputs they allocate)
+    have exact first and second derivatives, on non-contiguous 3-D rows and an empty index."""
+    from lmfoundry.model.moe import _GatherRows, _SumRows
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, 3, dtype=torch.float64).transpose(1, 2).requires_grad_()  # non-contiguous
+    index = torch.tensor([4, 0, 0, 2, 4, 1])
+    y = torch.randn(6, 3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(_GatherRows.apply(x, index), x.index_select(0, index))
+    assert torch.equal(_SumRows.apply(y, index, 5), torch.zeros(5, 3, 4, dtype=torch.float64).index_add_(0, index, y))
+    for fn, inputs in ((lambda t: _GatherRows.apply(t, index), x), (lambda t: _SumRows.apply(t, index, 5), y)):
+        assert torch.autograd.gradcheck(fn, (inputs,))
+        assert torch.autograd.gradgradcheck(fn, (inputs,))
+    assert _GatherRows.apply(x, index[:0]).shape == (0, 3, 4)

@@ -257,7 +257,8 @@ def run_finalize(cfg: CurateConfig, out: str, num_shards: int) -> None:
 
 
 def _fingerprint(cfg: CurateConfig) -> dict:
-    return json.loads(cfg.model_dump_json(exclude={"overwrite", "workers"}))
+    # what does not change the output: a killed run resumes with other workers or another shuffle
+    return json.loads(cfg.model_dump_json(exclude={"overwrite": True, "workers": True, "dedup": {"shuffle"}}))
 
 
 def prepare_run(cfg: CurateConfig, out: str) -> bool:

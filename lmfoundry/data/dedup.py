@@ -59,7 +59,7 @@ class DedupConfig(StageConfig):
         "sort",
         description="Ray Data's shuffle for the dedup groupbys: 'sort' (sort-based; the driver holds a record "
         "of every piece of every shuffle, so its memory grows with the corpus) or 'v2' (Ray's shuffle v2; the "
-        "driver's memory stays flat, slower on a small machine); benchmarks/dedup_memory.py measures both",
+        "driver holds none, slower on a small machine); benchmarks/dedup_memory.py measures both",
     )
     semantic: SemanticDedupConfig = SemanticDedupConfig()
 

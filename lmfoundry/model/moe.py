@@ -102,9 +102,9 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, count
 
 
 class _GatherRows(torch.autograd.Function):
-    """x[index] (rows) as index_select into an output allocated here, and its gradient as
-    index_add. On CPUs index_select is faster writing into an output allocated beforehand than
-    into one it allocates itself; the layer's forward and backward are about 2% faster for it."""
+    """x[index] (rows), by index_select into an output allocated here: on CPUs index_select is
+    faster writing into an output allocated beforehand than into one it allocates itself. The
+    gradient is _SumRows (and _SumRows' is this), so both differentiate to any order."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -115,12 +115,11 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
-        return grad.new_zeros((ctx.rows, *grad.shape[1:])).index_add_(0, index, grad), None
+        return _SumRows.apply(grad, index, ctx.rows), None
 
 
 class _SumRows(torch.autograd.Function):
-    """The rows of y added into `rows` rows at `index` (index_add into zeros); the gradient is
-    _GatherRows' forward."""
+    """The rows of y added into `rows` rows at `index` (index_add into zeros)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
@@ -130,8 +129,7 @@ class _SumRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
-        grad = grad.contiguous()
-        return torch.index_select(grad, 0, index, out=grad.new_empty((index.numel(), *grad.shape[1:]))), None, None
+        return _GatherRows.apply(grad.contiguous(), index), None, None
 
 
 class MoE(nn.Module):

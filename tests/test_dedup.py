@@ -123,3 +123,21 @@ def test_star_components_equal_union_find(seed):
     members, rounds = star_rounds(a, b)
     assert members == uf.duplicates()
     assert rounds <= 12
+
+
+@pytest.mark.parametrize("shuffle", ["V2", "hash", "shuffle_v2", " v2", "../sort", "v2" * 5000, None, 2, ["v2"]])
+def test_dedup_shuffle_takes_only_its_two_names(shuffle):
+    """dedup.shuffle comes from a user's config: anything but sort or v2 is refused, naming the
+    field and what it allows, before any Ray Data setting is touched."""
+    import pydantic
+    import ray
+
+    from lmfoundry.data.dedup_pipeline import shuffle_strategy
+
+    with pytest.raises(pydantic.ValidationError, match=r"(?s)shuffle.*'sort' or 'v2'"):
+        DedupConfig(shuffle=shuffle)
+    context = ray.data.DataContext.get_current()
+    before = context.shuffle_strategy, context.default_hash_shuffle_parallelism
+    with pytest.raises(KeyError), shuffle_strategy(str(shuffle), 4):
+        pass
+    assert (context.shuffle_strategy, context.default_hash_shuffle_parallelism) == before

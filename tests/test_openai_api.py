@@ -556,3 +556,44 @@ def test_a_served_reward_model_scores_best_of_n(inference_api, client, tiny_serv
         assert reply.model_extra["reasoning"]["scorer"] == "orm"
     finally:
         inference_api.use()
+
+
+def test_a_first_token_after_the_deadline_is_a_408_even_when_it_never_yields():
+    """The deadline counts from the request's arrival. A wait that completes without yielding to
+    the event loop (a token already produced) can beat `wait_for`'s timer; it must still be a 408
+    when it came late, and the streams must be cancelled and the tokens refunded."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from lmfoundry.serving.api import ApiError, LLMServer
+
+    cancelled, refunds = [], []
+
+    class Stream:
+        def cancel(self):
+            cancelled.append(self)
+
+    async def ready():  # returns at once: nothing for the timer to interrupt
+        return "token"
+
+    server = SimpleNamespace(timeout_s=0.05, _refund=lambda tenant, n: refunds.append((tenant, n)))
+    in_time = LLMServer.func_or_class._in_time
+    streams = [Stream(), Stream()]
+    late = time.perf_counter() - 0.06  # the request arrived 60 ms ago: past its 50 ms
+    with pytest.raises(ApiError) as err:
+        asyncio.run(in_time(server, [ready(), ready()], streams, "t", 7, "late", late))
+    assert err.value.status == 408 and cancelled == streams and refunds == [("t", 7)]
+
+    async def blocking():  # the token takes 60 ms of the 50, without ever yielding
+        time.sleep(0.06)
+        return "token"
+
+    cancelled.clear(), refunds.clear()
+    with pytest.raises(ApiError) as err:
+        asyncio.run(in_time(server, [blocking()], streams, "t", 7, "late", time.perf_counter()))
+    assert err.value.status == 408 and cancelled == streams and refunds == [("t", 7)]
+
+    # within the deadline, the same waits are answered
+    assert asyncio.run(in_time(server, [ready()], [Stream()], "t", 7, "late", time.perf_counter())) == ["token"]
+    assert refunds == [("t", 7)]

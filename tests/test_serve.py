@@ -388,8 +388,8 @@ def test_overload_is_a_fast_503_and_a_timeout_is_a_408(server, pretrained):
     assert all(r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "server_overloaded" for r, _ in refused)
     assert max(s for _, s in refused) < min(s for r, s in replies if r.status_code == 200)
 
-    # a microsecond: a stream's limit is its first token, which this tiny model can produce
-    # within a millisecond on a quiet machine
+    # a microsecond from the request's arrival: a stream's limit is its first token, which no
+    # model produces that soon after the request is read and tokenized
     with deployed(
         server,
         pretrained,

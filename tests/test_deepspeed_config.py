@@ -208,11 +208,66 @@ def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_ou
         ),
         ({"num_workers": 4, "pipeline_parallel_size": 4, "zero_stage": 1}, {"n_layer": 2}, "one block a stage"),
         ({"pipeline_parallel_size": 2, "zero_stage": 1}, {"moe": {"num_experts": 4, "top_k": 1}}, "MoE"),
+        ({"sequence_parallel": "yes please"}, {}, "sequence_parallel"),
     ],
 )
 def test_model_parallel_layouts_the_trainer_cannot_run_are_refused_with_the_reason(parallelism, model, refused):
     with pytest.raises(ValueError, match=refused):
         cfg(parallelism=parallelism, model=model)
+
+
+def test_sequence_parallelism_sums_the_norms_gradients_and_sends_whole_slices_between_stages():
+    """Under sequence parallelism the norms (every block's two and the final one, not the
+    untied head) see a slice of each sequence, so AutoTP sums their gradients over the group;
+    and a pipeline's partitioned transfers, which assume a group's ranks hold the same
+    activations, are off."""
+    import re
+
+    from lmfoundry.train.tensor_parallel import sequence_parallel_norms
+
+    # without tensor parallelism it does nothing (a recipe may ask for it before the plan's layout)
+    alone = cfg(parallelism={"sequence_parallel": True})
+    assert not alone.parallelism.splits_sequences and "tensor_parallel" not in deepspeed_config(alone, 2, 128)
+    plain = cfg(parallelism={"num_workers": 2, "tensor_parallel_size": 2})
+    sp = cfg(parallelism={"num_workers": 2, "tensor_parallel_size": 2, "sequence_parallel": True})
+    assert deepspeed_config(plain, 2, 128)["tensor_parallel"]["partition_config"]["layer_specs"][-1]["patterns"] == [
+        r".*\.attn\.[qk]_norm\.weight$"
+    ]
+    summed = deepspeed_config(sp, 2, 128)["tensor_parallel"]["partition_config"]["layer_specs"][-1]
+    assert summed["grad_allreduce"] and summed["partition_type"] == "skip"
+    assert "pipeline" not in deepspeed_config(sp, 2, 128)
+
+    def matched(names, patterns):
+        return [n for n in names if any(re.match(p, n) for p in patterns)]
+
+    model = ["embed.weight", "blocks.0.attn_norm.weight", "blocks.11.mlp_norm.weight", "blocks.0.attn.q_norm.weight"]
+    assert matched([*model, "norm.weight", "lm_head.weight"], sequence_parallel_norms(12, False)) == [
+        "blocks.0.attn_norm.weight",
+        "blocks.11.mlp_norm.weight",
+        "norm.weight",
+    ]
+    # the pipeline numbers the blocks 1..12, the final norm 13 and the untied head 14
+    stage = ["1.block.attn_norm.weight", "12.block.mlp_norm.weight", "13.module.weight", "14.module.weight"]
+    assert (
+        matched([*stage, "0.embed.weight", "2.block.attn.k_norm.weight"], sequence_parallel_norms(12, True))
+        == (stage[:3])
+    )
+    both = cfg(
+        parallelism={
+            "num_workers": 4,
+            "tensor_parallel_size": 2,
+            "pipeline_parallel_size": 2,
+            "zero_stage": 1,
+            "sequence_parallel": True,
+        }
+    )
+    assert deepspeed_config(both, 4, 128)["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+    # the packed sequences must split evenly over the group, checked before any worker starts
+    from lmfoundry.train.pretrain import resolve_model_shape
+
+    with pytest.raises(ValueError, match="seq_len=127 must be a multiple of 2"):
+        resolve_model_shape(sp, {"vocab_size": 100, "seq_len": 127})
+    assert resolve_model_shape(sp, {"vocab_size": 100, "seq_len": 128}).model.max_seq_len >= 128
 
 
 def test_tensor_and_pipeline_parallelism_are_refused_outside_pretraining():

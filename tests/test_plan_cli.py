@@ -66,10 +66,11 @@ def test_plan_writes_json_plot_and_a_runnable_recipe(tmp_path, monkeypatch):
     assert yaml.safe_load((tmp_path / "p.json").read_text())["plans"]
 
 
-def test_the_70b_recipe_on_1024_gpus_gets_a_tensor_parallel_layout_the_trainer_accepts(tmp_path, monkeypatch):
-    """On 1,024 GPUs the fastest layouts need virtual pipeline stages (which the trainer does
-    not run); of the rest, TP 8 x DP 128 is best: the written recipe says so, and its DeepSpeed
-    JSON shards with AutoTP."""
+def test_the_70b_recipe_on_1024_gpus_gets_its_fastest_layout_written_with_sequence_parallelism(tmp_path, monkeypatch):
+    """The recipe asks for sequence parallelism: on 1,024 GPUs its fastest layout is then
+    TP 4 x DP 256 (without it, that layout does not fit and the fastest need virtual stages,
+    which the trainer does not run). The written recipe says so, and its DeepSpeed JSON shards
+    with AutoTP and sums the norms' gradients over each tensor-parallel group."""
     from lmfoundry.platform.config import load_config
     from lmfoundry.train.config import PretrainConfig
 
@@ -77,11 +78,23 @@ def test_the_70b_recipe_on_1024_gpus_gets_a_tensor_parallel_layout_the_trainer_a
     out = tmp_path / "70b.yaml"
     assert main(["configs/pretrain_70b_gpu.yaml", "--gpu", "H100", "--nodes", "128", "--write-config", str(out)]) == 0
     cfg = load_config(PretrainConfig, out)
-    assert (cfg.parallelism.tensor_parallel_size, cfg.parallelism.num_workers) == (8, 1024)
+    par = cfg.parallelism
+    assert (par.tensor_parallel_size, par.pipeline_parallel_size, par.num_workers) == (4, 1, 1024)
+    assert par.splits_sequences
     derived = yaml.safe_load((tmp_path / "70b.deepspeed.json").read_text())
-    assert derived["deepspeed"]["tensor_parallel"]["autotp_size"] == 8
-    # 128 data-parallel replicas of micro-batches of 4 sequences of 4,096 tokens: 2 micro-steps
-    assert derived["deepspeed"]["gradient_accumulation_steps"] == 4194304 // (128 * 4 * 4096)
+    assert derived["deepspeed"]["tensor_parallel"]["autotp_size"] == 4
+    assert derived["deepspeed"]["tensor_parallel"]["partition_config"]["layer_specs"][-1]["grad_allreduce"]
+    # 256 data-parallel replicas of micro-batches of 2 sequences of 4,096 tokens: 2 micro-steps
+    assert derived["deepspeed"]["gradient_accumulation_steps"] == 4194304 // (256 * 2 * 4096)
+    # the same recipe without sequence parallelism: TP 4 x DP 256 does not fit at any micro-batch size
+    recipe = (ROOT / "configs/pretrain_70b_gpu.yaml").read_text()
+    assert "sequence_parallel: true" in recipe
+    plain = tmp_path / "70b-plain.yaml"
+    plain.write_text(recipe.replace("sequence_parallel: true", "sequence_parallel: false"))
+    assert main([str(plain), "--gpu", "H100", "--nodes", "128", "--json", str(tmp_path / "p.json")]) == 0
+    plans = yaml.safe_load((tmp_path / "p.json").read_text())["plans"]
+    tp4 = [p for p in plans if (p["layout"]["tp"], p["layout"]["pp"]) == (4, 1)]
+    assert tp4 and not any(p["fits"] for p in tp4)
 
 
 def test_on_64_gpus_the_70b_recipe_written_splits_each_pipeline_stage_by_tensor_parallelism(tmp_path, monkeypatch):

@@ -22,21 +22,26 @@ from harness.peak_memory import spawn_ranks, start_rank
 from lmfoundry.train.config import PretrainConfig, data_parallel
 
 SEQ_LEN, STEPS = 32, 20
-# name: (tensor parallel, pipeline stages, workers, activation checkpointing)
+# name: (tensor parallel, pipeline stages, workers, activation checkpointing, sequence parallel)
 LAYOUTS = {
-    "one worker": (1, 1, 1, False),
-    "TP 2 x DP 2": (2, 1, 4, False),
-    "PP 2": (1, 2, 2, False),
-    "PP 2 x DP 2, recompute": (1, 2, 4, True),
-    "TP 2 x PP 2": (2, 2, 4, False),
+    "one worker": (1, 1, 1, False, False),
+    "TP 2 x DP 2": (2, 1, 4, False, False),
+    "TP 2, sequence parallel, recompute": (2, 1, 2, True, True),
+    "PP 2": (1, 2, 2, False, False),
+    "PP 2 x DP 2, recompute": (1, 2, 4, True, False),
+    "TP 2 x PP 2": (2, 2, 4, False, False),
+    "TP 2 x PP 2, sequence parallel": (2, 2, 4, False, True),
 }
 
 
-def small_config(tp: int, pp: int, workers: int, recompute: bool = False) -> PretrainConfig:
+def small_config(
+    tp: int, pp: int, workers: int, recompute: bool = False, sequence_parallel: bool = False
+) -> PretrainConfig:
     """A 2-layer model with grouped-query attention, per-head query/key norms and q/k/v biases
     (Qwen2/3), so that each of the split or summed parts is exercised, and a tied head (on the
     last stage, the first stage's embedding); 8 sequences a step, in micro-batches of 2 (4 per
-    step through a pipeline of one replica). `recompute`: activation checkpointing."""
+    step through a pipeline of one replica). `recompute`: activation checkpointing;
+    `sequence_parallel`: Megatron's sequence parallelism over the tensor-parallel group."""
     from lmfoundry.model.transformer import ModelConfig
 
     model = ModelConfig(
@@ -59,6 +64,7 @@ def small_config(tp: int, pp: int, workers: int, recompute: bool = False) -> Pre
             "tensor_parallel_size": tp,
             "pipeline_parallel_size": pp,
             "zero_stage": 1,
+            "sequence_parallel": sequence_parallel,
         },
         batch={"micro_batch_size": 2, "global_batch_tokens": 8 * SEQ_LEN},
         schedule={"max_steps": STEPS, "warmup_steps": 2},
@@ -75,8 +81,8 @@ def compare_layouts(out: str) -> dict:
     from lmfoundry.model.checkpoint import load_model_files
 
     rows = {}
-    for name, (tp, pp, workers, recompute) in LAYOUTS.items():
-        cfg = small_config(tp, pp, workers, recompute)
+    for name, (tp, pp, workers, recompute, sequence_parallel) in LAYOUTS.items():
+        cfg = small_config(tp, pp, workers, recompute, sequence_parallel)
         directory = str(Path(out) / name.replace(" ", "").replace(",", "-"))
         run = train_losses(cfg, workers, SEQ_LEN, STEPS, directory)
         with torch.no_grad():

@@ -137,7 +137,14 @@ def reference_cases() -> dict[str, PretrainConfig]:
     moe = dense.model_copy(update={"moe": MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_hidden=128)})
 
     def cfg(
-        model: ModelConfig, zero: int, micro: int = 8, accumulate: int = 1, ep: int = 1, tp: int = 1, pp: int = 1
+        model: ModelConfig,
+        zero: int,
+        micro: int = 8,
+        accumulate: int = 1,
+        ep: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        sequence_parallel: bool = False,
     ) -> PretrainConfig:
         replicas = WORLD // (tp * pp)
         return PretrainConfig(
@@ -149,6 +156,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
                 "expert_parallel_size": ep,
                 "tensor_parallel_size": tp,
                 "pipeline_parallel_size": pp,
+                "sequence_parallel": sequence_parallel,
             },
             batch={"micro_batch_size": micro, "global_batch_tokens": micro * replicas * SEQ_LEN * accumulate},
             schedule={"max_steps": 10, "warmup_steps": 1},
@@ -164,6 +172,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
         "MoE 8 experts top-2 ZeRO-2": cfg(moe, 2),
         "MoE, expert parallel 2, ZeRO-2": cfg(moe, 2, ep=2),
         "dense 512-wide, TP 2, ZeRO-2": cfg(wide, 2, micro=4, tp=2),
+        "dense 512-wide, TP 2, sequence parallel, ZeRO-2": cfg(wide, 2, micro=4, tp=2, sequence_parallel=True),
         "dense 512-wide, PP 2, 4 micro": cfg(wide, 1, micro=4, accumulate=4, pp=2),
     }
 
@@ -196,6 +205,7 @@ def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> 
         token_budget=1,
         zero_stage=par.zero_stage,
         activation_checkpointing=cfg.model.activation_checkpointing,
+        sequence_parallel=par.sequence_parallel,
         micro_batch_size=cfg.batch.micro_batch_size,
         precision=resolved_precision(par),
         reduce_bucket_size=par.reduce_bucket_size,

@@ -141,6 +141,7 @@ def main(argv=None) -> int:
             token_budget=args.token_budget,
             zero_stage=cfg.parallelism.zero_stage,
             activation_checkpointing=cfg.model.activation_checkpointing,
+            sequence_parallel=cfg.parallelism.sequence_parallel,
             precision="fp32" if cfg.parallelism.precision == "fp32" else "bf16",
             reduce_bucket_size=cfg.parallelism.reduce_bucket_size,
             offload_optimizer=cfg.parallelism.offload_optimizer,
@@ -160,7 +161,8 @@ def main(argv=None) -> int:
     print(
         f"{args.config}: {shape.total_params / 1e9:.2f}B parameters ({shape.expert_params / 1e9:.2f}B in routed "
         f"experts), {shape.train_flops_per_token / 1e9:.1f} GFLOP per token; {cluster.gpus} x {cluster.gpu.name}; "
-        f"ZeRO-{recipe.zero_stage}, {recipe.global_batch_tokens} tokens a step, budget {recipe.token_budget:.3g} tokens"
+        f"ZeRO-{recipe.zero_stage}{', sequence parallel' if recipe.sequence_parallel else ''}, "
+        f"{recipe.global_batch_tokens} tokens a step, budget {recipe.token_budget:.3g} tokens"
     )
     print(
         f"{'tp':>3} {'pp':>3} {'dp':>4} {'ep':>3} {'v':>2} {'mbs':>3} {'m':>4} {'mem GB':>7} {'fits':>4} {'bubble':>7} "

@@ -209,11 +209,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cached: tuple | None = None, mask: torch.Tensor | None = None):
         """cached: (cache, slots (B,), rows, positions (B, T), mask (B, 1, T, L)) when decoding;
         mask (B, 1, T, T): which keys each query sees, for packed documents (else causal)."""
-        B, T, _ = x.shape
         D = self.cfg.head_dim
-        # Head counts come from the projections' outputs, not the config: under tensor
-        # parallelism each rank's projections hold a slice of the heads (train/tensor_parallel.py).
-        q = self.wq(x).view(B, T, -1, D)
+        # Head counts and the sequence length come from the projections' outputs, not from the
+        # config or x: under tensor parallelism each rank's projections hold a slice of the heads,
+        # and under sequence parallelism x holds a slice of the sequence that the projections
+        # gather whole (train/tensor_parallel.py).
+        q = self.wq(x)
+        B, T = q.shape[:2]
+        q = q.view(B, T, -1, D)
         k, v = self.wkv(x).view(B, T, 2, -1, D).unbind(2)  # 2 x (B, T, K, D)
         H, K = q.shape[2], k.shape[2]
         if self.q_norm is not None:

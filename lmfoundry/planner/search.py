@@ -18,7 +18,8 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   sum and the second norm's two outputs = 11 h, plus 4 f for the SwiGLU MLP (gate/up, SiLU,
   product); an MoE layer keeps 2 h + 5 f_e per routed row and 4 f_s for shared experts. Under
   tensor parallelism t the norm side (6 h) stays whole and the rest splits by t (Korthikanti et
-  al. 2022, "Reducing Activation Recomputation", the same split for Megatron's GPT). The output
+  al. 2022, "Reducing Activation Recomputation", the same split for Megatron's GPT); with
+  sequence parallelism the norm side and the blocks' inputs split by t too. The output
   layer keeps 3 h + V (its norm and the log-probabilities; the head is not split by t, as
   lmfoundry's tensor parallelism keeps it whole); backward briefly holds two V-wide gradients
   more, or with activation checkpointing (which keeps only each block's input) one block's
@@ -98,6 +99,7 @@ class Recipe:
     zero_stage: int = 1
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
+    sequence_parallel: bool = False  # under tensor parallelism (see activation_bytes)
     micro_batch_size: int = 1
     precision: str = "bf16"  # or "fp32"
     reduce_bucket_size: int = 50_000_000  # elements, as in the pretrain config
@@ -207,7 +209,11 @@ def activation_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_ba
     e = BYTES_BF16 if recipe.precision == "bf16" else 4
     tokens = recipe.seq_len * recipe.micro_batch_size
     h, t, p, v = shape.d_model, layout.tp, layout.pp, layout.virtual_stages
-    attention_side = 6 * h + 5 * h / t  # per token, elements
+    # sequence parallelism splits by t what tensor parallelism keeps whole: the norm side and
+    # each block's input (kept under checkpointing); the output layer's norm runs on a slice
+    # and its whole output is gathered for the head
+    split = t if recipe.sequence_parallel else 1
+    attention_side = 6 * h / split + 5 * h / t  # per token, elements
     dense_layer = attention_side + 4 * shape.dense_ffn / t
     moe_layer = (
         attention_side
@@ -215,9 +221,9 @@ def activation_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_ba
     )
     layers = (shape.n_layer - shape.moe_layers) * dense_layer + shape.moe_layers * moe_layer
     biggest_layer = moe_layer if shape.moe_layers else dense_layer
-    output = 3 * h + shape.vocab_size  # the output head is whole on every tensor-parallel rank
+    output = h + 2 * h / split + shape.vocab_size  # the output head is whole on every tensor-parallel rank
     if recipe.activation_checkpointing:  # each block keeps its input; backward recomputes one block
-        kept, backward = shape.n_layer * h, max(2 * shape.vocab_size, biggest_layer)
+        kept, backward = shape.n_layer * h / split, max(2 * shape.vocab_size, biggest_layer)
     else:
         kept, backward = layers, 2 * shape.vocab_size
     in_flight = min(micro_batches, p) * (1 + (p - 1) / (p * v) if v > 1 else 1)

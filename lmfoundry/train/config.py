@@ -98,7 +98,19 @@ class ParallelismConfig(StageConfig):
         "pretraining, dense models, ZeRO stage 1); a step's micro-batches (its gradient accumulation) "
         "flow through them",
     )
+    sequence_parallel: bool = Field(
+        False,
+        description="with tensor_parallel_size > 1: each rank of a tensor-parallel group holds 1/tensor_parallel_size "
+        "of every sequence between the split layers (the norms and residual adds), as Megatron's sequence "
+        "parallelism does; sequences must split evenly over the group. Without tensor parallelism it does "
+        "nothing (as in Megatron), so a recipe can ask for it before the planner chooses the layout",
+    )
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+
+    @property
+    def splits_sequences(self) -> bool:
+        """Whether sequence parallelism runs: asked for, with a tensor-parallel group to run over."""
+        return self.sequence_parallel and self.tensor_parallel_size > 1
 
     @property
     def model_parallel_size(self) -> int:

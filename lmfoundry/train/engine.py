@@ -31,6 +31,14 @@ def reduce_bucket_elements(cfg: TrainStageConfig, num_params: int | None) -> int
     return min(bucket, num_params) if num_params else bucket
 
 
+def sequence_parallel_norms(cfg: TrainStageConfig) -> list[str] | None:
+    """The norms a sequence-parallel model applies to a slice of the sequence (None without it):
+    sequence parallelism needs tensor parallelism, which only pretraining's model runs."""
+    if not cfg.parallelism.splits_sequences:
+        return None
+    return tensor_parallel.sequence_parallel_norms(cfg.model.n_layer, cfg.parallelism.pipeline_parallel_size > 1)
+
+
 def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_params: int | None = None) -> dict:
     """DeepSpeed's JSON for `cfg` at `world_size` workers (seq_len: tokens per sequence, for a
     global batch counted in tokens)."""
@@ -46,7 +54,15 @@ def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_p
         # tensor-parallel group too (the rows per step are this over tp), but the data-parallel
         # replicas only under its pipeline engine
         "train_batch_size": micro * accum * (world_size // (pp * tp) if pp > 1 else world_size),
-        **({"tensor_parallel": tensor_parallel.deepspeed_section(tp)} if tp > 1 else {}),
+        **({"tensor_parallel": tensor_parallel.deepspeed_section(tp, sequence_parallel_norms(cfg))} if tp > 1 else {}),
+        # under sequence parallelism the ranks of a stage's tensor-parallel group hold different
+        # slices of the activations: each sends its own whole to its peer of the next stage
+        # (partitioned transfers would send 1/tp of one rank's and gather it as everyone's)
+        **(
+            {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
+            if par.splits_sequences and pp > 1
+            else {}
+        ),
         "gradient_clipping": opt.grad_clip,
         "zero_optimization": {
             "stage": par.zero_stage,
@@ -204,5 +220,26 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
         from lmfoundry.train.pipeline_parallel import finish_tensor_parallel_pipeline
 
         finish_tensor_parallel_pipeline(engine)
+    if cfg.parallelism.splits_sequences:
+        make_sequence_parallel(engine)
     engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
     return engine, scheduler
+
+
+def make_sequence_parallel(engine) -> None:
+    """The engine's model (or pipeline stage), its blocks split by AutoTP, made
+    sequence-parallel over its tensor-parallel group (train/tensor_parallel.py)."""
+    from deepspeed.utils import groups
+
+    module, group = engine.module, groups.get_tensor_model_parallel_group()
+    if hasattr(module, "forward_funcs"):  # a pipeline stage
+        from lmfoundry.train.pipeline_parallel import prepare_sequence_parallel_stage
+
+        embeddings, norms = prepare_sequence_parallel_stage(module, group)
+        if not engine.is_first_stage() and getattr(engine, "first_dataloader_check", None) is not None:
+            # DeepSpeed checks once that a tensor-parallel group's ranks start on the same
+            # inputs: the token ids, yes, but a later stage's are its ranks' own slices
+            engine.first_dataloader_check.remove()
+    else:
+        embeddings, norms = [module.embed], [module.norm]
+    tensor_parallel.apply_sequence_parallelism(module, embeddings, norms, group)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from lmfoundry.model.checkpoint import TIED_HEAD
 from lmfoundry.model.tensor_files import write_safetensors
-from lmfoundry.model.transformer import Transformer
+from lmfoundry.model.transformer import RMSNorm, Transformer
 
 
 class Embedding(nn.Module):
@@ -60,11 +60,12 @@ class BlockLayer(nn.Module):
         super().__init__()
         self.block = model.blocks[index]
         self.recompute = model.cfg.activation_checkpointing
+        self.sequence_shards = 1  # under sequence parallelism x holds 1/shards of each sequence
         self.register_buffer("cos", model.rope_cos, persistent=False)
         self.register_buffer("sin", model.rope_sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[1]
+        T = x.shape[1] * self.sequence_shards  # the attention sees the whole sequence
         cos, sin = self.cos[None, :T], self.sin[None, :T]
         if self.recompute and self.training:
             return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
@@ -123,6 +124,23 @@ def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1):
         loss_fn=next_token_loss,
         partition_method="type:BlockLayer",  # the blocks evenly; the embedding first, the head last
     )
+
+
+def prepare_sequence_parallel_stage(module, group) -> tuple[list, list]:
+    """A pipeline stage made ready for sequence parallelism over `group`: its blocks told that
+    they hold a slice of each sequence. Returns the stage's embedding lookups (whose output
+    each rank slices) and its final norm (whose output is gathered whole for the head)."""
+    import torch.distributed as dist
+
+    embeddings, norms = [], []
+    for layer in module.forward_funcs:
+        if isinstance(layer, BlockLayer):
+            layer.sequence_shards = dist.get_world_size(group)
+        elif isinstance(layer, Embedding):
+            embeddings.append(layer)
+        elif isinstance(layer, Wrapped) and isinstance(layer.module, RMSNorm):
+            norms.append(layer)  # the final norm (the untied head is the other wrapped layer)
+    return embeddings, norms
 
 
 def share_groups_with_tensor_parallelism(grid) -> None:

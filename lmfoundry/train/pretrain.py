@@ -176,6 +176,12 @@ def resolve_model_shape(cfg: PretrainConfig, pack_manifest: dict) -> PretrainCon
         raise ValueError(
             f"model.max_seq_len={model.max_seq_len} is shorter than the packed seq_len={pack_manifest['seq_len']}"
         )
+    tp = cfg.parallelism.tensor_parallel_size
+    if cfg.parallelism.splits_sequences and pack_manifest["seq_len"] % tp:
+        raise ValueError(
+            f"sequence_parallel splits each sequence over tensor_parallel_size={tp} ranks: the packed "
+            f"seq_len={pack_manifest['seq_len']} must be a multiple of {tp} (pack with another seq_len)"
+        )
     return cfg.model_copy(update={"model": model})
 
 

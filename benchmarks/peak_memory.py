@@ -4,8 +4,8 @@ Each case is a small pretraining config trained for two optimizer steps by two C
 over gloo (benchmarks/harness/peak_memory.py: the training loop's model, DeepSpeed engine and
 optimizer, on random tokens); the measured figure is the largest per-rank rise of the resident
 set during training. The prediction is `planner.training_memory_bytes` for the same layout (dp=2, fp32, no GPU
-workspace allowance). One more case, tensor and pipeline parallelism together, runs on four
-processes (one TP 2 x PP 2 replica).
+workspace allowance). Two more cases, tensor and pipeline parallelism together without and with
+sequence parallelism, run on four processes (one TP 2 x PP 2 replica).
 
     python benchmarks/peak_memory.py
 
@@ -55,14 +55,14 @@ def compare(selected: dict[str, PretrainConfig], world: int) -> list[dict]:
 def main() -> None:
     start = time.time()
     rows = compare(reference_cases(), WORLD) + compare(composed_cases(), 4)
-    print(f"{'case':<38} {'measured MiB':>12} {'predicted MiB':>13} {'ratio':>6}   predicted parts, MiB")
+    print(f"{'case':<56} {'measured MiB':>12} {'predicted MiB':>13} {'ratio':>6}   predicted parts, MiB")
     for r in rows:
         parts = r["predicted_parts_mib"]
         detail = " ".join(
             f"{k} {parts[k]:.0f}"
             for k in ("weights", "gradients", "optimizer", "buckets", "activations", "backward_transient")
         )
-        print(f"{r['case']:<38} {r['measured_mib']:12.1f} {r['predicted_mib']:13.1f} {r['ratio']:6.3f}   {detail}")
+        print(f"{r['case']:<56} {r['measured_mib']:12.1f} {r['predicted_mib']:13.1f} {r['ratio']:6.3f}   {detail}")
     RESULTS.mkdir(exist_ok=True)
     out = {
         "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",

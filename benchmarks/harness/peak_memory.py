@@ -178,18 +178,30 @@ def reference_cases() -> dict[str, PretrainConfig]:
 
 
 def composed_cases() -> dict[str, PretrainConfig]:
-    """Tensor and pipeline parallelism together, on 4 processes (one replica of TP 2 x PP 2):
-    the benchmark measures it beside the reference cases (the test, to stay short, does not)."""
+    """Tensor and pipeline parallelism together, on 4 processes (one replica of TP 2 x PP 2),
+    without and with sequence parallelism: the benchmark measures them beside the reference
+    cases (the test, to stay short, does not)."""
     wide = ModelConfig(vocab_size=8192, max_seq_len=SEQ_LEN, n_layer=4, d_model=512, n_head=8, n_kv_head=4)
-    return {
-        "dense 512-wide, TP 2 x PP 2, 4 micro": PretrainConfig(
+
+    def cfg(sequence_parallel: bool) -> PretrainConfig:
+        return PretrainConfig(
             data="-",
             output="-",
             model=wide,
-            parallelism={"num_workers": 4, "zero_stage": 1, "tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+            parallelism={
+                "num_workers": 4,
+                "zero_stage": 1,
+                "tensor_parallel_size": 2,
+                "pipeline_parallel_size": 2,
+                "sequence_parallel": sequence_parallel,
+            },
             batch={"micro_batch_size": 4, "global_batch_tokens": 4 * SEQ_LEN * 4},
             schedule={"max_steps": 10, "warmup_steps": 1},
         )
+
+    return {
+        "dense 512-wide, TP 2 x PP 2, 4 micro": cfg(False),
+        "dense 512-wide, TP 2 x PP 2, sequence parallel, 4 micro": cfg(True),
     }
 
 

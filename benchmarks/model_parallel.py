@@ -2,8 +2,10 @@
 steps on the same global batches (benchmarks/harness/model_parallel.py), at TP 2 x DP 2 on 4
 gloo processes, PP 2 on 2 (4 micro-batches a step, 1F1B), PP 2 x DP 2 on 4 (with activation
 checkpointing, whose recomputation must not change the losses), TP 2 x PP 2 on 4 (each
-stage split over 2 ranks, 4 micro-batches a step), and with sequence parallelism TP 2 on 2
-(with activation checkpointing) and TP 2 x PP 2 on 4. The figures: the
+stage split over 2 ranks, 4 micro-batches a step), with sequence parallelism TP 2 on 2 (with
+activation checkpointing) and TP 2 x PP 2 on 4, and with a vocabulary-parallel head TP 2 on 2
+(tied, and untied with sequence parallelism: held to a one-worker run of the untied model). The
+figures: the
 largest loss difference from the one-worker run, the largest relative difference of the gradient
 norm (clipping's), and the largest logit difference between the
 weights each run wrote, loaded into the single-device model, and the one-worker engine (and the
@@ -33,13 +35,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         rows = compare_layouts(scratch)
     print(
-        f"{'layout':<34} {'workers':>7} {'first loss':>10} {'last loss':>9} {'max |d loss|':>12} {'grad norm':>9} "
+        f"{'layout':<42} {'workers':>7} {'first loss':>10} {'last loss':>9} {'max |d loss|':>12} {'grad norm':>9} "
         f"{'written vs 1 worker':>19} {'written vs own':>14}"
     )
     for name, r in rows.items():
         own = r["reloaded_vs_own_engine_logits"]
         print(
-            f"{name:<34} {r['workers']:>7} {r['losses'][0]:>10.4f} {r['losses'][-1]:>9.4f} "
+            f"{name:<42} {r['workers']:>7} {r['losses'][0]:>10.4f} {r['losses'][-1]:>9.4f} "
             f"{r['loss_max_abs_diff']:>12.2e} {r['grad_norm_max_rel_diff']:>9.1e} "
             f"{r['reloaded_vs_one_worker_logits']:>19.2e} "
             f"{'-' if own is None else f'{own:.2e}':>14}"

@@ -270,6 +270,31 @@ def test_sequence_parallelism_sums_the_norms_gradients_and_sends_whole_slices_be
     assert resolve_model_shape(sp, {"vocab_size": 100, "seq_len": 128}).model.max_seq_len >= 128
 
 
+def test_a_vocabulary_parallel_head_is_asked_of_autotp_only_where_it_runs(caplog):
+    """With tensor parallelism and no pipeline AutoTP splits the head by vocabulary rows;
+    without tensor parallelism the setting does nothing, and with a pipeline it does nothing
+    and says so."""
+    tp = cfg(parallelism={"num_workers": 2, "tensor_parallel_size": 2, "vocab_parallel": True})
+    assert tp.parallelism.splits_vocabulary
+    assert deepspeed_config(tp, 2, 128)["tensor_parallel"]["vocab_parallel_lm_head"] is True
+    alone = cfg(parallelism={"vocab_parallel": True})
+    assert not alone.parallelism.splits_vocabulary and "tensor_parallel" not in deepspeed_config(alone, 2, 128)
+    piped = cfg(
+        parallelism={
+            "num_workers": 4,
+            "tensor_parallel_size": 2,
+            "pipeline_parallel_size": 2,
+            "zero_stage": 1,
+            "vocab_parallel": True,
+        }
+    )
+    assert not piped.parallelism.splits_vocabulary
+    assert "vocab_parallel_lm_head" not in deepspeed_config(piped, 4, 128)["tensor_parallel"]
+    assert "vocab_parallel does nothing with pipeline_parallel_size=2" in caplog.text
+    with pytest.raises(ValueError, match="vocab_parallel"):
+        cfg(parallelism={"tensor_parallel_size": 2, "vocab_parallel": "all of it"})
+
+
 def test_tensor_and_pipeline_parallelism_are_refused_outside_pretraining():
     from lmfoundry.train.dpo import DPOConfig
 

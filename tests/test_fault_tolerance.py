@@ -243,8 +243,13 @@ def finish(data: str, run: Path, parallelism: dict, **overrides) -> list[float]:
 @pytest.mark.parametrize(
     "parallelism, own_files, drilled",
     [
-        # each rank of the tensor-parallel group saves its own shard of the weights
-        ({"num_workers": 2, "tensor_parallel_size": 2}, ("mp_rank_0[01]_model_states.pt", 2), True),
+        # each rank of the tensor-parallel group saves its own shard of the weights (the head and
+        # the tied embedding split by vocabulary rows; the sequence split between the layers)
+        (
+            {"num_workers": 2, "tensor_parallel_size": 2, "sequence_parallel": True, "vocab_parallel": True},
+            ("mp_rank_0[01]_model_states.pt", 2),
+            True,
+        ),
         # each stage saves its own layers: the embedding, 2 blocks, the norm (the tied head is the
         # embedding); 4 micro-batches a step through DeepSpeed's 1F1B schedule. Its kill and
         # resume is the next case's pipeline engine, drilled there.
@@ -265,8 +270,8 @@ def finish(data: str, run: Path, parallelism: dict, **overrides) -> list[float]:
 def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_layouts(
     parallelism, own_files, drilled, deepspeed_workers, packed, pretrained, tmp_path
 ):
-    """The reference run (2 workers, data parallel) stopped after step 30 and finished at TP 2,
-    in 2 pipeline stages, or at TP 2 in each of 2 stages: its losses, up to the rounding of the
+    """The reference run (2 workers, data parallel) stopped after step 30 and finished at TP 2
+    (with sequence parallelism and a vocabulary-parallel head), in 2 pipeline stages, or at TP 2 in each of 2 stages: its losses, up to the rounding of the
     other summation order. That run stopped after step 35 and finished again in its layout with
     the second worker killed after step 38: bitwise its own losses. And finished by one worker
     holding the whole model: its losses, up to rounding. Each move between layouts goes through

@@ -1,11 +1,13 @@
 """Tensor parallelism (train/tensor_parallel.py) and pipeline parallelism
 (train/pipeline_parallel.py) train the model the data-parallel run trains: on gloo processes
 (benchmarks/harness/model_parallel.py), the losses of 20 steps at TP 2 x DP 2 (4 workers), PP 2
-(2 workers, 4 micro-batches a step), PP 2 x DP 2 (4 workers, activation checkpointing) and TP 2 x
-PP 2 (4 workers, each stage split over 2, 4 micro-batches a step) are those of one worker holding
-the whole model, and the weights each run writes (piece by piece, or layer by layer from each
-stage, gathered over its tensor-parallel group) are whole: loaded into the single-device model
-they give the engines' logits."""
+(2 workers, 4 micro-batches a step), PP 2 x DP 2 (4 workers, activation checkpointing), TP 2 x
+PP 2 (4 workers, each stage split over 2, 4 micro-batches a step), with sequence parallelism at
+TP 2 (with checkpointing) and TP 2 x PP 2, and with a vocabulary-parallel head at TP 2 (tied, and
+untied with sequence parallelism) are those of one worker holding the whole model, and the
+weights each run writes (piece by piece, or layer by layer from each stage, gathered over its
+tensor-parallel group) are whole: loaded into the single-device model they give the engines'
+logits (a vocabulary-parallel engine's: rank 0's half of the vocabulary)."""
 
 from harness.model_parallel import compare_layouts
 
@@ -19,6 +21,9 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
         assert row["grad_norm_max_rel_diff"] <= 1e-4, (name, row["grad_norms"])  # clipping sees the whole model
         assert row["reloaded_vs_one_worker_logits"] <= 1e-4, name
         assert row["reloaded_vs_own_engine_logits"] is None or row["reloaded_vs_own_engine_logits"] <= 1e-5, name
+        if row["pipeline_stages"] == 1:  # a vocabulary-parallel engine computes its rank's half of the logits
+            assert row["engine_logits_width"] == (48 if row.get("vocab_parallel") else 96), name
+    assert rows["one worker, untied"]["losses"] != reference  # the untied rows have a reference of their own
 
 
 def test_a_universal_checkpoints_parameters_are_renamed_between_the_model_and_its_pipeline(tmp_path):

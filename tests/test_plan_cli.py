@@ -80,10 +80,11 @@ def test_the_70b_recipe_on_1024_gpus_gets_its_fastest_layout_written_with_sequen
     cfg = load_config(PretrainConfig, out)
     par = cfg.parallelism
     assert (par.tensor_parallel_size, par.pipeline_parallel_size, par.num_workers) == (4, 1, 1024)
-    assert par.splits_sequences
+    assert par.splits_sequences and par.splits_vocabulary
     derived = yaml.safe_load((tmp_path / "70b.deepspeed.json").read_text())
     assert derived["deepspeed"]["tensor_parallel"]["autotp_size"] == 4
     assert derived["deepspeed"]["tensor_parallel"]["partition_config"]["layer_specs"][-1]["grad_allreduce"]
+    assert derived["deepspeed"]["tensor_parallel"]["vocab_parallel_lm_head"]
     # 256 data-parallel replicas of micro-batches of 2 sequences of 4,096 tokens: 2 micro-steps
     assert derived["deepspeed"]["gradient_accumulation_steps"] == 4194304 // (256 * 2 * 4096)
     # the same recipe without sequence parallelism: TP 4 x DP 256 does not fit at any micro-batch size
@@ -91,6 +92,7 @@ def test_the_70b_recipe_on_1024_gpus_gets_its_fastest_layout_written_with_sequen
     assert "sequence_parallel: true" in recipe
     plain = tmp_path / "70b-plain.yaml"
     plain.write_text(recipe.replace("sequence_parallel: true", "sequence_parallel: false"))
+    # (the vocabulary-parallel head alone does not make it fit)
     assert main([str(plain), "--gpu", "H100", "--nodes", "128", "--json", str(tmp_path / "p.json")]) == 0
     plans = yaml.safe_load((tmp_path / "p.json").read_text())["plans"]
     tp4 = [p for p in plans if (p["layout"]["tp"], p["layout"]["pp"]) == (4, 1)]
@@ -108,6 +110,7 @@ def test_on_64_gpus_the_70b_recipe_written_splits_each_pipeline_stage_by_tensor_
     assert main(["configs/pretrain_70b_gpu.yaml", "--gpu", "H100", "--nodes", "8", "--write-config", str(out)]) == 0
     par = load_config(PretrainConfig, out).parallelism
     assert (par.tensor_parallel_size, par.pipeline_parallel_size, par.num_workers) == (2, 4, 64)
+    assert par.splits_sequences and not par.vocab_parallel  # the pipeline keeps the head whole
     ds = yaml.safe_load((tmp_path / "70b.deepspeed.json").read_text())["deepspeed"]
     assert ds["tensor_parallel"]["autotp_size"] == 2 and ds["zero_optimization"]["stage"] == 1
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 8

@@ -22,26 +22,42 @@ from harness.peak_memory import spawn_ranks, start_rank
 from lmfoundry.train.config import PretrainConfig, data_parallel
 
 SEQ_LEN, STEPS = 32, 20
-# name: (tensor parallel, pipeline stages, workers, activation checkpointing, sequence parallel)
+# name: (tensor parallel, pipeline stages, workers, options of small_config); a layout with an
+# untied head is held to the one-worker run of the untied model
 LAYOUTS = {
-    "one worker": (1, 1, 1, False, False),
-    "TP 2 x DP 2": (2, 1, 4, False, False),
-    "TP 2, sequence parallel, recompute": (2, 1, 2, True, True),
-    "PP 2": (1, 2, 2, False, False),
-    "PP 2 x DP 2, recompute": (1, 2, 4, True, False),
-    "TP 2 x PP 2": (2, 2, 4, False, False),
-    "TP 2 x PP 2, sequence parallel": (2, 2, 4, False, True),
+    "one worker": (1, 1, 1, {}),
+    "one worker, untied": (1, 1, 1, {"tied": False}),
+    "TP 2 x DP 2": (2, 1, 4, {}),
+    "TP 2, sequence parallel, recompute": (2, 1, 2, {"sequence_parallel": True, "recompute": True}),
+    "TP 2, vocab parallel": (2, 1, 2, {"vocab_parallel": True}),
+    "TP 2, vocab + sequence parallel, untied": (
+        2,
+        1,
+        2,
+        {"vocab_parallel": True, "sequence_parallel": True, "tied": False},
+    ),
+    "PP 2": (1, 2, 2, {}),
+    "PP 2 x DP 2, recompute": (1, 2, 4, {"recompute": True}),
+    "TP 2 x PP 2": (2, 2, 4, {}),
+    "TP 2 x PP 2, sequence parallel": (2, 2, 4, {"sequence_parallel": True}),
 }
 
 
 def small_config(
-    tp: int, pp: int, workers: int, recompute: bool = False, sequence_parallel: bool = False
+    tp: int,
+    pp: int,
+    workers: int,
+    recompute: bool = False,
+    sequence_parallel: bool = False,
+    vocab_parallel: bool = False,
+    tied: bool = True,
 ) -> PretrainConfig:
     """A 2-layer model with grouped-query attention, per-head query/key norms and q/k/v biases
     (Qwen2/3), so that each of the split or summed parts is exercised, and a tied head (on the
-    last stage, the first stage's embedding); 8 sequences a step, in micro-batches of 2 (4 per
-    step through a pipeline of one replica). `recompute`: activation checkpointing;
-    `sequence_parallel`: Megatron's sequence parallelism over the tensor-parallel group."""
+    last stage, the first stage's embedding) unless `tied` is false; 8 sequences a step, in
+    micro-batches of 2 (4 per step through a pipeline of one replica). `recompute`: activation
+    checkpointing; `sequence_parallel`: Megatron's sequence parallelism over the tensor-parallel
+    group; `vocab_parallel`: the head split by vocabulary rows."""
     from lmfoundry.model.transformer import ModelConfig
 
     model = ModelConfig(
@@ -54,6 +70,7 @@ def small_config(
         qk_norm=True,
         attention_bias=True,
         activation_checkpointing=recompute,
+        tie_embeddings=tied,
     )
     return PretrainConfig(
         data="-",
@@ -65,6 +82,7 @@ def small_config(
             "pipeline_parallel_size": pp,
             "zero_stage": 1,
             "sequence_parallel": sequence_parallel,
+            "vocab_parallel": vocab_parallel,
         },
         batch={"micro_batch_size": 2, "global_batch_tokens": 8 * SEQ_LEN},
         schedule={"max_steps": STEPS, "warmup_steps": 2},
@@ -81,22 +99,37 @@ def compare_layouts(out: str) -> dict:
     from lmfoundry.model.checkpoint import load_model_files
 
     rows = {}
-    for name, (tp, pp, workers, recompute, sequence_parallel) in LAYOUTS.items():
-        cfg = small_config(tp, pp, workers, recompute, sequence_parallel)
-        directory = str(Path(out) / name.replace(" ", "").replace(",", "-"))
+    for name, (tp, pp, workers, options) in LAYOUTS.items():
+        cfg = small_config(tp, pp, workers, **options)
+        directory = str(Path(out) / name.replace(" ", "").replace(",", "-").replace("+", ""))
         run = train_losses(cfg, workers, SEQ_LEN, STEPS, directory)
         with torch.no_grad():
             reloaded = load_model_files(directory)(probe_batch(cfg))[0]
-        rows[name] = {"tensor_parallel": tp, "pipeline_stages": pp, "workers": workers, **run, "reloaded": reloaded}
-    reference = rows["one worker"]
-    reference_losses, reference_logits = reference["losses"], reference["logits"]
+        reference = "one worker" if options.get("tied", True) else "one worker, untied"
+        rows[name] = {
+            "name": name,
+            "tensor_parallel": tp,
+            "pipeline_stages": pp,
+            "workers": workers,
+            **options,
+            "reference": reference,
+            **run,
+            "reloaded": reloaded,
+        }
     for row in rows.values():
-        row["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(row["losses"], reference_losses))
+        reference = rows[row["reference"]]
+        row["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(row["losses"], reference["losses"]))
         row["grad_norm_max_rel_diff"] = max(abs(a / b - 1) for a, b in zip(row["grad_norms"], reference["grad_norms"]))
-        reloaded, own = row.pop("reloaded"), row.pop("logits")
+    logits = {name: row.pop("logits") for name, row in rows.items()}
+    for row in rows.values():
+        reloaded, own = row.pop("reloaded"), logits[row["name"]]
         # the written weights against the one-worker engine, and against the run's own engine
-        row["reloaded_vs_one_worker_logits"] = float((reloaded - reference_logits).abs().max())
-        row["reloaded_vs_own_engine_logits"] = None if own is None else float((reloaded - own).abs().max())
+        # (a vocabulary-parallel engine's logits are rank 0's slice of the vocabulary: its first)
+        row["reloaded_vs_one_worker_logits"] = float((reloaded - logits[row["reference"]]).abs().max())
+        row["reloaded_vs_own_engine_logits"] = (
+            None if own is None else float((reloaded[..., : own.shape[-1]] - own).abs().max())
+        )
+        row["engine_logits_width"] = None if own is None else own.shape[-1]
     return rows
 
 

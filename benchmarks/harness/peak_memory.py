@@ -145,6 +145,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
         tp: int = 1,
         pp: int = 1,
         sequence_parallel: bool = False,
+        vocab_parallel: bool = False,
     ) -> PretrainConfig:
         replicas = WORLD // (tp * pp)
         return PretrainConfig(
@@ -157,6 +158,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
                 "tensor_parallel_size": tp,
                 "pipeline_parallel_size": pp,
                 "sequence_parallel": sequence_parallel,
+                "vocab_parallel": vocab_parallel,
             },
             batch={"micro_batch_size": micro, "global_batch_tokens": micro * replicas * SEQ_LEN * accumulate},
             schedule={"max_steps": 10, "warmup_steps": 1},
@@ -173,6 +175,9 @@ def reference_cases() -> dict[str, PretrainConfig]:
         "MoE, expert parallel 2, ZeRO-2": cfg(moe, 2, ep=2),
         "dense 512-wide, TP 2, ZeRO-2": cfg(wide, 2, micro=4, tp=2),
         "dense 512-wide, TP 2, sequence parallel, ZeRO-2": cfg(wide, 2, micro=4, tp=2, sequence_parallel=True),
+        "dense 512-wide, TP 2, sequence + vocab parallel, ZeRO-2": cfg(
+            wide, 2, micro=4, tp=2, sequence_parallel=True, vocab_parallel=True
+        ),
         "dense 512-wide, PP 2, 4 micro": cfg(wide, 1, micro=4, accumulate=4, pp=2),
     }
 
@@ -218,6 +223,7 @@ def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> 
         zero_stage=par.zero_stage,
         activation_checkpointing=cfg.model.activation_checkpointing,
         sequence_parallel=par.sequence_parallel,
+        vocab_parallel=par.vocab_parallel,
         micro_batch_size=cfg.batch.micro_batch_size,
         precision=resolved_precision(par),
         reduce_bucket_size=par.reduce_bucket_size,

@@ -44,6 +44,8 @@ def recipe_for(cfg: PretrainConfig, plan) -> dict:
         use_gpu=True,
         precision="bf16",
     )
+    if cfg.parallelism.vocab_parallel:  # the recipe's ask, kept where the layout splits the head
+        out["parallelism"]["vocab_parallel"] = plan.layout.tp > 1 and plan.layout.pp == 1
     out.setdefault("batch", {})["micro_batch_size"] = plan.micro_batch_size
     return out
 
@@ -142,6 +144,7 @@ def main(argv=None) -> int:
             zero_stage=cfg.parallelism.zero_stage,
             activation_checkpointing=cfg.model.activation_checkpointing,
             sequence_parallel=cfg.parallelism.sequence_parallel,
+            vocab_parallel=cfg.parallelism.vocab_parallel,
             precision="fp32" if cfg.parallelism.precision == "fp32" else "bf16",
             reduce_bucket_size=cfg.parallelism.reduce_bucket_size,
             offload_optimizer=cfg.parallelism.offload_optimizer,
@@ -161,7 +164,8 @@ def main(argv=None) -> int:
     print(
         f"{args.config}: {shape.total_params / 1e9:.2f}B parameters ({shape.expert_params / 1e9:.2f}B in routed "
         f"experts), {shape.train_flops_per_token / 1e9:.1f} GFLOP per token; {cluster.gpus} x {cluster.gpu.name}; "
-        f"ZeRO-{recipe.zero_stage}{', sequence parallel' if recipe.sequence_parallel else ''}, "
+        f"ZeRO-{recipe.zero_stage}{', sequence parallel' if recipe.sequence_parallel else ''}"
+        f"{', vocabulary-parallel head' if recipe.vocab_parallel else ''}, "
         f"{recipe.global_batch_tokens} tokens a step, budget {recipe.token_budget:.3g} tokens"
     )
     print(

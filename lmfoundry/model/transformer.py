@@ -276,6 +276,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, 1 if cfg.reward_head else cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        # The training loss, given targets, when set (Hugging Face's hook name): a vocabulary-
+        # parallel head's logits are each rank's slice of the vocabulary, and DeepSpeed puts a
+        # distributed cross-entropy here (train/tensor_parallel.py). Called with the logits and
+        # `shift_labels`, targets that are already the next tokens.
+        self.loss_function = None
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -354,7 +359,10 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            if self.loss_function is not None:
+                loss = self.loss_function(logits.float(), shift_labels=targets)
+            else:
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
             if self.training:
                 loss = loss + sum((m.aux_loss for m in self.moe_layers()), loss.new_zeros(()))
         return logits, loss

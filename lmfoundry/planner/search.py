@@ -20,8 +20,8 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   tensor parallelism t the norm side (6 h) stays whole and the rest splits by t (Korthikanti et
   al. 2022, "Reducing Activation Recomputation", the same split for Megatron's GPT); with
   sequence parallelism the norm side and the blocks' inputs split by t too. The output
-  layer keeps 3 h + V (its norm and the log-probabilities; the head is not split by t, as
-  lmfoundry's tensor parallelism keeps it whole); backward briefly holds two V-wide gradients
+  layer keeps 3 h + V (its norm and the log-probabilities; the head is whole on every rank
+  unless it is vocabulary-parallel, which splits V by t); backward briefly holds two V-wide gradients
   more, or with activation checkpointing (which keeps only each block's input) one block's
   recomputed activations. 1F1B keeps up to p micro-batches in flight on the first
   stage; interleaving adds (p-1)/(p*v) of that. tests/test_planner_memory.py checks the sum
@@ -100,6 +100,7 @@ class Recipe:
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
     sequence_parallel: bool = False  # under tensor parallelism (see activation_bytes)
+    vocab_parallel: bool = False  # the head (and a tied embedding) split by t, without a pipeline
     micro_batch_size: int = 1
     precision: str = "bf16"  # or "fp32"
     reduce_bucket_size: int = 50_000_000  # elements, as in the pretrain config
@@ -150,17 +151,25 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def dense_params_per_gpu(shape: ModelShape, layout: Layout) -> float:
+def vocab_split(layout: Layout, recipe: Recipe | None) -> bool:
+    """Whether the output head (and a tied embedding) is split by vocabulary rows over the
+    tensor-parallel group: asked for, with tensor parallelism and no pipeline."""
+    return recipe is not None and recipe.vocab_parallel and layout.tp > 1 and layout.pp == 1
+
+
+def dense_params_per_gpu(shape: ModelShape, layout: Layout, recipe: Recipe | None = None) -> float:
     """The dense parameters the busiest GPU holds. Tensor parallelism splits the blocks' linear
-    layers only (the embedding, an untied head and the norms stay whole on each rank, as
-    train/tensor_parallel.py lays the model out). The pipeline spreads the blocks evenly over its
+    layers (the embedding, an untied head and the norms stay whole on each rank, as
+    train/tensor_parallel.py lays the model out), and with `recipe.vocab_parallel` the head, or
+    the tied embedding it shares, too. The pipeline spreads the blocks evenly over its
     stages but keeps the embedding whole on the first and the head (or, tied, the embedding again)
     on the last (train/pipeline_parallel.py): the busier end stage holds one of them beside its
     blocks."""
     dense = shape.total_params - shape.expert_params
     whole = shape.replicated_params
     if layout.pp == 1:
-        return (dense - whole) / layout.tp + whole
+        vocab = (shape.head_params or shape.embedding_params) if vocab_split(layout, recipe) else 0
+        return (dense - whole + vocab) / layout.tp + whole - vocab
     first, last = shape.embedding_params, shape.head_params or shape.embedding_params
     norms = whole - shape.embedding_params - shape.head_params
     return ((dense - whole) / layout.tp + norms) / layout.pp + max(first, last)
@@ -174,7 +183,7 @@ def model_state_bytes(shape: ModelShape, layout: Layout, recipe: Recipe) -> dict
     w_bytes, g_whole, g_part, opt_bytes = STATE_BYTES[recipe.precision]
     if recipe.zero_stage == 0 and recipe.precision == "fp32":
         opt_bytes = 8  # torch's optimizer steps the fp32 weights themselves: no master copy
-    local_dense = dense_params_per_gpu(shape, layout)
+    local_dense = dense_params_per_gpu(shape, layout, recipe)
     local_expert = shape.expert_params / (layout.ep * layout.pp * layout.tp)
     dp_dense, dp_expert = layout.dp, max(layout.dp // layout.ep, 1)  # ZeRO partitions over these
 
@@ -221,11 +230,13 @@ def activation_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_ba
     )
     layers = (shape.n_layer - shape.moe_layers) * dense_layer + shape.moe_layers * moe_layer
     biggest_layer = moe_layer if shape.moe_layers else dense_layer
-    output = h + 2 * h / split + shape.vocab_size  # the output head is whole on every tensor-parallel rank
+    # the logits are whole on every tensor-parallel rank, or each rank's slice of the vocabulary
+    vocab = shape.vocab_size / (t if vocab_split(layout, recipe) else 1)
+    output = h + 2 * h / split + vocab
     if recipe.activation_checkpointing:  # each block keeps its input; backward recomputes one block
-        kept, backward = shape.n_layer * h / split, max(2 * shape.vocab_size, biggest_layer)
+        kept, backward = shape.n_layer * h / split, max(2 * vocab, biggest_layer)
     else:
-        kept, backward = layers, 2 * shape.vocab_size
+        kept, backward = layers, 2 * vocab
     in_flight = min(micro_batches, p) * (1 + (p - 1) / (p * v) if v > 1 else 1)
     return {"activations": (kept / p * in_flight + output) * tokens * e, "backward_transient": backward * tokens * e}
 
@@ -311,7 +322,7 @@ def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) ->
 
     # communication per GPU per step, GB
     s, b, h = recipe.seq_len, recipe.micro_batch_size, shape.d_model
-    dense_local = dense_params_per_gpu(shape, layout)
+    dense_local = dense_params_per_gpu(shape, layout, recipe)
     expert_local = shape.expert_params / (layout.ep * layout.pp * layout.tp)
     grad_kind = "all_reduce" if recipe.zero_stage <= 1 else "reduce_scatter"
     dp_gb = (

@@ -105,12 +105,25 @@ class ParallelismConfig(StageConfig):
         "parallelism does; sequences must split evenly over the group. Without tensor parallelism it does "
         "nothing (as in Megatron), so a recipe can ask for it before the planner chooses the layout",
     )
+    vocab_parallel: bool = Field(
+        False,
+        description="with tensor_parallel_size > 1 and no pipeline: the output head (and a tied embedding, which "
+        "shares its weight) split by vocabulary rows over the tensor-parallel group, each rank computing the "
+        "logits of its slice and the loss by a distributed cross-entropy (DeepSpeed AutoTP's vocabulary-"
+        "parallel head); an untied embedding stays whole. Elsewhere it does nothing, so a recipe can ask for "
+        "it before the planner chooses the layout",
+    )
     precision: Literal["auto", "fp32", "bf16"] = "auto"
 
     @property
     def splits_sequences(self) -> bool:
         """Whether sequence parallelism runs: asked for, with a tensor-parallel group to run over."""
         return self.sequence_parallel and self.tensor_parallel_size > 1
+
+    @property
+    def splits_vocabulary(self) -> bool:
+        """Whether the head is vocabulary-parallel: asked for, with tensor parallelism and no pipeline."""
+        return self.vocab_parallel and self.tensor_parallel_size > 1 and self.pipeline_parallel_size == 1
 
     @property
     def model_parallel_size(self) -> int:
@@ -154,6 +167,12 @@ class ParallelismConfig(StageConfig):
                     "tensor-parallel group; use a fixed num_workers (a checkpoint still resumes at "
                     "another layout)"
                 )
+        if self.vocab_parallel and tp > 1 and pp > 1:
+            logger.warning(
+                "vocab_parallel does nothing with pipeline_parallel_size=%d: DeepSpeed's pipeline holds the head "
+                "in a layer AutoTP cannot split by vocabulary, so it stays whole on every rank",
+                pp,
+            )
         if self.num_workers % (tp * pp):
             raise ValueError(
                 f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} must divide num_workers={self.num_workers}"

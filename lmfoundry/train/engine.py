@@ -54,7 +54,15 @@ def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_p
         # tensor-parallel group too (the rows per step are this over tp), but the data-parallel
         # replicas only under its pipeline engine
         "train_batch_size": micro * accum * (world_size // (pp * tp) if pp > 1 else world_size),
-        **({"tensor_parallel": tensor_parallel.deepspeed_section(tp, sequence_parallel_norms(cfg))} if tp > 1 else {}),
+        **(
+            {
+                "tensor_parallel": tensor_parallel.deepspeed_section(
+                    tp, sequence_parallel_norms(cfg), par.splits_vocabulary
+                )
+            }
+            if tp > 1
+            else {}
+        ),
         # under sequence parallelism the ranks of a stage's tensor-parallel group hold different
         # slices of the activations: each sends its own whole to its peer of the next stage
         # (partitioned transfers would send 1/tp of one rank's and gather it as everyone's)

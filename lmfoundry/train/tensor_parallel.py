@@ -33,14 +33,17 @@ LAYER_SPECS = [
 ]
 
 
-def deepspeed_section(tp: int, sequence_parallel_norms: list[str] | None = None) -> dict:
+def deepspeed_section(tp: int, sequence_parallel_norms: list[str] | None = None, vocab_parallel: bool = False) -> dict:
     """DeepSpeed's `tensor_parallel` config for `tp` ranks per group. `sequence_parallel_norms`:
     patterns of the names of the norms' weights that see a slice of the sequence under sequence
-    parallelism (their gradients are summed over the group), None without it."""
+    parallelism (their gradients are summed over the group), None without it. `vocab_parallel`:
+    AutoTP splits the output head (`lm_head`) by vocabulary rows, a tied embedding with it, and
+    puts its distributed cross-entropy in the model's `loss_function`."""
     specs = LAYER_SPECS
     if sequence_parallel_norms:
         specs = [*specs, {"patterns": sequence_parallel_norms, "partition_type": "skip", "grad_allreduce": True}]
-    return {"autotp_size": tp, "partition_config": {"use_default_specs": False, "layer_specs": specs}}
+    section = {"autotp_size": tp, "partition_config": {"use_default_specs": False, "layer_specs": specs}}
+    return {**section, "vocab_parallel_lm_head": True} if vocab_parallel else section
 
 
 def sequence_parallel_norms(n_layer: int, pipelined: bool) -> list[str]:

@@ -294,17 +294,24 @@ def test_a_run_survives_its_worker_replica_being_killed(agents):
     from lmfoundry.agents.store import AgentStore
 
     url, store = agents["url"], AgentStore(agents["store"])
-    run_id = httpx.post(
-        f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "How many orders are there?"}, headers=auth()
-    ).json()["id"]
-    deadline = time.time() + 120
-    while not store.steps(run_id):
-        assert time.time() < deadline, "the run never took its first step"
-        time.sleep(0.05)
-    owner = store.steps(run_id)[0]["worker"]  # worker-PID-...
-    os.kill(int(owner.split("-")[1]), signal.SIGKILL)
-    at_kill = store.get(run_id)
-    assert at_kill["state"] == "running", at_kill  # first_tool forces sql: the answer is at least two steps away
+    # first_tool forces sql, so the answer is at least two steps away; but the random-weight
+    # model can end a run at its second model call (its context spent), and on a loaded machine
+    # that may come before the kill lands. Such a run leaves nothing to take over: start another.
+    for _ in range(3):
+        run_id = httpx.post(
+            f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "How many orders are there?"}, headers=auth()
+        ).json()["id"]
+        deadline = time.time() + 120
+        while not store.steps(run_id):
+            assert time.time() < deadline, "the run never took its first step"
+            time.sleep(0.01)
+        owner = store.steps(run_id)[0]["worker"]  # worker-PID-...
+        os.kill(int(owner.split("-")[1]), signal.SIGKILL)
+        at_kill = store.get(run_id)
+        if at_kill["state"] == "running":
+            break
+        assert at_kill["state"] == "failed" and "context" in at_kill["error"], at_kill
+    assert at_kill["state"] == "running", (at_kill["state"], at_kill["error"], at_kill["steps"])
     run = wait_for(url, run_id, ("succeeded", "failed"))
     steps = run["steps"]
     assert [s["n"] for s in steps] == list(range(len(steps)))  # none lost, none twice

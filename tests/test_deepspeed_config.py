@@ -208,7 +208,6 @@ def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_ou
         ),
         ({"num_workers": 4, "pipeline_parallel_size": 4, "zero_stage": 1}, {"n_layer": 2}, "one block a stage"),
         ({"pipeline_parallel_size": 2, "zero_stage": 1}, {"moe": {"num_experts": 4, "top_k": 1}}, "MoE"),
-        ({"sequence_parallel": "yes please"}, {}, "sequence_parallel"),
     ],
 )
 def test_model_parallel_layouts_the_trainer_cannot_run_are_refused_with_the_reason(parallelism, model, refused):
@@ -267,6 +266,8 @@ def test_sequence_parallelism_sums_the_norms_gradients_and_sends_whole_slices_be
 
     with pytest.raises(ValueError, match="seq_len=127 must be a multiple of 2"):
         resolve_model_shape(sp, {"vocab_size": 100, "seq_len": 127})
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        cfg(parallelism={"tensor_parallel_size": 2, "sequence_parallel": "yes please"})
     assert resolve_model_shape(sp, {"vocab_size": 100, "seq_len": 128}).model.max_seq_len >= 128
 
 
@@ -293,6 +294,14 @@ def test_a_vocabulary_parallel_head_is_asked_of_autotp_only_where_it_runs(caplog
     assert "vocab_parallel does nothing with pipeline_parallel_size=2" in caplog.text
     with pytest.raises(ValueError, match="vocab_parallel"):
         cfg(parallelism={"tensor_parallel_size": 2, "vocab_parallel": "all of it"})
+    # every rank needs a row of the vocabulary, checked before any worker starts
+    from lmfoundry.train.pretrain import resolve_model_shape
+
+    tiny = cfg(
+        parallelism={"num_workers": 4, "tensor_parallel_size": 4, "vocab_parallel": True}, model={"n_kv_head": 4}
+    )
+    with pytest.raises(ValueError, match="head's 3 vocabulary rows over tensor_parallel_size=4"):
+        resolve_model_shape(tiny, {"vocab_size": 3, "seq_len": 128})
 
 
 def test_tensor_and_pipeline_parallelism_are_refused_outside_pretraining():

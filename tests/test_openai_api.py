@@ -558,42 +558,58 @@ def test_a_served_reward_model_scores_best_of_n(inference_api, client, tiny_serv
         inference_api.use()
 
 
-def test_a_first_token_after_the_deadline_is_a_408_even_when_it_never_yields():
-    """The deadline counts from the request's arrival. A wait that completes without yielding to
-    the event loop (a token already produced) can beat `wait_for`'s timer; it must still be a 408
-    when it came late, and the streams must be cancelled and the tokens refunded."""
+def test_the_request_deadline_counts_from_arrival_to_when_the_batcher_produced_the_reply():
+    """The deadline counts from the request's arrival to when the batcher produced what was
+    waited for. A wait that completes without yielding to the event loop (a token already
+    produced) can beat `wait_for`'s timer: it is still a 408 when it came late. A reply produced
+    in time is answered however late the event loop gets to it. On a 408 or a failed
+    generation every stream is cancelled and the charge refunded, once."""
     import asyncio
     import time
     from types import SimpleNamespace
 
     from lmfoundry.serving.api import ApiError, LLMServer
+    from lmfoundry.serving.engine import GenerationFailed
 
     cancelled, refunds = [], []
 
     class Stream:
+        produced_at = None
+
         def cancel(self):
             cancelled.append(self)
 
     async def ready():  # returns at once: nothing for the timer to interrupt
         return "token"
 
-    server = SimpleNamespace(timeout_s=0.05, _refund=lambda tenant, n: refunds.append((tenant, n)))
-    in_time = LLMServer.func_or_class._in_time
-    streams = [Stream(), Stream()]
-    late = time.perf_counter() - 0.06  # the request arrived 60 ms ago: past its 50 ms
-    with pytest.raises(ApiError) as err:
-        asyncio.run(in_time(server, [ready(), ready()], streams, "t", 7, "late", late))
-    assert err.value.status == 408 and cancelled == streams and refunds == [("t", 7)]
-
-    async def blocking():  # the token takes 60 ms of the 50, without ever yielding
+    async def blocking():  # the reply reaches the handler 60 ms on, without ever yielding
         time.sleep(0.06)
         return "token"
 
-    cancelled.clear(), refunds.clear()
-    with pytest.raises(ApiError) as err:
-        asyncio.run(in_time(server, [blocking()], streams, "t", 7, "late", time.perf_counter()))
-    assert err.value.status == 408 and cancelled == streams and refunds == [("t", 7)]
+    async def failing():
+        raise GenerationFailed("generation failed: the batcher stopped")
 
-    # within the deadline, the same waits are answered
-    assert asyncio.run(in_time(server, [ready()], [Stream()], "t", 7, "late", time.perf_counter())) == ["token"]
-    assert refunds == [("t", 7)]
+    server = SimpleNamespace(timeout_s=0.05, _refund=lambda tenant, n: refunds.append((tenant, n)))
+    server._abandon = lambda streams, tenant, charged: LLMServer.func_or_class._abandon(
+        server, streams, tenant, charged
+    )
+    in_time = LLMServer.func_or_class._in_time
+
+    def run(waits, started, produced_at=lambda s: s.produced_at):
+        cancelled.clear(), refunds.clear()
+        streams = [Stream(), Stream()]
+        return streams, asyncio.run(in_time(server, waits, streams, "t", 7, "late", started, produced_at))
+
+    for waits, started in (([ready(), ready()], time.perf_counter() - 0.06), ([blocking()], time.perf_counter())):
+        with pytest.raises(ApiError) as err:
+            run(waits, started)  # arrived 60 ms ago, or produced (as far as anyone knows) 60 ms on
+        assert err.value.status == 408 and len(cancelled) == 2 and refunds == [("t", 7)]
+
+    # produced 10 ms after arrival; the handler got to it 60 ms after: in time
+    started = time.perf_counter()
+    streams, results = run([blocking()], started, produced_at=lambda s: started + 0.01)
+    assert results == ["token"] and not cancelled and not refunds
+
+    with pytest.raises(GenerationFailed):
+        run([failing(), ready()], time.perf_counter())
+    assert len(cancelled) == 2 and refunds == [("t", 7)]

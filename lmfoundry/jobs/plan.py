@@ -61,6 +61,8 @@ def runnable_recipe(cfg: PretrainConfig, plan) -> dict | None:
 
     if not plan.fits or plan.layout.virtual_stages > 1:
         return None
+    if cfg.parallelism.sequence_parallel and cfg.model.max_seq_len % plan.layout.tp:
+        return None  # sequence parallelism needs sequences that split evenly over the group
     recipe = recipe_for(cfg, plan)
     try:
         PretrainConfig.model_validate(recipe)

@@ -29,7 +29,10 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
 - pipeline bubble, as a fraction of the step: (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) with v
   virtual stages per GPU (tests check both against a simulated schedule).
 - communication, ring algorithms: all-reduce moves 2(n-1)/n of the buffer per GPU, reduce-
-  scatter and all-gather (n-1)/n, all-to-all (n-1)/n.
+  scatter and all-gather (n-1)/n, all-to-all (n-1)/n. Tensor parallelism costs 4 all-reduces of
+  the activations a layer (2 forward, 2 backward); sequence parallelism turns each into a
+  reduce-scatter and an all-gather and adds one all-gather a norm in backward (the gathered
+  input is recomputed rather than held): 1.25 times the bytes.
 - reliability: Young-Daly checkpoint interval sqrt(2*delta*MTBF), expected time lost
   delta/tau + (tau/2 + restart)/MTBF.
 """
@@ -335,6 +338,8 @@ def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) ->
         dp_gb += gathers * BYTES_BF16 * dense_local * _ring("all_gather", layout.dp) / 1e9
     layers_local = shape.n_layer / layout.pp
     tp_gb = 4 * layers_local * m * BYTES_BF16 * s * b * h * _ring("all_reduce", layout.tp) / 1e9
+    if recipe.sequence_parallel:  # backward gathers each of the 2 norms' outputs a layer again
+        tp_gb *= 1.25
     pp_gb = 2 * m * BYTES_BF16 * s * b * h / layout.tp / 1e9 if layout.pp > 1 else 0.0
     a2a_gb = (
         4 * layers_local * m * BYTES_BF16 * s * b * h * shape.top_k * _ring("all_to_all", layout.ep) / 1e9

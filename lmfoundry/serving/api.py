@@ -300,22 +300,33 @@ class LLMServer:
         if self.limiter is not None and unused > 0:
             self.limiter.refund.remote(tenant, unused)
 
-    async def _in_time(self, waits, streams, tenant: str, charged: int, message: str, started: float) -> list:
+    async def _in_time(self, waits, streams, tenant: str, charged: int, message: str, started: float, produced_at):
         """All of `waits` within the request timeout, counted from `started` (when the request
-        arrived), or a 408 that frees the streams' slots. The deadline is checked again once the
-        waits are done: a wait that finishes without yielding to the event loop can beat
-        `wait_for`'s timer however late it is."""
+        arrived), or a 408. The deadline is checked again once the waits are done, against when
+        the batcher produced what they waited for (`produced_at(stream)`, now if unknown): a wait
+        that finishes without yielding to the event loop can beat `wait_for`'s timer however
+        late it is, and a reply produced in time stays in time however late the event loop gets
+        to it. On a 408, a failed generation or a client gone, every stream is cancelled (its
+        batch slot freed) and the charge refunded, once."""
         try:
             remaining = self.timeout_s - (time.perf_counter() - started)
             results = await asyncio.wait_for(asyncio.gather(*waits), max(remaining, 0.0))
-            if time.perf_counter() - started <= self.timeout_s:
-                return results
+            done = max((produced_at(s) or time.perf_counter() for s in streams), default=time.perf_counter())
+            late = done - started > self.timeout_s
         except asyncio.TimeoutError:
-            pass
+            late = True
+        except BaseException:
+            self._abandon(streams, tenant, charged)
+            raise
+        if not late:
+            return results
+        self._abandon(streams, tenant, charged)
+        raise ApiError(408, message, "timeout_error", code="request_timeout")
+
+    def _abandon(self, streams, tenant: str, charged: int) -> None:
         for s in streams:
             s.cancel()
         self._refund(tenant, charged)
-        raise ApiError(408, message, "timeout_error", code="request_timeout")
 
     @staticmethod
     async def _compile(engine, schema: dict, field: str) -> None:
@@ -536,6 +547,7 @@ class LLMServer:
             charged,
             f"the request took longer than {self.timeout_s} s (request_timeout_s)",
             started,
+            lambda s: s.ended_at,
         )
         first = min(s.first_token_at or time.perf_counter() for s in streams) - started
         self.metrics.time_to_first_token.labels(version=version).observe(first)
@@ -619,7 +631,9 @@ class LLMServer:
         params = sampling_params(req, engine.vocab_size, stop)  # its 400s before the tenant is charged
         await self._admit(tenant, charged)
         seed = req.seed if req.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "big")
-        sampler = EngineSampler(engine, asyncio.get_running_loop(), params, time.monotonic() + self.timeout_s)
+        # the deadline counts from the request's arrival, as _in_time's does
+        deadline = time.monotonic() + self.timeout_s - (time.perf_counter() - started)
+        sampler = EngineSampler(engine, asyncio.get_running_loop(), params, deadline)
         try:
             answer = await asyncio.to_thread(solve, sampler, spec, scorer, prompt.text, max_tokens, seed)
         except ReasoningTimeout:
@@ -675,6 +689,7 @@ class LLMServer:
             charged,
             f"no token within {self.timeout_s} s (request_timeout_s)",
             started,
+            lambda s: s.first_token_at,
         )
         span = request.state.span
         self.metrics.time_to_first_token.labels(version=version).observe(time.perf_counter() - started)

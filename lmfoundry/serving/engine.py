@@ -179,6 +179,7 @@ class TextStream:
         self.sent = 0  # characters of the decoded text already given out
         self.finished = False
         self.first_token_at: float | None = None  # when the batcher produced it
+        self.ended_at: float | None = None  # when the batcher produced the finish (or failed)
         loop = asyncio.get_running_loop()
         # Items cross from the batcher's thread in a deque; the event loop is woken once per
         # batch of items, not once per token (a wake-up per token cost a replica 1-2 ms of each
@@ -192,6 +193,8 @@ class TextStream:
         def emit(item) -> None:  # on the batcher's thread
             if self.first_token_at is None and isinstance(item, int):
                 self.first_token_at = time.perf_counter()
+            elif not isinstance(item, int):
+                self.ended_at = time.perf_counter()
             self._items.append(item)
             if self._woken or (self._lazy and isinstance(item, int)):
                 return

@@ -35,7 +35,7 @@ from lmfoundry.train import tensor_parallel
 from lmfoundry.train.expert_parallel import full_state
 from lmfoundry.train.pipeline_parallel import pipeline_parameter_names
 from lmfoundry.train.pipeline_parallel import write_servable_weights as write_pipeline_weights
-from lmfoundry.train.tensor_parallel import tensor_parallel_size
+from lmfoundry.train.tensor_parallel import splits_vocabulary, tensor_parallel_size
 
 logger = get_logger(__name__)
 
@@ -236,7 +236,10 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     state = checkpoint.load_json_state(local / "train_state.json")
     written_by, written_tp, written_pp = _written_layout(state, uri)
     tp, pp = tensor_parallel_size(engine), engine.num_stages if _pipelined(engine) else 1
-    relayout = (written_by, written_tp, written_pp) != (world, tp, pp)
+    # a vocabulary-parallel head's files hold its rows' shard, a whole head's the whole table:
+    # switching it at the same layout goes through the universal checkpoint too
+    split_head = splits_vocabulary(engine)
+    relayout = (written_by, written_tp, written_pp, bool(state.get("vocab_parallel"))) != (world, tp, pp, split_head)
     load_dir = local / "deepspeed"
     if relayout:
         if _expert_parallel(engine):

@@ -31,7 +31,7 @@ def reduce_bucket_elements(cfg: TrainStageConfig, num_params: int | None) -> int
     return min(bucket, num_params) if num_params else bucket
 
 
-def sequence_parallel_norms(cfg: TrainStageConfig) -> list[str] | None:
+def norms_on_sequence_slices(cfg: TrainStageConfig) -> list[str] | None:
     """The norms a sequence-parallel model applies to a slice of the sequence (None without it):
     sequence parallelism needs tensor parallelism, which only pretraining's model runs."""
     if not cfg.parallelism.splits_sequences:
@@ -57,7 +57,7 @@ def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_p
         **(
             {
                 "tensor_parallel": tensor_parallel.deepspeed_section(
-                    tp, sequence_parallel_norms(cfg), par.splits_vocabulary
+                    tp, norms_on_sequence_slices(cfg), par.splits_vocabulary
                 )
             }
             if tp > 1
@@ -248,6 +248,7 @@ def make_sequence_parallel(engine) -> None:
             # DeepSpeed checks once that a tensor-parallel group's ranks start on the same
             # inputs: the token ids, yes, but a later stage's are its ranks' own slices
             engine.first_dataloader_check.remove()
+            engine.first_dataloader_check = None
     else:
         embeddings, norms = [module.embed], [module.norm]
     tensor_parallel.apply_sequence_parallelism(module, embeddings, norms, group)

@@ -177,6 +177,11 @@ def resolve_model_shape(cfg: PretrainConfig, pack_manifest: dict) -> PretrainCon
             f"model.max_seq_len={model.max_seq_len} is shorter than the packed seq_len={pack_manifest['seq_len']}"
         )
     tp = cfg.parallelism.tensor_parallel_size
+    if cfg.parallelism.splits_vocabulary and model.vocab_size < tp:
+        raise ValueError(
+            f"vocab_parallel splits the head's {model.vocab_size} vocabulary rows over tensor_parallel_size={tp} "
+            "ranks: every rank needs at least one"
+        )
     if cfg.parallelism.splits_sequences and pack_manifest["seq_len"] % tp:
         raise ValueError(
             f"sequence_parallel splits each sequence over tensor_parallel_size={tp} ranks: the packed "

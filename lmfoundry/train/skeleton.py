@@ -461,6 +461,7 @@ class Trainer:
             "world_size": self.world,
             "tensor_parallel_size": self.cfg.parallelism.tensor_parallel_size,
             "pipeline_parallel_size": self.cfg.parallelism.pipeline_parallel_size,
+            "vocab_parallel": self.cfg.parallelism.splits_vocabulary,
             **objective.train_state(pos.step),
             "loss": loss,
             "skipped_batches": self.skipped,

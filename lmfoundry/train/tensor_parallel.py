@@ -60,6 +60,13 @@ def tensor_parallel_size(engine) -> int:
     return max(engine.autotp_size(), 1)
 
 
+def splits_vocabulary(engine) -> bool:
+    """Whether AutoTP split the engine's output head by vocabulary rows."""
+    from deepspeed.module_inject.layers import VocabParallelLinear
+
+    return any(isinstance(m, VocabParallelLinear) for m in engine.module.modules())
+
+
 @contextlib.contextmanager
 def gathered(piece: torch.nn.Module):
     """Collective over the tensor-parallel group: within it, `piece`'s split layers hold their
@@ -79,12 +86,14 @@ def gathered(piece: torch.nn.Module):
 # (the norms, the residual adds) each rank of the group holds 1/T of the sequence instead of the
 # whole of it, so those activations, which tensor parallelism alone keeps whole on every rank,
 # are split T ways too. Each all-reduce of a row-parallel layer becomes a reduce-scatter along
-# the sequence, and each column-parallel layer all-gathers the sequence before its product:
-# the same bytes on the wire (an all-reduce is a reduce-scatter and an all-gather). The norms'
-# weights see 1/T of the tokens, so their gradients are summed over the group. The model has no
-# dropout; with it, the dropout regions would be the split ones too.
-COLUMN_LAYERS = ("attn.wq", "attn.wkv", "mlp.w_gate_up")
-ROW_LAYERS = ("attn.wo", "mlp.w_down")
+# the sequence, and the column-parallel layers that read one norm's output (attention's query and
+# key/value projections; the MLP's gate/up) all-gather it once before their products. Forward
+# moves the bytes tensor parallelism alone does (an all-reduce is a reduce-scatter and an
+# all-gather); backward gathers each norm's output again rather than holding it, one all-gather
+# more a region than tensor parallelism's all-reduces (Megatron too). The norms' weights see 1/T
+# of the tokens, so their gradients are summed over the group. The model has no dropout; with
+# it, the dropout regions would be the split ones too.
+COLUMN_GROUPS = {"attn": ("wq", "wkv"), "mlp": ("w_gate_up",)}  # the column layers that read one input
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
 
 
@@ -94,7 +103,9 @@ def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     shards = x.movedim(SEQUENCE_DIM, 0).contiguous()
     out = shards.new_empty((world * shards.shape[0], *shards.shape[1:]))
-    dist.all_gather_single(out, shards, group=group)
+    # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, shards, group=group)
     return out.movedim(0, SEQUENCE_DIM)
 
 
@@ -120,32 +131,20 @@ def _own_slice(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(world, dim=SEQUENCE_DIM)[rank].contiguous()
 
 
-class ScatterSequence(torch.autograd.Function):
-    """Into the sequence-parallel region: each rank keeps its slice of a whole (replicated)
-    activation; backward gathers the slices' gradients into the whole's."""
+class IntoSequenceSlices(torch.autograd.Function):
+    """Into the sequence-parallel region, each rank keeping its slice of the sequence: of a whole
+    activation that every rank holds (`summed` false: the embedding's output), or of the sum of
+    the ranks' partial activations (`summed` true: a row-parallel product's, a reduce-scatter).
+    Backward gathers the slices' gradients into the whole's."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, summed: bool):
         ctx.group = group
-        return _own_slice(x, group)
+        return _reduce_scatter_sequence(x, group) if summed else _own_slice(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.group), None
-
-
-class ReduceScatterSequence(torch.autograd.Function):
-    """A row-parallel product's partial sums into the sequence-parallel region: summed over the
-    group, each rank keeping its slice; backward gathers the slices' gradients."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.group), None
+        return _gather_sequence(grad, ctx.group), None, None
 
 
 class GatherSequenceForReplicated(torch.autograd.Function):
@@ -163,62 +162,91 @@ class GatherSequenceForReplicated(torch.autograd.Function):
         return _own_slice(grad, ctx.group), None
 
 
-class GatheredColumnLinear(torch.autograd.Function):
-    """A column-parallel product of the whole sequence from a rank's slice of it, keeping only the
-    slice for backward (as Megatron does): the gathered input is rebuilt by a second all-gather
-    in backward instead of being held, which is where sequence parallelism saves the memory of
-    the norms' outputs. Backward reduce-scatters the input's gradient: each rank's product
-    gives a partial gradient of the whole sequence."""
+class GatheredColumnLinears(torch.autograd.Function):
+    """The column-parallel products of the layers that read one input (`weights`, `biases`, in
+    pairs) of the whole sequence, from a rank's slice of it gathered once. Only the slice is kept
+    for backward (as Megatron does): the whole is gathered again in backward instead of being
+    held, which is where sequence parallelism saves the memory of the norms' outputs. Backward
+    sums the layers' gradients of the whole and reduce-scatters them once: each rank's products
+    give a partial gradient of the whole sequence."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        return torch.nn.functional.linear(_gather_sequence(x, group), weight, bias)
+    def forward(ctx, x, group, *params):
+        ctx.group, ctx.has_bias = group, [b is not None for b in params[1::2]]
+        weights = params[0::2]
+        ctx.save_for_backward(x, *weights)
+        whole = _gather_sequence(x, group)
+        return tuple(torch.nn.functional.linear(whole, w, b) for w, b in zip(weights, params[1::2]))
 
     @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        whole = _gather_sequence(x, ctx.group)
-        grad_x = _reduce_scatter_sequence(grad @ weight, ctx.group)
-        grad_weight = grad.reshape(-1, grad.shape[-1]).T @ whole.reshape(-1, whole.shape[-1])
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        whole = _gather_sequence(x, ctx.group).reshape(-1, x.shape[-1])
+        grad_whole, grad_params = None, []
+        for grad, weight, has_bias in zip(grads, weights, ctx.has_bias):
+            part = grad @ weight
+            grad_whole = part if grad_whole is None else grad_whole + part
+            flat = grad.reshape(-1, grad.shape[-1])
+            grad_params += [flat.T @ whole, flat.sum(0) if has_bias else None]
+        return _reduce_scatter_sequence(grad_whole, ctx.group), None, *grad_params
+
+
+def _gather_for_columns(parent: torch.nn.Module, args: tuple, columns: tuple, group) -> None:
+    """A forward pre-hook on the module whose column-parallel layers `columns` read its input:
+    their products, computed together from one gather, left for each layer's forward."""
+    x = args[0]
+    layers = [getattr(parent, name) for name in columns]
+    params = [p for layer in layers for p in (layer.weight, layer.bias)]
+    for layer, out in zip(layers, GatheredColumnLinears.apply(x, group, *params)):
+        layer.sequence_parallel_output = (x, out)
 
 
 def _column_forward(layer, x: torch.Tensor) -> torch.Tensor:
-    return GatheredColumnLinear.apply(x, layer.weight, layer.bias, layer.mp_group)
+    """The product its parent's pre-hook computed for this input (once: a second call, or another
+    input, finds none and fails loudly rather than compute it without the gather)."""
+    held, layer.sequence_parallel_output = getattr(layer, "sequence_parallel_output", None), None
+    if held is None or held[0] is not x:
+        raise RuntimeError("a sequence-parallel column layer runs only on its parent module's input")
+    return held[1]
 
 
 def _row_forward(layer, x: torch.Tensor) -> torch.Tensor:
-    out = ReduceScatterSequence.apply(torch.nn.functional.linear(x, layer.weight), layer.mp_group)
-    return out if layer.bias is None else out + layer.bias
+    return IntoSequenceSlices.apply(torch.nn.functional.linear(x, layer.weight), layer.mp_group, True)
 
 
-def apply_sequence_parallelism(module: torch.nn.Module, embeddings: list, final_norms: list, group) -> int:
-    """Makes `module`, whose blocks AutoTP has split over `group`, sequence-parallel: the
-    column-parallel layers gather the sequence before their product and the row-parallel layers
-    reduce-scatter it after theirs (their own collectives replaced), each embedding lookup in
-    `embeddings` keeps its rank's slice and each norm in `final_norms` (the one before the
-    output head) gathers the whole sequence back. Returns the number of layers changed, which is
-    zero when `module` holds none (a pipeline stage with only the head)."""
+def apply_sequence_parallelism(module: torch.nn.Module, embeddings: list, final_norms: list, group) -> None:
+    """Makes `module`, whose blocks AutoTP has split over `group`, sequence-parallel: each
+    attention and MLP gathers its input's sequence once for its column-parallel layers, the
+    row-parallel layers reduce-scatter it after their products (their own collectives
+    replaced), each embedding lookup in `embeddings` keeps its rank's slice and each norm in
+    `final_norms` (the one before the output head) gathers the whole sequence back."""
+    import functools
     import types
 
     from deepspeed.module_inject.layers import TensorParallel_Layer
 
-    changed = 0
-    for name, layer in module.named_modules():
-        kind = _column_forward if name.endswith(COLUMN_LAYERS) else _row_forward if name.endswith(ROW_LAYERS) else None
-        if kind is None:
-            continue
+    from lmfoundry.model.transformer import Attention, SwiGLU
+
+    def replace(name: str, layer, forward) -> None:
         if not isinstance(layer, TensorParallel_Layer):
             raise RuntimeError(f"sequence parallelism needs {name} split by tensor parallelism; it is {type(layer)}")
+        if getattr(layer, "bias", None) is not None and forward is _row_forward:
+            # a replicated bias after the reduce-scatter would see 1/T of the tokens, unsummed
+            raise RuntimeError(f"sequence parallelism runs row-parallel layers without a bias; {name} has one")
         # the instance's forward, not the class's: AutoTP's layers reduce in forward or backward
         # over the whole activation, which the sequence-parallel collectives replace
-        layer.forward = types.MethodType(kind, layer)
-        changed += 1
+        layer.forward = types.MethodType(forward, layer)
+
+    for name, parent in module.named_modules():
+        if not isinstance(parent, (Attention, SwiGLU)):
+            continue
+        columns = COLUMN_GROUPS["attn" if isinstance(parent, Attention) else "mlp"]
+        for column in columns:
+            replace(f"{name}.{column}", getattr(parent, column), _column_forward)
+        parent.register_forward_pre_hook(functools.partial(_gather_for_columns, columns=columns, group=group))
+        row = "wo" if isinstance(parent, Attention) else "w_down"
+        replace(f"{name}.{row}", getattr(parent, row), _row_forward)
     for embedding in embeddings:
-        embedding.register_forward_hook(lambda _m, _args, out: ScatterSequence.apply(out, group))
+        embedding.register_forward_hook(lambda _m, _args, out: IntoSequenceSlices.apply(out, group, False))
     for norm in final_norms:
         norm.register_forward_hook(lambda _m, _args, out: GatherSequenceForReplicated.apply(out, group))
-    return changed

@@ -274,7 +274,8 @@ def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_lay
     (with sequence parallelism and a vocabulary-parallel head), in 2 pipeline stages, or at TP 2 in each of 2 stages: its losses, up to the rounding of the
     other summation order. That run stopped after step 35 and finished again in its layout with
     the second worker killed after step 38: bitwise its own losses. The TP 2 run, stopped after
-    step 35, also finishes with its head whole (no vocabulary split): its losses, up to rounding.
+    step 35, also finishes as plain TP 2 (its head whole, no sequence split): its losses, up to
+    rounding.
     And finished by one worker
     holding the whole model: its losses, up to rounding. Each move between layouts goes through
     a universal checkpoint (a pipeline's parameters renamed between its layers and the model)."""
@@ -290,10 +291,9 @@ def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_lay
         drills = [FaultDrill(at_step=38, rank=1)]
         assert finish(packed[0], killed, parallelism, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
         assert len(list((killed / "_drills").iterdir())) == 1  # the drill fired
-    if parallelism.get("vocab_parallel"):  # the same layout with a whole head: through the universal checkpoint
-        whole = finish(
-            packed[0], stopped_at(moved, 35, tmp_path / "whole-head"), {**parallelism, "vocab_parallel": False}
-        )
+    if parallelism.get("vocab_parallel"):  # the same layout, plain: the head whole, through the universal checkpoint
+        plain = {**parallelism, "vocab_parallel": False, "sequence_parallel": False}
+        whole = finish(packed[0], stopped_at(moved, 35, tmp_path / "whole-head"), plain)
         assert whole == pytest.approx(from_dp, abs=1e-4)
     to_dp = finish(packed[0], stopped_at(moved, 35, tmp_path / "to-dp"), {"num_workers": 1})
     assert to_dp == pytest.approx(from_dp, abs=1e-4)

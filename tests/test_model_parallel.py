@@ -1,10 +1,10 @@
 """Tensor parallelism (train/tensor_parallel.py) and pipeline parallelism
 (train/pipeline_parallel.py) train the model the data-parallel run trains: on gloo processes
-(benchmarks/harness/model_parallel.py), the losses of 20 steps at TP 2 x DP 2 (4 workers), PP 2
-(2 workers, 4 micro-batches a step), PP 2 x DP 2 (4 workers, activation checkpointing), TP 2 x
-PP 2 (4 workers, each stage split over 2, 4 micro-batches a step), with sequence parallelism at
-TP 2 (with checkpointing) and TP 2 x PP 2, and with a vocabulary-parallel head at TP 2 (tied, and
-untied with sequence parallelism) are those of one worker holding the whole model, and the
+(benchmarks/harness/model_parallel.py), the losses of 20 steps at TP 2 x DP 2 with a
+vocabulary-parallel head (4 workers), PP 2 (2 workers, 4 micro-batches a step), PP 2 x DP 2 (4
+workers, activation checkpointing), TP 2 x PP 2 (4 workers, each stage split over 2, 4
+micro-batches a step), with sequence parallelism at TP 2 (with checkpointing) and TP 2 x PP 2,
+and at TP 2 with both and an untied head are those of one worker holding the whole model, and the
 weights each run writes (piece by piece, or layer by layer from each stage, gathered over its
 tensor-parallel group) are whole: loaded into the single-device model they give the engines'
 logits (a vocabulary-parallel engine's: rank 0's half of the vocabulary)."""

@@ -285,6 +285,14 @@ def test_cancellation_limits_and_bad_requests(agents):
     assert codes[:6] == [200] * 6 and 429 in codes[6:]  # per-tenant back-pressure
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read()
+    except FileNotFoundError:
+        return False
+
+
 def test_a_run_survives_its_worker_replica_being_killed(agents):
     """SIGKILL the replica holding a run right after its first step: once the 4 s lease runs out
     another replica resumes it from the written steps; no step is lost or written twice."""
@@ -295,8 +303,9 @@ def test_a_run_survives_its_worker_replica_being_killed(agents):
 
     url, store = agents["url"], AgentStore(agents["store"])
     # first_tool forces sql, so the answer is at least two steps away; but the random-weight
-    # model can end a run at its second model call (its context spent), and on a loaded machine
-    # that may come before the kill lands. Such a run leaves nothing to take over: start another.
+    # model can end a run at its second model call (an answer, or its context spent), and on a
+    # loaded machine that may come before the kill lands. Such a run leaves nothing to take
+    # over: start another.
     for _ in range(3):
         run_id = httpx.post(
             f"{url}/v1/agents/runs", json={"workflow": "orders", "input": "How many orders are there?"}, headers=auth()
@@ -306,11 +315,13 @@ def test_a_run_survives_its_worker_replica_being_killed(agents):
             assert time.time() < deadline, "the run never took its first step"
             time.sleep(0.01)
         owner = store.steps(run_id)[0]["worker"]  # worker-PID-...
-        os.kill(int(owner.split("-")[1]), signal.SIGKILL)
+        pid = int(owner.split("-")[1])
+        os.kill(pid, signal.SIGKILL)
+        while _alive(pid):
+            time.sleep(0.01)  # gone: no write of its own can land after the read below
         at_kill = store.get(run_id)
         if at_kill["state"] == "running":
             break
-        assert at_kill["state"] == "failed" and "context" in at_kill["error"], at_kill
     assert at_kill["state"] == "running", (at_kill["state"], at_kill["error"], at_kill["steps"])
     run = wait_for(url, run_id, ("succeeded", "failed"))
     steps = run["steps"]

@@ -121,3 +121,18 @@ def test_unknown_gpu_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["configs/pretrain_7b_gpu.yaml", "--gpu", "V100"]) == 2
     assert "unknown GPU type 'V100'; known: A100, B200, H100, H200" in capsys.readouterr().err
+
+
+def test_a_layout_whose_sequences_do_not_split_over_its_group_is_not_written(monkeypatch):
+    """With sequence parallelism each sequence splits over the tensor-parallel group: a layout
+    whose group does not divide the planned sequence length is not a recipe `pretrain` runs."""
+    from lmfoundry.jobs.plan import runnable_recipe
+    from lmfoundry.planner.search import Layout, Plan
+    from lmfoundry.platform.config import load_config
+    from lmfoundry.train.config import PretrainConfig
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(PretrainConfig, "configs/pretrain_70b_gpu.yaml")
+    plan = Plan(layout=Layout(tp=4, pp=1, dp=256), micro_batches=2, micro_batch_size=2, fits=True)
+    assert runnable_recipe(cfg, plan, 4096)["parallelism"]["tensor_parallel_size"] == 4
+    assert runnable_recipe(cfg, plan, 4098) is None

@@ -50,19 +50,20 @@ def recipe_for(cfg: PretrainConfig, plan) -> dict:
     return out
 
 
-def runnable_recipe(cfg: PretrainConfig, plan) -> dict | None:
+def runnable_recipe(cfg: PretrainConfig, plan, seq_len: int) -> dict | None:
     """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits, has no virtual
     pipeline stages (DeepSpeed's pipeline engine has no interleaved schedule), and the config
     accepts it (tensor parallelism needs a dense model whose key/value heads and MLP split evenly
-    and ZeRO stages 0-2; pipeline stages a dense model and ZeRO stage 1)."""
+    and ZeRO stages 0-2; pipeline stages a dense model and ZeRO stage 1). With sequence
+    parallelism the planned `seq_len` must split evenly over the tensor-parallel group."""
     from pydantic import ValidationError
 
     from lmfoundry.train.config import PretrainConfig
 
     if not plan.fits or plan.layout.virtual_stages > 1:
         return None
-    if cfg.parallelism.sequence_parallel and cfg.model.max_seq_len % plan.layout.tp:
-        return None  # sequence parallelism needs sequences that split evenly over the group
+    if cfg.parallelism.sequence_parallel and seq_len % plan.layout.tp:
+        return None  # sequence parallelism needs the planned sequences to split evenly over the group
     recipe = recipe_for(cfg, plan)
     try:
         PretrainConfig.model_validate(recipe)
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
     if args.plot:
         plot_layouts(plans, cluster, args.plot)
     if args.write_config:
-        runnable = [(pl, written) for pl in plans if (written := runnable_recipe(cfg, pl)) is not None]
+        runnable = [(pl, written) for pl in plans if (written := runnable_recipe(cfg, pl, recipe.seq_len)) is not None]
         if not runnable:
             print(
                 "error: plan: no fitting layout that lmfoundry pretrain runs (tensor, pipeline, data "

@@ -547,7 +547,7 @@ class LLMServer:
             charged,
             f"the request took longer than {self.timeout_s} s (request_timeout_s)",
             started,
-            lambda s: s.ended_at,
+            lambda s: s.ended_at or s.last_item_at,  # a stop string ends the reply before the batcher does
         )
         first = min(s.first_token_at or time.perf_counter() for s in streams) - started
         self.metrics.time_to_first_token.labels(version=version).observe(first)
@@ -647,6 +647,9 @@ class LLMServer:
         except Overloaded as e:
             self._refund(tenant, charged)
             raise overloaded(f"the server is at capacity ({e})") from None
+        except BaseException:  # a failed generation, or the client gone: nothing was answered
+            self._refund(tenant, charged)
+            raise
         request.state.span.first_token(time.perf_counter() - started)
         text, finish = answer.solution, "stop"
         if self._output_blocked(text, version, tenant):
@@ -689,7 +692,7 @@ class LLMServer:
             charged,
             f"no token within {self.timeout_s} s (request_timeout_s)",
             started,
-            lambda s: s.first_token_at,
+            lambda s: s.first_token_at or s.ended_at,  # a first token that is a stop id is a finish
         )
         span = request.state.span
         self.metrics.time_to_first_token.labels(version=version).observe(time.perf_counter() - started)

@@ -180,6 +180,7 @@ class TextStream:
         self.finished = False
         self.first_token_at: float | None = None  # when the batcher produced it
         self.ended_at: float | None = None  # when the batcher produced the finish (or failed)
+        self.last_item_at: float | None = None  # when the batcher produced its latest item
         loop = asyncio.get_running_loop()
         # Items cross from the batcher's thread in a deque; the event loop is woken once per
         # batch of items, not once per token (a wake-up per token cost a replica 1-2 ms of each
@@ -191,10 +192,11 @@ class TextStream:
         self._lazy = False
 
         def emit(item) -> None:  # on the batcher's thread
+            self.last_item_at = now = time.perf_counter()
             if self.first_token_at is None and isinstance(item, int):
-                self.first_token_at = time.perf_counter()
+                self.first_token_at = now
             elif not isinstance(item, int):
-                self.ended_at = time.perf_counter()
+                self.ended_at = now
             self._items.append(item)
             if self._woken or (self._lazy and isinstance(item, int)):
                 return

@@ -41,6 +41,7 @@ from lmfoundry.train.metrics import (
 )
 from lmfoundry.train.objective import Objective
 from lmfoundry.train.position import Position, timed
+from lmfoundry.train.tensor_parallel import splits_vocabulary
 
 logger = get_logger(__name__)
 
@@ -461,7 +462,7 @@ class Trainer:
             "world_size": self.world,
             "tensor_parallel_size": self.cfg.parallelism.tensor_parallel_size,
             "pipeline_parallel_size": self.cfg.parallelism.pipeline_parallel_size,
-            "vocab_parallel": self.cfg.parallelism.splits_vocabulary,
+            "vocab_parallel": splits_vocabulary(self.engine),  # as the engine split it: what a resume compares
             **objective.train_state(pos.step),
             "loss": loss,
             "skipped_batches": self.skipped,

@@ -106,7 +106,7 @@ def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, shards, group=group)
-    return out.movedim(0, SEQUENCE_DIM)
+    return out.movedim(0, SEQUENCE_DIM).contiguous()  # one copy here, not one in each product
 
 
 def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:

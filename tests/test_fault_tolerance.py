@@ -351,19 +351,6 @@ def test_a_training_state_with_an_impossible_layout_is_refused_before_any_arithm
         _written_layout({"step": 10, **layout}, "run/checkpoints/step-00000010")
 
 
-def test_a_checkpoints_vocabulary_split_is_read_from_its_state_or_else_its_config():
-    """A resume compares the head's split with the engine's: from the training state, or, for a
-    state written before it recorded one, from the config's ask where that layout runs it."""
-    from lmfoundry.train.checkpointing import _written_vocab_split
-
-    assert _written_vocab_split({"vocab_parallel": True}) and not _written_vocab_split({"vocab_parallel": False})
-    asked = {"vocab_parallel": True, "tensor_parallel_size": 2}
-    assert _written_vocab_split({"config": {"parallelism": asked}})
-    assert not _written_vocab_split({"config": {"parallelism": {**asked, "pipeline_parallel_size": 2}}})
-    assert not _written_vocab_split({"config": {"parallelism": {**asked, "tensor_parallel_size": 1}}})
-    assert not _written_vocab_split({})
-
-
 def test_older_training_states_name_only_their_workers():
     from lmfoundry.train.checkpointing import _written_layout
 

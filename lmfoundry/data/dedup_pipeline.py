@@ -295,8 +295,9 @@ def shuffle_strategy(name: str, partitions: int):
     sort: the sort-based shuffle, on tasks that reuse warm workers. The driver owns every piece
     of every shuffle (partitions x blocks of them), so its memory grows with the corpus.
     v2: Ray's shuffle v2, map and reduce tasks whose pieces the driver does not hold: its memory
-    stayed within 2 MiB of its start up to a million documents. Every groupby gets `partitions`, those that name no count too (v2's default of
-    200 is seconds of empty tasks on a small corpus). benchmarks/dedup_memory.py runs both."""
+    stayed within 2 MiB of its start up to a million documents. Every groupby gets `partitions`,
+    those that name no count too (v2's default of 200 is seconds of empty tasks on a small
+    corpus). benchmarks/dedup_memory.py runs both."""
     import ray
     from ray.data.context import ShuffleStrategy
 

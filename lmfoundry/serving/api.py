@@ -636,19 +636,17 @@ class LLMServer:
         sampler = EngineSampler(engine, asyncio.get_running_loop(), params, deadline)
         try:
             answer = await asyncio.to_thread(solve, sampler, spec, scorer, prompt.text, max_tokens, seed)
-        except ReasoningTimeout:
+        except BaseException as e:  # nothing was answered: the charge goes back, whatever ended it
             self._refund(tenant, charged)
-            raise ApiError(
-                408,
-                f"the reasoning request took longer than {self.timeout_s} s (request_timeout_s)",
-                "timeout_error",
-                code="request_timeout",
-            ) from None
-        except Overloaded as e:
-            self._refund(tenant, charged)
-            raise overloaded(f"the server is at capacity ({e})") from None
-        except BaseException:  # a failed generation, or the client gone: nothing was answered
-            self._refund(tenant, charged)
+            if isinstance(e, ReasoningTimeout):
+                raise ApiError(
+                    408,
+                    f"the reasoning request took longer than {self.timeout_s} s (request_timeout_s)",
+                    "timeout_error",
+                    code="request_timeout",
+                ) from None
+            if isinstance(e, Overloaded):
+                raise overloaded(f"the server is at capacity ({e})") from None
             raise
         request.state.span.first_token(time.perf_counter() - started)
         text, finish = answer.solution, "stop"

@@ -238,7 +238,7 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     tp, pp = tensor_parallel_size(engine), engine.num_stages if _pipelined(engine) else 1
     # a vocabulary-parallel head's files hold its rows' shard, a whole head's the whole table:
     # switching it at the same layout goes through the universal checkpoint too
-    written_split = _written_vocab_split(state)
+    written_split = bool(state.get("vocab_parallel"))  # absent: written before lmfoundry split heads
     relayout = (written_by, written_tp, written_pp, written_split) != (world, tp, pp, splits_vocabulary(engine))
     load_dir = local / "deepspeed"
     if relayout:
@@ -289,19 +289,6 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
             else "",
         )
     return state
-
-
-def _written_vocab_split(state: dict) -> bool:
-    """Whether the checkpoint's head was split by vocabulary rows: its training state says so,
-    or (written before it did) its config asked for it where the layout runs it."""
-    if "vocab_parallel" in state:
-        return bool(state["vocab_parallel"])
-    par = state.get("config", {}).get("parallelism", {})
-    return bool(
-        par.get("vocab_parallel")
-        and par.get("tensor_parallel_size", 1) > 1
-        and par.get("pipeline_parallel_size", 1) == 1
-    )
 
 
 def _written_layout(state: dict, uri: str) -> tuple[int, int, int]:

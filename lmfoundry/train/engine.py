@@ -47,6 +47,16 @@ def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_p
     accum = gradient_accumulation(cfg, world_size, seq_len)
     bucket = reduce_bucket_elements(cfg, num_params)
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    model_parallel = {}
+    if tp > 1:
+        model_parallel["tensor_parallel"] = tensor_parallel.deepspeed_section(
+            tp, norms_on_sequence_slices(cfg), par.splits_vocabulary
+        )
+    if par.splits_sequences and pp > 1:
+        # the ranks of a stage's tensor-parallel group hold different slices of the activations:
+        # each sends its own whole to its peer of the next stage (partitioned transfers would
+        # send 1/tp of one rank's and gather it as everyone's)
+        model_parallel["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
@@ -54,23 +64,7 @@ def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_p
         # tensor-parallel group too (the rows per step are this over tp), but the data-parallel
         # replicas only under its pipeline engine
         "train_batch_size": micro * accum * (world_size // (pp * tp) if pp > 1 else world_size),
-        **(
-            {
-                "tensor_parallel": tensor_parallel.deepspeed_section(
-                    tp, norms_on_sequence_slices(cfg), par.splits_vocabulary
-                )
-            }
-            if tp > 1
-            else {}
-        ),
-        # under sequence parallelism the ranks of a stage's tensor-parallel group hold different
-        # slices of the activations: each sends its own whole to its peer of the next stage
-        # (partitioned transfers would send 1/tp of one rank's and gather it as everyone's)
-        **(
-            {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
-            if par.splits_sequences and pp > 1
-            else {}
-        ),
+        **model_parallel,
         "gradient_clipping": opt.grad_clip,
         "zero_optimization": {
             "stage": par.zero_stage,

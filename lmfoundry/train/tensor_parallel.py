@@ -89,11 +89,11 @@ def gathered(piece: torch.nn.Module):
 # the sequence, and the column-parallel layers that read one norm's output (attention's query and
 # key/value projections; the MLP's gate/up) all-gather it once before their products. Forward
 # moves the bytes tensor parallelism alone does (an all-reduce is a reduce-scatter and an
-# all-gather); backward gathers each norm's output again rather than holding it, one all-gather
-# more a region than tensor parallelism's all-reduces (Megatron too). The norms' weights see 1/T
-# of the tokens, so their gradients are summed over the group. The model has no dropout; with
-# it, the dropout regions would be the split ones too.
-COLUMN_GROUPS = {"attn": ("wq", "wkv"), "mlp": ("w_gate_up",)}  # the column layers that read one input
+# all-gather); backward gathers each norm's output again rather than holding it. That is the
+# bytes AutoTP alone moves here (it all-reduces backward once per column-parallel layer), and
+# 1.25 times those of Megatron's fused query/key/value layer. The norms' weights see 1/T of the
+# tokens, so their gradients are summed over the group. The model has no dropout; with it, the
+# dropout regions would be the split ones too.
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
 
 
@@ -237,14 +237,15 @@ def apply_sequence_parallelism(module: torch.nn.Module, embeddings: list, final_
         # over the whole activation, which the sequence-parallel collectives replace
         layer.forward = types.MethodType(forward, layer)
 
+    # per module: the column-parallel layers that read its input, and its row-parallel layer
+    split_layers = {Attention: (("wq", "wkv"), "wo"), SwiGLU: (("w_gate_up",), "w_down")}
     for name, parent in module.named_modules():
-        if not isinstance(parent, (Attention, SwiGLU)):
+        if type(parent) not in split_layers:
             continue
-        columns = COLUMN_GROUPS["attn" if isinstance(parent, Attention) else "mlp"]
+        columns, row = split_layers[type(parent)]
         for column in columns:
             replace(f"{name}.{column}", getattr(parent, column), _column_forward)
         parent.register_forward_pre_hook(functools.partial(_gather_for_columns, columns=columns, group=group))
-        row = "wo" if isinstance(parent, Attention) else "w_down"
         replace(f"{name}.{row}", getattr(parent, row), _row_forward)
     for embedding in embeddings:
         embedding.register_forward_hook(lambda _m, _args, out: IntoSequenceSlices.apply(out, group, False))

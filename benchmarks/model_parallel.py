@@ -8,7 +8,10 @@ activation checkpointing) and TP 2 x PP 2 on 4, and TP 2 on 2 with both and an u
 largest loss difference from the one-worker run, the largest relative difference of the gradient
 norm (clipping's), and the largest logit difference between the
 weights each run wrote, loaded into the single-device model, and the one-worker engine (and the
-run's own engine, where it sees the logits).
+run's own engine, where it sees the logits). For the layouts without a pipeline, the
+tensor-parallel traffic of the first micro-batch, forward and backward, in all-reduces of one
+activation (an all-gather or a reduce-scatter is half of one): the planner counts 4 a block for
+tensor parallelism and 1.25 times that with sequence parallelism.
 
     python benchmarks/model_parallel.py
 
@@ -29,13 +32,17 @@ from lifecycle import results_header
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def traffic(all_reduces: dict | None) -> str:
+    return "-" if all_reduces is None else f"{all_reduces['forward']:g} + {all_reduces['backward']:g}"
+
+
 def main() -> None:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
         rows = compare_layouts(scratch)
     print(
         f"{'layout':<42} {'workers':>7} {'first loss':>10} {'last loss':>9} {'max |d loss|':>12} {'grad norm':>9} "
-        f"{'written vs 1 worker':>19} {'written vs own':>14}"
+        f"{'written vs 1 worker':>19} {'written vs own':>14} {'TP all-reduces':>14}"
     )
     for name, r in rows.items():
         own = r["reloaded_vs_own_engine_logits"]
@@ -43,7 +50,7 @@ def main() -> None:
             f"{name:<42} {r['workers']:>7} {r['losses'][0]:>10.4f} {r['losses'][-1]:>9.4f} "
             f"{r['loss_max_abs_diff']:>12.2e} {r['grad_norm_max_rel_diff']:>9.1e} "
             f"{r['reloaded_vs_one_worker_logits']:>19.2e} "
-            f"{'-' if own is None else f'{own:.2e}':>14}"
+            f"{'-' if own is None else f'{own:.2e}':>14} {traffic(r['tensor_parallel_all_reduces']):>14}"
         )
     RESULTS.mkdir(exist_ok=True)
     out = {

@@ -25,6 +25,23 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
             assert row["engine_logits_width"] == (48 if row.get("vocab_parallel") else 96), name
     assert rows["one worker, untied"]["losses"] != reference  # the untied rows have a reference of their own
 
+    # tensor-parallel traffic of a micro-batch, in all-reduces of one activation, forward and
+    # backward. Each of the 2 blocks all-reduces twice forward and twice backward (once per input
+    # of column-parallel layers, not once per layer, which would be 3); the vocabulary-parallel
+    # embedding all-reduces its output and the head its input's gradient.
+    blocks = 2
+    assert rows["TP 2 x DP 2, vocab parallel"]["tensor_parallel_all_reduces"] == {
+        "forward": 2 * blocks + 1,
+        "backward": 2 * blocks + 1,
+    }
+    # sequence parallelism: 1.25 times that a block (2 all-gathers and 2 reduce-scatters forward;
+    # backward 2 all-gathers again, 2 reduce-scatters and 2 all-gathers), plus the final norm's
+    # gather forward, the embedding's slice backward and the whole head's input gradient backward
+    assert rows["TP 2, vocab + sequence parallel, untied"]["tensor_parallel_all_reduces"] == {
+        "forward": 2 * blocks + 0.5,
+        "backward": 3 * blocks + 0.5 + 1,
+    }
+
 
 def test_a_universal_checkpoints_parameters_are_renamed_between_the_model_and_its_pipeline(tmp_path):
     import pytest

@@ -13,6 +13,7 @@ stage sees), so a caller can load the file into the single-device model and comp
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -148,6 +149,47 @@ def global_batches(cfg: PretrainConfig, seq_len: int, steps: int, seed: int = 0)
     return (start + stride * torch.arange(seq_len + 1)) % vocab
 
 
+# the ring-algorithm bytes of each collective, in units of an all-reduce of its whole buffer
+ALL_REDUCE_SHARE = {
+    "all_reduce": 1.0,
+    "all_gather_into_tensor": 0.5,
+    "all_gather_single": 0.5,
+    "reduce_scatter_tensor": 0.5,
+}
+
+
+@contextlib.contextmanager
+def tensor_parallel_traffic(activation_elements: int, counts: dict):
+    """While inside: counts["forward" or "backward"] (the phase is counts["phase"]) gathers the
+    activation-sized collectives over the tensor-parallel group (buffers of `activation_elements`
+    or more, an all-gather's output or a reduce-scatter's input), in all-reduces of the
+    activation. Smaller ones (a per-head norm's gradient, the loss's sums) are left out."""
+    from deepspeed.utils import groups
+
+    group = groups.get_tensor_model_parallel_group()
+    originals = {name: getattr(dist, name) for name in ALL_REDUCE_SHARE if hasattr(dist, name)}
+
+    def counted(name, collective):
+        def call(*args, **kwargs):
+            if kwargs.get("group") is group:
+                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                whole = max(t.numel() for t in tensors)
+                if whole >= activation_elements:
+                    phase = counts["phase"]
+                    counts[phase] = counts.get(phase, 0) + ALL_REDUCE_SHARE[name] * whole / activation_elements
+            return collective(*args, **kwargs)
+
+        return call
+
+    for name, collective in originals.items():
+        setattr(dist, name, counted(name, collective))
+    try:
+        yield counts
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)
+
+
 def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: int, out: str, results) -> None:
     from lmfoundry.model.checkpoint import WEIGHTS, save_model_config, save_model_files
     from lmfoundry.train.checkpointing import stream_servable_weights
@@ -162,7 +204,7 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
         dp_rank, dp_world = data_parallel(rank, world, cfg.parallelism)
         micro, accum = cfg.batch.micro_batch_size, ds_config["gradient_accumulation_steps"]
         pipelined = cfg.parallelism.pipeline_parallel_size > 1
-        losses, grad_norms = [], []
+        losses, grad_norms, traffic = [], [], None
         for batch in global_batches(cfg, seq_len, steps):
             # micro-batch i of the step is rows [i * dp_world + dp_rank] * micro: the rows a
             # data-parallel rank reads interleave, as the training loop's do
@@ -173,8 +215,15 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
                 continue
             step_loss = torch.zeros(())
             for tokens in rows:
-                loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
-                engine.backward(loss)
+                # the tensor-parallel collectives of the run's first micro-batch
+                record = traffic is None and cfg.parallelism.tensor_parallel_size > 1
+                activation = tokens[:, :-1].numel() * cfg.model.d_model
+                counts = {"phase": "forward"}
+                with tensor_parallel_traffic(activation, counts) if record else contextlib.nullcontext():
+                    loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
+                    counts["phase"] = "backward"
+                    engine.backward(loss)
+                traffic = counts if record else traffic
                 engine.step()
                 step_loss += loss.detach() / accum
             dist.all_reduce(step_loss)
@@ -194,7 +243,12 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
             save_model_files(engine.module, out)
         if rank == 0:
             save_model_config(engine.module, out)
-        results[rank] = {"losses": losses, "grad_norms": grad_norms, "logits": logits if rank == 0 else None}
+        results[rank] = {
+            "losses": losses,
+            "grad_norms": grad_norms,
+            "logits": logits if rank == 0 else None,
+            "tensor_parallel_all_reduces": traffic and {k: traffic.get(k, 0.0) for k in ("forward", "backward")},
+        }
     finally:
         dist.destroy_process_group()
 

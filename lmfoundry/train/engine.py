@@ -224,6 +224,10 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
         finish_tensor_parallel_pipeline(engine)
     if cfg.parallelism.splits_sequences:
         make_sequence_parallel(engine)
+    elif tp > 1:
+        from deepspeed.utils import groups
+
+        tensor_parallel.reduce_column_inputs_once(engine.module, groups.get_tensor_model_parallel_group())
     engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
     return engine, scheduler
 

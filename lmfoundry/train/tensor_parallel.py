@@ -5,10 +5,12 @@ Megatron's layout (Shoeybi et al. 2019), as torchtitan's and DeepSpeed's also ar
 the query and fused key/value projections and the fused gate/up projection split by output
 columns (whole heads, whole MLP columns per rank), the attention output and down projections by
 input rows, so a block costs one all-reduce forward and one backward for each of attention and
-the MLP. The embedding, the norms and the output head stay whole on every rank. The fused
-projections are split as two halves (keys|values, gate|up), so each rank keeps its slice of both.
-Per-head query/key norms (Qwen3) stay whole, but each rank sees only its heads, so their
-gradients are summed over the tensor-parallel group.
+the MLP (AutoTP's layers each all-reduce their input's gradient; `reduce_column_inputs_once`
+makes the query and key/value projections share one, as Megatron's fused layer does). The
+embedding, the norms and the output head stay whole on every rank. The fused projections are
+split as two halves (keys|values, gate|up), so each rank keeps its slice of both. Per-head
+query/key norms (Qwen3) stay whole, but each rank sees only its heads, so their gradients are
+summed over the tensor-parallel group.
 
 DeepSpeed was chosen over DTensor because the training loop already runs on DeepSpeed's engine:
 AutoTP composes with its ZeRO stages (lmfoundry runs 0-2: its checkpoint writer gathers either
@@ -89,9 +91,8 @@ def gathered(piece: torch.nn.Module):
 # the sequence, and the column-parallel layers that read one norm's output (attention's query and
 # key/value projections; the MLP's gate/up) all-gather it once before their products. Forward
 # moves the bytes tensor parallelism alone does (an all-reduce is a reduce-scatter and an
-# all-gather); backward gathers each norm's output again rather than holding it. That is the
-# bytes AutoTP alone moves here (it all-reduces backward once per column-parallel layer), and
-# 1.25 times those of Megatron's fused query/key/value layer. The norms' weights see 1/T of the
+# all-gather); backward gathers each norm's output again rather than holding it: 1.25 times the
+# bytes of tensor parallelism alone (four all-reduces a block). The norms' weights see 1/T of the
 # tokens, so their gradients are summed over the group. The model has no dropout; with it, the
 # dropout regions would be the split ones too.
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
@@ -214,6 +215,72 @@ def _row_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return IntoSequenceSlices.apply(torch.nn.functional.linear(x, layer.weight), layer.mp_group, True)
 
 
+def _split_layers():
+    """Per module type: the column-parallel layers that read its input, and its row-parallel layer."""
+    from lmfoundry.model.transformer import Attention, SwiGLU
+
+    return {Attention: (("wq", "wkv"), "wo"), SwiGLU: (("w_gate_up",), "w_down")}
+
+
+def _replace_forward(name: str, layer, forward) -> None:
+    """The instance's forward, not the class's: AutoTP's layers reduce in forward or backward over
+    the whole activation, which the collectives placed here replace."""
+    import types
+
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    if not isinstance(layer, TensorParallel_Layer):
+        raise RuntimeError(f"{name} must be split by tensor parallelism; it is {type(layer)}")
+    if getattr(layer, "bias", None) is not None and forward is _row_forward:
+        # a replicated bias after the reduce-scatter would see 1/T of the tokens, unsummed
+        raise RuntimeError(f"sequence parallelism runs row-parallel layers without a bias; {name} has one")
+    layer.forward = types.MethodType(forward, layer)
+
+
+class IntoTensorParallel(torch.autograd.Function):
+    """Into the tensor-parallel region (Megatron's f): the input as it is forward; backward, the
+    sum over the group of the ranks' partial gradients of it. Placed once before the
+    column-parallel layers that read one input, it all-reduces their summed gradient once, where
+    AutoTP's layers each all-reduce their own."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _into_tensor_parallel(parent: torch.nn.Module, args: tuple, group) -> tuple:
+    return (IntoTensorParallel.apply(args[0], group), *args[1:])
+
+
+def _local_column_forward(layer, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+
+def reduce_column_inputs_once(module: torch.nn.Module, group) -> None:
+    """Makes `module`, whose blocks AutoTP has split over `group`, all-reduce in backward once per
+    input of column-parallel layers (the attention's, read by the query and key/value
+    projections; the MLP's) rather than once per layer: a block costs four all-reduces, two
+    forward and two backward, as Megatron's fused query/key/value layer does (AutoTP alone: five)."""
+    import functools
+
+    split_layers = _split_layers()
+    for name, parent in module.named_modules():
+        if type(parent) not in split_layers:
+            continue
+        for column in split_layers[type(parent)][0]:
+            _replace_forward(f"{name}.{column}", getattr(parent, column), _local_column_forward)
+        parent.register_forward_pre_hook(functools.partial(_into_tensor_parallel, group=group))
+
+
 def apply_sequence_parallelism(module: torch.nn.Module, embeddings: list, final_norms: list, group) -> None:
     """Makes `module`, whose blocks AutoTP has split over `group`, sequence-parallel: each
     attention and MLP gathers its input's sequence once for its column-parallel layers, the
@@ -221,32 +288,16 @@ def apply_sequence_parallelism(module: torch.nn.Module, embeddings: list, final_
     replaced), each embedding lookup in `embeddings` keeps its rank's slice and each norm in
     `final_norms` (the one before the output head) gathers the whole sequence back."""
     import functools
-    import types
 
-    from deepspeed.module_inject.layers import TensorParallel_Layer
-
-    from lmfoundry.model.transformer import Attention, SwiGLU
-
-    def replace(name: str, layer, forward) -> None:
-        if not isinstance(layer, TensorParallel_Layer):
-            raise RuntimeError(f"sequence parallelism needs {name} split by tensor parallelism; it is {type(layer)}")
-        if getattr(layer, "bias", None) is not None and forward is _row_forward:
-            # a replicated bias after the reduce-scatter would see 1/T of the tokens, unsummed
-            raise RuntimeError(f"sequence parallelism runs row-parallel layers without a bias; {name} has one")
-        # the instance's forward, not the class's: AutoTP's layers reduce in forward or backward
-        # over the whole activation, which the sequence-parallel collectives replace
-        layer.forward = types.MethodType(forward, layer)
-
-    # per module: the column-parallel layers that read its input, and its row-parallel layer
-    split_layers = {Attention: (("wq", "wkv"), "wo"), SwiGLU: (("w_gate_up",), "w_down")}
+    split_layers = _split_layers()
     for name, parent in module.named_modules():
         if type(parent) not in split_layers:
             continue
         columns, row = split_layers[type(parent)]
         for column in columns:
-            replace(f"{name}.{column}", getattr(parent, column), _column_forward)
+            _replace_forward(f"{name}.{column}", getattr(parent, column), _column_forward)
         parent.register_forward_pre_hook(functools.partial(_gather_for_columns, columns=columns, group=group))
-        replace(f"{name}.{row}", getattr(parent, row), _row_forward)
+        _replace_forward(f"{name}.{row}", getattr(parent, row), _row_forward)
     for embedding in embeddings:
         embedding.register_forward_hook(lambda _m, _args, out: IntoSequenceSlices.apply(out, group, False))
     for norm in final_norms:

@@ -2,7 +2,7 @@
 steps on the same global batches (benchmarks/harness/model_parallel.py), at TP 2 x DP 2 on 4
 gloo processes (with a vocabulary-parallel head), PP 2 on 2 (4 micro-batches a step, 1F1B), PP 2 x DP 2 on 4 (with activation
 checkpointing, whose recomputation must not change the losses), TP 2 x PP 2 on 4 (each
-stage split over 2 ranks, 4 micro-batches a step), with sequence parallelism TP 2 on 2 (with
+stage split over 2 ranks, 4 micro-batches a step, with activation checkpointing), with sequence parallelism TP 2 on 2 (with
 activation checkpointing) and TP 2 x PP 2 on 4, and TP 2 on 2 with both and an untied head
 (held to a one-worker run of the untied model). The figures: the
 largest loss difference from the one-worker run, the largest relative difference of the gradient
@@ -50,7 +50,7 @@ def main() -> None:
             f"{name:<42} {r['workers']:>7} {r['losses'][0]:>10.4f} {r['losses'][-1]:>9.4f} "
             f"{r['loss_max_abs_diff']:>12.2e} {r['grad_norm_max_rel_diff']:>9.1e} "
             f"{r['reloaded_vs_one_worker_logits']:>19.2e} "
-            f"{'-' if own is None else f'{own:.2e}':>14} {traffic(r['tensor_parallel_all_reduces']):>14}"
+            f"{'-' if own is None else f'{own:.2e}':>14} {traffic(r.get('tensor_parallel_all_reduces')):>14}"
         )
     RESULTS.mkdir(exist_ok=True)
     out = {

@@ -14,6 +14,7 @@ stage sees), so a caller can load the file into the single-device model and comp
 from __future__ import annotations
 
 import contextlib
+import inspect
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ LAYOUTS = {
     ),
     "PP 2": (1, 2, 2, {}),
     "PP 2 x DP 2, recompute": (1, 2, 4, {"recompute": True}),
-    "TP 2 x PP 2": (2, 2, 4, {}),
+    "TP 2 x PP 2, recompute": (2, 2, 4, {"recompute": True}),
     "TP 2 x PP 2, sequence parallel": (2, 2, 4, {"sequence_parallel": True}),
 }
 
@@ -170,9 +171,12 @@ def tensor_parallel_traffic(activation_elements: int, counts: dict):
     originals = {name: getattr(dist, name) for name in ALL_REDUCE_SHARE if hasattr(dist, name)}
 
     def counted(name, collective):
+        signature = inspect.signature(collective)
+
         def call(*args, **kwargs):
-            if kwargs.get("group") is group:
-                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            bound = signature.bind(*args, **kwargs).arguments  # the group passed by keyword or not
+            if bound.get("group") is group:
+                tensors = [a for a in bound.values() if isinstance(a, torch.Tensor)]
                 whole = max(t.numel() for t in tensors)
                 if whole >= activation_elements:
                     phase = counts["phase"]
@@ -247,7 +251,11 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
             "losses": losses,
             "grad_norms": grad_norms,
             "logits": logits if rank == 0 else None,
-            "tensor_parallel_all_reduces": traffic and {k: traffic.get(k, 0.0) for k in ("forward", "backward")},
+            **(
+                {"tensor_parallel_all_reduces": {k: traffic.get(k, 0.0) for k in ("forward", "backward")}}
+                if traffic
+                else {}
+            ),
         }
     finally:
         dist.destroy_process_group()

@@ -222,15 +222,20 @@ def _split_layers():
     return {Attention: (("wq", "wkv"), "wo"), SwiGLU: (("w_gate_up",), "w_down")}
 
 
-def _replace_forward(name: str, layer, forward) -> None:
+def _replace_forward(name: str, layer, forward, group) -> None:
     """The instance's forward, not the class's: AutoTP's layers reduce in forward or backward over
-    the whole activation, which the collectives placed here replace."""
+    the whole activation, which the collectives placed here over `group` replace. Once per
+    layer: a second replacement would add a second set of collectives (a gradient summed twice)."""
     import types
 
     from deepspeed.module_inject.layers import TensorParallel_Layer
 
     if not isinstance(layer, TensorParallel_Layer):
         raise RuntimeError(f"{name} must be split by tensor parallelism; it is {type(layer)}")
+    if "forward" in vars(layer):
+        raise RuntimeError(f"{name}'s tensor-parallel collectives were already replaced")
+    if layer.mp_group is not group:
+        raise RuntimeError(f"{name} is split over another group than the one its collectives would use")
     if getattr(layer, "bias", None) is not None and forward is _row_forward:
         # a replicated bias after the reduce-scatter would see 1/T of the tokens, unsummed
         raise RuntimeError(f"sequence parallelism runs row-parallel layers without a bias; {name} has one")
@@ -277,7 +282,7 @@ def reduce_column_inputs_once(module: torch.nn.Module, group) -> None:
         if type(parent) not in split_layers:
             continue
         for column in split_layers[type(parent)][0]:
-            _replace_forward(f"{name}.{column}", getattr(parent, column), _local_column_forward)
+            _replace_forward(f"{name}.{column}", getattr(parent, column), _local_column_forward, group)
         parent.register_forward_pre_hook(functools.partial(_into_tensor_parallel, group=group))
 
 
@@ -295,9 +300,9 @@ def apply_sequence_parallelism(module: torch.nn.Module, embeddings: list, final_
             continue
         columns, row = split_layers[type(parent)]
         for column in columns:
-            _replace_forward(f"{name}.{column}", getattr(parent, column), _column_forward)
+            _replace_forward(f"{name}.{column}", getattr(parent, column), _column_forward, group)
         parent.register_forward_pre_hook(functools.partial(_gather_for_columns, columns=columns, group=group))
-        _replace_forward(f"{name}.{row}", getattr(parent, row), _row_forward)
+        _replace_forward(f"{name}.{row}", getattr(parent, row), _row_forward, group)
     for embedding in embeddings:
         embedding.register_forward_hook(lambda _m, _args, out: IntoSequenceSlices.apply(out, group, False))
     for norm in final_norms:

@@ -1,14 +1,14 @@
 """Tensor and pipeline parallelism against one worker holding the whole model: the same 20
 steps on the same global batches (benchmarks/harness/model_parallel.py), at TP 2 x DP 2 on 4
-gloo processes (with a vocabulary-parallel head), PP 2 on 2 (4 micro-batches a step, 1F1B), PP 2 x DP 2 on 4 (with activation
-checkpointing, whose recomputation must not change the losses), TP 2 x PP 2 on 4 (each
-stage split over 2 ranks, 4 micro-batches a step, with activation checkpointing), with sequence parallelism TP 2 on 2 (with
-activation checkpointing) and TP 2 x PP 2 on 4, and TP 2 on 2 with both and an untied head
-(held to a one-worker run of the untied model). The figures: the
-largest loss difference from the one-worker run, the largest relative difference of the gradient
-norm (clipping's), and the largest logit difference between the
-weights each run wrote, loaded into the single-device model, and the one-worker engine (and the
-run's own engine, where it sees the logits). For the layouts without a pipeline, the
+gloo processes (with a vocabulary-parallel head), PP 2 on 2 (4 micro-batches a step, 1F1B),
+PP 2 x DP 2 on 4 (with activation checkpointing, whose recomputation must not change the
+losses), TP 2 x PP 2 on 4 (each stage split over 2 ranks, 4 micro-batches a step, with
+activation checkpointing), with sequence parallelism TP 2 on 2 (with activation checkpointing)
+and TP 2 x PP 2 on 4, and TP 2 on 2 with both and an untied head (held to a one-worker run of
+the untied model). The figures: the largest loss difference from the one-worker run, the
+largest relative difference of the gradient norm (clipping's), and the largest logit difference
+between the weights each run wrote, loaded into the single-device model, and the one-worker
+engine (and the run's own engine, where it sees the logits). For the layouts without a pipeline, the
 tensor-parallel traffic of the first micro-batch, forward and backward, in all-reduces of one
 activation (an all-gather or a reduce-scatter is half of one): the planner counts 4 a block for
 tensor parallelism and 1.25 times that with sequence parallelism.

@@ -246,7 +246,9 @@ class IntoTensorParallel(torch.autograd.Function):
     """Into the tensor-parallel region (Megatron's f): the input as it is forward; backward, the
     sum over the group of the ranks' partial gradients of it. Placed once before the
     column-parallel layers that read one input, it all-reduces their summed gradient once, where
-    AutoTP's layers each all-reduce their own."""
+    AutoTP's layers each all-reduce their own. DeepSpeed's ColumnParallel is the same function
+    but all-reduces a contiguous copy of a gradient that is not contiguous and returns the
+    original, unreduced."""
 
     @staticmethod
     def forward(ctx, x, group):

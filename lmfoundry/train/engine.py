@@ -247,6 +247,8 @@ def make_sequence_parallel(engine) -> None:
             # inputs: the token ids, yes, but a later stage's are its ranks' own slices
             engine.first_dataloader_check.remove()
             engine.first_dataloader_check = None
+        head = None  # a pipeline's head is never vocabulary-parallel (config.splits_vocabulary)
     else:
         embeddings, norms = [module.embed], [module.norm]
-    tensor_parallel.apply_sequence_parallelism(module, embeddings, norms, group)
+        head = module.lm_head if tensor_parallel.splits_vocabulary(engine) else None
+    tensor_parallel.apply_sequence_parallelism(module, embeddings, norms, group, head)

@@ -163,6 +163,23 @@ class GatherSequenceForReplicated(torch.autograd.Function):
         return _own_slice(grad, ctx.group), None
 
 
+class GatherSequenceForColumns(torch.autograd.Function):
+    """Out of the sequence-parallel region into a column-parallel layer that reads the whole
+    sequence alone (a vocabulary-parallel head): the whole sequence forward; backward, each
+    rank's partial gradient of the whole summed over the group and scattered, each rank keeping
+    its slice. One reduce-scatter, where the head's own all-reduce and then a slice would move
+    twice the bytes (Megatron's gather with `tensor_parallel_output_grad`)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
 class GatheredColumnLinears(torch.autograd.Function):
     """The column-parallel products of the layers that read one input (`weights`, `biases`, in
     pairs) of the whole sequence, from a rank's slice of it gathered once. Only the slice is kept
@@ -288,12 +305,16 @@ def reduce_column_inputs_once(module: torch.nn.Module, group) -> None:
         parent.register_forward_pre_hook(functools.partial(_into_tensor_parallel, group=group))
 
 
-def apply_sequence_parallelism(module: torch.nn.Module, embeddings: list, final_norms: list, group) -> None:
+def apply_sequence_parallelism(
+    module: torch.nn.Module, embeddings: list, final_norms: list, group, vocab_parallel_head=None
+) -> None:
     """Makes `module`, whose blocks AutoTP has split over `group`, sequence-parallel: each
     attention and MLP gathers its input's sequence once for its column-parallel layers, the
     row-parallel layers reduce-scatter it after their products (their own collectives
     replaced), each embedding lookup in `embeddings` keeps its rank's slice and each norm in
-    `final_norms` (the one before the output head) gathers the whole sequence back."""
+    `final_norms` (the one before the output head) gathers the whole sequence back: for a
+    replicated head, or for `vocab_parallel_head` (then the gather's backward reduce-scatters
+    the head's partial input gradients, and the head's own all-reduce is gone)."""
     import functools
 
     split_layers = _split_layers()
@@ -307,5 +328,9 @@ def apply_sequence_parallelism(module: torch.nn.Module, embeddings: list, final_
         _replace_forward(f"{name}.{row}", getattr(parent, row), _row_forward, group)
     for embedding in embeddings:
         embedding.register_forward_hook(lambda _m, _args, out: IntoSequenceSlices.apply(out, group, False))
+    gather = GatherSequenceForReplicated
+    if vocab_parallel_head is not None:
+        _replace_forward("the vocabulary-parallel head", vocab_parallel_head, _local_column_forward, group)
+        gather = GatherSequenceForColumns
     for norm in final_norms:
-        norm.register_forward_hook(lambda _m, _args, out: GatherSequenceForReplicated.apply(out, group))
+        norm.register_forward_hook(lambda _m, _args, out: gather.apply(out, group))

@@ -8,7 +8,16 @@ import sqlite3
 import pytest
 import yaml
 
-from lmfoundry.agents.tool_data import Reference, ToolDataConfig, run_tool_data, verify_answer
+from lmfoundry.agents.tool_data import (
+    PHRASINGS,
+    VARIANTS,
+    Reference,
+    ToolDataConfig,
+    close_to,
+    run_tool_data,
+    split_phrasings,
+    verify_answer,
+)
 from lmfoundry.agents.workflow import load_workflows
 from lmfoundry.jobs.agents import demo_data
 from lmfoundry.model.chat_template import ChatTemplate
@@ -130,6 +139,30 @@ def test_the_test_split_holds_out_phrasings_and_values(made):
     train_text = (made["dir"] / "train.jsonl").read_text()
     for customer in test_customers:  # not in a question, a query, a tool result or an answer
         assert f"'{customer}'" not in train_text and f" {customer} " not in train_text
+
+
+def test_training_variants_are_never_close_to_a_held_out_phrasing_and_only_training_is_reworded(made):
+    import random
+
+    for seed in range(20):  # whichever phrasings a seed holds out
+        split = split_phrasings(2, random.Random(seed), variants=True)
+        held = [t for ts in split["test"].values() for t in ts]
+        for intent, templates in split["train"].items():
+            extra = [t for t in templates if t not in PHRASINGS[intent]]
+            assert extra and set(extra) <= set(VARIANTS[intent])
+            assert not any(close_to(t, held) for t in extra)
+    # a near copy is caught: most of its words shared, the slot and punctuation aside
+    assert close_to("What's the status of order {order}", ["What is the status of order {order}?"])
+    assert not close_to("Which rules cover order {order}?", ["What is the status of order {order}?"])
+    asked = read(made["dir"] / "questions.jsonl")
+    for q in asked:
+        if q["split"] == "test":
+            assert q["question"] == q["template"].format(**q["values"])
+        for value in q["values"].values():
+            assert str(value).lower() in q["question"].lower()
+    train = [q for q in asked if q["split"] == "train"]
+    assert any(q["template"] not in PHRASINGS[q["intent"]] for q in train)
+    assert any(q["question"] != q["template"].format(**q["values"]) for q in train)
 
 
 def test_a_conversation_renders_as_the_agent_service_prompts_the_model(made):

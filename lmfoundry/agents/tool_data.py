@@ -63,6 +63,9 @@ class ToolDataConfig(StageConfig):
     test_size: int = Field(200, ge=1, le=1_000_000, description="at most this many test conversations")
     test_phrasings: int = Field(2, ge=1, description="phrasings of each intent held out for the test split")
     test_share: float = Field(0.3, gt=0, lt=1, description="share of the customers (and their orders) held out")
+    variants: bool = Field(
+        True, description="train on VARIANTS' phrasings too, reworded (openers, case); the test split never is"
+    )
     practice_customers: int = Field(
         0, ge=0, le=10_000, description="invented customers (with orders) added to the training split only"
     )
@@ -146,6 +149,110 @@ PHRASINGS = {
         "Can you tell me about order {order} and the policy for it?",
     ),
 }
+# Training-only variety: more ways to ask each intent, so that a model learns the words that
+# decide one (spend, cost, rules, who, ...) rather than eight sentences. The test split asks only
+# PHRASINGS' held-out templates; `split_phrasings` drops every variant that shares half its words
+# or more with one of them.
+VARIANTS = {
+    "spend": (
+        "How much has {customer} paid us altogether?",
+        "Total amount spent by {customer}?",
+        "What's the sum of all of {customer}'s orders?",
+        "How much money has {customer} spent so far?",
+        "What has {customer} spent with us in total?",
+        "Give me {customer}'s total spending.",
+        "How much did {customer} spend overall?",
+        "{customer}: total spent?",
+        "Add up the totals of {customer}'s orders.",
+        "Total order value for {customer}?",
+        "What do {customer}'s orders come to altogether?",
+        "Overall, how much money came from {customer}?",
+    ),
+    "count": (
+        "How many orders did {customer} place?",
+        "What's the order count for {customer}?",
+        "How many times did {customer} buy from us?",
+        "How often has {customer} ordered?",
+        "Number of purchases by {customer}?",
+        "How many orders are there from {customer}?",
+        "Count of {customer}'s orders?",
+        "How many orders came from {customer}?",
+        "Give me the number of orders {customer} placed.",
+        "{customer}: how many orders?",
+        "In how many orders did {customer} buy something?",
+    ),
+    "items": (
+        "What did {customer} buy?",
+        "Which products has {customer} purchased?",
+        "List everything {customer} bought.",
+        "What items are in {customer}'s orders?",
+        "Show me what {customer} ordered.",
+        "What has {customer} purchased from us?",
+        "Which things did {customer} order?",
+        "Products bought by {customer}?",
+        "{customer}: which items?",
+        "Name the items {customer} ordered.",
+        "What goods went to {customer}?",
+    ),
+    "status": (
+        "What's the status of order {order}?",
+        "Status for order #{order}?",
+        "Has order {order} been shipped yet?",
+        "Where's order {order} now?",
+        "Is order {order} still pending?",
+        "What state is order {order} in?",
+        "Was order {order} returned?",
+        "Track order {order} for me.",
+        "Give me the status of order number {order}.",
+        "Order #{order} status?",
+        "What is going on with order {order}?",
+        "Any news on order {order}?",
+    ),
+    "contents": (
+        "What item was order {order}?",
+        "Which product was in order #{order}?",
+        "Who ordered order {order}, and what did they get?",
+        "What was bought in order {order} and by whom?",
+        "Order {order}: what item and which customer?",
+        "Tell me the item and the customer of order {order}.",
+        "Who bought what in order number {order}?",
+        "Who placed order {order}?",
+        "Which customer placed order #{order}, and for what?",
+        "Details of order {order}: item and customer?",
+        "What did order {order} contain?",
+    ),
+    "paid": (
+        "How much did {customer} pay for the {item}?",
+        "What was the price of {customer}'s {item}?",
+        "How much did the {item} cost for {customer}?",
+        "What was {customer} charged for the {item}?",
+        "The {item} that {customer} bought: how much?",
+        "How much money did {customer} spend on the {item}?",
+        "Cost of the {item} for {customer}?",
+        "What was the total for {customer}'s {item}?",
+        "{customer} bought a {item}: what did it cost?",
+        "How much is {customer}'s {item} order?",
+        "What price did {customer} pay for a {item}?",
+    ),
+    "policy": (
+        "What is the status of order {order} and the policy that applies?",
+        "Which policy applies to order {order}?",
+        "What are the rules for order {order}?",
+        "Order {order}: status and rules, please.",
+        "Tell me the status of order #{order} and what the policy says.",
+        "What does the policy say about order {order}?",
+        "Status of order {order} plus the relevant rule?",
+        "Look up order {order} and explain the rules that apply.",
+        "Which rules cover order number {order}, given its status?",
+        "What happens now with order {order} under our policy?",
+        "Check order {order} and give me the policy for its status.",
+    ),
+}
+# Openers and closers a training question may get, and its case and final punctuation varied.
+OPENERS = ("Hi, ", "Hello! ", "Quick question: ", "Please tell me: ", "Hey, ", "I'd like to know: ")
+CLOSERS = (" Thanks!", " Thank you.", " Please.", " Cheers.")
+
+
 SLOTS = {
     "spend": ("customer",),
     "count": ("customer",),
@@ -396,7 +503,19 @@ def on_database(wf: WorkflowConfig, dsn: str) -> WorkflowConfig:
     return wf.model_copy(update={"tools": tools})
 
 
-def split_phrasings(held: int, rng: random.Random) -> dict[str, dict[str, list[str]]]:
+def words(template: str) -> set[str]:
+    return set(re.findall(r"[a-z']+", re.sub(r"\{\w+\}", " ", template.lower())))
+
+
+def close_to(template: str, others: list[str], share: float = 0.5) -> bool:
+    """True when `template` shares at least `share` of its and another's words (Jaccard)."""
+    mine = words(template)
+    return any(len(mine & words(o)) >= share * len(mine | words(o)) for o in others)
+
+
+def split_phrasings(held: int, rng: random.Random, variants: bool = False) -> dict[str, dict[str, list[str]]]:
+    """The test split's phrasings (`held` of PHRASINGS' per intent) and the training split's: the
+    rest, plus (with `variants`) every VARIANTS phrasing not close to a held-out one."""
     out: dict[str, dict[str, list[str]]] = {"train": {}, "test": {}}
     for intent, phrasings in PHRASINGS.items():
         if held >= len(phrasings):
@@ -404,12 +523,32 @@ def split_phrasings(held: int, rng: random.Random) -> dict[str, dict[str, list[s
         order = list(phrasings)
         rng.shuffle(order)
         out["test"][intent], out["train"][intent] = order[:held], order[held:]
+    if variants:
+        every_test = [t for ts in out["test"].values() for t in ts]
+        for intent, extra in VARIANTS.items():
+            out["train"][intent] += [t for t in extra if not close_to(t, every_test)]
     return out
 
 
-def questions(phrasings: dict[str, list[str]], values: dict[str, list], size: int, rng: random.Random) -> list[dict]:
+def reworded(question: str, rng: random.Random) -> str:
+    """The question as a user might type it: an opener or closer, lower case, no final mark."""
+    if rng.random() < 0.25:
+        question = rng.choice(OPENERS) + question[0].lower() + question[1:]
+    if rng.random() < 0.2:
+        question += rng.choice(CLOSERS)
+    if rng.random() < 0.2:
+        question = question.lower()
+    if rng.random() < 0.2:
+        question = question.rstrip("?.!")
+    return question
+
+
+def questions(
+    phrasings: dict[str, list[str]], values: dict[str, list], size: int, rng: random.Random, reword: bool = False
+) -> list[dict]:
     """Every (phrasing, values) of every intent, shuffled, then taken round-robin over the intents
-    up to `size`, so that each intent is as common as its combinations allow."""
+    up to `size`, so that each intent is as common as its combinations allow (`reword`: each
+    question as `reworded` gives it)."""
     per_intent = []
     for intent, templates in phrasings.items():
         slots = SLOTS[intent]
@@ -421,6 +560,9 @@ def questions(phrasings: dict[str, list[str]], values: dict[str, list], size: in
             {"intent": intent, "template": t, "values": f, "question": t.format(**f)} for t in templates for f in fills
         ]
         rng.shuffle(combos)
+        if reword:
+            for c in combos:
+                c["question"] = reworded(c["question"], rng)
         per_intent.append(combos)
     out = []
     for k in range(max(map(len, per_intent), default=0)):
@@ -448,7 +590,10 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="lmfoundry-tool-data-") as scratch:
         rng = random.Random(cfg.seed)
-        held, phrasings = held_out_customers(ref, cfg.test_share, rng), split_phrasings(cfg.test_phrasings, rng)
+        held, phrasings = (
+            held_out_customers(ref, cfg.test_share, rng),
+            split_phrasings(cfg.test_phrasings, rng, cfg.variants),
+        )
         train_wf = wf
         if cfg.practice_customers:
             practice = os.path.join(scratch, "practice.sqlite")
@@ -466,7 +611,7 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
             orders = [o for o in split_ref.orders if (o["customer"] in held) == (split == "test")]
             values = slot_values(orders)
             kept = []
-            for q in questions(phrasings[split], values, size, rng):
+            for q in questions(phrasings[split], values, size, rng, cfg.variants and split == "train"):
                 try:
                     made = teach(split_wf, registry, guard, q)
                     reason = verify_answer(q["intent"], q["values"], made["answer"], split_ref)

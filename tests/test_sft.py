@@ -249,3 +249,13 @@ def test_the_sft_objective_runs_the_teacher_beside_the_student(tmp_path):
     loss, metrics = objective.loss(objective.model, batch)
     assert metrics["kl"] > 0 and loss.item() == pytest.approx(0.5 * metrics["ce"] + 0.5 * 4 * metrics["kl"], rel=1e-5)
     assert not any(p.requires_grad for p in objective.teacher.parameters())
+
+
+def test_the_before_and_after_loss_reads_a_bounded_sample_spread_over_the_whole_data():
+    from lmfoundry.train.sft import ASSISTANT_LOSS_ROWS, sample_rows
+
+    assert sample_rows(0).tolist() == [] and sample_rows(3).tolist() == [0, 1, 2]
+    rows = sample_rows(10_000)
+    assert len(rows) == ASSISTANT_LOSS_ROWS and rows[0] == 0 and rows[-1] == 9_999
+    gaps = np.diff(rows)
+    assert gaps.min() >= 39 and gaps.max() <= 40  # evenly spread, not the first rows

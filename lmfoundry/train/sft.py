@@ -30,6 +30,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
@@ -266,17 +267,27 @@ def sft_loop(loop_config: dict) -> None:
     )
 
 
+# Rows the before/after assistant loss reads: a sample spread over the whole data, so that the
+# report after a run costs seconds, not another pass over the data on the driver.
+ASSISTANT_LOSS_ROWS = 256
+
+
+def sample_rows(n: int, at_most: int = ASSISTANT_LOSS_ROWS) -> np.ndarray:
+    """At most `at_most` row indices of `n`, evenly spread (all of them when there are fewer)."""
+    return np.unique(np.linspace(0, n - 1, num=min(n, at_most)).round().astype(np.int64)) if n else np.arange(0)
+
+
 @torch.no_grad()
-def assistant_loss(model, packed: Packed, batch: int = 16) -> float:
-    """The mean cross-entropy over every assistant token of the packed data."""
+def assistant_loss(model, packed: Packed, rows: np.ndarray, batch: int = 16) -> float:
+    """The mean cross-entropy over every assistant token of the packed data's `rows`."""
     total, count = 0.0, 0
-    for start in range(0, len(packed), batch):
-        rows = slice(start, start + batch)
+    for start in range(0, len(rows), batch):
+        some = rows[start : start + batch]
         _, losses, counted = token_losses(
             model,
-            torch.from_numpy(packed.tokens[rows]),
-            torch.from_numpy(packed.assistant[rows]),
-            torch.from_numpy(packed.docs[rows]),
+            torch.from_numpy(packed.tokens[some]),
+            torch.from_numpy(packed.assistant[some]),
+            torch.from_numpy(packed.docs[some]),
         )
         total += float((losses * counted).sum())
         count += int(counted.sum())
@@ -329,9 +340,11 @@ def run_sft(cfg: SFTConfig) -> dict:
         }
         final_uri, final, state = train_on_ray(sft_loop, loop_config, cfg, out, "SFT")
         final_dir = checkpoint.local_copy(final_uri, model_only=True)
+        rows = sample_rows(len(packed))
         loss = {
-            "before": assistant_loss(load_model_files(start_dir), packed),
-            "after": assistant_loss(load_model_files(final_dir), packed),
+            "before": assistant_loss(load_model_files(start_dir), packed, rows),
+            "after": assistant_loss(load_model_files(final_dir), packed, rows),
+            "rows": len(rows),
         }
         gate_action = storage.join(out, checkpoint.GATE_ACTION)
         stopped = storage.read_json(gate_action) if storage.exists(gate_action) else None

@@ -153,13 +153,14 @@ def test_training_variants_are_never_close_to_a_held_out_phrasing_and_only_train
             assert not any(close_to(t, held) for t in extra)
     # a near copy is caught: most of its words shared, the slot and punctuation aside
     assert close_to("What's the status of order {order}", ["What is the status of order {order}?"])
+    assert close_to("Who placed order {order}?", ["Who placed order {order} and what was it?"])  # a part of it
     assert not close_to("Which rules cover order {order}?", ["What is the status of order {order}?"])
     asked = read(made["dir"] / "questions.jsonl")
     for q in asked:
         if q["split"] == "test":
             assert q["question"] == q["template"].format(**q["values"])
-        for value in q["values"].values():
-            assert str(value).lower() in q["question"].lower()
+        for value in q["values"].values():  # as stored: rewording changes the phrasing's case only
+            assert str(value) in q["question"]
     train = [q for q in asked if q["split"] == "train"]
     assert any(q["template"] not in PHRASINGS[q["intent"]] for q in train)
     assert any(q["question"] != q["template"].format(**q["values"]) for q in train)

@@ -151,8 +151,8 @@ PHRASINGS = {
 }
 # Training-only variety: more ways to ask each intent, so that a model learns the words that
 # decide one (spend, cost, rules, who, ...) rather than eight sentences. The test split asks only
-# PHRASINGS' held-out templates; `split_phrasings` drops every variant that shares half its words
-# or more with one of them.
+# PHRASINGS' held-out templates; `split_phrasings` drops every variant close to one of them
+# (`close_to`).
 VARIANTS = {
     "spend": (
         "How much has {customer} paid us altogether?",
@@ -166,7 +166,7 @@ VARIANTS = {
         "Add up the totals of {customer}'s orders.",
         "Total order value for {customer}?",
         "What do {customer}'s orders come to altogether?",
-        "Overall, how much money came from {customer}?",
+        "Overall, how much has {customer} spent?",
     ),
     "count": (
         "How many orders did {customer} place?",
@@ -192,7 +192,7 @@ VARIANTS = {
         "Products bought by {customer}?",
         "{customer}: which items?",
         "Name the items {customer} ordered.",
-        "What goods went to {customer}?",
+        "Which goods did {customer} order?",
     ),
     "status": (
         "What's the status of order {order}?",
@@ -216,7 +216,6 @@ VARIANTS = {
         "Order {order}: what item and which customer?",
         "Tell me the item and the customer of order {order}.",
         "Who bought what in order number {order}?",
-        "Who placed order {order}?",
         "Which customer placed order #{order}, and for what?",
         "Details of order {order}: item and customer?",
         "What did order {order} contain?",
@@ -507,10 +506,15 @@ def words(template: str) -> set[str]:
     return set(re.findall(r"[a-z']+", re.sub(r"\{\w+\}", " ", template.lower())))
 
 
-def close_to(template: str, others: list[str], share: float = 0.5) -> bool:
-    """True when `template` shares at least `share` of its and another's words (Jaccard)."""
+def close_to(template: str, others: list[str]) -> bool:
+    """True when `template` and another share half their words or more (Jaccard), or when 80% of
+    the shorter one's words are in the longer (a phrasing that opens another, or asks a part of it)."""
     mine = words(template)
-    return any(len(mine & words(o)) >= share * len(mine | words(o)) for o in others)
+    for other in map(words, others):
+        shared = len(mine & other)
+        if shared >= 0.5 * len(mine | other) or shared >= 0.8 * min(len(mine), len(other)):
+            return True
+    return False
 
 
 def split_phrasings(held: int, rng: random.Random, variants: bool = False) -> dict[str, dict[str, list[str]]]:
@@ -530,17 +534,18 @@ def split_phrasings(held: int, rng: random.Random, variants: bool = False) -> di
     return out
 
 
-def reworded(question: str, rng: random.Random) -> str:
-    """The question as a user might type it: an opener or closer, lower case, no final mark."""
+def reworded(template: str, rng: random.Random) -> str:
+    """The template as a user might type it: an opener or closer, lower case, no final mark. The
+    template, not the question: a value (a name with capitals, "Inc.") is asked as it is stored."""
     if rng.random() < 0.25:
-        question = rng.choice(OPENERS) + question[0].lower() + question[1:]
+        template = rng.choice(OPENERS) + template[0].lower() + template[1:]
     if rng.random() < 0.2:
-        question += rng.choice(CLOSERS)
+        template += rng.choice(CLOSERS)
     if rng.random() < 0.2:
-        question = question.lower()
+        template = template.lower()  # the slots' names are lower case already
     if rng.random() < 0.2:
-        question = question.rstrip("?.!")
-    return question
+        template = template.rstrip("?.!")
+    return template
 
 
 def questions(
@@ -562,7 +567,7 @@ def questions(
         rng.shuffle(combos)
         if reword:
             for c in combos:
-                c["question"] = reworded(c["question"], rng)
+                c["question"] = reworded(c["template"], rng).format(**c["values"])
         per_intent.append(combos)
     out = []
     for k in range(max(map(len, per_intent), default=0)):

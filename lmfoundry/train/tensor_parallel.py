@@ -7,7 +7,8 @@ columns (whole heads, whole MLP columns per rank), the attention output and down
 input rows, so a block costs one all-reduce forward and one backward for each of attention and
 the MLP (AutoTP's layers each all-reduce their input's gradient; `reduce_column_inputs_once`
 makes the query and key/value projections share one, as Megatron's fused layer does). The
-embedding, the norms and the output head stay whole on every rank. The fused projections are
+norms stay whole on every rank, and so do the embedding and the output head unless
+`vocab_parallel` splits them by vocabulary rows. The fused projections are
 split as two halves (keys|values, gate|up), so each rank keeps its slice of both. Per-head
 query/key norms (Qwen3) stay whole, but each rank sees only its heads, so their gradients are
 summed over the tensor-parallel group.

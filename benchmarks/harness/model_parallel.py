@@ -30,7 +30,12 @@ LAYOUTS = {
     "one worker": (1, 1, 1, {}),
     "one worker, untied": (1, 1, 1, {"tied": False}),
     "TP 2 x DP 2, vocab parallel": (2, 1, 4, {"vocab_parallel": True}),
-    "TP 2, sequence parallel, recompute": (2, 1, 2, {"sequence_parallel": True, "recompute": True}),
+    "TP 2, vocab + sequence parallel, recompute": (
+        2,
+        1,
+        2,
+        {"vocab_parallel": True, "sequence_parallel": True, "recompute": True},
+    ),
     "TP 2, vocab + sequence parallel, untied": (
         2,
         1,

@@ -163,6 +163,63 @@ def judge(question: dict, run: dict, ref) -> dict:
     }
 
 
+def teacher_forced(checkpoint: str, conversations: Path, questions: list[dict]) -> dict:
+    """Where the model's next-token guesses go wrong on the held-out conversations, each guess
+    given every earlier token (no serving, no sampling), the assistant's tokens grouped by what
+    they need: `choice`, the tool's name and the query's kind (after `"name": "`, and from
+    `SELECT ` to ` FROM`), which the question's words decide; `copied value`, a token of the
+    question's customer or item where the reply writes it; `digit`, a digit (of the question's
+    order, or of a tool result's number); `other`, the rest (the JSON, the SQL's frame, the
+    answer's template, words a tool result gives)."""
+    import torch
+
+    from lmfoundry.model.checkpoint import load_model_files
+    from lmfoundry.platform import checkpoint as checkpoints
+    from lmfoundry.train.sft_data import ConversationEncoder, read_conversations
+
+    model_dir = checkpoints.local_copy(checkpoints.resolve(checkpoint), model_only=True)  # a run: its final model
+    model = load_model_files(model_dir).eval()
+    encoder = ConversationEncoder(model_dir, model.cfg.max_seq_len + 1)
+    tokenizer = encoder.tokenizer
+    right, seen, exact = Counter(), Counter(), 0
+    for (_, conversation), question in zip(read_conversations(str(conversations)), questions, strict=True):
+        encoded = encoder.encode(conversation)
+        ids = encoded.ids
+        in_value = set()  # positions of the tokens of each occurrence of a value
+        for key in ("customer", "item"):
+            if key in question["values"]:
+                value = tokenizer.encode(str(question["values"][key]), add_special_tokens=False).ids
+                for at in range(len(ids) - len(value) + 1):
+                    if ids[at : at + len(value)] == value:
+                        in_value.update(range(at, at + len(value)))
+        with torch.no_grad():
+            guesses = model(torch.tensor([ids[:-1]]))[0].argmax(-1)[0].tolist()
+        whole = True
+        for at, (guess, target) in enumerate(zip(guesses, ids[1:])):
+            if not encoded.assistant[at + 1]:
+                continue
+            before = tokenizer.decode(ids[max(0, at - 15) : at + 1], skip_special_tokens=False)
+            select = before.rfind("SELECT ")
+            if before.endswith('"name": "') or (select >= 0 and " FROM" not in before[select:]):
+                kind = "choice"
+            elif at + 1 in in_value:
+                kind = "copied value"
+            elif tokenizer.id_to_token(target).isdigit():
+                kind = "digit"
+            else:
+                kind = "other"
+            seen[kind] += 1
+            right[kind] += guess == target
+            whole &= guess == target
+        exact += whole
+    return {
+        "accuracy": {k: round(right[k] / seen[k], 3) for k in sorted(seen)},
+        "tokens": dict(sorted(seen.items())),
+        "conversations_exact": exact,
+        "conversations": len(questions),
+    }
+
+
 def training(run: str) -> dict | None:
     """What the fine-tuned model's SFT run recorded: steps, time, losses, its data."""
     from lmfoundry.platform import storage
@@ -194,9 +251,8 @@ def main() -> None:
     from lmfoundry.agents.workflow import load_workflows
     from lmfoundry.platform import storage
 
-    questions = [q for q in storage.read_jsonl(str(Path(args.data) / "questions.jsonl")) if q["split"] == "test"]
-    if args.runs:  # every intent, in turn: tool-data wrote them round-robin
-        questions = questions[: args.runs]
+    every_question = [q for q in storage.read_jsonl(str(Path(args.data) / "questions.jsonl")) if q["split"] == "test"]
+    questions = every_question[: args.runs] if args.runs else every_question  # tool-data wrote them round-robin
     work = Path(tempfile.mkdtemp(prefix="lmfoundry-bench-agent-sft-"))
     checkpoint = args.checkpoint
     if args.untrained:
@@ -234,6 +290,7 @@ def main() -> None:
         "model_steps": sum(j["model_steps"] for j in judged),
         "invalid_replies": sum(j["invalid_replies"] for j in judged),
         "wall_s": round(wall, 1),
+        "teacher_forced": teacher_forced(checkpoint, Path(args.data) / "test.jsonl", every_question),
         "examples": judged[:3],
     }
     # paths inside the repository as the README's commands give them, not this machine's
@@ -246,6 +303,12 @@ def main() -> None:
         print(f"{key:<28}{result[key]:>10}")
     print(f"{'invalid_replies':<28}{result['invalid_replies']:>10}")
     print(f"states: {result['states']}")
+    forced = result["teacher_forced"]
+    print(
+        f"teacher-forced, every held-out conversation: {forced['conversations_exact']} of {forced['conversations']} exact"
+    )
+    for kind, accuracy in forced["accuracy"].items():
+        print(f"  {kind:<26}{accuracy:>10.3f}  of {forced['tokens'][kind]} tokens")
     print(f"wrote {RESULTS / name}", file=sys.stderr)
     from ray import serve
 

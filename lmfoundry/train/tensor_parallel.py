@@ -149,36 +149,23 @@ class IntoSequenceSlices(torch.autograd.Function):
         return _gather_sequence(grad, ctx.group), None, None
 
 
-class GatherSequenceForReplicated(torch.autograd.Function):
-    """Out of the sequence-parallel region into a replicated computation (the output head and
-    the loss, the same on every rank): the whole sequence; every rank back-propagates the same
-    gradient of the whole, so backward keeps its own slice."""
+class OutOfSequenceSlices(torch.autograd.Function):
+    """Out of the sequence-parallel region, the whole sequence gathered from the ranks' slices:
+    into a replicated computation (`partial` false: a whole head and the loss, the same on every
+    rank, so every rank back-propagates the same gradient of the whole and backward keeps its
+    own slice), or into a column-parallel layer that reads the whole sequence alone (`partial`
+    true: a vocabulary-parallel head, each rank giving a partial gradient of the whole, summed
+    over the group and scattered in one reduce-scatter, where the head's own all-reduce and
+    then a slice would move twice the bytes; Megatron's gather with `tensor_parallel_output_grad`)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, partial: bool):
+        ctx.group, ctx.partial = group, partial
         return _gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_slice(grad, ctx.group), None
-
-
-class GatherSequenceForColumns(torch.autograd.Function):
-    """Out of the sequence-parallel region into a column-parallel layer that reads the whole
-    sequence alone (a vocabulary-parallel head): the whole sequence forward; backward, each
-    rank's partial gradient of the whole summed over the group and scattered, each rank keeping
-    its slice. One reduce-scatter, where the head's own all-reduce and then a slice would move
-    twice the bytes (Megatron's gather with `tensor_parallel_output_grad`)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad, ctx.group), None
+        return (_reduce_scatter_sequence(grad, ctx.group) if ctx.partial else _own_slice(grad, ctx.group)), None, None
 
 
 class GatheredColumnLinears(torch.autograd.Function):
@@ -329,9 +316,8 @@ def apply_sequence_parallelism(
         _replace_forward(f"{name}.{row}", getattr(parent, row), _row_forward, group)
     for embedding in embeddings:
         embedding.register_forward_hook(lambda _m, _args, out: IntoSequenceSlices.apply(out, group, False))
-    gather = GatherSequenceForReplicated
-    if vocab_parallel_head is not None:
+    partial = vocab_parallel_head is not None
+    if partial:
         _replace_forward("the vocabulary-parallel head", vocab_parallel_head, _local_column_forward, group)
-        gather = GatherSequenceForColumns
     for norm in final_norms:
-        norm.register_forward_hook(lambda _m, _args, out: gather.apply(out, group))
+        norm.register_forward_hook(lambda _m, _args, out: OutOfSequenceSlices.apply(out, group, partial))

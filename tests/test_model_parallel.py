@@ -3,9 +3,9 @@
 (benchmarks/harness/model_parallel.py), the losses of 20 steps at TP 2 x DP 2 with a
 vocabulary-parallel head (4 workers), PP 2 (2 workers, 4 micro-batches a step), PP 2 x DP 2 (4
 workers, activation checkpointing), TP 2 x PP 2 (4 workers, each stage split over 2, 4
-micro-batches a step, activation checkpointing), with sequence parallelism at TP 2 (with
-checkpointing) and TP 2 x PP 2, and at TP 2 with both and an untied head are those of one worker
-holding the whole model, and the weights each run writes (piece by piece, or layer by layer from
+micro-batches a step, activation checkpointing), with sequence parallelism at TP 2 x PP 2 (the
+head whole) and at TP 2 with a vocabulary-parallel head (tied, with checkpointing; untied) are
+those of one worker holding the whole model, and the weights each run writes (piece by piece, or layer by layer from
 each stage, gathered over its tensor-parallel group) are whole: loaded into the single-device
 model they give the engines' logits (a vocabulary-parallel engine's: rank 0's half of the
 vocabulary). The tensor-parallel runs without a pipeline move the activation traffic the planner

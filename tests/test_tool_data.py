@@ -232,6 +232,13 @@ def test_practice_customers_out_of_bounds_or_not_a_count_is_refused(demo, tmp_pa
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("bad", ["maybe", 2, [True], {"on": True}])
+def test_variants_that_is_not_a_yes_or_no_is_refused(demo, tmp_path, bad):
+    with pytest.raises(ValueError, match="variants"):
+        ToolDataConfig(workflows=demo["workflows"], output=str(tmp_path / "x"), variants=bad)
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_workflow_without_the_tools_is_refused(demo, tmp_path):
     spec = yaml.safe_load(open(demo["workflows"]))
     del spec["workflows"]["orders_and_docs"]["tools"]["docs"]

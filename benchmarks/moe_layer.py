@@ -1,7 +1,9 @@
 """MoE layer forward+backward throughput on CPU, side by side in one run:
 
-  lmfoundry MoE (grouped_mm)  sorted dispatch, one grouped matrix product per projection
-  lmfoundry MoE (sliced)      sorted dispatch, one dense product per expert slice
+  lmfoundry MoE (fused)       sorted dispatch, a chunk of experts at a time through both projections
+                              in one autograd node (what `dispatch: auto` runs on CPUs)
+  lmfoundry MoE (grouped_mm)  sorted dispatch, all rows gathered, one grouped product per projection
+  lmfoundry MoE (sliced)      sorted dispatch, all rows gathered, one dense product per expert slice
   DeepSpeed MoE               deepspeed.moe.layer.MoE, dropless (drop_tokens=False), same experts
   loop over experts + masks   the Mixtral-style reference: gather each expert's tokens by mask
   dense matmul (limit)        one dense product per projection of the same total FLOPs
@@ -18,9 +20,11 @@ allocator moves their rates (DeepSpeed's more than lmfoundry's) while the square
     python benchmarks/moe_layer.py            # 64 experts, top-6, d_model 512, expert hidden 128, 4096 tokens
     python benchmarks/moe_layer.py --quick    # fewer repeats
 
-FLOPs counted for the routed experts only (the router is < 1%): per (token, expert) assignment
+FLOPs counted for the routed experts only (the router is < 3%): per (token, expert) assignment
 a SwiGLU expert does 2*C*2H + 2*H*C = 6*C*H multiply-adds*2 forward; backward is twice forward:
-total 18*C*H per assignment. Prints a table; writes benchmarks/results/moe_layer.json.
+total 18*C*H per assignment. "saved MiB" is what a layer's forward keeps for its backward (the
+storages autograd holds, each counted once, the input included). Prints a table; writes
+benchmarks/results/moe_layer.json.
 """
 
 from __future__ import annotations
@@ -96,6 +100,22 @@ def fwd_bwd(layer, x):
     return run
 
 
+def saved_for_backward_mib(layer, x) -> float:
+    """The storages autograd keeps from one forward for its backward, each counted once."""
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    layer.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    del out
+    return sum(storages.values()) / 2**20
+
+
 def deepspeed_moe(c, h, e, k):
     import deepspeed
     from deepspeed.moe.layer import MoE as DSMoE
@@ -135,7 +155,7 @@ def measure(args) -> dict:
     flops = 18 * C * H * N * K
 
     layers = {}
-    for how in ("grouped_mm", "sliced"):
+    for how in ("fused", "grouped_mm", "sliced"):
         layers[f"lmfoundry MoE ({how})"] = MoE(
             C, 0, MoEConfig(num_experts=E, top_k=K, num_shared_experts=0, expert_hidden=H, dispatch=how, balance="none")
         )
@@ -156,6 +176,7 @@ def measure(args) -> dict:
     def square():
         torch.mm(sq_a, sq_b)
 
+    saved = {name: saved_for_backward_mib(layer, x) for name, layer in layers.items()}
     runs = {name: fwd_bwd(layer, x) for name, layer in layers.items()}
     runs["dense matmul (limit)"] = dense
     runs["2048x2048 product"] = square
@@ -178,6 +199,7 @@ def measure(args) -> dict:
                 "vs_deepspeed": ds_s / med,
                 "vs_dense_limit": dense_s / med,
                 "vs_square_product": flops / med / 1e9 / square_gflops,
+                "saved_for_backward_mib": saved.get(name),
             }
         )
     return {
@@ -229,12 +251,13 @@ def main() -> None:
         print(f"\nallocator: {allocator}; 2048x2048 fp32 product: {m['square_product_gflop_per_s']:.1f} GFLOP/s")
         print(
             f"{'layer':30s} {'median s':>9s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'x DS':>6s} {'of dense':>8s} "
-            f"{'of 2048^2':>9s}"
+            f"{'of 2048^2':>9s} {'saved MiB':>9s}"
         )
         for r in m["rows"]:
             print(
                 f"{r['name']:30s} {r['median_s']:9.3f} {r['tokens_per_s']:9.0f} {r['gflop_per_s']:8.1f} "
-                f"{r['vs_deepspeed']:6.2f} {r['vs_dense_limit']:8.0%} {r['vs_square_product']:9.0%}"
+                f"{r['vs_deepspeed']:6.2f} {r['vs_dense_limit']:8.0%} {r['vs_square_product']:9.0%} "
+                + (f"{r['saved_for_backward_mib']:9.0f}" if r["saved_for_backward_mib"] is not None else f"{'':9s}")
             )
     rows = [{"allocator": allocator, **r} for allocator, m in measured.items() for r in m["rows"]]
     RESULTS.mkdir(exist_ok=True)

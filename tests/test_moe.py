@@ -13,7 +13,7 @@ def grads(out, moe, x, gy):
     )
 
 
-@pytest.mark.parametrize("dispatch", ["grouped_mm", "sliced"])
+@pytest.mark.parametrize("dispatch", ["grouped_mm", "fused", "sliced"])
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("hidden", [16, 20])  # 20: rows not 16-byte aligned, grouped_mm falls back
 def test_dispatch_matches_the_token_by_token_reference_forward_and_backward(dispatch, score_func, hidden):
@@ -61,6 +61,17 @@ def test_capacity_factor_drops_overflow_and_ample_capacity_equals_dropless():
     ample = MoE(16, 32, MoEConfig(num_experts=4, top_k=2, capacity_factor=2.0))
     ample.load_state_dict(tight.state_dict())
     torch.testing.assert_close(ample(x), reference_moe(ample, x), atol=1e-5, rtol=1e-4)
+    # the dropped assignments are dropped alike by every dispatch, forward and backward
+    x.requires_grad_()
+    outs = {}
+    for dispatch in ("fused", "grouped_mm", "sliced"):
+        layer = MoE(16, 32, MoEConfig(num_experts=4, top_k=2, capacity_factor=0.5, dispatch=dispatch))
+        layer.load_state_dict(tight.state_dict())
+        y = layer(x)
+        outs[dispatch] = (y, *torch.autograd.grad(y.square().sum(), [x, layer.w_gate_up, layer.w_down]))
+    for other in ("grouped_mm", "sliced"):
+        for a, b in zip(outs["fused"], outs[other]):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_aux_loss_is_lowest_for_even_routing_and_only_in_training():
@@ -136,6 +147,46 @@ def test_experts_with_no_rows_still_give_shaped_outputs_and_zero_gradients(dispa
     assert out.shape == (0, 32)
     out.sum().backward()
     assert w.grad is not None and float(w.grad.abs().sum()) == 0.0
+
+
+def test_expert_chunks_cover_every_expert_in_order_within_the_row_limit():
+    from lmfoundry.model.moe import expert_chunks
+
+    counts = [3, 0, 5, 2, 9, 0, 0, 1]
+    chunks = expert_chunks(counts, 6)
+    assert chunks == [(0, 2, 0, 3), (2, 3, 3, 8), (3, 4, 8, 10), (4, 5, 10, 19), (5, 8, 19, 20)]
+    assert expert_chunks([0, 0, 0], 4) == [(0, 3, 0, 0)]
+    assert expert_chunks([7], 1) == [(0, 1, 0, 7)]  # an expert over the limit is a chunk of its own
+
+
+def test_fused_experts_have_exact_first_derivatives_across_chunks_and_empty_experts(monkeypatch):
+    """The fused dispatch's hand-written backward against finite differences in float64, with
+    chunks of a few rows (so rows of one chunk, experts of several and experts with no rows all
+    occur) and against the token-by-token reference."""
+    import lmfoundry.model.moe as moe_module
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(moe_module, "CHUNK_ELEMENTS", 4 * 8)  # 4 rows of 8 per chunk
+    C, H, E = 8, 6, 5
+    x = torch.randn(7, C, dtype=torch.float64, requires_grad=True)
+    w_gate_up = torch.randn(E, C, 2 * H, dtype=torch.float64, requires_grad=True)
+    w_down = torch.randn(E, H, C, dtype=torch.float64, requires_grad=True)
+    counts = [4, 0, 6, 0, 4]  # 14 assignments: 7 tokens, top-2
+    token = torch.tensor([0, 2, 3, 6, 0, 1, 2, 4, 5, 6, 1, 3, 4, 5])
+    row_weights = torch.rand(14, 1, dtype=torch.float64, requires_grad=True)
+    assert len(moe_module.expert_chunks(counts, 4)) == 3
+
+    def fused(x, w_gate_up, w_down, row_weights):
+        return moe_module._FusedExperts.apply(x, w_gate_up, w_down, row_weights, token, counts)
+
+    assert torch.autograd.gradcheck(fused, (x, w_gate_up, w_down, row_weights))
+    expert = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    gate, up = torch.einsum("mc,mch->mh", x[token], w_gate_up[expert]).chunk(2, dim=-1)
+    rows = torch.einsum("mh,mhc->mc", torch.nn.functional.silu(gate) * up * row_weights, w_down[expert])
+    torch.testing.assert_close(fused(x, w_gate_up, w_down, row_weights), torch.zeros_like(x).index_add(0, token, rows))
+    y = fused(x, w_gate_up, w_down, row_weights)
+    d_gate_up, d_down = torch.autograd.grad(y.sum(), [w_gate_up, w_down])
+    assert float(d_gate_up[1].abs().sum()) == float(d_down[3].abs().sum()) == 0.0  # experts with no rows
 
 
 def test_the_dispatch_gather_and_combine_differentiate_like_index_select_and_index_add():

@@ -6,9 +6,15 @@ scores; load balancing by an auxiliary loss or by the auxiliary-loss-free per-ex
 optional capacity factor. Shapes: N tokens, C d_model, E routed experts, K top-k, H expert hidden.
 
 Dispatch sorts the N*K (token, expert) assignments by expert so that each expert's tokens are
-contiguous, runs all experts as one grouped matrix product (or, where that is unavailable, a
-product per contiguous slice), and adds the results back weighted by the router. No Python loop
-ever runs over tokens.
+contiguous, runs the experts' products over those contiguous rows, and adds the results back
+weighted by the router. No Python loop ever runs over tokens. Three ways to run the products:
+- grouped_mm: gather all N*K rows, one grouped matrix product per projection (GPUs);
+- fused (CPUs): one autograd node that takes a chunk of experts at a time, gathers its rows, runs
+  both projections and adds the weighted result back before the next chunk, so no (N*K, C) tensor
+  is ever allocated and only the (N*K, 2H) pre-activations are kept for backward;
+- sliced: gather all rows, one dense product per expert's slice (where grouped_mm is missing).
+Expert parallelism (train/expert_parallel.py) exchanges the gathered rows, so it runs grouped_mm
+or sliced whatever the setting.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field, model_validator
+from torch.autograd.function import once_differentiable
 
 from lmfoundry.platform.config import StageConfig
 
-Dispatch = Literal["auto", "grouped_mm", "sliced"]
+Dispatch = Literal["auto", "grouped_mm", "fused", "sliced"]
 
 
 class MoEConfig(StageConfig):
@@ -42,6 +49,7 @@ class MoEConfig(StageConfig):
     bias_update_rate: float = Field(1e-3, ge=0, description="aux_free: bias step per update")
     capacity_factor: float | None = Field(None, gt=0, description="None: dropless")
     first_dense_layers: int = Field(0, ge=0, description="leading layers that keep a dense MLP")
+    # auto: fused on CPUs, grouped_mm where the device has it, else sliced
     dispatch: Dispatch = "auto"
 
     @model_validator(mode="after")
@@ -132,6 +140,115 @@ class _SumRows(torch.autograd.Function):
         return _GatherRows.apply(grad.contiguous(), index), None, None
 
 
+# The fused dispatch takes about this many elements of rows per chunk (4,096 rows at C = 512,
+# 8 MiB in fp32): the elementwise work is one op over thousands of rows, and every buffer stays
+# below glibc's largest mmap threshold (32 MiB), so it is reused from the heap rather than
+# faulted in as fresh zeroed pages on every pass (benchmarks/moe_layer.py, glibc defaults).
+CHUNK_ELEMENTS = 1 << 21
+
+
+def expert_chunks(counts: list[int], max_rows: int) -> list[tuple[int, int, int, int]]:
+    """Consecutive experts grouped into chunks of at most max_rows rows (an expert with more rows
+    is a chunk of its own): [(first expert, end expert, first row, end row)], covering every
+    expert, each with at least one."""
+    chunks, first, start, rows = [], 0, 0, 0
+    for e, m in enumerate(counts):
+        if e > first and rows + m > max_rows:
+            chunks.append((first, e, start, start + rows))
+            first, start, rows = e, start + rows, 0
+        rows += m
+    chunks.append((first, len(counts), start, start + rows))
+    return chunks
+
+
+def _each_expert(a: torch.Tensor, w: torch.Tensor, counts: list[int], experts: range, out: torch.Tensor, t: bool):
+    """out[rows of e] = a[rows of e] @ w[e] (w[e].T when t) for each expert e, whose rows are
+    contiguous and in order in a and out."""
+    start = 0
+    for e in experts:
+        if m := counts[e]:
+            torch.mm(a[start : start + m], w[e].t() if t else w[e], out=out[start : start + m])
+        start += m
+    return out
+
+
+def _each_expert_grad(a: torch.Tensor, b: torch.Tensor, counts: list[int], experts: range, out: torch.Tensor):
+    """out[e] = a[rows of e].T @ b[rows of e] for each expert e; zero for an expert with no rows."""
+    start = 0
+    for e in experts:
+        if m := counts[e]:
+            torch.mm(a[start : start + m].t(), b[start : start + m], out=out[e])
+        else:
+            out[e].zero_()
+        start += m
+
+
+class _FusedExperts(torch.autograd.Function):
+    """out (N, C) = sum over the M assignments a of w_a * down_e(silu(gate_e(x_t)) * up_e(x_t)),
+    e and t the assignment's expert and token. token (M,) and row_weights (M, 1) are sorted by
+    expert, counts (E,) the rows per expert. Saves x, the weights and the (M, 2H) pre-activations;
+    backward gathers each chunk's rows again. First derivatives only."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, w_down, row_weights, token, counts: list[int]):
+        N, C = x.shape
+        H = w_down.shape[1]
+        chunks = expert_chunks(counts, max(1, CHUNK_ELEMENTS // C))
+        widest = max(end - start for _, _, start, end in chunks)
+        rows, ys = x.new_empty(widest, C), x.new_empty(widest, C)
+        pre = x.new_empty(token.numel(), 2 * H)
+        out = x.new_zeros(N, C)
+        for first, last, start, end in chunks:
+            if end == start:
+                continue
+            index = token[start:end]
+            xs = torch.index_select(x, 0, index, out=rows[: end - start])
+            experts = range(first, last)
+            _each_expert(xs, w_gate_up, counts, experts, pre[start:end], t=False)
+            gate, up = pre[start:end].chunk(2, dim=-1)
+            # weighted here rather than after the down projection: the same result, a quarter of
+            # the work when H = C/4
+            hidden = F.silu(gate).mul_(up).mul_(row_weights[start:end])
+            out.index_add_(0, index, _each_expert(hidden, w_down, counts, experts, ys[: end - start], t=False))
+        ctx.save_for_backward(x, w_gate_up, w_down, row_weights, token, pre)
+        ctx.counts, ctx.chunks = counts, chunks
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, w_gate_up, w_down, row_weights, token, pre = ctx.saved_tensors
+        counts, chunks = ctx.counts, ctx.chunks
+        grad = grad.contiguous()
+        C, H = x.shape[1], w_down.shape[1]
+        widest = max(end - start for _, _, start, end in chunks)
+        rows, grad_rows = x.new_empty(widest, C), x.new_empty(widest, C)
+        d_hidden_buf, d_pre_buf = x.new_empty(widest, H), x.new_empty(widest, 2 * H)
+        dx = torch.zeros_like(x)
+        d_gate_up, d_down = torch.empty_like(w_gate_up), torch.empty_like(w_down)
+        d_row_weights = torch.empty_like(row_weights)
+        for first, last, start, end in chunks:
+            n, experts, index = end - start, range(first, last), token[start:end]
+            g = torch.index_select(grad, 0, index, out=grad_rows[:n])
+            gate, up = pre[start:end].chunk(2, dim=-1)
+            act = F.silu(gate)
+            hidden = act * up  # before the routing weight
+            weight = row_weights[start:end]
+            _each_expert_grad(hidden * weight, g, counts, experts, d_down)
+            d_hidden = _each_expert(g, w_down, counts, experts, d_hidden_buf[:n], t=True)
+            torch.sum(d_hidden * hidden, -1, keepdim=True, out=d_row_weights[start:end])
+            d_hidden.mul_(weight)
+            d_pre = d_pre_buf[:n]
+            torch.ops.aten.silu_backward(d_hidden * up, gate, grad_input=d_pre[:, :H])
+            torch.mul(d_hidden, act, out=d_pre[:, H:])
+            xs = torch.index_select(x, 0, index, out=rows[:n])
+            _each_expert_grad(xs, d_pre, counts, experts, d_gate_up)
+            if ctx.needs_input_grad[0]:
+                # the gathered grad rows are read for the last time above: reuse their buffer
+                dx.index_add_(0, index, _each_expert(d_pre, w_gate_up, counts, experts, grad_rows[:n], t=True))
+        return dx, d_gate_up, d_down, d_row_weights, None, None
+
+
 class MoE(nn.Module):
     def __init__(self, d_model: int, dense_hidden: int, cfg: MoEConfig, init_std: float = 0.02):
         super().__init__()
@@ -156,6 +273,7 @@ class MoE(nn.Module):
         self.ep_size, self.ep_rank = 1, 0
         self.exchange = None
         self._dispatch: str | None = None if cfg.dispatch == "auto" else cfg.dispatch
+        self._rows_dispatch: str | None = cfg.dispatch if cfg.dispatch in ("grouped_mm", "sliced") else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (N, C) -> expert ids (N, K), routing weights (N, K), scores (N, E)."""
@@ -200,13 +318,16 @@ class MoE(nn.Module):
         self.stats = RouterStats(counts.detach().cpu(), dropped)
 
         token = order // K  # (M,) which token each sorted row belongs to
-        xs = _GatherRows.apply(x, token)  # (M, C)
         row_weights = weights.flatten()[order].unsqueeze(-1).to(x.dtype)  # (M, 1)
-        if self.exchange is None:
-            ys = self._experts(xs, counts, row_weights)
+        if self.exchange is None and self._pick_dispatch(x) == "fused":
+            out = _FusedExperts.apply(x, self.w_gate_up, self.w_down, row_weights, token, counts.tolist())
         else:
-            ys = self.exchange(self, xs, counts, row_weights)
-        out = _SumRows.apply(ys, token, N)
+            xs = _GatherRows.apply(x, token)  # (M, C)
+            if self.exchange is None:
+                ys = self._experts(xs, counts, row_weights)
+            else:
+                ys = self.exchange(self, xs, counts, row_weights)
+            out = _SumRows.apply(ys, token, N)
         if self.shared_gate_up is not None:
             g, u = self.shared_gate_up(x).chunk(2, dim=-1)
             out = out + self.shared_down(F.silu(g) * u)
@@ -216,7 +337,7 @@ class MoE(nn.Module):
         """xs: (M, C) rows sorted by (local) expert, counts: (E_local,) rows per expert,
         row_weights: (M, 1) routing weights. Returns the weighted expert outputs (M, C)."""
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        how = self._dispatch or self._pick_dispatch(xs)
+        how = self._rows_dispatch or self._pick_rows_dispatch(xs)
         count_list = counts.tolist()
         gate, up = expert_matmul(xs, self.w_gate_up, offsets, count_list, how).chunk(2, dim=-1)
         # the routing weight scales the (M, H) hidden rather than the (M, C) output: the down
@@ -224,8 +345,16 @@ class MoE(nn.Module):
         return expert_matmul(F.silu(gate) * up * row_weights, self.w_down, offsets, count_list, how)
 
     def _pick_dispatch(self, x: torch.Tensor) -> str:
-        self._dispatch = "grouped_mm" if grouped_mm_supported(x.device, x.dtype) else "sliced"
+        if self._dispatch is None:  # auto
+            self._dispatch = "fused" if x.device.type == "cpu" else self._pick_rows_dispatch(x)
         return self._dispatch
+
+    def _pick_rows_dispatch(self, x: torch.Tensor) -> str:
+        """How `_experts` runs rows already gathered: fused gathers its own, so it takes grouped_mm
+        where the device has it, else sliced."""
+        if self._rows_dispatch is None:
+            self._rows_dispatch = "grouped_mm" if grouped_mm_supported(x.device, x.dtype) else "sliced"
+        return self._rows_dispatch
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor) -> None:

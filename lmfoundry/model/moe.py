@@ -224,7 +224,7 @@ class _FusedExperts(torch.autograd.Function):
         widest = max(end - start for _, _, start, end in chunks)
         rows, grad_rows = x.new_empty(widest, C), x.new_empty(widest, C)
         d_hidden_buf, d_pre_buf = x.new_empty(widest, H), x.new_empty(widest, 2 * H)
-        dx = torch.zeros_like(x)
+        dx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         d_gate_up, d_down = torch.empty_like(w_gate_up), torch.empty_like(w_down)
         d_row_weights = torch.empty_like(row_weights)
         for first, last, start, end in chunks:
@@ -243,7 +243,7 @@ class _FusedExperts(torch.autograd.Function):
             torch.mul(d_hidden, act, out=d_pre[:, H:])
             xs = torch.index_select(x, 0, index, out=rows[:n])
             _each_expert_grad(xs, d_pre, counts, experts, d_gate_up)
-            if ctx.needs_input_grad[0]:
+            if dx is not None:
                 # the gathered grad rows are read for the last time above: reuse their buffer
                 dx.index_add_(0, index, _each_expert(d_pre, w_gate_up, counts, experts, grad_rows[:n], t=True))
         return dx, d_gate_up, d_down, d_row_weights, None, None

@@ -23,7 +23,8 @@ allocator moves their rates (DeepSpeed's more than lmfoundry's) while the square
 FLOPs counted for the routed experts only (the router is < 3%): per (token, expert) assignment
 a SwiGLU expert does 2*C*2H + 2*H*C = 6*C*H multiply-adds*2 forward; backward is twice forward:
 total 18*C*H per assignment. "saved MiB" is what a layer's forward keeps for its backward (the
-storages autograd holds, each counted once, the input included). Prints a table; writes
+storages autograd holds, each counted once, the input included, the layer's parameters not).
+Prints a table; writes
 benchmarks/results/moe_layer.json.
 """
 
@@ -101,15 +102,17 @@ def fwd_bwd(layer, x):
 
 
 def saved_for_backward_mib(layer, x) -> float:
-    """The storages autograd keeps from one forward for its backward, each counted once."""
+    """The storages autograd keeps from one forward for its backward, each counted once, the
+    layer's own parameters left out."""
+    parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     storages = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
         return t
 
-    layer.zero_grad(set_to_none=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(x)
     del out

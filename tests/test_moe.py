@@ -187,6 +187,27 @@ def test_fused_experts_have_exact_first_derivatives_across_chunks_and_empty_expe
     y = fused(x, w_gate_up, w_down, row_weights)
     d_gate_up, d_down = torch.autograd.grad(y.sum(), [w_gate_up, w_down])
     assert float(d_gate_up[1].abs().sum()) == float(d_down[3].abs().sum()) == 0.0  # experts with no rows
+    # a frozen part (LoRA freezes the experts) is skipped, and the rest stays exact
+    inputs = (x, w_gate_up, w_down, row_weights)
+    for needed in ((0,), (1,), (2,), (3,), (0, 3), (1, 2)):
+        subset = tuple(t.detach().requires_grad_(i in needed) for i, t in enumerate(inputs))
+        assert torch.autograd.gradcheck(fused, subset)
+    # a gradient of the gradient is refused, not silently wrong
+    with pytest.raises(RuntimeError, match="first derivatives only.*grouped_mm or sliced"):
+        torch.autograd.grad(fused(*inputs), x, torch.ones(7, C, dtype=torch.float64), create_graph=True)
+
+
+def test_fused_dispatch_takes_no_tokens_and_inference_mode():
+    torch.manual_seed(0)
+    moe = MoE(16, 32, MoEConfig(num_experts=4, top_k=2, dispatch="fused"))
+    x = torch.zeros(0, 16, requires_grad=True)
+    y = moe(x)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert float(moe.w_gate_up.grad.abs().sum()) == 0.0
+    x = torch.randn(9, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), atol=1e-5, rtol=1e-4)
 
 
 def test_the_dispatch_gather_and_combine_differentiate_like_index_select_and_index_add():

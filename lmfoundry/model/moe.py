@@ -11,7 +11,8 @@ weighted by the router. No Python loop ever runs over tokens. Three ways to run 
 - grouped_mm: gather all N*K rows, one grouped matrix product per projection (GPUs);
 - fused (CPUs): one autograd node that takes a chunk of experts at a time, gathers its rows, runs
   both projections and adds the weighted result back before the next chunk, so no (N*K, C) tensor
-  is ever allocated and only the (N*K, 2H) pre-activations are kept for backward;
+  is ever allocated, and of what it computes only the (N*K, 2H) pre-activations are kept for
+  backward (first derivatives only);
 - sliced: gather all rows, one dense product per expert's slice (where grouped_mm is missing).
 Expert parallelism (train/expert_parallel.py) exchanges the gathered rows, so it runs grouped_mm
 or sliced whatever the setting.
@@ -27,7 +28,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field, model_validator
-from torch.autograd.function import once_differentiable
 
 from lmfoundry.platform.config import StageConfig
 
@@ -186,8 +186,8 @@ def _each_expert_grad(a: torch.Tensor, b: torch.Tensor, counts: list[int], exper
 class _FusedExperts(torch.autograd.Function):
     """out (N, C) = sum over the M assignments a of w_a * down_e(silu(gate_e(x_t)) * up_e(x_t)),
     e and t the assignment's expert and token. token (M,) and row_weights (M, 1) are sorted by
-    expert, counts (E,) the rows per expert. Saves x, the weights and the (M, 2H) pre-activations;
-    backward gathers each chunk's rows again. First derivatives only."""
+    expert, counts (E,) the rows per expert. Saves x, the weights, token, row_weights and the
+    (M, 2H) pre-activations; backward gathers each chunk's rows again. First derivatives only."""
 
     @staticmethod
     def forward(ctx, x, w_gate_up, w_down, row_weights, token, counts: list[int]):
@@ -215,18 +215,26 @@ class _FusedExperts(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, w_gate_up, w_down, row_weights, token, pre = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: this backward is not differentiable itself
+            raise RuntimeError(
+                "the fused MoE dispatch has first derivatives only; set model.moe.dispatch to grouped_mm "
+                "or sliced to differentiate a gradient"
+            )
+        # a frozen part (LoRA freezes the experts and the router) costs no work
+        need_x, need_gate_up, need_down, need_weights = ctx.needs_input_grad[:4]
         counts, chunks = ctx.counts, ctx.chunks
         grad = grad.contiguous()
         C, H = x.shape[1], w_down.shape[1]
         widest = max(end - start for _, _, start, end in chunks)
         rows, grad_rows = x.new_empty(widest, C), x.new_empty(widest, C)
         d_hidden_buf, d_pre_buf = x.new_empty(widest, H), x.new_empty(widest, 2 * H)
-        dx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
-        d_gate_up, d_down = torch.empty_like(w_gate_up), torch.empty_like(w_down)
-        d_row_weights = torch.empty_like(row_weights)
+        dx = torch.zeros_like(x) if need_x else None
+        d_gate_up = torch.empty_like(w_gate_up) if need_gate_up else None
+        d_down = torch.empty_like(w_down) if need_down else None
+        d_row_weights = torch.empty_like(row_weights) if need_weights else None
+        # every chunk, those with no rows too: they write the zero gradients of their experts
         for first, last, start, end in chunks:
             n, experts, index = end - start, range(first, last), token[start:end]
             g = torch.index_select(grad, 0, index, out=grad_rows[:n])
@@ -234,16 +242,23 @@ class _FusedExperts(torch.autograd.Function):
             act = F.silu(gate)
             hidden = act * up  # before the routing weight
             weight = row_weights[start:end]
-            _each_expert_grad(hidden * weight, g, counts, experts, d_down)
+            if need_down:
+                _each_expert_grad(hidden * weight, g, counts, experts, d_down)
+            if not (need_weights or need_gate_up or need_x):
+                continue
             d_hidden = _each_expert(g, w_down, counts, experts, d_hidden_buf[:n], t=True)
-            torch.sum(d_hidden * hidden, -1, keepdim=True, out=d_row_weights[start:end])
+            if need_weights:
+                torch.sum(d_hidden * hidden, -1, keepdim=True, out=d_row_weights[start:end])
+            if not (need_gate_up or need_x):
+                continue
             d_hidden.mul_(weight)
             d_pre = d_pre_buf[:n]
             torch.ops.aten.silu_backward(d_hidden * up, gate, grad_input=d_pre[:, :H])
             torch.mul(d_hidden, act, out=d_pre[:, H:])
-            xs = torch.index_select(x, 0, index, out=rows[:n])
-            _each_expert_grad(xs, d_pre, counts, experts, d_gate_up)
-            if dx is not None:
+            if need_gate_up:
+                xs = torch.index_select(x, 0, index, out=rows[:n])
+                _each_expert_grad(xs, d_pre, counts, experts, d_gate_up)
+            if need_x:
                 # the gathered grad rows are read for the last time above: reuse their buffer
                 dx.index_add_(0, index, _each_expert(d_pre, w_gate_up, counts, experts, grad_rows[:n], t=True))
         return dx, d_gate_up, d_down, d_row_weights, None, None
@@ -272,8 +287,7 @@ class MoE(nn.Module):
         self.ep_group = None
         self.ep_size, self.ep_rank = 1, 0
         self.exchange = None
-        self._dispatch: str | None = None if cfg.dispatch == "auto" else cfg.dispatch
-        self._rows_dispatch: str | None = cfg.dispatch if cfg.dispatch in ("grouped_mm", "sliced") else None
+        self._grouped_mm_support: dict[tuple[str, torch.dtype], bool] = {}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (N, C) -> expert ids (N, K), routing weights (N, K), scores (N, E)."""
@@ -337,7 +351,7 @@ class MoE(nn.Module):
         """xs: (M, C) rows sorted by (local) expert, counts: (E_local,) rows per expert,
         row_weights: (M, 1) routing weights. Returns the weighted expert outputs (M, C)."""
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        how = self._rows_dispatch or self._pick_rows_dispatch(xs)
+        how = self._pick_rows_dispatch(xs)
         count_list = counts.tolist()
         gate, up = expert_matmul(xs, self.w_gate_up, offsets, count_list, how).chunk(2, dim=-1)
         # the routing weight scales the (M, H) hidden rather than the (M, C) output: the down
@@ -345,16 +359,21 @@ class MoE(nn.Module):
         return expert_matmul(F.silu(gate) * up * row_weights, self.w_down, offsets, count_list, how)
 
     def _pick_dispatch(self, x: torch.Tensor) -> str:
-        if self._dispatch is None:  # auto
-            self._dispatch = "fused" if x.device.type == "cpu" else self._pick_rows_dispatch(x)
-        return self._dispatch
+        """auto: fused on CPUs, else what `_experts` runs (decided on every forward: a layer
+        moved to another device after its first forward must not keep its first choice)."""
+        if self.cfg.dispatch != "auto":
+            return self.cfg.dispatch
+        return "fused" if x.device.type == "cpu" else self._pick_rows_dispatch(x)
 
     def _pick_rows_dispatch(self, x: torch.Tensor) -> str:
-        """How `_experts` runs rows already gathered: fused gathers its own, so it takes grouped_mm
-        where the device has it, else sliced."""
-        if self._rows_dispatch is None:
-            self._rows_dispatch = "grouped_mm" if grouped_mm_supported(x.device, x.dtype) else "sliced"
-        return self._rows_dispatch
+        """How `_experts` runs rows already gathered: grouped_mm or sliced as set, else (auto or
+        fused, which gathers its own rows) grouped_mm where the device and dtype have it."""
+        if self.cfg.dispatch in ("grouped_mm", "sliced"):
+            return self.cfg.dispatch
+        key = (x.device.type, x.dtype)
+        if key not in self._grouped_mm_support:
+            self._grouped_mm_support[key] = grouped_mm_supported(x.device, x.dtype)
+        return "grouped_mm" if self._grouped_mm_support[key] else "sliced"
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor) -> None:

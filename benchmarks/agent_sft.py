@@ -15,7 +15,8 @@ calls are read from the run's steps.
 needs (configs/quickstart_agent.yaml) and a copyable BPE of 4,096 tokens (on the sample corpus's
 1,500 documents and, for the base, the training conversations). `--build-base` teaches it to copy
 first (warm_up_copying, about 10 minutes on 2 cores); `--untrained` keeps random weights and
-shows what a model that was never trained on tool calls does. Writes benchmarks/results/agent_sft.json (or agent_sft_untrained.json).
+shows what a model that was never trained on tool calls does. Writes
+benchmarks/results/agent_sft.json (or agent_sft_untrained.json).
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ def warm_up_copying(model, log=print) -> dict:
     return {"repeat_steps": repeat_steps, "mixed_steps": 300, "spans_accuracy": round(spans_accuracy, 3)}
 
 
-def build_untrained(directory: Path, conversations: Path | None = None, warm_up: bool = False) -> None:
-    """A random-weights model of the quickstart's shape with a 1,024-token context. Its BPE is
+def build_small_model(directory: Path, conversations: Path | None = None, warm_up: bool = False) -> None:
+    """A model of the quickstart's shape with a 1,024-token context, random weights. Its BPE is
     trained on the quickstart's corpus and, given `conversations` (tool-data's training split),
     on them rendered with the chat template too: the tool-call syntax and the tool definitions
     become a few tokens each (a conversation ~490 tokens instead of ~730 in the corpus-only BPE).
@@ -332,7 +333,7 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=1800)
     args = ap.parse_args()
     if args.build_base:
-        build_untrained(Path(args.build_base), Path(args.data) / "train.jsonl", warm_up=True)
+        build_small_model(Path(args.build_base), Path(args.data) / "train.jsonl", warm_up=True)
         print(f"wrote {args.build_base}", file=sys.stderr)
         return
     if bool(args.checkpoint) == args.untrained:
@@ -347,7 +348,7 @@ def main() -> None:
     checkpoint = args.checkpoint
     if args.untrained:
         checkpoint = str(work / "untrained")
-        build_untrained(Path(checkpoint))
+        build_small_model(Path(checkpoint))
     workflows = workflow_file(work, Path(args.agents_data).resolve())
     ref = Reference.read(load_workflows(str(workflows))["orders_and_docs"])
     url = start_service(checkpoint, workflows, work / "runs.sqlite")

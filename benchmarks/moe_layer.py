@@ -14,8 +14,8 @@
 Each side runs twice, each time in a process of its own: with glibc's allocator defaults, where
 every large tensor is a fresh mapping whose pages fault in on first touch, and with the settings
 lmfoundry's CPU training workers run with (platform/ray_env.py CPU_ALLOCATOR_ENV), where freed
-memory is reused. The MoE layers allocate several tensors of tokens x top-k rows a pass, so the
-allocator moves their rates (DeepSpeed's more than lmfoundry's) while the square product barely moves.
+memory is reused. The gathered forms allocate several tensors of tokens x top-k rows a pass, so
+the allocator moves their rates (DeepSpeed's most) while the square product barely moves.
 
     python benchmarks/moe_layer.py            # 64 experts, top-6, d_model 512, expert hidden 128, 4096 tokens
     python benchmarks/moe_layer.py --quick    # fewer repeats
@@ -24,8 +24,7 @@ FLOPs counted for the routed experts only (the router is < 3%): per (token, expe
 a SwiGLU expert does 2*C*2H + 2*H*C = 6*C*H multiply-adds*2 forward; backward is twice forward:
 total 18*C*H per assignment. "saved MiB" is what a layer's forward keeps for its backward (the
 storages autograd holds, each counted once, the input included, the layer's parameters not).
-Prints a table; writes
-benchmarks/results/moe_layer.json.
+Prints a table; writes benchmarks/results/moe_layer.json.
 """
 
 from __future__ import annotations

@@ -134,8 +134,8 @@ def reference_cases() -> dict[str, PretrainConfig]:
     expert and tensor parallelism."""
     dense = ModelConfig(vocab_size=4096, max_seq_len=SEQ_LEN, n_layer=4, d_model=256, n_head=4, n_kv_head=2)
     wide = dense.model_copy(update={"d_model": 512, "n_head": 8, "n_kv_head": 4, "vocab_size": 8192})
-    # the planner models GPUs, where `dispatch: auto` runs grouped_mm; the fused dispatch auto
-    # runs on CPUs keeps less for backward (docs/training.md)
+    # the planner models GPUs, where `dispatch: auto` runs grouped_mm; the fused dispatch, which
+    # auto picks on CPUs, keeps less for backward (docs/training.md)
     experts = MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_hidden=128, dispatch="grouped_mm")
     moe = dense.model_copy(update={"moe": experts})
 

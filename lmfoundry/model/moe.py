@@ -141,9 +141,9 @@ class _SumRows(torch.autograd.Function):
 
 
 # The fused dispatch takes about this many elements of rows per chunk (4,096 rows at C = 512,
-# 8 MiB in fp32): the elementwise work is one op over thousands of rows, and every buffer stays
-# below glibc's largest mmap threshold (32 MiB), so it is reused from the heap rather than
-# faulted in as fresh zeroed pages on every pass (benchmarks/moe_layer.py, glibc defaults).
+# 8 MiB in fp32): the elementwise work is one op over thousands of rows, and the chunk buffers
+# stay below glibc's largest mmap threshold (32 MiB), so they are reused from the heap rather
+# than faulted in as fresh zeroed pages on every pass (benchmarks/moe_layer.py, glibc defaults).
 CHUNK_ELEMENTS = 1 << 21
 
 

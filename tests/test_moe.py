@@ -225,3 +225,10 @@ def test_the_dispatch_gather_and_combine_differentiate_like_index_select_and_ind
         assert torch.autograd.gradcheck(fn, (inputs,))
         assert torch.autograd.gradgradcheck(fn, (inputs,))
     assert _GatherRows.apply(x, index[:0]).shape == (0, 3, 4)
+
+
+def test_an_unknown_dispatch_is_refused_naming_the_allowed_ones():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="'auto', 'grouped_mm', 'fused' or 'sliced'"):
+        MoEConfig(dispatch="../fused")

@@ -302,6 +302,28 @@ def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_lay
     assert (state["tensor_parallel_size"], state["pipeline_parallel_size"]) == (1, 1)
 
 
+def test_an_untied_vocabulary_parallel_run_moves_to_one_worker(deepspeed_workers, packed, tmp_path):
+    """An untied model at TP 2 with its embedding and its head each split by vocabulary rows (and
+    the sequence split), stopped after step 5 and finished by one worker holding the whole model:
+    the losses of the run that went on at TP 2, up to rounding. The universal checkpoint merges
+    the embedding's rows, which lmfoundry splits, as it merges the head's, which AutoTP splits."""
+    from lmfoundry.model.transformer import ModelConfig
+
+    untied = {
+        "model": ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, tie_embeddings=False),
+        "schedule": {"max_steps": 10, "warmup_steps": 2},
+    }
+    split = {"num_workers": 2, "tensor_parallel_size": 2, "sequence_parallel": True, "vocab_parallel": True}
+    at_tp = finish(packed[0], tmp_path / "split", split, **untied)
+    stopped = stopped_at(tmp_path / "split", 5, tmp_path / "whole")
+    [(_, uri)] = checkpoint.committed_checkpoints(str(stopped))
+    state = json.loads((Path(uri) / "train_state.json").read_text())
+    assert state["vocab_parallel"] and state["vocab_parallel_embedding"]
+    assert len(list(Path(uri).glob("**/mp_rank_0[01]_model_states.pt"))) == 2  # each rank its rows
+    whole = finish(packed[0], stopped, {"num_workers": 1}, **untied)
+    assert whole[:5] == at_tp[:5] and whole[5:] == pytest.approx(at_tp[5:], abs=1e-4)
+
+
 def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(
     deepspeed_workers, packed, pretrained, tmp_path
 ):

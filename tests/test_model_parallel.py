@@ -4,11 +4,11 @@
 vocabulary-parallel head (4 workers), PP 2 (2 workers, 4 micro-batches a step), PP 2 x DP 2 (4
 workers, activation checkpointing), TP 2 x PP 2 (4 workers, each stage split over 2, 4
 micro-batches a step, activation checkpointing), with sequence parallelism at TP 2 x PP 2 (the
-head whole) and at TP 2 with a vocabulary-parallel head (tied, with checkpointing; untied) are
-those of one worker holding the whole model, and the weights each run writes (piece by piece, or layer by layer from
-each stage, gathered over its tensor-parallel group) are whole: loaded into the single-device
-model they give the engines' logits (a vocabulary-parallel engine's: rank 0's half of the
-vocabulary). The tensor-parallel runs without a pipeline move the activation traffic the planner
+head whole) and at TP 2 with a vocabulary-parallel head and embedding (tied, with checkpointing;
+untied) are those of one worker holding the whole model, and the weights each run writes (piece
+by piece, or layer by layer from each stage, gathered over its tensor-parallel group) are whole:
+loaded into the single-device model they give the engines' logits (a vocabulary-parallel
+engine's: rank 0's half of the vocabulary). The tensor-parallel runs without a pipeline move the activation traffic the planner
 counts (4 all-reduces a block; 1.25 times that with sequence parallelism)."""
 
 from harness.model_parallel import compare_layouts
@@ -25,6 +25,8 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
         assert row["reloaded_vs_own_engine_logits"] is None or row["reloaded_vs_own_engine_logits"] <= 1e-5, name
         if row["pipeline_stages"] == 1:  # a vocabulary-parallel engine computes its rank's half of the logits
             assert row["engine_logits_width"] == (48 if row.get("vocab_parallel") else 96), name
+            # and looks up the tokens of its half of the embedding's rows, tied or not
+            assert row["embedding_rows"] == (48 if row.get("vocab_parallel") else 96), name
     assert rows["one worker, untied"]["losses"] != reference  # the untied rows have a reference of their own
 
     # tensor-parallel traffic of a micro-batch, in all-reduces of one activation, forward and
@@ -37,13 +39,15 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
         "backward": 2 * blocks + 1,
     }
     # sequence parallelism: 1.25 times that a block (2 all-gathers and 2 reduce-scatters forward;
-    # backward 2 all-gathers again, 2 reduce-scatters and 2 all-gathers), plus the final norm's
-    # gather forward, the embedding's slice backward and the reduce-scatter of the head's partial
-    # input gradients backward (an all-reduce and a slice would count 1, not 0.5)
-    assert rows["TP 2, vocab + sequence parallel, untied"]["tensor_parallel_all_reduces"] == {
-        "forward": 2 * blocks + 0.5,
-        "backward": 3 * blocks + 0.5 + 0.5,
-    }
+    # backward 2 all-gathers again, 2 reduce-scatters and 2 all-gathers), plus the reduce-scatter
+    # of the vocabulary-parallel embedding's partial lookups into the sequence's slices and the
+    # final norm's gather forward, the gather of the slices' gradients and the reduce-scatter of
+    # the head's partial input gradients backward (an all-reduce and a slice would count 1, not 0.5)
+    sequence_parallel = {"forward": 2 * blocks + 0.5 + 0.5, "backward": 3 * blocks + 0.5 + 0.5}
+    assert rows["TP 2, vocab + sequence parallel, untied"]["tensor_parallel_all_reduces"] == sequence_parallel
+    # a tied embedding's lookups are reduce-scattered the same way (its recomputed forward adds to backward)
+    recomputed = rows["TP 2, vocab + sequence parallel, recompute"]["tensor_parallel_all_reduces"]
+    assert recomputed["forward"] == sequence_parallel["forward"]
 
 
 def test_a_universal_checkpoints_parameters_are_renamed_between_the_model_and_its_pipeline(tmp_path):

@@ -67,10 +67,11 @@ def test_plan_writes_json_plot_and_a_runnable_recipe(tmp_path, monkeypatch):
 
 
 def test_the_70b_recipe_on_1024_gpus_gets_its_fastest_layout_written_with_sequence_parallelism(tmp_path, monkeypatch):
-    """The recipe asks for sequence parallelism: on 1,024 GPUs its fastest layout is then
-    TP 4 x DP 256 (without it, that layout does not fit and the fastest need virtual stages,
-    which the trainer does not run). The written recipe says so, and its DeepSpeed JSON shards
-    with AutoTP and sums the norms' gradients over each tensor-parallel group."""
+    """The recipe asks for sequence parallelism and the vocabulary split: on 1,024 GPUs its
+    fastest layout is then TP 4 x DP 256 (without either, that layout does not fit and the
+    fastest need virtual stages, which the trainer does not run). The written recipe says so,
+    and its DeepSpeed JSON shards with AutoTP and sums the norms' gradients over each
+    tensor-parallel group."""
     from lmfoundry.platform.config import load_config
     from lmfoundry.train.config import PretrainConfig
 
@@ -87,16 +88,23 @@ def test_the_70b_recipe_on_1024_gpus_gets_its_fastest_layout_written_with_sequen
     assert derived["deepspeed"]["tensor_parallel"]["vocab_parallel_lm_head"]
     # 256 data-parallel replicas of micro-batches of 2 sequences of 4,096 tokens: 2 micro-steps
     assert derived["deepspeed"]["gradient_accumulation_steps"] == 4194304 // (256 * 2 * 4096)
-    # the same recipe without sequence parallelism: TP 4 x DP 256 does not fit at any micro-batch size
+    # the same recipe without sequence parallelism: TP 4 x DP 256 fits only with the head and the
+    # embedding split by vocabulary rows, and then only at one sequence a micro-batch
     recipe = (ROOT / "configs/pretrain_70b_gpu.yaml").read_text()
-    assert "sequence_parallel: true" in recipe
-    plain = tmp_path / "70b-plain.yaml"
-    plain.write_text(recipe.replace("sequence_parallel: true", "sequence_parallel: false"))
-    # (the vocabulary-parallel head alone does not make it fit)
-    assert main([str(plain), "--gpu", "H100", "--nodes", "128", "--json", str(tmp_path / "p.json")]) == 0
-    plans = yaml.safe_load((tmp_path / "p.json").read_text())["plans"]
-    tp4 = [p for p in plans if (p["layout"]["tp"], p["layout"]["pp"]) == (4, 1)]
-    assert tp4 and not any(p["fits"] for p in tp4)
+    assert "sequence_parallel: true" in recipe and "vocab_parallel: true" in recipe
+
+    def tp4_fitting(text: str) -> list[int]:
+        path = tmp_path / "70b-variant.yaml"
+        path.write_text(text)
+        assert main([str(path), "--gpu", "H100", "--nodes", "128", "--json", str(tmp_path / "p.json")]) == 0
+        plans = yaml.safe_load((tmp_path / "p.json").read_text())["plans"]
+        tp4 = [p for p in plans if (p["layout"]["tp"], p["layout"]["pp"]) == (4, 1)]
+        assert tp4
+        return [p["micro_batch_size"] for p in tp4 if p["fits"]]
+
+    unsplit = recipe.replace("sequence_parallel: true", "sequence_parallel: false")
+    assert tp4_fitting(unsplit) == [1]
+    assert tp4_fitting(unsplit.replace("vocab_parallel: true", "vocab_parallel: false")) == []
 
 
 def test_on_64_gpus_the_70b_recipe_written_splits_each_pipeline_stage_by_tensor_parallelism(tmp_path, monkeypatch):

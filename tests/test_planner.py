@@ -152,6 +152,27 @@ def test_the_busiest_pipeline_stage_holds_its_blocks_and_one_vocabulary_table(he
     assert dense_params_per_gpu(model_shape(cfg), Layout(tp=1, pp=pp, dp=1)) == pytest.approx(max(stages), rel=2e-3)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_vocabulary_parallel_layout_splits_the_head_and_the_embedding_tied_or_not(tied):
+    """At TP 2 with `vocab_parallel`, against the model's own parameters as train/tensor_parallel.py
+    splits them: the blocks' linear layers, the head and the embedding (one table when tied)
+    halved, the norms whole on each rank."""
+    from lmfoundry.model.flops import model_shape
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.planner.search import dense_params_per_gpu
+
+    cfg = ModelConfig(
+        vocab_size=8192, max_seq_len=64, n_layer=4, d_model=64, n_head=4, n_kv_head=2, tie_embeddings=tied
+    )
+    model = Transformer(cfg)
+    split = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # a tied table counted once
+    whole = sum(p.numel() for p in model.parameters() if p.dim() < 2)
+    recipe = Recipe(seq_len=64, global_batch_tokens=64, token_budget=1, vocab_parallel=True)
+    held = dense_params_per_gpu(model_shape(cfg), Layout(tp=2, pp=1, dp=1), recipe)
+    assert held == pytest.approx(split / 2 + whole, rel=2e-3)
+    assert dense_params_per_gpu(model_shape(cfg), Layout(tp=2, pp=1, dp=1)) > held + cfg.vocab_size * 64 / 4
+
+
 def test_tensor_parallel_sizes_keep_whole_key_value_heads_and_mlp_columns():
     """A model with 2 key/value heads is never split 4 or 8 ways, though its 16 query heads
     would allow it: the trainer refuses such a layout (train/config.py check_tensor_parallel)."""

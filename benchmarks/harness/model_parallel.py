@@ -256,6 +256,7 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
             "losses": losses,
             "grad_norms": grad_norms,
             "logits": logits if rank == 0 else None,
+            "embedding_rows": None if pipelined else engine.module.embed.weight.shape[0],  # this rank's
             **(
                 {"tensor_parallel_all_reduces": {k: traffic.get(k, 0.0) for k in ("forward", "backward")}}
                 if traffic

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         f"{args.config}: {shape.total_params / 1e9:.2f}B parameters ({shape.expert_params / 1e9:.2f}B in routed "
         f"experts), {shape.train_flops_per_token / 1e9:.1f} GFLOP per token; {cluster.gpus} x {cluster.gpu.name}; "
         f"ZeRO-{recipe.zero_stage}{', sequence parallel' if recipe.sequence_parallel else ''}"
-        f"{', vocabulary-parallel head' if recipe.vocab_parallel else ''}, "
+        f"{', vocabulary-parallel head and embedding' if recipe.vocab_parallel else ''}, "
         f"{recipe.global_batch_tokens} tokens a step, budget {recipe.token_budget:.3g} tokens"
     )
     print(

@@ -103,7 +103,7 @@ class Recipe:
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
     sequence_parallel: bool = False  # under tensor parallelism (see activation_bytes)
-    vocab_parallel: bool = False  # the head (and a tied embedding) split by t, without a pipeline
+    vocab_parallel: bool = False  # the head and the embedding split by t, without a pipeline
     micro_batch_size: int = 1
     precision: str = "bf16"  # or "fp32"
     reduce_bucket_size: int = 50_000_000  # elements, as in the pretrain config
@@ -155,23 +155,23 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
 
 
 def vocab_split(layout: Layout, recipe: Recipe | None) -> bool:
-    """Whether the output head (and a tied embedding) is split by vocabulary rows over the
-    tensor-parallel group: asked for, with tensor parallelism and no pipeline."""
+    """Whether the output head and the embedding (tied or not) are split by vocabulary rows over
+    the tensor-parallel group: asked for, with tensor parallelism and no pipeline."""
     return recipe is not None and recipe.vocab_parallel and layout.tp > 1 and layout.pp == 1
 
 
 def dense_params_per_gpu(shape: ModelShape, layout: Layout, recipe: Recipe | None = None) -> float:
     """The dense parameters the busiest GPU holds. Tensor parallelism splits the blocks' linear
     layers (the embedding, an untied head and the norms stay whole on each rank, as
-    train/tensor_parallel.py lays the model out), and with `recipe.vocab_parallel` the head, or
-    the tied embedding it shares, too. The pipeline spreads the blocks evenly over its
+    train/tensor_parallel.py lays the model out), and with `recipe.vocab_parallel` the head and
+    the embedding (one table when tied) too. The pipeline spreads the blocks evenly over its
     stages but keeps the embedding whole on the first and the head (or, tied, the embedding again)
     on the last (train/pipeline_parallel.py): the busier end stage holds one of them beside its
     blocks."""
     dense = shape.total_params - shape.expert_params
     whole = shape.replicated_params
     if layout.pp == 1:
-        vocab = (shape.head_params or shape.embedding_params) if vocab_split(layout, recipe) else 0
+        vocab = shape.embedding_params + shape.head_params if vocab_split(layout, recipe) else 0
         return (dense - whole + vocab) / layout.tp + whole - vocab
     first, last = shape.embedding_params, shape.head_params or shape.embedding_params
     norms = whole - shape.embedding_params - shape.head_params

@@ -35,7 +35,7 @@ from lmfoundry.train import tensor_parallel
 from lmfoundry.train.expert_parallel import full_state
 from lmfoundry.train.pipeline_parallel import pipeline_parameter_names
 from lmfoundry.train.pipeline_parallel import write_servable_weights as write_pipeline_weights
-from lmfoundry.train.tensor_parallel import splits_vocabulary, tensor_parallel_size
+from lmfoundry.train.tensor_parallel import splits_embedding_vocabulary, splits_vocabulary, tensor_parallel_size
 
 logger = get_logger(__name__)
 
@@ -239,7 +239,11 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     # a vocabulary-parallel head's files hold its rows' shard, a whole head's the whole table:
     # switching it at the same layout goes through the universal checkpoint too
     written_split = bool(state.get("vocab_parallel"))  # absent: written before lmfoundry split heads
-    relayout = (written_by, written_tp, written_pp, written_split) != (world, tp, pp, splits_vocabulary(engine))
+    tied = getattr(getattr(engine.module, "cfg", None), "tie_embeddings", False)  # a pipeline's: never split
+    # absent: written when only a tied embedding was split, with its head
+    written_embedding_split = state.get("vocab_parallel_embedding", written_split and tied)
+    written = (written_by, written_tp, written_pp, written_split, written_embedding_split)
+    relayout = written != (world, tp, pp, splits_vocabulary(engine), splits_embedding_vocabulary(engine))
     load_dir = local / "deepspeed"
     if relayout:
         if _expert_parallel(engine):

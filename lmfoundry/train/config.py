@@ -107,11 +107,11 @@ class ParallelismConfig(StageConfig):
     )
     vocab_parallel: bool = Field(
         False,
-        description="with tensor_parallel_size > 1 and no pipeline: the output head (and a tied embedding, which "
-        "shares its weight) split by vocabulary rows over the tensor-parallel group, each rank computing the "
-        "logits of its slice and the loss by a distributed cross-entropy (DeepSpeed AutoTP's vocabulary-"
-        "parallel head); an untied embedding stays whole. Elsewhere it does nothing, so a recipe can ask for "
-        "it before the planner chooses the layout",
+        description="with tensor_parallel_size > 1 and no pipeline: the output head and the embedding (tied or "
+        "not) split by vocabulary rows over the tensor-parallel group, each rank computing the logits of its "
+        "slice and the loss by a distributed cross-entropy (DeepSpeed AutoTP's vocabulary-parallel head), and "
+        "looking up the tokens of its rows (the group sums the lookups). Elsewhere it does nothing, so a recipe "
+        "can ask for it before the planner chooses the layout",
     )
     precision: Literal["auto", "fp32", "bf16"] = "auto"
 
@@ -170,7 +170,7 @@ class ParallelismConfig(StageConfig):
         if self.vocab_parallel and tp > 1 and pp > 1:
             logger.warning(
                 "vocab_parallel does nothing with pipeline_parallel_size=%d: DeepSpeed's pipeline holds the head "
-                "in a layer AutoTP cannot split by vocabulary, so it stays whole on every rank",
+                "and the embedding in layers AutoTP cannot split by vocabulary, so they stay whole on their stages",
                 pp,
             )
         if self.num_workers % (tp * pp):

@@ -41,7 +41,7 @@ from lmfoundry.train.metrics import (
 )
 from lmfoundry.train.objective import Objective
 from lmfoundry.train.position import Position, timed
-from lmfoundry.train.tensor_parallel import splits_vocabulary
+from lmfoundry.train.tensor_parallel import splits_embedding_vocabulary, splits_vocabulary
 
 logger = get_logger(__name__)
 
@@ -463,6 +463,7 @@ class Trainer:
             "tensor_parallel_size": self.cfg.parallelism.tensor_parallel_size,
             "pipeline_parallel_size": self.cfg.parallelism.pipeline_parallel_size,
             "vocab_parallel": splits_vocabulary(self.engine),  # as the engine split it: what a resume compares
+            "vocab_parallel_embedding": splits_embedding_vocabulary(self.engine),
             **objective.train_state(pos.step),
             "loss": loss,
             "skipped_batches": self.skipped,

@@ -8,7 +8,8 @@ input rows, so a block costs one all-reduce forward and one backward for each of
 the MLP (AutoTP's layers each all-reduce their input's gradient; `reduce_column_inputs_once`
 makes the query and key/value projections share one, as Megatron's fused layer does). The
 norms stay whole on every rank, and so do the embedding and the output head unless
-`vocab_parallel` splits them by vocabulary rows. The fused projections are
+`vocab_parallel` splits them by vocabulary rows (`split_embedding_by_vocabulary` for an untied
+embedding, which AutoTP leaves whole). The fused projections are
 split as two halves (keys|values, gate|up), so each rank keeps its slice of both. Per-head
 query/key norms (Qwen3) stay whole, but each rank sees only its heads, so their gradients are
 summed over the tensor-parallel group.
@@ -68,6 +69,38 @@ def splits_vocabulary(engine) -> bool:
     from deepspeed.module_inject.layers import VocabParallelLinear
 
     return any(isinstance(m, VocabParallelLinear) for m in engine.module.modules())
+
+
+def splits_embedding_vocabulary(engine) -> bool:
+    """Whether the engine's embedding is split by vocabulary rows (tied to a vocabulary-parallel
+    head by AutoTP, or untied by `split_embedding_by_vocabulary`)."""
+    from deepspeed.module_inject.layers import VocabParallelEmbedding
+
+    return any(isinstance(m, VocabParallelEmbedding) for m in engine.module.modules())
+
+
+def split_embedding_by_vocabulary(model: torch.nn.Module, group) -> None:
+    """Splits an untied embedding by vocabulary rows over `group` (Megatron's
+    VocabParallelEmbedding): each rank keeps 1/T of the rows, looks up the tokens of its rows
+    and zeros the others, and the group sums the lookups. AutoTP splits a tied embedding with the
+    vocabulary-parallel head that shares its weight, but an untied one only along the hidden
+    dimension (or not at all with lmfoundry's layer specs). So it is split here, with DeepSpeed's
+    own layer, before `deepspeed.initialize` builds the optimizer over the parameters; the layer
+    is marked replaced so that AutoTP leaves it, and it carries the universal checkpoint's
+    description of its split (rows, dim 0) like AutoTP's layers."""
+    from deepspeed.module_inject.layers import VocabParallelEmbedding, set_autotp_mode
+
+    embedding = model.embed
+    if model.lm_head.weight is embedding.weight:
+        raise ValueError("split_embedding_by_vocabulary: the embedding is tied; AutoTP splits it with the head")
+    if not isinstance(embedding, torch.nn.Embedding):
+        raise RuntimeError(
+            f"the embedding must be a torch.nn.Embedding to split by vocabulary; it is {type(embedding)}"
+        )
+    set_autotp_mode(training=True)  # as `deepspeed.initialize` sets it: else the layer freezes its weight
+    split = VocabParallelEmbedding(embedding, group, name="embed")
+    split.replaced = True
+    model.embed = split
 
 
 @contextlib.contextmanager
@@ -147,6 +180,10 @@ class IntoSequenceSlices(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_sequence(grad, ctx.group), None, None
+
+
+def _into_sequence_slices(_module, _args, out: torch.Tensor, group, summed: bool) -> torch.Tensor:
+    return IntoSequenceSlices.apply(out, group, summed)
 
 
 class OutOfSequenceSlices(torch.autograd.Function):
@@ -277,6 +314,16 @@ def _local_column_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
 
+def _local_lookup_forward(layer, ids: torch.Tensor) -> torch.Tensor:
+    """A vocabulary-parallel embedding's partial lookup, unsummed: this rank's rows, zeros for
+    the tokens of the other ranks' rows (the sum over the group is the whole lookup)."""
+    outside = (ids < layer.vocab_start_index) | (ids >= layer.vocab_end_index)
+    local = (ids - layer.vocab_start_index).masked_fill(outside, 0)
+    out = torch.nn.functional.embedding(local, layer.weight, padding_idx=layer.padding_idx)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return out if layer.embed_scale is None else out * layer.embed_scale.to(out.dtype)
+
+
 def reduce_column_inputs_once(module: torch.nn.Module, group) -> None:
     """Makes `module`, whose blocks AutoTP has split over `group`, all-reduce in backward once per
     input of column-parallel layers (the attention's, read by the query and key/value
@@ -299,11 +346,15 @@ def apply_sequence_parallelism(
     """Makes `module`, whose blocks AutoTP has split over `group`, sequence-parallel: each
     attention and MLP gathers its input's sequence once for its column-parallel layers, the
     row-parallel layers reduce-scatter it after their products (their own collectives
-    replaced), each embedding lookup in `embeddings` keeps its rank's slice and each norm in
+    replaced), each embedding lookup in `embeddings` keeps its rank's slice (a
+    vocabulary-parallel one reduce-scatters its partial lookups into the slices, where its own
+    all-reduce and then a slice would move twice the bytes, as Megatron's does) and each norm in
     `final_norms` (the one before the output head) gathers the whole sequence back: for a
     replicated head, or for `vocab_parallel_head` (then the gather's backward reduce-scatters
     the head's partial input gradients, and the head's own all-reduce is gone)."""
     import functools
+
+    from deepspeed.module_inject.layers import VocabParallelEmbedding
 
     split_layers = _split_layers()
     for name, parent in module.named_modules():
@@ -315,7 +366,10 @@ def apply_sequence_parallelism(
         parent.register_forward_pre_hook(functools.partial(_gather_for_columns, columns=columns, group=group))
         _replace_forward(f"{name}.{row}", getattr(parent, row), _row_forward, group)
     for embedding in embeddings:
-        embedding.register_forward_hook(lambda _m, _args, out: IntoSequenceSlices.apply(out, group, False))
+        summed = isinstance(embedding, VocabParallelEmbedding)
+        if summed:
+            _replace_forward("the vocabulary-parallel embedding", embedding, _local_lookup_forward, group)
+        embedding.register_forward_hook(functools.partial(_into_sequence_slices, group=group, summed=summed))
     partial = vocab_parallel_head is not None
     if partial:
         _replace_forward("the vocabulary-parallel head", vocab_parallel_head, _local_column_forward, group)

@@ -78,7 +78,7 @@ def main() -> None:
     spec = yaml.safe_load((ROOT / "configs/workflows/orders.yaml").read_text())
     wf_spec = spec["workflows"]["orders_and_docs"]
     wf_spec["tools"]["sql"]["dsn"], wf_spec["tools"]["docs"]["corpus"] = made["orders"], made["docs"]
-    (work / "orders.yaml").write_text(yaml.safe_dump({"workflows": {"orders_and_docs": wf_spec}}))
+    (work / "orders.yaml").write_text(yaml.safe_dump({"workflows": {"orders_and_docs": wf_spec}}, sort_keys=False))
     wf = load_workflows(str(work / "orders.yaml"))["orders_and_docs"]
     run_tool_data(ToolDataConfig(workflows=str(work / "orders.yaml"), output=str(work / "data")))
     rows = [json.loads(x) for s in ("train", "test") for x in (work / "data" / f"{s}.jsonl").read_text().splitlines()]

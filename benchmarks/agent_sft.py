@@ -174,7 +174,9 @@ def workflow_file(work: Path, agents_data: Path) -> Path:
     spec["tools"]["sql"]["dsn"] = str(agents_data / "orders.sqlite")
     spec["tools"]["docs"]["corpus"] = str(agents_data / "docs.jsonl")
     path = work / "workflows.yaml"
-    path.write_text(yaml.safe_dump({"workflows": {"orders_and_docs": spec}}))
+    # in the shipped order: the tools are offered in it, and a small model trained on that order is
+    # thrown by another (yaml sorts keys by default)
+    path.write_text(yaml.safe_dump({"workflows": {"orders_and_docs": spec}}, sort_keys=False))
     return path
 
 

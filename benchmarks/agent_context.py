@@ -1,5 +1,6 @@
 """How much context a model needs to run the orders agent workflow: the tool-use conversations
-(agents/tool_data.py) rendered with the chat template and counted in the quickstart's tokens.
+(agents/tool_data.py, as configs/tool_data.yaml makes them) rendered with the chat template and
+counted in the quickstart's tokens.
 
     python benchmarks/agent_context.py
 
@@ -80,7 +81,9 @@ def main() -> None:
     wf_spec["tools"]["sql"]["dsn"], wf_spec["tools"]["docs"]["corpus"] = made["orders"], made["docs"]
     (work / "orders.yaml").write_text(yaml.safe_dump({"workflows": {"orders_and_docs": wf_spec}}, sort_keys=False))
     wf = load_workflows(str(work / "orders.yaml"))["orders_and_docs"]
-    run_tool_data(ToolDataConfig(workflows=str(work / "orders.yaml"), output=str(work / "data")))
+    # the conversations the agent's model trains and is tested on: configs/tool_data.yaml's
+    shipped = yaml.safe_load((ROOT / "configs/tool_data.yaml").read_text())
+    run_tool_data(ToolDataConfig(**{**shipped, "workflows": str(work / "orders.yaml"), "output": str(work / "data")}))
     rows = [json.loads(x) for s in ("train", "test") for x in (work / "data" / f"{s}.jsonl").read_text().splitlines()]
 
     tok = train_bpe(stdlib_documents(1500), vocab_size=4096)

@@ -1,10 +1,11 @@
 """Tensor and pipeline parallelism against one worker holding the whole model: the same 20
 steps on the same global batches (benchmarks/harness/model_parallel.py), at TP 2 x DP 2 on 4
-gloo processes (with a vocabulary-parallel head), PP 2 on 2 (4 micro-batches a step, 1F1B),
+gloo processes (with a vocabulary-parallel head and embedding), PP 2 on 2 (4 micro-batches a step, 1F1B),
 PP 2 x DP 2 on 4 (with activation checkpointing, whose recomputation must not change the
 losses), TP 2 x PP 2 on 4 (each stage split over 2 ranks, 4 micro-batches a step, with
 activation checkpointing), with sequence parallelism TP 2 on 2 (with activation checkpointing)
-and TP 2 x PP 2 on 4, and TP 2 on 2 with both and an untied head (held to a one-worker run of
+and TP 2 x PP 2 on 4, and TP 2 on 2 with both and an untied head and embedding, each split by
+vocabulary rows (held to a one-worker run of
 the untied model). The figures: the largest loss difference from the one-worker run, the
 largest relative difference of the gradient norm (clipping's), and the largest logit difference
 between the weights each run wrote, loaded into the single-device model, and the one-worker

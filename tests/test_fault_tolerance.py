@@ -378,3 +378,20 @@ def test_older_training_states_name_only_their_workers():
 
     assert _written_layout({"world_size": 2}, "uri") == (2, 1, 1)
     assert _written_layout({"world_size": 4, "tensor_parallel_size": 2}, "uri") == (4, 2, 1)
+
+
+def test_older_training_states_say_which_vocabulary_tables_were_split():
+    """(head, embedding) split by vocabulary rows. Before heads were split: neither. Before
+    untied embeddings were split: the embedding only when tied to the split head, so an untied
+    run of then resumes into today's split embedding through the universal checkpoint."""
+    from lmfoundry.train.checkpointing import written_vocabulary_split
+
+    assert written_vocabulary_split({"world_size": 2}, tied=True) == (False, False)
+    assert written_vocabulary_split({"vocab_parallel": True}, tied=True) == (True, True)
+    assert written_vocabulary_split({"vocab_parallel": True}, tied=False) == (True, False)
+    state = {"vocab_parallel": True, "vocab_parallel_embedding": True}
+    assert written_vocabulary_split(state, tied=False) == (True, True)
+    assert written_vocabulary_split({"vocab_parallel": False, "vocab_parallel_embedding": False}, tied=True) == (
+        False,
+        False,
+    )

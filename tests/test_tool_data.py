@@ -37,7 +37,9 @@ def demo(tmp_path_factory):
     tools = spec["workflows"]["orders_and_docs"]["tools"]
     tools["sql"]["dsn"], tools["docs"]["corpus"] = made["orders"], made["docs"]
     path = root / "orders.yaml"
-    path.write_text(yaml.safe_dump({"workflows": {"orders_and_docs": spec["workflows"]["orders_and_docs"]}}))
+    path.write_text(
+        yaml.safe_dump({"workflows": {"orders_and_docs": spec["workflows"]["orders_and_docs"]}}, sort_keys=False)
+    )
     return {"workflows": str(path), "db": made["orders"], "root": root}
 
 

@@ -63,7 +63,7 @@ def small_config(
     last stage, the first stage's embedding) unless `tied` is false; 8 sequences a step, in
     micro-batches of 2 (4 per step through a pipeline of one replica). `recompute`: activation
     checkpointing; `sequence_parallel`: Megatron's sequence parallelism over the tensor-parallel
-    group; `vocab_parallel`: the head split by vocabulary rows."""
+    group; `vocab_parallel`: the head and the embedding split by vocabulary rows."""
     from lmfoundry.model.transformer import ModelConfig
 
     model = ModelConfig(

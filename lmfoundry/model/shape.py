@@ -24,7 +24,8 @@ class ModelShape:
     expert_hidden: int = 0
     shared_hidden: int = 0  # all shared experts' width together
     # whole on every tensor-parallel rank (train/tensor_parallel.py splits the blocks' linear
-    # layers only): the embedding, an untied output head, the norms
+    # layers only, and the vocabulary tables with `vocab_parallel`): the embedding, an untied
+    # output head, the norms
     replicated_params: int = 0
     # Under pipeline parallelism the first stage holds the input embedding and the last the
     # output head: an untied head's own parameters, or (0 here) the tied embedding again

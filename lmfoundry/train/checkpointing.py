@@ -229,6 +229,14 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
             shutil.rmtree(local, ignore_errors=True)
 
 
+def written_vocabulary_split(state: dict, tied: bool) -> tuple[bool, bool]:
+    """Whether the checkpoint's files hold the head's, and the embedding's, rows split by
+    vocabulary. Written before lmfoundry split heads: neither. Written before it split untied
+    embeddings: the embedding only when tied (it is the head's weight)."""
+    head = bool(state.get("vocab_parallel"))
+    return head, bool(state.get("vocab_parallel_embedding", head and tied))
+
+
 def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     """Load the checkpoint in `local` (the copy of `uri`) into the engine; its training state."""
     import torch.distributed as dist
@@ -238,11 +246,8 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     tp, pp = tensor_parallel_size(engine), engine.num_stages if _pipelined(engine) else 1
     # a vocabulary-parallel head's files hold its rows' shard, a whole head's the whole table:
     # switching it at the same layout goes through the universal checkpoint too
-    written_split = bool(state.get("vocab_parallel"))  # absent: written before lmfoundry split heads
-    tied = getattr(getattr(engine.module, "cfg", None), "tie_embeddings", False)  # a pipeline's: never split
-    # absent: written when only a tied embedding was split, with its head
-    written_embedding_split = state.get("vocab_parallel_embedding", written_split and tied)
-    written = (written_by, written_tp, written_pp, written_split, written_embedding_split)
+    tied = getattr(getattr(engine.module, "cfg", None), "tie_embeddings", False)
+    written = (written_by, written_tp, written_pp, *written_vocabulary_split(state, tied))
     relayout = written != (world, tp, pp, splits_vocabulary(engine), splits_embedding_vocabulary(engine))
     load_dir = local / "deepspeed"
     if relayout:

@@ -179,7 +179,7 @@ def resolve_model_shape(cfg: PretrainConfig, pack_manifest: dict) -> PretrainCon
     tp = cfg.parallelism.tensor_parallel_size
     if cfg.parallelism.splits_vocabulary and model.vocab_size < tp:
         raise ValueError(
-            f"vocab_parallel splits the head's {model.vocab_size} vocabulary rows over tensor_parallel_size={tp} "
+            f"vocab_parallel splits the {model.vocab_size} vocabulary rows over tensor_parallel_size={tp} "
             "ranks: every rank needs at least one"
         )
     if cfg.parallelism.splits_sequences and pack_manifest["seq_len"] % tp:

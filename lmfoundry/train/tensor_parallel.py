@@ -168,8 +168,9 @@ def _own_slice(x: torch.Tensor, group) -> torch.Tensor:
 
 class IntoSequenceSlices(torch.autograd.Function):
     """Into the sequence-parallel region, each rank keeping its slice of the sequence: of a whole
-    activation that every rank holds (`summed` false: the embedding's output), or of the sum of
-    the ranks' partial activations (`summed` true: a row-parallel product's, a reduce-scatter).
+    activation that every rank holds (`summed` false: a whole embedding's output), or of the sum
+    of the ranks' partial activations (`summed` true, a reduce-scatter: a row-parallel product's,
+    or a vocabulary-parallel embedding's lookups).
     Backward gathers the slices' gradients into the whole's."""
 
     @staticmethod

@@ -75,3 +75,13 @@ def test_a_universal_checkpoints_parameters_are_renamed_between_the_model_and_it
         _rename_parameters(zero, names, to_pipeline=True)
     tied = pipeline_parameter_names(cfg.model_copy(update={"tie_embeddings": True}))
     assert tied["embed.weight"] == "tied_modules.embed.embed.weight" and "lm_head.weight" not in tied
+
+
+def test_a_sequence_that_does_not_split_evenly_over_the_group_is_refused_by_name():
+    import pytest
+
+    from lmfoundry.train.tensor_parallel import _check_splits
+
+    _check_splits(64, 2)
+    with pytest.raises(ValueError, match="a sequence of 63 tokens does not split evenly .use a multiple of 2."):
+        _check_splits(63, 2)

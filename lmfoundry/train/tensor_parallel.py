@@ -144,10 +144,19 @@ def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return out.movedim(0, SEQUENCE_DIM).contiguous()  # one copy here, not one in each product
 
 
+def _check_splits(length: int, world: int) -> None:
+    if length % world:
+        raise ValueError(
+            f"sequence parallelism splits each sequence over the {world} ranks of a tensor-parallel group: "
+            f"a sequence of {length} tokens does not split evenly (use a multiple of {world})"
+        )
+
+
 def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
+    _check_splits(x.shape[SEQUENCE_DIM], world)  # the first split, for a vocabulary-parallel embedding
     whole = x.movedim(SEQUENCE_DIM, 0).contiguous()
     out = whole.new_empty((whole.shape[0] // world, *whole.shape[1:]))
     dist.reduce_scatter_tensor(out, whole, group=group)
@@ -158,11 +167,7 @@ def _own_slice(x: torch.Tensor, group) -> torch.Tensor:
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if x.shape[SEQUENCE_DIM] % world:
-        raise ValueError(
-            f"sequence parallelism splits each sequence over the {world} ranks of a tensor-parallel group: "
-            f"a sequence of {x.shape[SEQUENCE_DIM]} tokens does not split evenly (use a multiple of {world})"
-        )
+    _check_splits(x.shape[SEQUENCE_DIM], world)  # the first split, for a whole embedding
     return x.chunk(world, dim=SEQUENCE_DIM)[rank].contiguous()
 
 

@@ -391,7 +391,16 @@ def test_older_training_states_say_which_vocabulary_tables_were_split():
     assert written_vocabulary_split({"vocab_parallel": True}, tied=False) == (True, False)
     state = {"vocab_parallel": True, "vocab_parallel_embedding": True}
     assert written_vocabulary_split(state, tied=False) == (True, True)
-    assert written_vocabulary_split({"vocab_parallel": False, "vocab_parallel_embedding": False}, tied=True) == (
-        False,
-        False,
-    )
+    off = {"vocab_parallel": False, "vocab_parallel_embedding": False}
+    assert written_vocabulary_split(off, tied=True) == (False, False)
+
+
+@pytest.mark.parametrize("key", ["vocab_parallel", "vocab_parallel_embedding"])
+@pytest.mark.parametrize("bad", ["false", 1, 0, None, [], {"x": 1}])
+def test_a_training_state_whose_vocabulary_split_is_not_a_boolean_is_refused(key, bad):
+    """The file comes from storage: a string "false", which Python reads as true, must not
+    decide whether the checkpoint is loaded as split."""
+    from lmfoundry.train.checkpointing import written_vocabulary_split
+
+    with pytest.raises(ValueError, match=f"train_state.json: {key} is .*; allowed: true or false"):
+        written_vocabulary_split({"vocab_parallel": True, key: bad}, tied=False)

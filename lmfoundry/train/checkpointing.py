@@ -232,9 +232,14 @@ def resume(engine, run_dir: str, rank: int, world: int, before_step: int | None 
 def written_vocabulary_split(state: dict, tied: bool) -> tuple[bool, bool]:
     """Whether the checkpoint's files hold the head's, and the embedding's, rows split by
     vocabulary. Written before lmfoundry split heads: neither. Written before it split untied
-    embeddings: the embedding only when tied (it is the head's weight)."""
-    head = bool(state.get("vocab_parallel"))
-    return head, bool(state.get("vocab_parallel_embedding", head and tied))
+    embeddings: the embedding only when tied (it is the head's weight). The file comes from
+    storage: anything but true or false (a string "false" would read as true) is refused."""
+    head = state.get("vocab_parallel", False)
+    embedding = state.get("vocab_parallel_embedding", head is True and tied)
+    for key, value in (("vocab_parallel", head), ("vocab_parallel_embedding", embedding)):
+        if not isinstance(value, bool):
+            raise ValueError(f"train_state.json: {key} is {value!r}; allowed: true or false")
+    return head, embedding
 
 
 def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:

@@ -212,14 +212,8 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
         model = pipeline_module(model, pp, tp)
         if tp > 1:
             share_groups_with_tensor_parallelism(model._grid)
-    elif cfg.parallelism.splits_vocabulary and model.lm_head.weight is not model.embed.weight:
-        from deepspeed.utils import groups
-
-        # the tensor-parallel groups the engine makes (it finds them made and keeps them), early:
-        # the untied embedding is split before the optimizer is built over its rows
-        deepspeed.init_distributed()
-        groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
-        tensor_parallel.split_embedding_by_vocabulary(model, groups.get_tensor_model_parallel_group())
+    elif cfg.parallelism.splits_vocabulary:  # an untied embedding, before the optimizer is built over its rows
+        tensor_parallel.split_embedding_by_vocabulary(model, tp)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, cfg.optimizer.weight_decay),

@@ -79,26 +79,31 @@ def splits_embedding_vocabulary(engine) -> bool:
     return any(isinstance(m, VocabParallelEmbedding) for m in engine.module.modules())
 
 
-def split_embedding_by_vocabulary(model: torch.nn.Module, group) -> None:
-    """Splits an untied embedding by vocabulary rows over `group` (Megatron's
-    VocabParallelEmbedding): each rank keeps 1/T of the rows, looks up the tokens of its rows
-    and zeros the others, and the group sums the lookups. AutoTP splits a tied embedding with the
-    vocabulary-parallel head that shares its weight, but an untied one only along the hidden
-    dimension (or not at all with lmfoundry's layer specs). So it is split here, with DeepSpeed's
-    own layer, before `deepspeed.initialize` builds the optimizer over the parameters; the layer
-    is marked replaced so that AutoTP leaves it, and it carries the universal checkpoint's
-    description of its split (rows, dim 0) like AutoTP's layers."""
+def split_embedding_by_vocabulary(model: torch.nn.Module, tp: int) -> None:
+    """Splits an untied embedding by vocabulary rows over the tensor-parallel groups of `tp`
+    ranks (Megatron's VocabParallelEmbedding): each rank keeps 1/T of the rows, looks up the
+    tokens of its rows and zeros the others, and the group sums the lookups. AutoTP splits a tied
+    embedding with the vocabulary-parallel head that shares its weight (nothing to do here), but
+    an untied one only along the hidden dimension (or not at all with lmfoundry's layer specs).
+    So it is split here, with DeepSpeed's own layer, before `deepspeed.initialize` builds the
+    optimizer over the parameters: the groups are made first (the engine finds them made and
+    keeps them), the layer is marked replaced so that AutoTP leaves it, and it carries the
+    universal checkpoint's description of its split (rows, dim 0) like AutoTP's layers."""
+    import deepspeed
     from deepspeed.module_inject.layers import VocabParallelEmbedding, set_autotp_mode
+    from deepspeed.utils import groups
 
     embedding = model.embed
     if model.lm_head.weight is embedding.weight:
-        raise ValueError("split_embedding_by_vocabulary: the embedding is tied; AutoTP splits it with the head")
+        return
     if not isinstance(embedding, torch.nn.Embedding):
         raise RuntimeError(
             f"the embedding must be a torch.nn.Embedding to split by vocabulary; it is {type(embedding)}"
         )
+    deepspeed.init_distributed()
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
     set_autotp_mode(training=True)  # as `deepspeed.initialize` sets it: else the layer freezes its weight
-    split = VocabParallelEmbedding(embedding, group, name="embed")
+    split = VocabParallelEmbedding(embedding, groups.get_tensor_model_parallel_group(), name="embed")
     split.replaced = True
     model.embed = split
 

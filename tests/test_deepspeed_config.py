@@ -300,7 +300,7 @@ def test_a_vocabulary_parallel_head_is_asked_of_autotp_only_where_it_runs(caplog
     tiny = cfg(
         parallelism={"num_workers": 4, "tensor_parallel_size": 4, "vocab_parallel": True}, model={"n_kv_head": 4}
     )
-    with pytest.raises(ValueError, match="head's 3 vocabulary rows over tensor_parallel_size=4"):
+    with pytest.raises(ValueError, match="splits the 3 vocabulary rows over tensor_parallel_size=4"):
         resolve_model_shape(tiny, {"vocab_size": 3, "seq_len": 128})
 
 

@@ -12,6 +12,7 @@ engine's: rank 0's half of the vocabulary). The tensor-parallel runs without a p
 activation traffic the planner counts (4 all-reduces a block; 1.25 times that with sequence
 parallelism)."""
 
+import torch
 from harness.model_parallel import compare_layouts
 
 
@@ -86,3 +87,23 @@ def test_a_sequence_that_does_not_split_evenly_over_the_group_is_refused_by_name
     _check_splits(64, 2)
     with pytest.raises(ValueError, match="a sequence of 63 tokens does not split evenly .use a multiple of 2."):
         _check_splits(63, 2)
+
+
+def test_a_tensor_parallel_model_built_on_the_meta_device_holds_the_whole_builds_shards(deepspeed_processes):
+    # each rank of TP 2 (vocabulary and sequence parallel, untied: the embedding split before the
+    # engine, the head, the column and row layers with biases by AutoTP, the norms whole) holds
+    # bitwise what the same rank holds when the model is built whole and split
+    from harness.model_parallel import SEQ_LEN, small_config
+    from harness.tp_build import build_both_ways
+
+    cfg = small_config(2, 1, 2, sequence_parallel=True, vocab_parallel=True, tied=False)
+    built = build_both_ways(cfg, SEQ_LEN, keep_parameters=True)
+    for rank in (0, 1):
+        meta, whole = built["meta"][rank]["parameters"], built["whole"][rank]["parameters"]
+        assert meta.keys() == whole.keys()
+        for name in whole:
+            assert meta[name].shape == whole[name].shape and torch.equal(meta[name], whole[name]), (rank, name)
+        assert meta["embed.weight"].shape[0] == 48 and meta["lm_head.weight"].shape[0] == 48  # split, not whole
+    assert not torch.equal(
+        built["meta"][0]["parameters"]["lm_head.weight"], built["meta"][1]["parameters"]["lm_head.weight"]
+    )

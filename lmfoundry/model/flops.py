@@ -9,11 +9,9 @@ shared experts and top_k routed experts per token.
 
 from __future__ import annotations
 
-import torch
-
 from lmfoundry.model.moe import MoE
 from lmfoundry.model.shape import ModelShape
-from lmfoundry.model.transformer import ModelConfig, RMSNorm, Transformer
+from lmfoundry.model.transformer import ModelConfig, RMSNorm, Transformer, build_on_meta
 
 
 def matmul_params(model: Transformer) -> int:
@@ -46,8 +44,7 @@ def train_flops_per_token(model: Transformer, seq_len: int) -> int:
 
 def model_shape(model_cfg: ModelConfig) -> ModelShape:
     """The planner's numbers, counted from the model built on the meta device."""
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
+    model = build_on_meta(model_cfg)
     moe_layers = model.moe_layers()
     experts = sum(layer.w_gate_up.numel() + layer.w_down.numel() for layer in moe_layers)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())

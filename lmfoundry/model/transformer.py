@@ -12,7 +12,10 @@ Shapes: B batch, T time, C d_model, H query heads, K key/value heads, D head dim
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -260,6 +263,17 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def build_on_meta(cfg: ModelConfig) -> Transformer:
+    """The model with every parameter and buffer on the meta device (shapes, no storage: a model
+    of any size), torch's global generator left as it was."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return Transformer(cfg)
+
+
+def _normal(shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -269,6 +283,13 @@ class Transformer(nn.Module):
                 "before building the model"
             )
         self.cfg = cfg
+        # Each parameter's initial value is a function of this seed and of the parameter's name
+        # alone, never of the order in which parameters are drawn: a model built on the meta
+        # device and split over tensor-parallel ranks materialises each rank's slice of exactly
+        # the values a whole build holds (train/meta_init.py). Drawn from torch's global generator
+        # (so `torch.manual_seed(s)` before building still decides the weights) before any layer's
+        # own default init draws from it (which it does on the CPU, not on the meta device).
+        self.init_seed = int(torch.randint(2**62, (), device="cpu"))
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -284,17 +305,49 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(self._init_weights)
-        # GPT-2's scaled init of the projections that write into the residual stream.
-        for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "w_down.weight", "mlp.w_down", "shared_down.weight")):
-                nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+        self.reset_parameters()
 
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def reset_parameters(self) -> None:
+        """Every parameter not on the meta device set to its initial value."""
+        values = self.initial_values()
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if not p.is_meta:
+                    p.copy_(values[name]())
+
+    def initial_values(self) -> dict[str, Callable[[], torch.Tensor]]:
+        """For each parameter's name, a function that makes its whole initial value (fp32, on the
+        CPU): normal with `init_std` for linear, embedding and expert weights, GPT-2's scaled std
+        for the projections that write into the residual stream, zeros for biases, ones for
+        norms. Read the shapes from the model before anything splits it."""
+        values = {}
+        for name, p in self.named_parameters():
+            owner, _, attr = name.rpartition(".")
+            module = self.get_submodule(owner)
+            shape = tuple(p.shape)
+            if isinstance(module, RMSNorm):
+                values[name] = functools.partial(torch.ones, shape)
+            elif attr == "bias":
+                values[name] = functools.partial(torch.zeros, shape)
+            elif isinstance(module, (nn.Linear, nn.Embedding)) or (isinstance(module, MoE) and attr.startswith("w_")):
+                std = self.cfg.init_std
+                if name.endswith(("wo.weight", "w_down.weight", "mlp.w_down", "shared_down.weight")):
+                    std /= math.sqrt(2 * self.cfg.n_layer)
+                digest = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+                values[name] = functools.partial(_normal, shape, std, self.init_seed ^ (digest >> 2))
+            else:
+                raise ValueError(f"no initial value is defined for parameter {name!r} of {type(module).__name__}")
+        return values
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """The buffers, built on `device`: what a model built on the meta device needs before it
+        can run (the rotary tables, the experts' balancing biases)."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.expert_bias = torch.zeros(module.cfg.num_experts, device=device)
+                module.aux_loss = torch.zeros((), device=device)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

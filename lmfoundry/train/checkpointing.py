@@ -111,7 +111,7 @@ def stream_servable_weights(
         raise RuntimeError("the model's state is not the union of its pieces: it holds tensors of its own")
     # each rank's tensors have its share's shape: the whole shapes are those of the model built
     # anew from its config, on the meta device (no memory)
-    with torch.device("meta"):
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # torch's global generator untouched
         whole = type(model)(model.cfg).state_dict()
     specs = [(n, v.dtype, tuple(whole[n].shape)) for _, _, state in pieces for n, v in state.items()]
     unwritable = [(n, d) for n, d, _ in specs if d not in DTYPE_NAMES]

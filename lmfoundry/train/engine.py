@@ -3,12 +3,13 @@ config's components, the parameter groups, the learning-rate schedules and the e
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 
 import torch
 
-from lmfoundry.train import tensor_parallel
+from lmfoundry.train import meta_init, tensor_parallel
 from lmfoundry.train.config import TrainStageConfig, resolved_precision, world_sizes
 
 
@@ -205,6 +206,13 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
 
     client_scheduler = wsd if cfg.schedule.kind == "wsd" else None  # else DeepSpeed's from the config
     tp, pp = cfg.parallelism.tensor_parallel_size, cfg.parallelism.pipeline_parallel_size
+    # a model built on the meta device (train/meta_init.py) gets its values inside `initialize`,
+    # after the split: its whole initial values are read off it before anything splits it
+    on_meta = meta_init.has_meta_parameters(model)
+    values = model.initial_values() if on_meta else None
+    placing = meta_init.materialized_on_placement(values) if on_meta else contextlib.nullcontext()
+    if on_meta and pp > 1:
+        raise ValueError("a model built on the meta device runs without a pipeline (train/meta_init.py)")
     if pp > 1:
         from lmfoundry.train.pipeline_parallel import pipeline_module, share_groups_with_tensor_parallelism
 
@@ -214,12 +222,18 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
             share_groups_with_tensor_parallelism(model._grid)
     elif cfg.parallelism.splits_vocabulary:  # an untied embedding, before the optimizer is built over its rows
         tensor_parallel.split_embedding_by_vocabulary(model, tp)
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups(model, cfg.optimizer.weight_decay),
-        config=ds_config,
-        lr_scheduler=client_scheduler,
-    )
+    if on_meta:  # what AutoTP leaves whole, before it hooks the gradients of some of it
+        vocab = cfg.parallelism.splits_vocabulary
+        meta_init.materialize(model, values, leave=lambda name: tensor_parallel.autotp_splits(name, vocab))
+    with placing:
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+            config=ds_config,
+            lr_scheduler=client_scheduler,
+        )
+    if on_meta and meta_init.has_meta_parameters(engine.module):
+        raise RuntimeError("DeepSpeed built the engine without materialising the model's meta parameters")
     if pp > 1 and tp > 1:
         from lmfoundry.train.pipeline_parallel import finish_tensor_parallel_pipeline
 

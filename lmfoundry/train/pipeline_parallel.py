@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from lmfoundry.model.checkpoint import TIED_HEAD
 from lmfoundry.model.tensor_files import write_safetensors
-from lmfoundry.model.transformer import RMSNorm, Transformer
+from lmfoundry.model.transformer import RMSNorm, Transformer, build_on_meta
 
 
 class Embedding(nn.Module):
@@ -228,8 +228,7 @@ def pipeline_parameter_names(cfg) -> dict[str, str]:
     the pipeline module: the layers are numbered embedding 0, blocks 1..n, norm n+1, head n+2,
     and a tied embedding is DeepSpeed's `tied_modules.embed`. A universal checkpoint's parameter
     folders are renamed with it, to move optimizer state between pipelined and other layouts."""
-    with torch.device("meta"):
-        params = [name for name, _ in Transformer(cfg).named_parameters()]  # a tied head is the embedding
+    params = [name for name, _ in build_on_meta(cfg).named_parameters()]  # a tied head is the embedding
     n, names = cfg.n_layer, {}
     for name in params:
         top, rest = name.split(".", 1)
@@ -267,8 +266,7 @@ def write_servable_weights(engine, path) -> None:
     grid = module._grid
     tied, last = module.cfg.tie_embeddings, len(module.state_prefixes) - 1
     owner_of = [module.stage_owner(i) for i in range(len(module.state_prefixes))]
-    with torch.device("meta"):
-        whole = Transformer(module.cfg).state_dict()
+    whole = build_on_meta(module.cfg).state_dict()
     if tied:
         del whole[TIED_HEAD]
     dtype = next(module.parameters()).dtype

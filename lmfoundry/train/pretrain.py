@@ -19,7 +19,7 @@ from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPL
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS, load_model_files
 from lmfoundry.model.flops import train_flops_per_token
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
-from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.model.transformer import ModelConfig, Transformer, build_on_meta
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import skeleton
@@ -36,9 +36,17 @@ PREFETCH_MICRO_BATCHES = 4  # read ahead of the step on a thread, as Ray Data's 
 
 def build_model(cfg: PretrainConfig, start_dir: str | None = None) -> Transformer:
     """The model, the same on every rank (same seed, or the weights of the checkpoint in
-    `start_dir`), its experts sharded for expert parallelism."""
+    `start_dir`), its experts sharded for expert parallelism. A new model split by tensor
+    parallelism (without a pipeline) is built on the meta device: each rank materialises only its
+    shards when the engine is built (train/meta_init.py)."""
     torch.manual_seed(cfg.seed)
-    model = Transformer(cfg.model) if start_dir is None else load_model_files(start_dir).train()
+    par = cfg.parallelism
+    if start_dir is not None:
+        model = load_model_files(start_dir).train()
+    elif par.tensor_parallel_size > 1 and par.pipeline_parallel_size == 1:
+        model = build_on_meta(cfg.model)
+    else:
+        model = Transformer(cfg.model)
     if cfg.parallelism.expert_parallel_size > 1:
         shard_model(model, cfg.parallelism.expert_parallel_size)
     return model

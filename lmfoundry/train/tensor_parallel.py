@@ -24,6 +24,7 @@ at any other layout (train/checkpointing.py).
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
@@ -48,6 +49,20 @@ def deepspeed_section(tp: int, sequence_parallel_norms: list[str] | None = None,
         specs = [*specs, {"patterns": sequence_parallel_norms, "partition_type": "skip", "grad_allreduce": True}]
     section = {"autotp_size": tp, "partition_config": {"use_default_specs": False, "layer_specs": specs}}
     return {**section, "vocab_parallel_lm_head": True} if vocab_parallel else section
+
+
+def autotp_splits(name: str, vocab_parallel: bool) -> bool:
+    """Whether AutoTP, set up by `deepspeed_section`, splits the model's parameter called `name`
+    (as the model, not a pipeline stage, names it): the weights LAYER_SPECS split by columns or
+    rows, and with `vocab_parallel` the head (and the embedding tied to it)."""
+    if vocab_parallel and name in ("lm_head.weight", "embed.weight"):
+        return True
+    return any(
+        re.match(pattern, name)
+        for spec in LAYER_SPECS
+        if spec["partition_type"] in (_COLUMN, _ROW)
+        for pattern in spec["patterns"]
+    )
 
 
 def sequence_parallel_norms(n_layer: int, pipelined: bool) -> list[str]:

@@ -1,0 +1,71 @@
+"""Build a tensor-parallel DeepSpeed engine two ways on spawned gloo processes: from a model built
+on the meta device, each rank materialising only its shards (train/meta_init.py, what the
+training loop does), and from a model built whole on every rank and then split. Each rank
+reports the rise of its resident set while building (VmHWM over VmRSS before the model exists,
+glibc mapping every block of 64 KiB or more on its own: see harness/peak_memory.py), at the
+start of DeepSpeed's optimizer set-up and at the end of `deepspeed.initialize`, and,
+when asked, its engine's parameters, for a caller to compare the two builds bitwise.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+from harness.peak_memory import _reset_peak_rss, _rss_bytes, spawn_ranks, start_rank
+from lmfoundry.train.config import PretrainConfig
+
+
+def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, whole: bool, keep: bool, results) -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from lmfoundry.model.transformer import Transformer, build_on_meta
+    from lmfoundry.train.engine import build_engine, deepspeed_config
+
+    start_rank(rank, world, port)
+    try:
+        cfg = PretrainConfig.model_validate(raw)
+        gc.collect()
+        _reset_peak_rss()
+        before = _rss_bytes("VmRSS")
+        torch.manual_seed(cfg.seed)  # as train/pretrain.py's build_model
+        model = Transformer(cfg.model) if whole else build_on_meta(cfg.model)
+        whole_bytes = sum(p.numel() * 4 for p in model.parameters())
+        largest = max(p.numel() * 4 for p in model.parameters())
+        # the peak before DeepSpeed builds its optimizer (its ZeRO buffers come on top): the build
+        # of the model, its split and its placement
+        seen = {}
+        original = DeepSpeedEngine._configure_optimizer
+
+        def configure_optimizer(engine, *args, **kwargs):
+            seen["before_optimizer"] = _rss_bytes("VmHWM") - before
+            return original(engine, *args, **kwargs)
+
+        DeepSpeedEngine._configure_optimizer = configure_optimizer
+        try:
+            engine, _ = build_engine(model, cfg, deepspeed_config(cfg, world, seq_len, model.num_params()))
+        finally:
+            DeepSpeedEngine._configure_optimizer = original
+        peak = _rss_bytes("VmHWM") - before
+        params = dict(engine.module.named_parameters())
+        results[rank] = {
+            "peak_rise_bytes": peak,
+            "peak_rise_before_optimizer_bytes": seen["before_optimizer"],
+            "model_bytes": whole_bytes,
+            "largest_parameter_bytes": largest,
+            "rank_parameter_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+            "parameters": {name: p.detach().clone() for name, p in params.items()} if keep else None,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def build_both_ways(cfg: PretrainConfig, seq_len: int, keep_parameters: bool = False) -> dict[str, dict]:
+    """{"meta": {rank: report}, "whole": {rank: report}} for `cfg` on its num_workers ranks."""
+    world = cfg.parallelism.num_workers
+    return {
+        way: spawn_ranks(_worker, (world, cfg.model_dump(), seq_len, way == "whole", keep_parameters), world)
+        for way in ("meta", "whole")
+    }

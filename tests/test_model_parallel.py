@@ -12,6 +12,7 @@ engine's: rank 0's half of the vocabulary). The tensor-parallel runs without a p
 activation traffic the planner counts (4 all-reduces a block; 1.25 times that with sequence
 parallelism)."""
 
+import pytest
 import torch
 from harness.model_parallel import compare_layouts
 
@@ -89,21 +90,31 @@ def test_a_sequence_that_does_not_split_evenly_over_the_group_is_refused_by_name
         _check_splits(63, 2)
 
 
-def test_a_tensor_parallel_model_built_on_the_meta_device_holds_the_whole_builds_shards(deepspeed_processes):
-    # each rank of TP 2 (vocabulary and sequence parallel, untied: the embedding split before the
-    # engine, the head, the column and row layers with biases by AutoTP, the norms whole) holds
-    # bitwise what the same rank holds when the model is built whole and split
+@pytest.mark.parametrize("layout", ["TP 2, untied", "PP 2, tied"])
+def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_parts(deepspeed_processes, layout):
+    # each rank holds bitwise what the same rank holds when the model is built whole and split:
+    # at TP 2 (vocabulary and sequence parallel, untied: the embedding split before the engine,
+    # the head and the column and row layers with biases by AutoTP, the norms whole), and in a
+    # pipeline's stages (the tied embedding on the first and the last)
     from harness.model_parallel import SEQ_LEN, small_config
-    from harness.tp_build import build_both_ways
+    from harness.parallel_build import build_both_ways
 
-    cfg = small_config(2, 1, 2, sequence_parallel=True, vocab_parallel=True, tied=False)
+    if layout == "TP 2, untied":
+        cfg = small_config(2, 1, 2, sequence_parallel=True, vocab_parallel=True, tied=False)
+    else:
+        cfg = small_config(1, 2, 2)
     built = build_both_ways(cfg, SEQ_LEN, keep_parameters=True)
     for rank in (0, 1):
         meta, whole = built["meta"][rank]["parameters"], built["whole"][rank]["parameters"]
         assert meta.keys() == whole.keys()
         for name in whole:
             assert meta[name].shape == whole[name].shape and torch.equal(meta[name], whole[name]), (rank, name)
-        assert meta["embed.weight"].shape[0] == 48 and meta["lm_head.weight"].shape[0] == 48  # split, not whole
-    assert not torch.equal(
-        built["meta"][0]["parameters"]["lm_head.weight"], built["meta"][1]["parameters"]["lm_head.weight"]
-    )
+    if layout == "TP 2, untied":  # split, not whole
+        for rank in (0, 1):
+            parameters = built["meta"][rank]["parameters"]
+            assert parameters["embed.weight"].shape[0] == 48 and parameters["lm_head.weight"].shape[0] == 48
+        first, second = (built["meta"][rank]["parameters"]["lm_head.weight"] for rank in (0, 1))
+        assert not torch.equal(first, second)
+    else:  # each stage its own blocks
+        assert any(name.startswith("1.block.") for name in built["meta"][0]["parameters"])
+        assert not any(name.startswith("1.block.") for name in built["meta"][1]["parameters"])

@@ -206,23 +206,23 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
 
     client_scheduler = wsd if cfg.schedule.kind == "wsd" else None  # else DeepSpeed's from the config
     tp, pp = cfg.parallelism.tensor_parallel_size, cfg.parallelism.pipeline_parallel_size
-    # a model built on the meta device (train/meta_init.py) gets its values inside `initialize`,
-    # after the split: its whole initial values are read off it before anything splits it
+    # a model built on the meta device (train/meta_init.py): its whole initial values are read
+    # off it before anything splits it. Without a pipeline, what AutoTP leaves whole gets its
+    # values before `initialize` and what it splits inside, after the split; a pipeline's stage
+    # gets all of its values when DeepSpeed places it
     on_meta = meta_init.has_meta_parameters(model)
     values = model.initial_values() if on_meta else None
-    placing = meta_init.materialized_on_placement(values) if on_meta else contextlib.nullcontext()
-    if on_meta and pp > 1:
-        raise ValueError("a model built on the meta device runs without a pipeline (train/meta_init.py)")
+    placing = meta_init.materialized_on_placement(values) if on_meta and pp == 1 else contextlib.nullcontext()
     if pp > 1:
         from lmfoundry.train.pipeline_parallel import pipeline_module, share_groups_with_tensor_parallelism
 
         deepspeed.init_distributed()  # the pipeline's groups are made before the engine: over torch's process group
-        model = pipeline_module(model, pp, tp)
+        model = pipeline_module(model, pp, tp, values)
         if tp > 1:
             share_groups_with_tensor_parallelism(model._grid)
     elif cfg.parallelism.splits_vocabulary:  # an untied embedding, before the optimizer is built over its rows
         tensor_parallel.split_embedding_by_vocabulary(model, tp)
-    if on_meta:  # what AutoTP leaves whole, before it hooks the gradients of some of it
+    if on_meta and pp == 1:  # before AutoTP hooks the gradients of some of it
         vocab = cfg.parallelism.splits_vocabulary
         meta_init.materialize(model, values, leave=lambda name: tensor_parallel.autotp_splits(name, vocab))
     with placing:

@@ -13,7 +13,7 @@ same partition code that cuts a whole build:
   start of `_configure_distributed_model`: after the split, before the model is placed on its
   device and before the optimizer is built over it.
 A rank's peak while building is its shards plus the largest parameter whole and cut (565 MiB
-against 848 MiB for a whole build of a 714 MiB model at TP 2: benchmarks/tp_build_memory.py),
+against 848 MiB for a whole build of a 714 MiB model at TP 2: benchmarks/parallel_build_memory.py),
 and its weights are bitwise those of the same rank's slice of a whole build
 (tests/test_model_parallel.py).
 
@@ -78,6 +78,16 @@ def materialize(
                 if p.is_meta and not (leave and leave(names[id(p)])):
                     _fill(p, values[names[id(p)]]())
     model.reset_buffers("cpu")
+
+
+def materialize_stage(stage: torch.nn.Module, values: dict[str, Callable[[], torch.Tensor]], model_names: dict) -> None:
+    """A pipeline stage's meta parameters given their whole initial values: with a pipeline, a
+    rank materialises its own stage's layers whole (1/stages of the model; AutoTP splits them
+    afterwards under tensor parallelism). `model_names`: each parameter's name in the stage ->
+    its name in the model."""
+    for name, p in stage.named_parameters():
+        if p.is_meta:
+            _fill(p, values[model_names[name]]())
 
 
 def _fill(meta: torch.nn.Parameter, value: torch.Tensor) -> None:

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from lmfoundry.model.checkpoint import TIED_HEAD
 from lmfoundry.model.tensor_files import write_safetensors
-from lmfoundry.model.transformer import RMSNorm, Transformer, build_on_meta
+from lmfoundry.model.transformer import RMSNorm, Transformer, build_on_meta, rope_tables
+from lmfoundry.train.meta_init import materialize_stage
 
 
 class Embedding(nn.Module):
@@ -87,11 +88,13 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1):
+def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1, values: dict | None = None):
     """`model` (the same on every rank) as a DeepSpeed PipelineModule over `stages` stages, each
     stage's layers split over `tensor_parallel` consecutive ranks. Every layer knows the prefix
     of its tensors' names in the model's state (`state_prefixes`), so the servable weights are
-    written under the single-device model's names."""
+    written under the single-device model's names. A model built on the meta device comes with
+    its initial `values` (Transformer.initial_values): each rank materialises its own stage's
+    layers only (train/meta_init.py), before DeepSpeed places them on its device."""
     import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -107,6 +110,21 @@ def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1):
 
         def moe_layers(self) -> list:
             return []
+
+        def to(self, *args, **kwargs):
+            # DeepSpeed places the stage right after building its layers: the one moment to give
+            # a stage built from a meta model its values
+            if values is not None:
+                materialize_stage(
+                    self, values, {pipe: name for name, pipe in pipeline_parameter_names(self.cfg).items()}
+                )
+                cos, sin = rope_tables(
+                    self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling
+                )
+                for layer in self.forward_funcs:
+                    if isinstance(layer, BlockLayer):
+                        layer.cos, layer.sin = cos, sin
+            return super().to(*args, **kwargs)
 
     tied = model.cfg.tie_embeddings
     weight = model.embed.weight

@@ -36,14 +36,14 @@ PREFETCH_MICRO_BATCHES = 4  # read ahead of the step on a thread, as Ray Data's 
 
 def build_model(cfg: PretrainConfig, start_dir: str | None = None) -> Transformer:
     """The model, the same on every rank (same seed, or the weights of the checkpoint in
-    `start_dir`), its experts sharded for expert parallelism. A new model split by tensor
-    parallelism (without a pipeline) is built on the meta device: each rank materialises only its
-    shards when the engine is built (train/meta_init.py)."""
+    `start_dir`), its experts sharded for expert parallelism. A new model split by tensor or
+    pipeline parallelism is built on the meta device: each rank materialises only its part when
+    the engine is built (train/meta_init.py)."""
     torch.manual_seed(cfg.seed)
     par = cfg.parallelism
     if start_dir is not None:
         model = load_model_files(start_dir).train()
-    elif par.tensor_parallel_size > 1 and par.pipeline_parallel_size == 1:
+    elif par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
         model = build_on_meta(cfg.model)
     else:
         model = Transformer(cfg.model)

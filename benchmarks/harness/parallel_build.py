@@ -1,4 +1,4 @@
-"""Build a tensor-parallel DeepSpeed engine two ways on spawned gloo processes: from a model built
+"""Build a model-parallel DeepSpeed engine two ways on spawned gloo processes: from a model built
 on the meta device, each rank materialising only its shards (train/meta_init.py, what the
 training loop does), and from a model built whole on every rank and then split. Each rank
 reports the rise of its resident set while building (VmHWM over VmRSS before the model exists,

@@ -2,8 +2,9 @@
 materialising only its part (train/meta_init.py, what `lmfoundry pretrain` does at TP > 1 or
 PP > 1), against the same model built whole on every rank and then split.
 
-Two gloo processes, fp32, a model of about 180M parameters (714 MiB of weights, untied head):
-TP 2 (vocabulary- and sequence-parallel) under ZeRO 0 and 1, and PP 2 under ZeRO 1. Each rank's
+Gloo processes, fp32, a model of about 180M parameters (714 MiB of weights, untied head): TP 2
+(vocabulary- and sequence-parallel) under ZeRO 0 and 1, PP 2 and TP 2 x PP 2 (sequence-parallel;
+4 processes) under ZeRO 1. Each rank's
 figures are the rise of its resident set from before the model exists to the start of
 DeepSpeed's optimizer set-up (the model built, split and placed) and to the end of
 `deepspeed.initialize` (ZeRO's buffers on top: on a GPU those are the GPU's, while the build is
@@ -34,7 +35,12 @@ SEQ_LEN = 256
 MIB = 2**20
 BUILDS = {"meta": "meta device, own part materialised", "whole": "whole on every rank, then split"}
 # name: (tensor parallel, pipeline stages, ZeRO stage)
-LAYOUTS = {"TP 2, ZeRO-0": (2, 1, 0), "TP 2, ZeRO-1": (2, 1, 1), "PP 2, ZeRO-1": (1, 2, 1)}
+LAYOUTS = {
+    "TP 2, ZeRO-0": (2, 1, 0),
+    "TP 2, ZeRO-1": (2, 1, 1),
+    "PP 2, ZeRO-1": (1, 2, 1),
+    "TP 2 x PP 2, ZeRO-1": (2, 2, 1),
+}
 
 
 def config(tp: int, pp: int, zero_stage: int) -> PretrainConfig:
@@ -53,14 +59,14 @@ def config(tp: int, pp: int, zero_stage: int) -> PretrainConfig:
         output="-",
         model=model,
         parallelism={
-            "num_workers": 2,
+            "num_workers": tp * pp,
             "tensor_parallel_size": tp,
             "pipeline_parallel_size": pp,
             "zero_stage": zero_stage,
             "sequence_parallel": tp > 1,
-            "vocab_parallel": tp > 1,
+            "vocab_parallel": tp > 1 and pp == 1,
         },
-        batch={"micro_batch_size": 1, "global_batch_tokens": SEQ_LEN * 2 // tp},
+        batch={"micro_batch_size": 1, "global_batch_tokens": SEQ_LEN * 2},
         schedule={"max_steps": 2, "warmup_steps": 1},
     )
 
@@ -86,15 +92,15 @@ def main() -> None:
             )
     model = config(*LAYOUTS["TP 2, ZeRO-0"]).model
     print(
-        f"Building a model-parallel engine on 2 ranks ({model.n_layer} layers, d_model {model.d_model}, vocabulary {model.vocab_size})"
+        f"Building a model-parallel engine ({model.n_layer} layers, d_model {model.d_model}, vocabulary {model.vocab_size})"
     )
     print(
-        f"{'layout':14s} {'build':36s} {'before optimizer':>16s} {'peak rise MiB':>13s} {'model MiB':>9s} "
+        f"{'layout':20s} {'build':36s} {'before optimizer':>16s} {'peak rise MiB':>13s} {'model MiB':>9s} "
         f"{'rank params MiB':>15s} {'largest param MiB':>17s}"
     )
     for r in rows:
         print(
-            f"{r['layout']:14s} {r['build']:36s} {r['peak_rise_before_optimizer_mib']:16.0f} "
+            f"{r['layout']:20s} {r['build']:36s} {r['peak_rise_before_optimizer_mib']:16.0f} "
             f"{r['peak_rise_mib']:13.0f} {r['model_mib']:9.0f} "
             f"{r['rank_parameters_mib']:15.0f} {r['largest_parameter_mib']:17.0f}"
         )

@@ -236,3 +236,56 @@ def test_a_packed_row_gives_each_document_the_logits_it_gets_alone():
         plain, _ = m(row)
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
     assert not torch.allclose(plain[:, 7:], alone[:, 7:], atol=1e-3)  # without them, documents see each other
+
+
+def test_initial_values_depend_on_the_seed_and_the_name_only():
+    from lmfoundry.model.moe import MoEConfig
+    from lmfoundry.model.transformer import build_on_meta
+
+    cfg = ModelConfig(
+        vocab_size=64, max_seq_len=16, n_layer=2, d_model=32, n_head=4, n_kv_head=2, attention_bias=True, qk_norm=True
+    )
+    torch.manual_seed(7)
+    whole = Transformer(cfg)
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    meta = build_on_meta(cfg)
+    assert torch.equal(torch.get_rng_state(), state)  # a meta build leaves torch's generator alone
+    assert meta.init_seed == whole.init_seed and next(meta.parameters()).is_meta
+    values = meta.initial_values()
+    params = dict(whole.named_parameters())
+    assert values.keys() == params.keys()
+    for name, p in params.items():
+        assert torch.equal(values[name](), p), name
+    std = cfg.init_std
+    assert torch.equal(params["blocks.0.attn_norm.weight"], torch.ones(32))
+    assert torch.equal(params["blocks.0.attn.q_norm.weight"], torch.ones(cfg.head_dim))
+    assert not params["blocks.0.attn.wq.bias"].any()
+    assert abs(float(params["blocks.0.mlp.w_gate_up.weight"].std()) - std) < 0.1 * std
+    scaled = std / (2 * cfg.n_layer) ** 0.5  # the projections into the residual stream
+    assert abs(float(params["blocks.1.attn.wo.weight"].std()) - scaled) < 0.1 * scaled
+    # no two weights of one shape share their values, and another seed draws others
+    weights = [p for name, p in params.items() if name.endswith("wq.weight")]
+    assert not torch.equal(weights[0], weights[1])
+    torch.manual_seed(8)
+    assert not torch.equal(Transformer(cfg).embed.weight, whole.embed.weight)
+    # a tied head is the embedding, drawn once; the experts are drawn like linear weights
+    assert whole.lm_head.weight is whole.embed.weight and "lm_head.weight" not in values
+    moe = cfg.model_copy(update={"moe": MoEConfig(num_experts=4, top_k=2, expert_hidden=16)})
+    torch.manual_seed(7)
+    experts = Transformer(moe).blocks[0].mlp
+    assert abs(float(experts.w_gate_up.std()) - std) < 0.1 * std
+    assert abs(float(experts.w_down.std()) - scaled) < 0.1 * scaled
+
+
+def test_autotp_splits_the_column_and_row_weights_the_column_biases_and_the_vocabulary_tables_asked_for():
+    from lmfoundry.train.tensor_parallel import autotp_splits
+
+    for name in ("blocks.0.attn.wq.weight", "blocks.3.attn.wkv.weight", "blocks.0.attn.wo.weight"):
+        assert autotp_splits(name, vocab_parallel=False), name
+    for name in ("blocks.1.mlp.w_gate_up.weight", "blocks.1.mlp.w_down.weight", "blocks.0.attn.wq.bias"):
+        assert autotp_splits(name, vocab_parallel=False), name
+    for name in ("blocks.0.attn.wo.bias", "blocks.0.attn.q_norm.weight", "blocks.0.attn_norm.weight", "norm.weight"):
+        assert not autotp_splits(name, vocab_parallel=True), name
+    assert not autotp_splits("lm_head.weight", vocab_parallel=False)
+    assert autotp_splits("lm_head.weight", vocab_parallel=True) and autotp_splits("embed.weight", vocab_parallel=True)

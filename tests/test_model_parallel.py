@@ -90,21 +90,22 @@ def test_a_sequence_that_does_not_split_evenly_over_the_group_is_refused_by_name
         _check_splits(63, 2)
 
 
-@pytest.mark.parametrize("layout", ["TP 2, untied", "PP 2, tied"])
+@pytest.mark.parametrize("layout", ["TP 2, untied", "TP 2 x PP 2, tied"])
 def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_parts(deepspeed_processes, layout):
     # each rank holds bitwise what the same rank holds when the model is built whole and split:
     # at TP 2 (vocabulary and sequence parallel, untied: the embedding split before the engine,
-    # the head and the column and row layers with biases by AutoTP, the norms whole), and in a
-    # pipeline's stages (the tied embedding on the first and the last)
+    # the head and the column and row layers and the column layers' biases by AutoTP, the norms
+    # whole), and at TP 2 x PP 2 (each stage's layers split over 2 ranks by AutoTP inside the
+    # engine, the rest given at the stage's placement, the tied embedding on the first and the last)
     from harness.model_parallel import SEQ_LEN, small_config
     from harness.parallel_build import build_both_ways
 
     if layout == "TP 2, untied":
         cfg = small_config(2, 1, 2, sequence_parallel=True, vocab_parallel=True, tied=False)
     else:
-        cfg = small_config(1, 2, 2)
+        cfg = small_config(2, 2, 4)
     built = build_both_ways(cfg, SEQ_LEN, keep_parameters=True)
-    for rank in (0, 1):
+    for rank in built["whole"]:
         meta, whole = built["meta"][rank]["parameters"], built["whole"][rank]["parameters"]
         assert meta.keys() == whole.keys()
         for name in whole:
@@ -115,6 +116,10 @@ def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_
             assert parameters["embed.weight"].shape[0] == 48 and parameters["lm_head.weight"].shape[0] == 48
         first, second = (built["meta"][rank]["parameters"]["lm_head.weight"] for rank in (0, 1))
         assert not torch.equal(first, second)
-    else:  # each stage its own blocks
-        assert any(name.startswith("1.block.") for name in built["meta"][0]["parameters"])
-        assert not any(name.startswith("1.block.") for name in built["meta"][1]["parameters"])
+    else:  # each stage its own blocks, split: ranks 0, 1 the first stage, 2, 3 the second
+        first, second = built["meta"][0]["parameters"], built["meta"][2]["parameters"]
+        assert "1.block.attn.wq.weight" in first and "1.block.attn.wq.weight" not in second
+        assert first["1.block.attn.wq.weight"].shape[0] == 32  # of 64 rows
+        assert not torch.equal(
+            first["1.block.attn.wq.weight"], built["meta"][1]["parameters"]["1.block.attn.wq.weight"]
+        )

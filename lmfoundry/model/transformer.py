@@ -270,8 +270,13 @@ def build_on_meta(cfg: ModelConfig) -> Transformer:
         return Transformer(cfg)
 
 
-def _normal(shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
-    return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+def _normal(shape: tuple[int, ...], std: float, seed: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty(shape) if out is None else out
+    return out.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+
+
+def _filled(shape: tuple[int, ...], value: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.full(shape, value) if out is None else out.fill_(value)
 
 
 class Transformer(nn.Module):
@@ -305,49 +310,54 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        self._init_parameters()
 
-    def reset_parameters(self) -> None:
-        """Every parameter not on the meta device set to its initial value."""
+    def _init_parameters(self) -> None:
+        """Every parameter not on the meta device set to its initial value (in place: no copy)."""
         values = self.initial_values()
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if not p.is_meta:
-                    p.copy_(values[name]())
+                    values[name](out=p)
 
-    def initial_values(self) -> dict[str, Callable[[], torch.Tensor]]:
+    def initial_values(self) -> dict[str, Callable[..., torch.Tensor]]:
         """For each parameter's name, a function that makes its whole initial value (fp32, on the
-        CPU): normal with `init_std` for linear, embedding and expert weights, GPT-2's scaled std
-        for the projections that write into the residual stream, zeros for biases, ones for
-        norms. Read the shapes from the model before anything splits it."""
-        values = {}
-        for name, p in self.named_parameters():
+        CPU, or written into `out=`): normal with `init_std` for linear, embedding and expert
+        weights, GPT-2's scaled std for the projections that write into the residual stream,
+        zeros for biases, ones for norms. Read the shapes from the model before anything splits
+        it. Each normal value draws from a generator of its own, seeded by a hash of the model's
+        `init_seed` and the parameter's name; torch's CPU generator keeps 32 bits of a seed, so
+        the few names whose 32 bits collide get the next free seed, in name order (the same in
+        every build of one config)."""
+        values, seeds = {}, set()
+        for name, p in sorted(self.named_parameters()):
             owner, _, attr = name.rpartition(".")
             module = self.get_submodule(owner)
             shape = tuple(p.shape)
             if isinstance(module, RMSNorm):
-                values[name] = functools.partial(torch.ones, shape)
+                values[name] = functools.partial(_filled, shape, 1.0)
             elif attr == "bias":
-                values[name] = functools.partial(torch.zeros, shape)
+                values[name] = functools.partial(_filled, shape, 0.0)
             elif isinstance(module, (nn.Linear, nn.Embedding)) or (isinstance(module, MoE) and attr.startswith("w_")):
                 std = self.cfg.init_std
                 if name.endswith(("wo.weight", "w_down.weight", "mlp.w_down", "shared_down.weight")):
                     std /= math.sqrt(2 * self.cfg.n_layer)
-                digest = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-                values[name] = functools.partial(_normal, shape, std, self.init_seed ^ (digest >> 2))
+                key = f"{self.init_seed}:{name}".encode()
+                seed = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+                while seed in seeds:
+                    seed = (seed + 1) % 2**32
+                seeds.add(seed)
+                values[name] = functools.partial(_normal, shape, std, seed)
             else:
                 raise ValueError(f"no initial value is defined for parameter {name!r} of {type(module).__name__}")
         return values
 
-    def reset_buffers(self, device: torch.device | str) -> None:
-        """The buffers, built on `device`: what a model built on the meta device needs before it
-        can run (the rotary tables, the experts' balancing biases)."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.expert_bias = torch.zeros(module.cfg.num_experts, device=device)
-                module.aux_loss = torch.zeros((), device=device)
+    def reset_buffers(self) -> None:
+        """The rotary tables, built again on the CPU: what a model built on the meta device needs
+        before it can run (its only buffers: MoE models are not built there)."""
+        self.rope_cos, self.rope_sin = rope_tables(
+            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling
+        )
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -207,24 +207,28 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
     client_scheduler = wsd if cfg.schedule.kind == "wsd" else None  # else DeepSpeed's from the config
     tp, pp = cfg.parallelism.tensor_parallel_size, cfg.parallelism.pipeline_parallel_size
     # a model built on the meta device (train/meta_init.py): its whole initial values are read
-    # off it before anything splits it. Without a pipeline, what AutoTP leaves whole gets its
-    # values before `initialize` and what it splits inside, after the split; a pipeline's stage
-    # gets all of its values when DeepSpeed places it
+    # off it before anything splits it. What AutoTP leaves whole gets its values before
+    # `initialize` (a pipeline's stage: when DeepSpeed places it, in its constructor), what
+    # AutoTP splits inside `initialize`, after the split
     on_meta = meta_init.has_meta_parameters(model)
     values = model.initial_values() if on_meta else None
-    placing = meta_init.materialized_on_placement(values) if on_meta and pp == 1 else contextlib.nullcontext()
+    model_name = None
     if pp > 1:
-        from lmfoundry.train.pipeline_parallel import pipeline_module, share_groups_with_tensor_parallelism
+        from lmfoundry.train.pipeline_parallel import model_names, pipeline_module, share_groups_with_tensor_parallelism
 
         deepspeed.init_distributed()  # the pipeline's groups are made before the engine: over torch's process group
         model = pipeline_module(model, pp, tp, values)
+        model_name = model_names(model.cfg).__getitem__
         if tp > 1:
             share_groups_with_tensor_parallelism(model._grid)
-    elif cfg.parallelism.splits_vocabulary:  # an untied embedding, before the optimizer is built over its rows
-        tensor_parallel.split_embedding_by_vocabulary(model, tp)
-    if on_meta and pp == 1:  # before AutoTP hooks the gradients of some of it
-        vocab = cfg.parallelism.splits_vocabulary
-        meta_init.materialize(model, values, leave=lambda name: tensor_parallel.autotp_splits(name, vocab))
+    else:
+        if cfg.parallelism.splits_vocabulary:  # an untied embedding, before the optimizer is built over its rows
+            tensor_parallel.split_embedding_by_vocabulary(model, tp)
+        if on_meta:  # before AutoTP hooks the gradients of some of it
+            vocab = cfg.parallelism.splits_vocabulary
+            meta_init.materialize(model, values, leave=lambda name: tensor_parallel.autotp_splits(name, vocab))
+            model.reset_buffers()
+    placing = meta_init.materialized_on_placement(model, values, model_name) if on_meta else contextlib.nullcontext()
     with placing:
         engine, _, _, scheduler = deepspeed.initialize(
             model=model,

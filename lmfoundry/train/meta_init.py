@@ -1,4 +1,4 @@
-"""A tensor-parallel model built without any rank ever holding the whole of it.
+"""A model-parallel model built without any rank ever holding the whole of it.
 
 A model built whole on every rank and then split costs each rank the whole model's memory first:
 280 GB of fp32 weights per worker for a 70B model, whatever its tensor-parallel size. Instead the
@@ -6,16 +6,18 @@ model is built on the meta device (shapes, no storage), and its parameters get t
 at a time, each its whole initial value (`Transformer.initial_values`, a function of the seed
 and the parameter's name only) or that value cut by the parameter's own split layer, with the
 same partition code that cuts a whole build:
-- before `deepspeed.initialize`, every parameter AutoTP leaves whole (norms, and the embedding and
-  head unless they are split by vocabulary) and the untied embedding split by vocabulary
-  (train/tensor_parallel.py splits it before the engine);
+- before `deepspeed.initialize`, every parameter AutoTP leaves whole (norms, row-split layers'
+  biases, and the embedding and head unless they are split by vocabulary) and the untied
+  embedding split by vocabulary (train/tensor_parallel.py splits it before the engine); in a
+  pipeline, the stage's such parameters when DeepSpeed places the stage
+  (train/pipeline_parallel.py), the other stages' never;
 - inside it, the weights AutoTP splits (its layers keep a meta tensor on the meta device), at the
   start of `_configure_distributed_model`: after the split, before the model is placed on its
   device and before the optimizer is built over it.
-A rank's peak while building is its shards plus the largest parameter whole and cut (565 MiB
-against 848 MiB for a whole build of a 714 MiB model at TP 2: benchmarks/parallel_build_memory.py),
-and its weights are bitwise those of the same rank's slice of a whole build
-(tests/test_model_parallel.py).
+A rank's peak while building is its part plus the largest split parameter whole and cut (at
+TP 2, 565 MiB against 786 MiB for a whole build of a 714 MiB model:
+benchmarks/parallel_build_memory.py), and its weights are bitwise those of the same rank's part
+of a whole build (tests/test_model_parallel.py).
 
 torchtitan does the same with DTensor (meta-device init, then `init_weights` on the sharded
 tensors under an RNG tracker that makes each shard draw its slice of the whole); AutoTP's shards
@@ -25,11 +27,10 @@ are plain tensors, so here the whole parameter is drawn and cut instead.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
-
-from lmfoundry.model.transformer import Transformer
 
 
 def has_meta_parameters(module: torch.nn.Module) -> bool:
@@ -37,21 +38,26 @@ def has_meta_parameters(module: torch.nn.Module) -> bool:
 
 
 def materialize(
-    model: Transformer, values: dict[str, Callable[[], torch.Tensor]], leave: Callable[[str], bool] | None = None
+    module: torch.nn.Module,
+    values: dict[str, Callable[[], torch.Tensor]],
+    leave: Callable[[str], bool] | None = None,
+    model_name: Callable[[str], str] | None = None,
 ) -> None:
-    """Every parameter of `model` still on the meta device given its values on the CPU (or where
+    """Every parameter of `module` still on the meta device given its values on the CPU (or where
     a split layer places its shards): a layer split by DeepSpeed cuts the whole value with its
-    own partition; any other parameter takes it whole, unless `leave(its name)` says to leave it
-    (for AutoTP to split later). `values`: the model's initial values, taken before anything
-    split it. Then the buffers."""
+    own partition; any other parameter takes it whole, unless `leave(its model name)` says to
+    leave it (for AutoTP to split later). `values`: the model's initial values by the model's
+    names, taken before anything split it; `model_name`: a parameter's name in `module` -> its
+    name in the model (a pipeline stage names its parameters by layer)."""
     from deepspeed.module_inject.layers import TensorParallel_Layer
 
-    names = {id(p): name for name, p in model.named_parameters()}  # a tied weight by its first name
-    for module in model.modules():
-        own = dict(module.named_parameters(recurse=False))
+    rename = model_name or (lambda name: name)
+    names = {id(p): rename(name) for name, p in module.named_parameters()}  # a tied weight by its first name
+    for layer in module.modules():
+        own = dict(layer.named_parameters(recurse=False))
         if not any(p.is_meta for p in own.values()):
             continue
-        if isinstance(module, TensorParallel_Layer):
+        if isinstance(layer, TensorParallel_Layer):
             if set(own) - {"weight", "bias"}:
                 raise RuntimeError(f"a split layer with parameters {sorted(own)}: only weight and bias are known")
             slots = ["weight", "bias"]
@@ -64,12 +70,12 @@ def materialize(
             # this rank's part), then given its parameters back
             for attr, value in zip(slots, whole):
                 if value is not None:
-                    setattr(module, attr, value)
+                    setattr(layer, attr, value)
             try:
-                module._tp_partition(whole)
+                layer._tp_partition(whole)
             finally:
                 for attr, p in own.items():
-                    setattr(module, attr, p)
+                    setattr(layer, attr, p)
             for attr, part in zip(slots, whole):
                 if part is not None and own[attr].is_meta:
                     _fill(own[attr], part)
@@ -77,58 +83,53 @@ def materialize(
             for p in own.values():
                 if p.is_meta and not (leave and leave(names[id(p)])):
                     _fill(p, values[names[id(p)]]())
-    model.reset_buffers("cpu")
-
-
-def materialize_stage(stage: torch.nn.Module, values: dict[str, Callable[[], torch.Tensor]], model_names: dict) -> None:
-    """A pipeline stage's meta parameters given their whole initial values: with a pipeline, a
-    rank materialises its own stage's layers whole (1/stages of the model; AutoTP splits them
-    afterwards under tensor parallelism). `model_names`: each parameter's name in the stage ->
-    its name in the model."""
-    for name, p in stage.named_parameters():
-        if p.is_meta:
-            _fill(p, values[model_names[name]]())
 
 
 def _fill(meta: torch.nn.Parameter, value: torch.Tensor) -> None:
     """`meta` holds `value` from now on, the same Python object: the optimizer's parameter
     groups, the engine and the split layers all refer to it (a meta tensor's data cannot be set
     to a tensor on another device, so the two objects' contents are swapped), and it keeps the
-    attributes DeepSpeed gave it (the universal checkpoint's description of its split).
-    DeepSpeed's debug name map holds a weak reference to each parameter, which a swap refuses:
-    it is dropped for the swap and made again."""
-    from deepspeed.utils import debug
-
-    names = debug.param_names
-    name = names[meta] if meta in names else None
-    if name is not None:
-        names._finalizers.pop(id(meta)).detach()
-        names._names.pop(id(meta))
+    attributes DeepSpeed gave it (the universal checkpoint's description of its split)."""
     real = torch.nn.Parameter(value.detach(), requires_grad=meta.requires_grad)
     real.__dict__.update(meta.__dict__)
     torch.utils.swap_tensors(meta, real)
-    if name is not None:
-        names[meta] = name
+
+
+_PATCHING = threading.Lock()
 
 
 @contextlib.contextmanager
-def materialized_on_placement(values: dict[str, Callable[[], torch.Tensor]]) -> Iterator[None]:
-    """Within it, a DeepSpeed engine being built materialises its model's meta parameters (see
+def materialized_on_placement(
+    target: torch.nn.Module,
+    values: dict[str, Callable[[], torch.Tensor]],
+    model_name: Callable[[str], str] | None = None,
+) -> Iterator[None]:
+    """Within it, the DeepSpeed engine built over `target` materialises its meta parameters (see
     `materialize`) at the one moment between AutoTP's split and the model's placement on its
-    device: the start of `_configure_distributed_model`, before the optimizer is built. The
-    parameters AutoTP leaves whole must be materialised before `initialize` (`materialize` with
-    `leave`): AutoTP hooks the gradients of some of them (the norms under sequence parallelism)
-    before this point, and a hook registered on a tensor is not one a swap is known to carry."""
+    device: the start of `_configure_distributed_model`, before the optimizer is built. An
+    engine built over another model meanwhile is left alone. The parameters AutoTP leaves whole
+    must be materialised before `initialize` (`materialize` with `leave`): AutoTP hooks the
+    gradients of some of them (the norms under sequence parallelism) before this point, and a
+    hook registered on a tensor is not one a swap is known to carry."""
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.utils import debug
 
     original = DeepSpeedEngine._configure_distributed_model
 
     def configure(engine, model):
-        materialize(model, values)
+        if model is target:
+            # DeepSpeed's debug maps of names hold weak references to the parameters, which a
+            # swap refuses: cleared for the swaps, then made again as the engine made them
+            debug.debug_clear_module_and_param_names()
+            try:
+                materialize(model, values, model_name=model_name)
+            finally:
+                debug.debug_extract_module_and_param_names(model)
         return original(engine, model)
 
-    DeepSpeedEngine._configure_distributed_model = configure
-    try:
-        yield
-    finally:
-        DeepSpeedEngine._configure_distributed_model = original
+    with _PATCHING:
+        DeepSpeedEngine._configure_distributed_model = configure
+        try:
+            yield
+        finally:
+            DeepSpeedEngine._configure_distributed_model = original

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from lmfoundry.model.checkpoint import TIED_HEAD
 from lmfoundry.model.tensor_files import write_safetensors
 from lmfoundry.model.transformer import RMSNorm, Transformer, build_on_meta, rope_tables
-from lmfoundry.train.meta_init import materialize_stage
+from lmfoundry.train import meta_init
+from lmfoundry.train.tensor_parallel import autotp_splits
 
 
 class Embedding(nn.Module):
@@ -112,19 +113,29 @@ def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1, v
             return []
 
         def to(self, *args, **kwargs):
-            # DeepSpeed places the stage right after building its layers: the one moment to give
-            # a stage built from a meta model its values
-            if values is not None:
-                materialize_stage(
-                    self, values, {pipe: name for name, pipe in pipeline_parameter_names(self.cfg).items()}
-                )
-                cos, sin = rope_tables(
-                    self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling
-                )
-                for layer in self.forward_funcs:
-                    if isinstance(layer, BlockLayer):
-                        layer.cos, layer.sin = cos, sin
-            return super().to(*args, **kwargs)
+            # DeepSpeed places the stage right after building its layers: the first moment a
+            # stage built from a meta model can get its values. What AutoTP will split stays on
+            # the meta device (train/meta_init.py gives it its values inside `initialize`) and
+            # is left where it is; the rest moves.
+            blocks = [layer for layer in self.forward_funcs if isinstance(layer, BlockLayer)]
+            if values is not None and any(layer.cos.is_meta for layer in blocks):
+                cfg = self.cfg
+                cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+                for layer in blocks:
+                    layer.cos, layer.sin = cos, sin
+            if values is not None and meta_init.has_meta_parameters(self):
+                split = (lambda name: autotp_splits(name, vocab_parallel=False)) if tensor_parallel > 1 else None
+                meta_init.materialize(self, values, leave=split, model_name=model_names(self.cfg).__getitem__)
+            if not meta_init.has_meta_parameters(self):
+                return super().to(*args, **kwargs)
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+
+            def move(t: torch.Tensor) -> torch.Tensor:
+                if t.is_meta:
+                    return t
+                return t.to(device, dtype if t.is_floating_point() or t.is_complex() else None, non_blocking)
+
+            return self._apply(move)
 
     tied = model.cfg.tie_embeddings
     weight = model.embed.weight
@@ -258,6 +269,11 @@ def pipeline_parameter_names(cfg) -> dict[str, str]:
         else:
             names[name] = f"{n + 1 if top == 'norm' else n + 2}.module.{rest}"
     return names
+
+
+def model_names(cfg) -> dict[str, str]:
+    """Each parameter's name in the pipeline module -> its name in the model."""
+    return {pipe: name for name, pipe in pipeline_parameter_names(cfg).items()}
 
 
 def _layer_state(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:

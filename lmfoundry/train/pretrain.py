@@ -47,6 +47,9 @@ def build_model(cfg: PretrainConfig, start_dir: str | None = None) -> Transforme
         model = build_on_meta(cfg.model)
     else:
         model = Transformer(cfg.model)
+    # a whole build draws from torch's global generator (its layers' default inits), a meta build
+    # does not: seeded again, what draws from it next sees the same stream in every layout
+    torch.manual_seed(cfg.seed)
     if cfg.parallelism.expert_parallel_size > 1:
         shard_model(model, cfg.parallelism.expert_parallel_size)
     return model

@@ -54,15 +54,15 @@ def deepspeed_section(tp: int, sequence_parallel_norms: list[str] | None = None,
 def autotp_splits(name: str, vocab_parallel: bool) -> bool:
     """Whether AutoTP, set up by `deepspeed_section`, splits the model's parameter called `name`
     (as the model, not a pipeline stage, names it): the weights LAYER_SPECS split by columns or
-    rows, and with `vocab_parallel` the head (and the embedding tied to it)."""
+    rows and the biases of the column-split ones (a row-split layer keeps its bias whole), and
+    with `vocab_parallel` the head (and the embedding tied to it)."""
     if vocab_parallel and name in ("lm_head.weight", "embed.weight"):
         return True
-    return any(
-        re.match(pattern, name)
-        for spec in LAYER_SPECS
-        if spec["partition_type"] in (_COLUMN, _ROW)
-        for pattern in spec["patterns"]
-    )
+    kinds = {_COLUMN, _ROW}
+    if name.endswith(".bias"):
+        name, kinds = name.removesuffix(".bias") + ".weight", {_COLUMN}
+    specs = [spec for spec in LAYER_SPECS if spec["partition_type"] in kinds]
+    return any(re.match(pattern, name) for spec in specs for pattern in spec["patterns"])
 
 
 def sequence_parallel_norms(n_layer: int, pipelined: bool) -> list[str]:

@@ -289,3 +289,41 @@ def test_autotp_splits_the_column_and_row_weights_the_column_biases_and_the_voca
         assert not autotp_splits(name, vocab_parallel=True), name
     assert not autotp_splits("lm_head.weight", vocab_parallel=False)
     assert autotp_splits("lm_head.weight", vocab_parallel=True) and autotp_splits("embed.weight", vocab_parallel=True)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_checkpoint_built_on_the_meta_device_reads_its_weights_one_at_a_time(tmp_path, tied):
+    import shutil
+
+    from lmfoundry.model.checkpoint import load_model_on_meta
+
+    model = tiny(tie_embeddings=tied)
+    with torch.no_grad():
+        model.embed.weight.add_(1.0)  # trained: not its initial values
+    save_model_files(model, tmp_path / "ckpt")
+    loaded = dict(load_model_files(tmp_path / "ckpt").named_parameters())
+    meta = load_model_on_meta(tmp_path / "ckpt")
+    assert next(meta.parameters()).is_meta
+    shutil.rmtree(tmp_path / "ckpt")  # a caller's temporary copy, gone: the open file is still read
+    values = meta.initial_values()
+    assert values.keys() == loaded.keys()
+    for name, p in loaded.items():
+        assert torch.equal(values[name](), p), name
+
+
+def test_a_checkpoint_that_does_not_fit_its_config_is_refused_on_the_meta_device_by_name(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from lmfoundry.model.checkpoint import MODEL_CONFIG, WEIGHTS, load_model_on_meta
+
+    save_model_files(tiny(), tmp_path)
+    config = json.loads((tmp_path / MODEL_CONFIG).read_text())
+    (tmp_path / MODEL_CONFIG).write_text(json.dumps({**config, "d_model": 64, "n_head": 8}))
+    with pytest.raises(ValueError, match="embed.weight has shape"):
+        load_model_on_meta(tmp_path)
+    save_file({"embed.weight": torch.zeros(97, 32)}, str(tmp_path / WEIGHTS))
+    (tmp_path / MODEL_CONFIG).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="missing .*blocks.0.attn.wq.weight"):
+        load_model_on_meta(tmp_path)

@@ -90,27 +90,40 @@ def test_a_sequence_that_does_not_split_evenly_over_the_group_is_refused_by_name
         _check_splits(63, 2)
 
 
-@pytest.mark.parametrize("layout", ["TP 2, untied", "TP 2 x PP 2, tied"])
-def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_parts(deepspeed_processes, layout):
+@pytest.mark.parametrize("layout", ["TP 2, untied, from a checkpoint", "TP 2 x PP 2, tied"])
+def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_parts(
+    deepspeed_processes, layout, tmp_path
+):
     # each rank holds bitwise what the same rank holds when the model is built whole and split:
-    # at TP 2 (vocabulary and sequence parallel, untied: the embedding split before the engine,
-    # the head and the column and row layers and the column layers' biases by AutoTP, the norms
-    # whole), and at TP 2 x PP 2 (each stage's layers split over 2 ranks by AutoTP inside the
-    # engine, the rest given at the stage's placement, the tied embedding on the first and the last)
+    # at TP 2, continuing from a checkpoint's weights (vocabulary and sequence parallel, untied:
+    # the embedding split before the engine, the head and the column and row layers and the
+    # column layers' biases by AutoTP, the norms whole), and at TP 2 x PP 2 from new initial
+    # values (each stage's layers split over 2 ranks by AutoTP inside the engine, the rest given
+    # at the stage's placement, the tied embedding on the first and the last)
     from harness.model_parallel import SEQ_LEN, small_config
     from harness.parallel_build import build_both_ways
 
-    if layout == "TP 2, untied":
+    from lmfoundry.model.checkpoint import save_model_files
+    from lmfoundry.model.transformer import Transformer
+
+    start = None
+    if layout.startswith("TP 2, untied"):
         cfg = small_config(2, 1, 2, sequence_parallel=True, vocab_parallel=True, tied=False)
+        trained = Transformer(cfg.model)
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.add_(torch.randn_like(p))  # not its initial values
+        save_model_files(trained, tmp_path)
+        start = str(tmp_path)
     else:
         cfg = small_config(2, 2, 4)
-    built = build_both_ways(cfg, SEQ_LEN, keep_parameters=True)
+    built = build_both_ways(cfg, SEQ_LEN, keep_parameters=True, start=start)
     for rank in built["whole"]:
         meta, whole = built["meta"][rank]["parameters"], built["whole"][rank]["parameters"]
         assert meta.keys() == whole.keys()
         for name in whole:
             assert meta[name].shape == whole[name].shape and torch.equal(meta[name], whole[name]), (rank, name)
-    if layout == "TP 2, untied":  # split, not whole
+    if start is not None:  # split, not whole
         for rank in (0, 1):
             parameters = built["meta"][rank]["parameters"]
             assert parameters["embed.weight"].shape[0] == 48 and parameters["lm_head.weight"].shape[0] == 48

@@ -18,9 +18,12 @@ from harness.peak_memory import _reset_peak_rss, _rss_bytes, spawn_ranks, start_
 from lmfoundry.train.config import PretrainConfig
 
 
-def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, whole: bool, keep: bool, results) -> None:
+def _worker(
+    rank: int, port: int, world: int, raw: dict, seq_len: int, whole: bool, keep: bool, start: str | None, results
+) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
+    from lmfoundry.model.checkpoint import load_model_files, load_model_on_meta
     from lmfoundry.model.transformer import Transformer, build_on_meta
     from lmfoundry.train.engine import build_engine, deepspeed_config
 
@@ -31,7 +34,10 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, whole: bo
         _reset_peak_rss()
         before = _rss_bytes("VmRSS")
         torch.manual_seed(cfg.seed)  # as train/pretrain.py's build_model
-        model = Transformer(cfg.model) if whole else build_on_meta(cfg.model)
+        if start is not None:  # continued training: the checkpoint's weights
+            model = load_model_files(start).train() if whole else load_model_on_meta(start)
+        else:
+            model = Transformer(cfg.model) if whole else build_on_meta(cfg.model)
         whole_bytes = sum(p.numel() * 4 for p in model.parameters())
         largest = max(p.numel() * 4 for p in model.parameters())
         # the peak before DeepSpeed builds its optimizer (its ZeRO buffers come on top): the build
@@ -62,10 +68,13 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, whole: bo
         dist.destroy_process_group()
 
 
-def build_both_ways(cfg: PretrainConfig, seq_len: int, keep_parameters: bool = False) -> dict[str, dict]:
-    """{"meta": {rank: report}, "whole": {rank: report}} for `cfg` on its num_workers ranks."""
+def build_both_ways(
+    cfg: PretrainConfig, seq_len: int, keep_parameters: bool = False, start: str | None = None
+) -> dict[str, dict]:
+    """{"meta": {rank: report}, "whole": {rank: report}} for `cfg` on its num_workers ranks; with
+    `start`, the model of that checkpoint directory (model files) rather than a new one."""
     world = cfg.parallelism.num_workers
     return {
-        way: spawn_ranks(_worker, (world, cfg.model_dump(), seq_len, way == "whole", keep_parameters), world)
+        way: spawn_ranks(_worker, (world, cfg.model_dump(), seq_len, way == "whole", keep_parameters, start), world)
         for way in ("meta", "whole")
     }

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmfoundry.model import lora
-from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.model.transformer import ModelConfig, Transformer, build_on_meta
 
 WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
@@ -66,6 +66,25 @@ def load_model_files(directory: str | Path, device: str | torch.device = "cpu") 
             f"{sorted(set(missing) - allowed_missing)}, unexpected {sorted(unexpected)}"
         )
     return model.to(device).eval()
+
+
+def load_model_on_meta(directory: str | Path) -> Transformer:
+    """A checkpoint's model built on the meta device (model/transformer.py build_on_meta), its
+    initial values to be read from the checkpoint's weights one tensor at a time when each rank
+    materialises its part (train/meta_init.py): no process holds the whole model. The weights
+    file is opened, and checked against the config (names and shapes), here: it stays readable
+    through its memory map after a caller's temporary copy of the checkpoint is removed. Not for
+    an adapter checkpoint (its base is merged whole: load_model_files)."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    if lora.is_adapter(directory):
+        raise ValueError(f"{directory} is an adapter checkpoint: load_model_files merges it into its base")
+    cfg = ModelConfig.model_validate(json.loads((directory / MODEL_CONFIG).read_text()))
+    model = build_on_meta(cfg)
+    model.start_weights = safe_open(str(directory / WEIGHTS), framework="pt")
+    model.initial_values()  # the checks, now
+    return model.train()
 
 
 def base_sha256(manifest: dict, where: str) -> str:

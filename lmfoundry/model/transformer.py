@@ -307,6 +307,10 @@ class Transformer(nn.Module):
         # distributed cross-entropy here (train/tensor_parallel.py). Called with the logits and
         # `shift_labels`, targets that are already the next tokens.
         self.loss_function = None
+        # A model built on the meta device to continue training from a checkpoint takes its
+        # initial values from there: an open safetensors file (keys(), get_slice(), get_tensor())
+        # holding this model's state (model/checkpoint.py load_model_on_meta)
+        self.start_weights = None
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -329,6 +333,8 @@ class Transformer(nn.Module):
         `init_seed` and the parameter's name; torch's CPU generator keeps 32 bits of a seed, so
         the few names whose 32 bits collide get the next free seed, in name order (the same in
         every build of one config)."""
+        if self.start_weights is not None:
+            return self._start_values()
         values, seeds = {}, set()
         for name, p in sorted(self.named_parameters()):
             owner, _, attr = name.rpartition(".")
@@ -351,6 +357,29 @@ class Transformer(nn.Module):
             else:
                 raise ValueError(f"no initial value is defined for parameter {name!r} of {type(module).__name__}")
         return values
+
+    def _start_values(self) -> dict[str, Callable[..., torch.Tensor]]:
+        """initial_values read from `start_weights`, one tensor at a time (as fp32); the file
+        must hold exactly this model's state (a tied head stored once, as the embedding), each
+        tensor in its parameter's shape."""
+        weights = self.start_weights
+        params = dict(self.named_parameters())
+        stored = set(weights.keys())
+        missing, unexpected = sorted(set(params) - stored), sorted(stored - set(params))
+        if missing or unexpected:
+            raise ValueError(
+                f"the checkpoint's weights do not fit its model config: missing {missing}, unexpected {unexpected}"
+            )
+        for name, p in params.items():
+            shape = tuple(weights.get_slice(name).get_shape())
+            if shape != tuple(p.shape):
+                raise ValueError(f"the checkpoint's {name} has shape {shape}; its model config makes {tuple(p.shape)}")
+
+        def read(name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+            value = weights.get_tensor(name).float()
+            return value if out is None else out.copy_(value)
+
+        return {name: functools.partial(read, name) for name in params}
 
     def reset_buffers(self) -> None:
         """The rotary tables, built again on the CPU: what a model built on the meta device needs

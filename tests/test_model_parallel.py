@@ -136,3 +136,23 @@ def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_
         assert not torch.equal(
             first["1.block.attn.wq.weight"], built["meta"][1]["parameters"]["1.block.attn.wq.weight"]
         )
+
+
+def test_the_placement_patch_is_one_at_a_time_and_leaves_deepspeeds_class_as_it_was():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from lmfoundry.train.meta_init import materialized_on_placement
+
+    own = DeepSpeedEngine._configure_distributed_model
+    model = torch.nn.Linear(2, 2)
+    with materialized_on_placement(model, {}):
+        assert DeepSpeedEngine._configure_distributed_model is not own
+        with pytest.raises(RuntimeError, match="one at a time"):
+            with materialized_on_placement(model, {}):
+                pass
+        assert DeepSpeedEngine._configure_distributed_model is not own  # the outer patch still there
+    assert DeepSpeedEngine._configure_distributed_model is own
+    with pytest.raises(KeyError):
+        with materialized_on_placement(model, {}):
+            raise KeyError("a failed build")
+    assert DeepSpeedEngine._configure_distributed_model is own

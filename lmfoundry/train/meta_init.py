@@ -90,7 +90,7 @@ def _fill(meta: torch.nn.Parameter, value: torch.Tensor) -> None:
     groups, the engine and the split layers all refer to it (a meta tensor's data cannot be set
     to a tensor on another device, so the two objects' contents are swapped), and it keeps the
     attributes DeepSpeed gave it (the universal checkpoint's description of its split)."""
-    real = torch.nn.Parameter(value.detach(), requires_grad=meta.requires_grad)
+    real = torch.nn.Parameter(value.detach().to(meta.dtype), requires_grad=meta.requires_grad)
     real.__dict__.update(meta.__dict__)
     torch.utils.swap_tensors(meta, real)
 
@@ -110,16 +110,15 @@ def materialized_on_placement(
     engine built over another model meanwhile is left alone. The parameters AutoTP leaves whole
     must be materialised before `initialize` (`materialize` with `leave`): AutoTP hooks the
     gradients of some of them (the norms under sequence parallelism) before this point, and a
-    hook registered on a tensor is not one a swap is known to carry."""
+    hook registered on a tensor is not one a swap is known to carry. Raises if another engine is
+    being built from a meta model meanwhile."""
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.utils import debug
-
-    original = DeepSpeedEngine._configure_distributed_model
 
     def configure(engine, model):
         if model is target:
             # DeepSpeed's debug maps of names hold weak references to the parameters, which a
-            # swap refuses: cleared for the swaps, then made again as the engine made them
+            # swap refuses: cleared for the swaps, then made again from the model, split by now
             debug.debug_clear_module_and_param_names()
             try:
                 materialize(model, values, model_name=model_name)
@@ -127,9 +126,14 @@ def materialized_on_placement(
                 debug.debug_extract_module_and_param_names(model)
         return original(engine, model)
 
-    with _PATCHING:
+    if not _PATCHING.acquire(blocking=False):
+        raise RuntimeError("another engine is being built from a meta model: build one at a time")
+    try:
+        original = DeepSpeedEngine._configure_distributed_model  # read under the lock: the class's own
         DeepSpeedEngine._configure_distributed_model = configure
         try:
             yield
         finally:
             DeepSpeedEngine._configure_distributed_model = original
+    finally:
+        _PATCHING.release()

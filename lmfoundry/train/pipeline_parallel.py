@@ -129,11 +129,16 @@ def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1, v
             if not meta_init.has_meta_parameters(self):
                 return super().to(*args, **kwargs)
             device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+            if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+                raise TypeError(
+                    f"nn.Module.to only accepts floating point or complex dtypes, but got desired dtype={dtype}"
+                )
 
             def move(t: torch.Tensor) -> torch.Tensor:
-                if t.is_meta:
-                    return t
-                return t.to(device, dtype if t.is_floating_point() or t.is_complex() else None, non_blocking)
+                cast = dtype if t.is_floating_point() or t.is_complex() else None
+                if t.is_meta:  # cast, not moved: materialised later, in that dtype
+                    return t.to(dtype=cast) if cast is not None else t
+                return t.to(device, cast, non_blocking)
 
             return self._apply(move)
 

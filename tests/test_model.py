@@ -327,3 +327,20 @@ def test_a_checkpoint_that_does_not_fit_its_config_is_refused_on_the_meta_device
     (tmp_path / MODEL_CONFIG).write_text(json.dumps(config))
     with pytest.raises(ValueError, match="missing .*blocks.0.attn.wq.weight"):
         load_model_on_meta(tmp_path)
+
+
+def test_a_crafted_weights_file_is_refused_on_the_meta_device_before_any_tensor_is_read(tmp_path):
+    # an extra tensor (another model's, or a payload) and a file that is not safetensors at all
+    from safetensors.torch import save_file
+
+    from lmfoundry.model.checkpoint import WEIGHTS, load_model_on_meta
+
+    model = tiny()
+    save_model_files(model, tmp_path)
+    state = {name: p.detach() for name, p in model.named_parameters()}
+    save_file({**state, "../../etc/passwd": torch.zeros(1)}, str(tmp_path / WEIGHTS))
+    with pytest.raises(ValueError, match=r"unexpected \['../../etc/passwd'\]"):
+        load_model_on_meta(tmp_path)
+    (tmp_path / WEIGHTS).write_bytes(b"\xff" * 8 + b"{not a header")
+    with pytest.raises(Exception, match="(?i)header|invalid|deserializ"):
+        load_model_on_meta(tmp_path)

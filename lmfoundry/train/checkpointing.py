@@ -29,6 +29,7 @@ from lmfoundry.model.checkpoint import (
 from lmfoundry.model.lora import AdapterRef, adapter_state
 from lmfoundry.model.tensor_files import DTYPE_NAMES, write_safetensors
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
+from lmfoundry.model.transformer import build_on_meta
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import tensor_parallel
@@ -111,8 +112,7 @@ def stream_servable_weights(
         raise RuntimeError("the model's state is not the union of its pieces: it holds tensors of its own")
     # each rank's tensors have its share's shape: the whole shapes are those of the model built
     # anew from its config, on the meta device (no memory)
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # torch's global generator untouched
-        whole = type(model)(model.cfg).state_dict()
+    whole = build_on_meta(model.cfg).state_dict()
     specs = [(n, v.dtype, tuple(whole[n].shape)) for _, _, state in pieces for n, v in state.items()]
     unwritable = [(n, d) for n, d, _ in specs if d not in DTYPE_NAMES]
     if unwritable:  # on every rank, before any gather

@@ -214,11 +214,11 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
     values = model.initial_values() if on_meta else None
     model_name = None
     if pp > 1:
-        from lmfoundry.train.pipeline_parallel import model_names, pipeline_module, share_groups_with_tensor_parallelism
+        from lmfoundry.train.pipeline_parallel import pipeline_module, share_groups_with_tensor_parallelism
 
         deepspeed.init_distributed()  # the pipeline's groups are made before the engine: over torch's process group
         model = pipeline_module(model, pp, tp, values)
-        model_name = model_names(model.cfg).__getitem__
+        model_name = model.names_in_model.__getitem__
         if tp > 1:
             share_groups_with_tensor_parallelism(model._grid)
     else:

@@ -108,6 +108,8 @@ def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1, v
     class TransformerPipe(PipelineModule):
         cfg = model.cfg
         state_prefixes = ["embed.", *(f"blocks.{i}." for i in range(model.cfg.n_layer)), "norm.", "lm_head."]
+        # each parameter's name in the stage -> its name in the model
+        names_in_model = {pipe: name for name, pipe in pipeline_parameter_names(model.cfg).items()}
 
         def moe_layers(self) -> list:
             return []
@@ -125,7 +127,7 @@ def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1, v
                     layer.cos, layer.sin = cos, sin
             if values is not None and meta_init.has_meta_parameters(self):
                 split = (lambda name: autotp_splits(name, vocab_parallel=False)) if tensor_parallel > 1 else None
-                meta_init.materialize(self, values, leave=split, model_name=model_names(self.cfg).__getitem__)
+                meta_init.materialize(self, values, leave=split, model_name=self.names_in_model.__getitem__)
             if not meta_init.has_meta_parameters(self):
                 return super().to(*args, **kwargs)
             device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -274,11 +276,6 @@ def pipeline_parameter_names(cfg) -> dict[str, str]:
         else:
             names[name] = f"{n + 1 if top == 'norm' else n + 2}.module.{rest}"
     return names
-
-
-def model_names(cfg) -> dict[str, str]:
-    """Each parameter's name in the pipeline module -> its name in the model."""
-    return {pipe: name for name, pipe in pipeline_parameter_names(cfg).items()}
 
 
 def _layer_state(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:

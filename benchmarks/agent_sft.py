@@ -399,6 +399,9 @@ def main() -> None:
         "wall_s": round(wall, 1),
         "teacher_forced": teacher_forced(checkpoint, Path(args.data) / "test.jsonl", every_question),
         "examples": judged[:3],
+        "wrong": [
+            {k: j[k] for k in ("question", "answer", "why_not", "tool_calls")} for j in judged if not j["correct"]
+        ],
     }
     # paths inside the repository as the README's commands give them, not this machine's
     result = json.loads(json.dumps(result, default=str).replace(f"{ROOT}/", ""))

@@ -250,3 +250,119 @@ def test_a_workflow_without_the_tools_is_refused(demo, tmp_path):
         run_tool_data(ToolDataConfig(workflows=str(path), output=str(tmp_path / "out")))
     with pytest.raises(ValueError, match="'nope' is not in"):
         run_tool_data(ToolDataConfig(workflows=demo["workflows"], workflow="nope", output=str(tmp_path / "out")))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """A copyable BPE like the agent model's, on a slice of the sample corpus."""
+    from lmfoundry.data.sample_corpus import stdlib_documents
+    from lmfoundry.data.tokenizer import train_bpe
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path.write_text(train_bpe(stdlib_documents(200), vocab_size=1024, copyable=True).to_str())
+    return path
+
+
+def test_piece_names_are_the_tokenizers_pieces_each_dealt_before_any_is_dealt_twice(tokenizer_file):
+    """Each name splits back into the pieces it was made of; one deck's worth of names holds
+    every piece; no name is taken; every name fits the queries' 64 characters."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    from lmfoundry.agents.tool_data import LETTER_DEALS, NAME_CHARS, piece_names, word_pieces
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    pieces = word_pieces(tokenizer)
+    assert len(pieces) > 300 and all(tokenizer.encode(p).tokens == [p] for p in pieces)
+    deck = len(pieces) + (LETTER_DEALS - 1) * sum(len(p) == 1 for p in pieces)
+    names = piece_names(deck // 2, {"globex"}, random.Random(0), pieces, tokenizer)
+    assert len(names) == deck // 2 and "globex" not in names
+    assert all(5 <= len(n) <= NAME_CHARS and n.isalpha() and n.islower() for n in names)
+    split = [tokenizer.encode(n).tokens for n in names]
+    assert sum(len(s) >= 2 and set(s) <= set(pieces) for s in split) >= 0.95 * len(names)
+    assert len({t for s in split for t in s} & set(pieces)) >= 0.95 * len(pieces)  # one deck: nearly every piece
+
+
+def test_every_subject_is_asked_once_before_any_twice_and_the_intents_share_them_out():
+    """Within an intent, every customer (or order) is asked about once before any twice; the
+    intents about customers start at evenly spaced places of one order, so their first questions
+    together name every customer."""
+    import random
+    from collections import Counter
+
+    from lmfoundry.agents.tool_data import questions
+
+    customers = [f"c{i}" for i in range(30)]
+    values = {"customer": customers, "order": list(range(30)), "customer_item": [(c, "lamp") for c in customers]}
+    intents = ("spend", "count", "items", "paid", "status")
+    phrasings = {intent: list(PHRASINGS[intent][:4]) for intent in intents}
+    asked = questions(phrasings, values, 5 * 100, random.Random(0))
+    for intent in intents:
+        key = "order" if intent == "status" else "customer"
+        mine = [q["values"][key] for q in asked if q["intent"] == intent]
+        assert len(mine) == 100 and [Counter(mine[: 30 * k]) for k in (1, 2, 3)] == [
+            Counter({v: k for v in values[key]}) for k in (1, 2, 3)
+        ]
+        assert len({q["template"] for q in asked if q["intent"] == intent}) == 4
+    first = questions(phrasings, values, 5 * 8, random.Random(1))  # 8 of each intent: 32 about customers
+    assert {q["values"]["customer"] for q in first if q["intent"] != "status"} == set(customers)
+
+
+def test_name_pieces_makes_the_practice_names_and_counts_the_pieces_written(demo, tmp_path, tokenizer_file):
+    from tokenizers import Tokenizer
+
+    cfg = ToolDataConfig(
+        workflows=demo["workflows"],
+        output=str(tmp_path / "p"),
+        train_size=300,
+        test_size=30,
+        practice_customers=40,
+        name_pieces=str(tokenizer_file.parent),  # a checkpoint directory holding tokenizer.json
+    )
+    card = run_tool_data(cfg)
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    real = {r[0] for r in sqlite3.connect(demo["db"]).execute("SELECT customer FROM orders")}
+    practice = {
+        r[0] for r in sqlite3.connect(tmp_path / "p" / "practice.sqlite").execute("SELECT customer FROM orders")
+    }
+    invented = practice - real
+    assert len(invented) == 40
+    assert sum(len(tokenizer.encode(n).tokens) >= 2 for n in invented) >= 38
+    written = {
+        w for q in read(tmp_path / "p" / "questions.jsonl") if q["split"] == "train" for w in q["answer"].split()
+    }
+    named = {n for n in invented if n in written or n + "." in written}
+    counts = card["name_pieces"]
+    assert counts["names_written"] == len(named) > 30 and 60 < counts["written_in_a_name"] < counts["pieces"]
+    assert card == json.loads((tmp_path / "p" / "card.json").read_text()) | {"fingerprint": card["fingerprint"]}
+
+
+@pytest.mark.parametrize(
+    "what, content, match",
+    [
+        ("missing", None, "no tokenizer at"),
+        ("not json", b"\x00\xff not a tokenizer", "is not a tokenizers JSON file"),
+        ("another json", b'{"model": {"type": "Nope"}}', "is not a tokenizers JSON file"),
+        ("no letters", None, "lowercase word pieces"),
+    ],
+)
+def test_name_pieces_that_is_not_a_usable_tokenizer_is_refused_and_writes_nothing(demo, tmp_path, what, content, match):
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path / "tok.json"
+    if content is not None:
+        path.write_bytes(content)
+    elif what == "no letters":
+        Tokenizer(models.BPE(vocab={"1": 0, "2": 1}, merges=[])).save(str(path))
+    cfg = ToolDataConfig(
+        workflows=demo["workflows"], output=str(tmp_path / "out"), practice_customers=5, name_pieces=str(path)
+    )
+    with pytest.raises(ValueError, match=match):
+        run_tool_data(cfg)
+    assert not (tmp_path / "out").exists()
+
+
+def test_name_pieces_without_practice_customers_is_refused(demo, tmp_path, tokenizer_file):
+    with pytest.raises(ValueError, match="practice_customers > 0"):
+        ToolDataConfig(workflows=demo["workflows"], output=str(tmp_path / "x"), name_pieces=str(tokenizer_file))

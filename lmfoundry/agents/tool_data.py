@@ -25,6 +25,11 @@ question: `practice_customers` adds that many invented customers, with orders of
 the training split. They live in a practice database (`practice.sqlite` in the output: the real
 database's training rows plus the invented ones, never a held-out row), which the training
 split's tools run against; the test split asks the real database about the held-out customers.
+A held-out name is written in word pieces of the model's tokenizer, and a small model does not
+write a piece at a name's place that no training name had: with `name_pieces` (the model's
+tokenizer), the invented names are made of that tokenizer's word pieces, each piece in some name.
+Within an intent, every value is asked about once before any is asked twice, so that the training
+split names every practice customer it can.
 Answers state numbers as the tool showed them, so the model copies them rather than reformats.
 """
 
@@ -42,7 +47,7 @@ from collections import Counter
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmfoundry.agents import tools as toolkit
 from lmfoundry.agents.worker import Guard, conversation, tool_text
@@ -69,8 +74,19 @@ class ToolDataConfig(StageConfig):
     practice_customers: int = Field(
         0, ge=0, le=10_000, description="invented customers (with orders) added to the training split only"
     )
+    name_pieces: str | None = Field(
+        None,
+        description="the model's tokenizer (tokenizer.json, or a checkpoint holding one): the practice customers' "
+        "names are made of its word pieces",
+    )
     seed: int = 0
     overwrite: bool = False
+
+    @model_validator(mode="after")
+    def _pieces_need_practice_customers(self):
+        if self.name_pieces and not self.practice_customers:
+            raise ValueError("name_pieces makes the practice customers' names: set practice_customers > 0 too")
+        return self
 
 
 # --- intents --------------------------------------------------------------------------------------
@@ -450,6 +466,83 @@ def slot_values(orders: list[dict]) -> dict[str, list]:
     }
 
 
+NAME_PIECE = re.compile(r"[a-z]{1,6}")  # a lowercase word piece a name is made of
+LETTER_DEALS = 8  # a single letter is in the deck this many times: what a tokenizer falls back to between pieces
+NAME_CHARS = 12  # at most, so that every intent's query fits a tool call's 64-character string
+DRAWS = 20
+
+
+def read_tokenizer(path: str):
+    """`path`: a tokenizer.json, or a checkpoint directory holding one."""
+    from tokenizers import Tokenizer
+
+    from lmfoundry.model.checkpoint import TOKENIZER
+
+    uri = storage.normalize(path)
+    if not uri.endswith(".json"):
+        uri = storage.join(uri, TOKENIZER)
+    if not storage.exists(uri):
+        raise ValueError(f"name_pieces={path!r}: no tokenizer at {uri} (give a tokenizer.json or a checkpoint)")
+    try:
+        tokenizer = Tokenizer.from_str(storage.read_bytes(uri).decode("utf-8"))
+    except Exception as e:  # a file that is not a tokenizer: its parser's words, and which file
+        raise ValueError(f"name_pieces={path!r}: {uri} is not a tokenizers JSON file: {e}") from e
+    return tokenizer
+
+
+def word_pieces(tokenizer) -> list[str]:
+    """The tokenizer's lowercase word pieces of 1 to 6 letters that it writes as one token when
+    they stand alone (a byte-level BPE writes ASCII letters as themselves)."""
+    pieces = [t for t in tokenizer.get_vocab() if NAME_PIECE.fullmatch(t)]
+    pieces = sorted(t for t in pieces if tokenizer.encode(t, add_special_tokens=False).tokens == [t])
+    if len(pieces) < 10:
+        raise ValueError(
+            f"name_pieces: the tokenizer has {len(pieces)} lowercase word pieces of 1-6 letters; names need 10"
+        )
+    return pieces
+
+
+def pieces_written(tokenizer, pieces: list[str], names: set[str], answers: list[str]) -> dict:
+    """How many of `pieces` the training answers write as a token of an invented name, the name
+    tokenized as the model will see it."""
+    written = {w for a in answers for w in re.findall(r"[a-z]+", a)} & names
+    tokens = {t for name in written for t in tokenizer.encode(name, add_special_tokens=False).tokens}
+    return {"pieces": len(pieces), "written_in_a_name": len(tokens & set(pieces)), "names_written": len(written)}
+
+
+def piece_names(n: int, taken: set[str], rng: random.Random, pieces: list[str], tokenizer) -> list[str]:
+    """n names, none of them in `taken`, each two or more of `pieces` joined (5 to NAME_CHARS
+    letters) that the tokenizer splits back into those pieces. The pieces are dealt from a
+    shuffled deck (a single letter LETTER_DEALS times), so that every piece is in a name before
+    any is in two; pieces that another
+    joins into a different token go back under the deck (after DRAWS tries, a name is kept as
+    it splits)."""
+    deck: list[str] = []
+    names: set[str] = set()
+    while len(names) < n:
+        for tries in range(DRAWS):
+            target, parts = rng.randint(5, NAME_CHARS), []
+            while len(parts) < 2 or len("".join(parts)) < target:
+                if not deck:
+                    deck = pieces + [p for p in pieces if len(p) == 1] * (LETTER_DEALS - 1)
+                    rng.shuffle(deck)
+                if len("".join(parts)) + len(deck[-1]) > NAME_CHARS:
+                    if len(parts) >= 2:
+                        break
+                    deck[:0] = parts  # two pieces that do not fit: under the deck, and start over
+                    parts = []
+                parts.append(deck.pop())
+            name = "".join(parts)
+            if name in taken or name in names:
+                deck[:0] = parts
+            elif tokenizer.encode(name, add_special_tokens=False).tokens == parts or tries == DRAWS - 1:
+                names.add(name)
+                break
+            else:
+                deck[:0] = parts
+    return sorted(names)
+
+
 def invented_names(n: int, taken: set[str], rng: random.Random) -> list[str]:
     """n lowercase names, none of them in `taken`: half pronounceable (two or three syllables),
     half random letters, so that they break into many different tokens."""
@@ -468,10 +561,18 @@ def invented_names(n: int, taken: set[str], rng: random.Random) -> list[str]:
     return sorted(names)
 
 
-def write_practice_db(path: str, ref: Reference, held: set[str], customers: int, rng: random.Random) -> None:
+def write_practice_db(
+    path: str,
+    ref: Reference,
+    held: set[str],
+    customers: int,
+    rng: random.Random,
+    pieces: list[str] | None = None,
+    tokenizer=None,
+) -> set[str]:
     """The real database's training rows plus `customers` invented customers with one to five
     orders each: items and statuses from the real rows, totals in their range (in quarters), ids
-    no real order has."""
+    no real order has. Their names are made of `pieces` when given (piece_names); returns them."""
     kept = [o for o in ref.orders if o["customer"] not in held]
     items = sorted({o["item"] for o in ref.orders})
     statuses = [o["status"] for o in ref.orders]  # drawn as often as they occur
@@ -480,7 +581,10 @@ def write_practice_db(path: str, ref: Reference, held: set[str], customers: int,
     real_ids = {o["id"] for o in ref.orders}
     next_id = iter(i for i in range(1, 10**9) if i not in real_ids)
     invented = []
-    for name in invented_names(customers, taken, rng):
+    names = invented_names(customers - customers // 2 if pieces else customers, taken, rng)
+    if pieces:  # half of them: a common piece is in many pronounceable or random names, a rare one in none
+        names += piece_names(customers // 2, taken | set(names), rng, pieces, tokenizer)
+    for name in names:
         for item in rng.sample(items, rng.randint(1, min(5, len(items)))):
             total = round(rng.uniform(low, high) * 4) / 4
             invented.append({"customer": name, "item": item, "total": total, "status": rng.choice(statuses)})
@@ -494,6 +598,7 @@ def write_practice_db(path: str, ref: Reference, held: set[str], customers: int,
             kept + invented,
         )
         conn.commit()
+    return set(names)
 
 
 def on_database(wf: WorkflowConfig, dsn: str) -> WorkflowConfig:
@@ -551,20 +656,41 @@ def reworded(template: str, rng: random.Random) -> str:
 def questions(
     phrasings: dict[str, list[str]], values: dict[str, list], size: int, rng: random.Random, reword: bool = False
 ) -> list[dict]:
-    """Every (phrasing, values) of every intent, shuffled, then taken round-robin over the intents
-    up to `size`, so that each intent is as common as its combinations allow (`reword`: each
-    question as `reworded` gives it)."""
+    """Every (phrasing, values) of every intent, taken round-robin over the intents up to `size`,
+    so that each intent is as common as its combinations allow (`reword`: each question as
+    `reworded` gives it).
+
+    The order spreads the subjects (a question's customer, or its order): within an intent, every
+    subject is asked about once before any is asked twice, and the intents that ask about the same
+    kind of subject start at evenly spaced places of one shuffled list of them, so that together
+    their first questions name as many different subjects as they are questions."""
+    subjects = {kind: list(values[kind]) for kind in ("customer", "order")}
+    for kind in subjects:
+        rng.shuffle(subjects[kind])
+    place = {kind: {s: i for i, s in enumerate(ordered)} for kind, ordered in subjects.items()}
+    sharing = Counter(SLOTS[intent][0] for intent in phrasings)
+    started = Counter()
     per_intent = []
     for intent, templates in phrasings.items():
         slots = SLOTS[intent]
+        kind = slots[0]  # the subject: customer or order
         if slots == ("customer", "item"):
             fills = [{"customer": c, "item": i} for c, i in values["customer_item"]]
         else:
-            fills = [{slots[0]: x} for x in values[slots[0]]]
+            fills = [{kind: x} for x in values[kind]]
         combos = [
             {"intent": intent, "template": t, "values": f, "question": t.format(**f)} for t in templates for f in fills
         ]
         rng.shuffle(combos)
+        n = max(1, len(subjects[kind]))
+        offset = started[kind] * n // sharing[kind]
+        started[kind] += 1
+        times, keys = Counter(), []
+        for c in combos:
+            subject = c["values"][kind]
+            keys.append((times[subject], (place[kind][subject] - offset) % n))
+            times[subject] += 1
+        combos = [c for _, c in sorted(zip(keys, combos), key=lambda kc: kc[0])]
         if reword:
             for c in combos:
                 c["question"] = reworded(c["template"], rng).format(**c["values"])
@@ -587,6 +713,10 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
         raise ValueError(f"workflow {wf.name}: first_tool {wf.first_tool!r}: every conversation here starts with sql")
     if wf.max_steps < 3:
         raise ValueError(f"workflow {wf.name}: max_steps={wf.max_steps}; policy questions take 3 model steps")
+    tokenizer, pieces = None, None
+    if cfg.name_pieces:
+        tokenizer = read_tokenizer(cfg.name_pieces)
+        pieces = word_pieces(tokenizer)
     out = storage.normalize(cfg.output)
     ref = Reference.read(wf)
     if not storage.prepare_output(out, cfg.overwrite):
@@ -602,7 +732,7 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
         train_wf = wf
         if cfg.practice_customers:
             practice = os.path.join(scratch, "practice.sqlite")
-            write_practice_db(practice, ref, held, cfg.practice_customers, rng)
+            invented = write_practice_db(practice, ref, held, cfg.practice_customers, rng, pieces, tokenizer)
             storage.upload_file(practice, storage.join(out, "practice.sqlite"))
             train_wf = on_database(wf, practice)
         registries = {"train": build_registry(train_wf), "test": build_registry(wf)}
@@ -637,6 +767,11 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
                 "customers": len(values["customer"]),
                 "orders": len(values["order"]),
             }
+    if pieces:
+        name_pieces = pieces_written(tokenizer, pieces, invented, [q["answer"] for q in asked if q["split"] == "train"])
+        logger.info(
+            "tool-data: %(written_in_a_name)d of %(pieces)d word pieces written in a training name", name_pieces
+        )
     storage.write_jsonl_atomic(storage.join(out, "questions.jsonl"), asked)
     storage.write_jsonl_atomic(storage.join(out, "rejected.jsonl"), rejected)
     card = {
@@ -644,6 +779,7 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
         "teacher": "rule-based (templates; tools run for real; answers verified against the database)",
         "counts": counts,
         "rejected": len(rejected),
+        **({"name_pieces": name_pieces} if pieces else {}),
         "seconds": round(time.time() - started, 2),
     }
     storage.write_json_atomic(storage.join(out, "card.json"), card)

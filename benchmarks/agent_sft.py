@@ -16,7 +16,8 @@ needs (configs/quickstart_agent.yaml) and a copyable BPE of 4,096 tokens (on the
 1,500 documents and, for the base, the training conversations). `--build-base` teaches it to copy
 first (warm_up_copying, about 10 minutes on 2 cores); `--untrained` keeps random weights and
 shows what a model that was never trained on tool calls does. Writes
-benchmarks/results/agent_sft.json (or agent_sft_untrained.json).
+benchmarks/results/agent_sft.json (or agent_sft_untrained.json, or agent_sft_LABEL.json with
+`--label LABEL`, for a variant measured beside the recipe's model).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -266,7 +268,8 @@ def teacher_forced(checkpoint: str, conversations: Path, questions: list[dict]) 
     `SELECT ` to ` FROM`), which the question's words decide; `copied value`, a token of the
     question's customer or item where the reply writes it; `digit`, a digit (of the question's
     order, or of a tool result's number); `other`, the rest (the JSON, the SQL's frame, the
-    answer's template, words a tool result gives)."""
+    answer's template, words a tool result gives). The copied values' tokens are also counted
+    piece by piece, right or wrong, for each value."""
     import torch
 
     from lmfoundry.model.checkpoint import load_model_files
@@ -278,16 +281,18 @@ def teacher_forced(checkpoint: str, conversations: Path, questions: list[dict]) 
     encoder = ConversationEncoder(model_dir, model.cfg.max_seq_len + 1)
     tokenizer = encoder.tokenizer
     right, seen, exact = Counter(), Counter(), 0
+    pieces: dict[str, Counter] = {}  # value -> (piece, right or wrong) -> tokens
     for (_, conversation), question in zip(read_conversations(str(conversations)), questions, strict=True):
         encoded = encoder.encode(conversation)
         ids = encoded.ids
-        in_value = set()  # positions of the tokens of each occurrence of a value
+        in_value = {}  # position of a token of an occurrence of a value -> the value
         for key in ("customer", "item"):
             if key in question["values"]:
-                value = tokenizer.encode(str(question["values"][key]), add_special_tokens=False).ids
+                name = str(question["values"][key])
+                value = tokenizer.encode(name, add_special_tokens=False).ids
                 for at in range(len(ids) - len(value) + 1):
                     if ids[at : at + len(value)] == value:
-                        in_value.update(range(at, at + len(value)))
+                        in_value.update(dict.fromkeys(range(at, at + len(value)), name))
         with torch.no_grad():
             guesses = model(torch.tensor([ids[:-1]]))[0].argmax(-1)[0].tolist()
         whole = True
@@ -300,6 +305,8 @@ def teacher_forced(checkpoint: str, conversations: Path, questions: list[dict]) 
                 kind = "choice"
             elif at + 1 in in_value:
                 kind = "copied value"
+                piece = (tokenizer.id_to_token(target), "right" if guess == target else "wrong")
+                pieces.setdefault(in_value[at + 1], Counter())[piece] += 1
             elif tokenizer.id_to_token(target).isdigit():
                 kind = "digit"
             else:
@@ -311,6 +318,10 @@ def teacher_forced(checkpoint: str, conversations: Path, questions: list[dict]) 
     return {
         "accuracy": {k: round(right[k] / seen[k], 3) for k in sorted(seen)},
         "tokens": dict(sorted(seen.items())),
+        "copied value by piece": {
+            value: {f"{piece} {verdict}": n for (piece, verdict), n in sorted(counts.items())}
+            for value, counts in sorted(pieces.items())
+        },
         "conversations_exact": exact,
         "conversations": len(questions),
     }
@@ -336,6 +347,12 @@ def training(run: str) -> dict | None:
     }
 
 
+def label(text: str) -> str:
+    if not re.fullmatch(r"[a-z0-9_]{1,40}", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: a label is 1 to 40 of a-z, 0-9 and _")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="the model to serve (a fine-tuned checkpoint)")
@@ -347,6 +364,9 @@ def main() -> None:
     ap.add_argument("--agents-data", default="work/agents", help="the demo database and corpus tool-data used")
     ap.add_argument("--runs", type=int, default=0, help="at most this many held-out questions (0: all)")
     ap.add_argument("--timeout-s", type=float, default=1800)
+    ap.add_argument(
+        "--label", type=label, help="write agent_sft_LABEL.json: a variant measured beside the recipe's model"
+    )
     args = ap.parse_args()
     if args.build_base:
         build_small_model(Path(args.build_base), Path(args.data) / "train.jsonl", warm_up=True)
@@ -399,13 +419,13 @@ def main() -> None:
         "wall_s": round(wall, 1),
         "teacher_forced": teacher_forced(checkpoint, Path(args.data) / "test.jsonl", every_question),
         "examples": judged[:3],
-        "wrong": [
-            {k: j[k] for k in ("question", "answer", "why_not", "tool_calls")} for j in judged if not j["correct"]
-        ],
+        "wrong (the first 20)": [
+            {k: j[k] for k in ("question", "answer", "tool_calls")} for j in judged if not j["correct"]
+        ][:20],
     }
     # paths inside the repository as the README's commands give them, not this machine's
     result = json.loads(json.dumps(result, default=str).replace(f"{ROOT}/", ""))
-    name = "agent_sft_untrained.json" if args.untrained else "agent_sft.json"
+    name = "agent_sft_untrained.json" if args.untrained else f"agent_sft{'_' + args.label if args.label else ''}.json"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / name).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"{'measure':<28}{'value':>10}")

@@ -259,3 +259,30 @@ def test_the_before_and_after_loss_reads_a_bounded_sample_spread_over_the_whole_
     assert len(rows) == ASSISTANT_LOSS_ROWS and rows[0] == 0 and rows[-1] == 9_999
     gaps = np.diff(rows)
     assert gaps.min() >= 39 and gaps.max() <= 40  # evenly spread, not the first rows
+
+
+def test_freeze_keeps_the_named_parameters_and_refuses_what_matches_nothing_or_everything(tmp_path):
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.sft import SFTConfig, freeze
+
+    model = Transformer(ModelConfig(vocab_size=64, max_seq_len=16, n_layer=2, d_model=16, n_head=2, n_kv_head=1))
+    freeze(model, ["blocks.*.attn.*", "embed.weight"])
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == {
+        "embed.weight",
+        *(f"blocks.{i}.attn.{w}.weight" for i in (0, 1) for w in ("wq", "wkv", "wo")),
+    }
+    with pytest.raises(ValueError, match=r"'blocks\.\*\.attention\.\*' matches no parameter; the model's are embed"):
+        freeze(Transformer(model.cfg), ["blocks.*.attention.*"])
+    with pytest.raises(ValueError, match="freezes every parameter"):
+        freeze(Transformer(model.cfg), ["*"])
+    with pytest.raises(ValueError, match="give freeze or lora, not both"):
+        SFTConfig(checkpoint="c", data="d.jsonl", output=str(tmp_path), freeze=["blocks.*"], lora={"rank": 4})
+
+
+@pytest.mark.parametrize("bad", [[""], ["x" * 257], ["blocks.*"] * 65, "blocks.*", [3]])
+def test_freeze_that_is_not_a_short_list_of_patterns_is_refused(tmp_path, bad):
+    from lmfoundry.train.sft import SFTConfig
+
+    with pytest.raises(ValueError, match="freeze"):
+        SFTConfig(checkpoint="c", data="d.jsonl", output=str(tmp_path / "o"), freeze=bad)
+    assert not (tmp_path / "o").exists()

@@ -1,5 +1,6 @@
 """Supervised fine-tuning on real Ray Train + DeepSpeed workers: a run with every checkpoint
-evaluated, the same run with a worker killed (bitwise-equal losses after the resume), and a LoRA
+evaluated, the same run with a worker killed (bitwise-equal losses after the resume), both with
+one layer's attention frozen, and a LoRA
 run under ZeRO-3 whose checkpoints hold the adapter only."""
 
 import json
@@ -51,7 +52,10 @@ def test_sft_learns_the_assistant_turns_and_resumes_bitwise_after_a_killed_worke
 
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("".join(json.dumps({"text": f"What is {i} + {i}? {2 * i}."}) + "\n" for i in range(20)))
-    reference = run_sft_job(sft_config(base, tmp_path / "ref", eval=EvalSuites(text=[str(held_out)]), eval_cpus=0.5))
+    frozen = ["blocks.0.attn.*"]  # kept at the base's values, through the kill and the resume too
+    reference = run_sft_job(
+        sft_config(base, tmp_path / "ref", eval=EvalSuites(text=[str(held_out)]), eval_cpus=0.5, freeze=frozen)
+    )
     assert reference["assistant_loss"]["after"] < reference["assistant_loss"]["before"] - 1.0
     report = reference["data_report"]
     assert report["conversations"] == report["trained"] == 96 and report["truncated"] == 0
@@ -59,12 +63,17 @@ def test_sft_learns_the_assistant_turns_and_resumes_bitwise_after_a_killed_worke
     assert all("lm.text_bits_per_byte" in e["metrics"] for e in reference["evaluations"])
 
     drilled = run_sft_job(
-        sft_config(base, tmp_path / "drilled", drills=[{"at_step": 6, "rank": 1}], health={"max_failures": 1})
+        sft_config(
+            base, tmp_path / "drilled", drills=[{"at_step": 6, "rank": 1}], health={"max_failures": 1}, freeze=frozen
+        )
     )
     assert list((tmp_path / "drilled" / "_drills").iterdir())  # the worker was killed, and the run resumed
     assert [s for s, _ in losses(tmp_path / "drilled")] == list(range(1, 13))
     assert losses(tmp_path / "drilled") == losses(tmp_path / "ref")  # bitwise
     assert drilled["fingerprint"] == reference["fingerprint"]
+    start = dict(load_model_files(base[0]).named_parameters())
+    for name, param in load_model_files(tmp_path / "drilled" / drilled["final_checkpoint"]).named_parameters():
+        assert torch.equal(param, start[name]) == name.startswith("blocks.0.attn."), name
 
 
 def test_a_lora_run_under_zero3_trains_and_saves_the_adapter_only(deepspeed_workers, base, tmp_path):

@@ -26,14 +26,16 @@ the base checkpoint (URI and weights' sha256), which loading merges back in.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import time
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS, base_sha256, load_model_files
 from lmfoundry.model.flops import train_flops_per_token
@@ -82,6 +84,23 @@ class TokenDistillConfig(StageConfig):
     )
 
 
+def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
+    """Keep the parameters whose names match a pattern at their starting values. A pattern that
+    matches nothing, or patterns that match everything, are refused with the names there are."""
+    if not patterns:
+        return
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise ValueError(f"freeze: {pattern!r} matches no parameter; the model's are {', '.join(names)}")
+    frozen = {name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
+    if len(frozen) == len(names):
+        raise ValueError(f"freeze: {patterns} freezes every parameter; nothing would train")
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+
+
 class SFTConfig(TrainStageConfig):
     checkpoint: str = Field(..., description="the starting model: a checkpoint or a run directory")
     data: str = Field(
@@ -102,12 +121,20 @@ class SFTConfig(TrainStageConfig):
     distill: TokenDistillConfig | None = Field(
         None, description="add KL(teacher || student) on the assistant tokens, from a local teacher checkpoint"
     )
+    freeze: list[Annotated[str, StringConstraints(min_length=1, max_length=256)]] = Field(
+        [],
+        max_length=64,
+        description="parameters kept at their starting values, by name pattern (fnmatch, e.g. 'blocks.*.attn.*'); "
+        "the rest train",
+    )
 
     @model_validator(mode="after")
     def _check(self):
         self.batch.accumulation(self.parallelism.num_workers)
         if self.parallelism.expert_parallel_size > 1:
             raise ValueError("parallelism.expert_parallel_size: SFT trains without expert parallelism")
+        if self.freeze and self.lora is not None:
+            raise ValueError("freeze: a LoRA run freezes every base weight already; give freeze or lora, not both")
         return self
 
 
@@ -188,6 +215,7 @@ class SFTObjective:
         self.flops_per_token = train_flops_per_token(self.model, self.seq_len - 1)
         if adapter is not None:
             apply_lora(self.model, adapter.lora)  # the same adapters on every rank: the seed is set
+        freeze(self.model, cfg.freeze)
         self.num_params = self.model.num_params()
         self.packed, _ = prepare(cfg.data, start_dir, self.seq_len)
         self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()

@@ -335,21 +335,31 @@ def training(run: str) -> dict | None:
     if not storage.is_committed(run):
         return None
     m = storage.read_manifest(run)
-    keep = ("start_checkpoint", "data", "steps", "seconds", "first_loss", "final_loss", "assistant_loss")
+    keep = (
+        "start_checkpoint",
+        "data",
+        "steps",
+        "seconds",
+        "first_loss",
+        "final_loss",
+        "assistant_loss",
+        "lora",
+        "freeze",
+    )
     base = m.get("start_checkpoint")
     manifest = Path(base) / checkpoint.CHECKPOINT_MANIFEST if base else None
     # --build-base's record of the copy warm-up
     warm_up = json.loads(manifest.read_text()).get("copy_warm_up") if manifest and manifest.is_file() else None
     return {
-        **{k: m.get(k) for k in keep},
+        **{k: m[k] for k in keep if k in m},
         "conversations": m.get("data_report", {}).get("conversations"),
         "base_copy_warm_up": warm_up,
     }
 
 
 def label(text: str) -> str:
-    if not re.fullmatch(r"[a-z0-9_]{1,40}", text):
-        raise argparse.ArgumentTypeError(f"{text!r}: a label is 1 to 40 of a-z, 0-9 and _")
+    if not re.fullmatch(r"[a-z0-9_]{1,40}", text) or text == "untrained":
+        raise argparse.ArgumentTypeError(f"{text!r}: a label is 1 to 40 of a-z, 0-9 and _, not 'untrained'")
     return text
 
 
@@ -374,6 +384,8 @@ def main() -> None:
         return
     if bool(args.checkpoint) == args.untrained:
         ap.error("give --checkpoint or --untrained")
+    if args.label and args.untrained:
+        ap.error("--label names a fine-tuned variant; --untrained writes agent_sft_untrained.json")
     from lmfoundry.agents.tool_data import Reference
     from lmfoundry.agents.workflow import load_workflows
     from lmfoundry.platform import storage

@@ -2,6 +2,7 @@
 show, the answers state what the database holds, the test split's phrasings and customers are
 never in training, the same bytes twice, and the text is what the agent service renders."""
 
+import hashlib
 import json
 import sqlite3
 
@@ -310,32 +311,64 @@ def test_every_subject_is_asked_once_before_any_twice_and_the_intents_share_them
 
 
 def test_name_pieces_makes_the_practice_names_and_counts_the_pieces_written(demo, tmp_path, tokenizer_file):
+    """Half the practice names are made of the tokenizer's pieces: the training answers write
+    far more of its pieces inside a name than the same run's invented names alone do."""
     from tokenizers import Tokenizer
 
-    cfg = ToolDataConfig(
-        workflows=demo["workflows"],
-        output=str(tmp_path / "p"),
-        train_size=300,
-        test_size=30,
-        practice_customers=40,
-        name_pieces=str(tokenizer_file.parent),  # a checkpoint directory holding tokenizer.json
-    )
-    card = run_tool_data(cfg)
+    from lmfoundry.agents.tool_data import pieces_written, word_pieces
+
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    pieces = word_pieces(tokenizer)
     real = {r[0] for r in sqlite3.connect(demo["db"]).execute("SELECT customer FROM orders")}
-    practice = {
-        r[0] for r in sqlite3.connect(tmp_path / "p" / "practice.sqlite").execute("SELECT customer FROM orders")
-    }
-    invented = practice - real
-    assert len(invented) == 40
-    assert sum(len(tokenizer.encode(n).tokens) >= 2 for n in invented) >= 38
-    written = {
-        w for q in read(tmp_path / "p" / "questions.jsonl") if q["split"] == "train" for w in q["answer"].split()
-    }
-    named = {n for n in invented if n in written or n + "." in written}
-    counts = card["name_pieces"]
-    assert counts["names_written"] == len(named) > 30 and 60 < counts["written_in_a_name"] < counts["pieces"]
-    assert card == json.loads((tmp_path / "p" / "card.json").read_text()) | {"fingerprint": card["fingerprint"]}
+    written = {}
+    for run, extra in (("pieces", {"name_pieces": str(tokenizer_file.parent)}), ("invented", {})):
+        cfg = ToolDataConfig(
+            workflows=demo["workflows"],
+            output=str(tmp_path / run),
+            train_size=300,
+            test_size=30,
+            practice_customers=80,
+            **extra,
+        )
+        card = run_tool_data(cfg)
+        db = sqlite3.connect(tmp_path / run / "practice.sqlite")
+        invented = {r[0] for r in db.execute("SELECT customer FROM orders")} - real
+        assert len(invented) == 80
+        answers = [q["answer"] for q in read(tmp_path / run / "questions.jsonl") if q["split"] == "train"]
+        written[run] = pieces_written(tokenizer, pieces, invented, answers)
+        if run == "pieces":
+            assert card["name_pieces"] == {
+                "tokenizer_sha256": hashlib.sha256(tokenizer_file.read_bytes()).hexdigest(),
+                **written[run],
+            }
+            split_back = [
+                n
+                for n in invented
+                if "".join(tokenizer.encode(n).tokens) == n
+                and set(tokenizer.encode(n).tokens) <= set(pieces)
+                and len(tokenizer.encode(n).tokens) >= 2
+            ]
+            assert len(split_back) >= 40
+    assert written["pieces"]["names_written"] == written["invented"]["names_written"] == 80
+    assert written["pieces"]["written_in_a_name"] > 1.3 * written["invented"]["written_in_a_name"], written
+
+
+def test_piece_names_refuse_pieces_that_cannot_make_enough_names():
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lmfoundry.agents.tool_data import piece_names, word_pieces
+
+    words = ["alpha", "bravo", "charly", "delta", "echoes", "foxtro", "golfer", "hotels", "indias", "juliet"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words + ["[UNK]"])}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    pieces = word_pieces(tokenizer)
+    assert pieces == sorted(words)
+    names = piece_names(20, set(), random.Random(0), pieces, tokenizer)
+    assert len(names) == 20 and all(len(n) <= 12 for n in names)
+    with pytest.raises(ValueError, match=r"10 word pieces made \d+ different names, not the 200 asked for"):
+        piece_names(200, set(), random.Random(0), pieces, tokenizer)
 
 
 @pytest.mark.parametrize(
@@ -344,6 +377,7 @@ def test_name_pieces_makes_the_practice_names_and_counts_the_pieces_written(demo
         ("missing", None, "no tokenizer at"),
         ("not json", b"\x00\xff not a tokenizer", "is not a tokenizers JSON file"),
         ("another json", b'{"model": {"type": "Nope"}}', "is not a tokenizers JSON file"),
+        ("too big", b" " * (64 * 2**20 + 1), "a tokenizer here is at most"),
         ("no letters", None, "lowercase word pieces"),
     ],
 )

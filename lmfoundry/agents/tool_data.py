@@ -27,7 +27,8 @@ database's training rows plus the invented ones, never a held-out row), which th
 split's tools run against; the test split asks the real database about the held-out customers.
 A held-out name is written in word pieces of the model's tokenizer, and a small model does not
 write a piece at a name's place that no training name had: with `name_pieces` (the model's
-tokenizer), the invented names are made of that tokenizer's word pieces, each piece in some name.
+tokenizer), half the invented names are made of that tokenizer's word pieces, nearly every piece
+in some name.
 Within an intent, every value is asked about once before any is asked twice, so that the training
 split names every practice customer it can.
 Answers state numbers as the tool showed them, so the model copies them rather than reformats.
@@ -36,6 +37,7 @@ Answers state numbers as the tool showed them, so the model copies them rather t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -470,10 +472,12 @@ NAME_PIECE = re.compile(r"[a-z]{1,6}")  # a lowercase word piece a name is made 
 LETTER_DEALS = 8  # a single letter is in the deck this many times: what a tokenizer falls back to between pieces
 NAME_CHARS = 12  # at most, so that every intent's query fits a tool call's 64-character string
 DRAWS = 20
+TOKENIZER_BYTES = 64 * 2**20
 
 
 def read_tokenizer(path: str):
-    """`path`: a tokenizer.json, or a checkpoint directory holding one."""
+    """The tokenizer and its file's sha256; `path`: a tokenizer.json, or a checkpoint directory
+    holding one."""
     from tokenizers import Tokenizer
 
     from lmfoundry.model.checkpoint import TOKENIZER
@@ -483,11 +487,16 @@ def read_tokenizer(path: str):
         uri = storage.join(uri, TOKENIZER)
     if not storage.exists(uri):
         raise ValueError(f"name_pieces={path!r}: no tokenizer at {uri} (give a tokenizer.json or a checkpoint)")
+    data = storage.read_bytes(uri)
+    if len(data) > TOKENIZER_BYTES:
+        raise ValueError(
+            f"name_pieces={path!r}: {uri} is {len(data):,} bytes; a tokenizer here is at most {TOKENIZER_BYTES:,}"
+        )
     try:
-        tokenizer = Tokenizer.from_str(storage.read_bytes(uri).decode("utf-8"))
-    except Exception as e:  # a file that is not a tokenizer: its parser's words, and which file
-        raise ValueError(f"name_pieces={path!r}: {uri} is not a tokenizers JSON file: {e}") from e
-    return tokenizer
+        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # a file that is not a tokenizer: the start of its parser's words, and which file
+        raise ValueError(f"name_pieces={path!r}: {uri} is not a tokenizers JSON file: {str(e)[:200]}") from e
+    return tokenizer, hashlib.sha256(data).hexdigest()
 
 
 def word_pieces(tokenizer) -> list[str]:
@@ -513,33 +522,36 @@ def pieces_written(tokenizer, pieces: list[str], names: set[str], answers: list[
 def piece_names(n: int, taken: set[str], rng: random.Random, pieces: list[str], tokenizer) -> list[str]:
     """n names, none of them in `taken`, each two or more of `pieces` joined (5 to NAME_CHARS
     letters) that the tokenizer splits back into those pieces. The pieces are dealt from a
-    shuffled deck (a single letter LETTER_DEALS times), so that every piece is in a name before
-    any is in two; pieces that another
-    joins into a different token go back under the deck (after DRAWS tries, a name is kept as
-    it splits)."""
+    shuffled deck (a single letter LETTER_DEALS times), so that nearly every piece is in a name
+    before any is in two: the pieces of a name that is taken, or that the tokenizer splits
+    otherwise, go back into the deck at random places, and after DRAWS tries a name that splits
+    otherwise is kept. Refused when the pieces cannot make n different names."""
     deck: list[str] = []
     names: set[str] = set()
+    budget = 10 * DRAWS * max(1, n)  # tries in all
     while len(names) < n:
         for tries in range(DRAWS):
+            budget -= 1
+            if budget < 0:
+                raise ValueError(
+                    f"name_pieces: {len(pieces)} word pieces made {len(names)} different names, not the "
+                    f"{n} asked for; give a tokenizer with more lowercase pieces or fewer practice_customers"
+                )
             target, parts = rng.randint(5, NAME_CHARS), []
             while len(parts) < 2 or len("".join(parts)) < target:
                 if not deck:
                     deck = pieces + [p for p in pieces if len(p) == 1] * (LETTER_DEALS - 1)
                     rng.shuffle(deck)
-                if len("".join(parts)) + len(deck[-1]) > NAME_CHARS:
-                    if len(parts) >= 2:
-                        break
-                    deck[:0] = parts  # two pieces that do not fit: under the deck, and start over
-                    parts = []
+                if len(parts) >= 2 and len("".join(parts)) + len(deck[-1]) > NAME_CHARS:
+                    break  # two pieces always fit: NAME_PIECE is at most half of NAME_CHARS
                 parts.append(deck.pop())
             name = "".join(parts)
-            if name in taken or name in names:
-                deck[:0] = parts
-            elif tokenizer.encode(name, add_special_tokens=False).tokens == parts or tries == DRAWS - 1:
+            fresh = name not in taken and name not in names
+            if fresh and (tokenizer.encode(name, add_special_tokens=False).tokens == parts or tries == DRAWS - 1):
                 names.add(name)
                 break
-            else:
-                deck[:0] = parts
+            for part in parts:
+                deck.insert(rng.randrange(len(deck) + 1), part)
     return sorted(names)
 
 
@@ -664,7 +676,7 @@ def questions(
     subject is asked about once before any is asked twice, and the intents that ask about the same
     kind of subject start at evenly spaced places of one shuffled list of them, so that together
     their first questions name as many different subjects as they are questions."""
-    subjects = {kind: list(values[kind]) for kind in ("customer", "order")}
+    subjects = {kind: list(values.get(kind, [])) for kind in ("customer", "order")}
     for kind in subjects:
         rng.shuffle(subjects[kind])
     place = {kind: {s: i for i, s in enumerate(ordered)} for kind, ordered in subjects.items()}
@@ -715,7 +727,7 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
         raise ValueError(f"workflow {wf.name}: max_steps={wf.max_steps}; policy questions take 3 model steps")
     tokenizer, pieces = None, None
     if cfg.name_pieces:
-        tokenizer = read_tokenizer(cfg.name_pieces)
+        tokenizer, tokenizer_sha256 = read_tokenizer(cfg.name_pieces)
         pieces = word_pieces(tokenizer)
     out = storage.normalize(cfg.output)
     ref = Reference.read(wf)
@@ -768,7 +780,10 @@ def run_tool_data(cfg: ToolDataConfig) -> dict:
                 "orders": len(values["order"]),
             }
     if pieces:
-        name_pieces = pieces_written(tokenizer, pieces, invented, [q["answer"] for q in asked if q["split"] == "train"])
+        name_pieces = {
+            "tokenizer_sha256": tokenizer_sha256,
+            **pieces_written(tokenizer, pieces, invented, [q["answer"] for q in asked if q["split"] == "train"]),
+        }
         logger.info(
             "tool-data: %(written_in_a_name)d of %(pieces)d word pieces written in a training name", name_pieces
         )

@@ -26,7 +26,7 @@ from lmfoundry.model.checkpoint import (
     save_model_config,
     save_model_files,
 )
-from lmfoundry.model.lora import AdapterRef, adapter_state
+from lmfoundry.model.lora import AdapterRef, LoRALinear, adapter_state
 from lmfoundry.model.tensor_files import DTYPE_NAMES, write_safetensors
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
 from lmfoundry.model.transformer import build_on_meta
@@ -271,9 +271,10 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     # lmfoundry's experts come back from each rank's module file instead
     has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
     try:
-        # a LoRA run's files leave out the frozen base, which every worker loaded from the base checkpoint
-        frozen = any(not p.requires_grad for p in engine.module.parameters())
-        engine.load_checkpoint(str(load_dir), tag="state", load_module_strict=not frozen)
+        # a LoRA run's files leave out the frozen base, which every worker loaded from the base
+        # checkpoint; any other run's (`freeze` included) hold every parameter, and load strictly
+        adapted = any(isinstance(m, LoRALinear) for m in engine.module.modules())
+        engine.load_checkpoint(str(load_dir), tag="state", load_module_strict=not adapted)
     finally:
         engine.has_moe_layers = has_moe_layers
         engine._config.load_universal_checkpoint = False

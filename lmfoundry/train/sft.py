@@ -86,13 +86,15 @@ class TokenDistillConfig(StageConfig):
 
 def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
     """Keep the parameters whose names match a pattern at their starting values. A pattern that
-    matches nothing, or patterns that match everything, are refused with the names there are."""
+    matches nothing, or patterns that match everything, are refused with the names there are. A
+    tied model has one `embed.weight` for its embedding and its head: freezing it freezes both."""
     if not patterns:
         return
     names = [name for name, _ in model.named_parameters()]
     for pattern in patterns:
-        if not fnmatch.filter(names, pattern):
-            raise ValueError(f"freeze: {pattern!r} matches no parameter; the model's are {', '.join(names)}")
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+            raise ValueError(f"freeze: {pattern!r} matches no parameter; the model's are {shown}")
     frozen = {name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
     if len(frozen) == len(names):
         raise ValueError(f"freeze: {patterns} freezes every parameter; nothing would train")
@@ -211,7 +213,8 @@ class SFTObjective:
         if cfg.distill is not None:  # frozen: no gradients, no optimizer state, not in checkpoints
             self.teacher = load_model_files(teacher_dir).eval().requires_grad_(False)
         self.seq_len = row_length(cfg, self.model.cfg.max_seq_len)
-        # the full model's training FLOPs (a LoRA run's are fewer: no gradients of frozen weights)
+        # the full model's training FLOPs (a LoRA or `freeze` run's are fewer: no gradients of
+        # frozen weights; its MFU is overstated by that much)
         self.flops_per_token = train_flops_per_token(self.model, self.seq_len - 1)
         if adapter is not None:
             apply_lora(self.model, adapter.lora)  # the same adapters on every rank: the seed is set
@@ -391,6 +394,7 @@ def run_sft(cfg: SFTConfig) -> dict:
                 "final_loss": state["history"][-1]["loss"],
                 "fingerprint": storage.fingerprint(out, [f"{final}/{ADAPTER_WEIGHTS if cfg.lora else WEIGHTS}"]),
                 **({"lora": cfg.lora.model_dump(), "base_sha256": adapter_base[1]} if cfg.lora else {}),
+                **({"freeze": cfg.freeze} if cfg.freeze else {}),
                 "seconds": round(time.time() - started, 2),
                 **({"stopped_by_gate": stopped} if stopped and stopped.get("action") == "stop" else {}),
             },

@@ -78,8 +78,8 @@ class ToolDataConfig(StageConfig):
     )
     name_pieces: str | None = Field(
         None,
-        description="the model's tokenizer (tokenizer.json, or a checkpoint holding one): the practice customers' "
-        "names are made of its word pieces",
+        description="the model's tokenizer (tokenizer.json, or a checkpoint holding one): half the practice "
+        "customers' names are made of its word pieces",
     )
     seed: int = 0
     overwrite: bool = False
@@ -487,11 +487,11 @@ def read_tokenizer(path: str):
         uri = storage.join(uri, TOKENIZER)
     if not storage.exists(uri):
         raise ValueError(f"name_pieces={path!r}: no tokenizer at {uri} (give a tokenizer.json or a checkpoint)")
-    data = storage.read_bytes(uri)
-    if len(data) > TOKENIZER_BYTES:
+    if (size := storage.size(uri)) > TOKENIZER_BYTES:  # before reading it
         raise ValueError(
-            f"name_pieces={path!r}: {uri} is {len(data):,} bytes; a tokenizer here is at most {TOKENIZER_BYTES:,}"
+            f"name_pieces={path!r}: {uri} is {size:,} bytes; a tokenizer here is at most {TOKENIZER_BYTES:,}"
         )
+    data = storage.read_bytes(uri)
     try:
         tokenizer = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # a file that is not a tokenizer: the start of its parser's words, and which file

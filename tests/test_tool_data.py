@@ -258,9 +258,11 @@ def tokenizer_file(tmp_path_factory):
     """A copyable BPE like the agent model's, on a slice of the sample corpus."""
     from lmfoundry.data.sample_corpus import stdlib_documents
     from lmfoundry.data.tokenizer import train_bpe
+    from lmfoundry.platform import checkpoint
 
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     path.write_text(train_bpe(stdlib_documents(200), vocab_size=1024, copyable=True).to_str())
+    checkpoint.seal(path.parent, {"step": 0})  # a checkpoint holding only its tokenizer
     return path
 
 
@@ -400,3 +402,21 @@ def test_name_pieces_that_is_not_a_usable_tokenizer_is_refused_and_writes_nothin
 def test_name_pieces_without_practice_customers_is_refused(demo, tmp_path, tokenizer_file):
     with pytest.raises(ValueError, match="practice_customers > 0"):
         ToolDataConfig(workflows=demo["workflows"], output=str(tmp_path / "x"), name_pieces=str(tokenizer_file))
+
+
+def test_name_pieces_from_a_checkpoint_is_read_checked_against_its_manifest(demo, tmp_path, tokenizer_file):
+    import shutil
+
+    changed = tmp_path / "changed"
+    shutil.copytree(tokenizer_file.parent, changed)
+    (changed / "tokenizer.json").write_text(tokenizer_file.read_text() + " ")  # after the checkpoint was sealed
+    for name_pieces, match in ((changed, "checksum"), (tmp_path, "no tokenizer: .* is neither a checkpoint")):
+        cfg = ToolDataConfig(
+            workflows=demo["workflows"],
+            output=str(tmp_path / "out"),
+            practice_customers=5,
+            name_pieces=str(name_pieces),
+        )
+        with pytest.raises(ValueError, match=match):
+            run_tool_data(cfg)
+        assert not (tmp_path / "out").exists()

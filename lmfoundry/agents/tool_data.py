@@ -476,27 +476,31 @@ TOKENIZER_BYTES = 64 * 2**20
 
 
 def read_tokenizer(path: str):
-    """The tokenizer and its file's sha256; `path`: a tokenizer.json, or a checkpoint directory
-    holding one."""
+    """The tokenizer and its text's sha256. `path`: a tokenizer.json, or a checkpoint (or run)
+    whose tokenizer is read checked against its manifest (model/tokenizer.checkpoint_tokenizer)."""
     from tokenizers import Tokenizer
 
-    from lmfoundry.model.checkpoint import TOKENIZER
+    from lmfoundry.model.tokenizer import checkpoint_tokenizer
 
     uri = storage.normalize(path)
-    if not uri.endswith(".json"):
-        uri = storage.join(uri, TOKENIZER)
-    if not storage.exists(uri):
-        raise ValueError(f"name_pieces={path!r}: no tokenizer at {uri} (give a tokenizer.json or a checkpoint)")
-    if (size := storage.size(uri)) > TOKENIZER_BYTES:  # before reading it
-        raise ValueError(
-            f"name_pieces={path!r}: {uri} is {size:,} bytes; a tokenizer here is at most {TOKENIZER_BYTES:,}"
-        )
-    data = storage.read_bytes(uri)
+    if uri.endswith(".json"):
+        if not storage.exists(uri):
+            raise ValueError(f"name_pieces={path!r}: no tokenizer at {uri} (give a tokenizer.json or a checkpoint)")
+        if (size := storage.size(uri)) > TOKENIZER_BYTES:  # before reading it
+            raise ValueError(
+                f"name_pieces={path!r}: {uri} is {size:,} bytes; a tokenizer here is at most {TOKENIZER_BYTES:,}"
+            )
+        text = storage.read_bytes(uri).decode("utf-8", errors="replace")
+    else:
+        try:
+            text, _, _ = checkpoint_tokenizer(uri)
+        except FileNotFoundError as e:
+            raise ValueError(f"name_pieces={path!r}: no tokenizer: {e} (give a tokenizer.json or a checkpoint)") from e
     try:
-        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+        tokenizer = Tokenizer.from_str(text)
     except Exception as e:  # a file that is not a tokenizer: the start of its parser's words, and which file
         raise ValueError(f"name_pieces={path!r}: {uri} is not a tokenizers JSON file: {str(e)[:200]}") from e
-    return tokenizer, hashlib.sha256(data).hexdigest()
+    return tokenizer, hashlib.sha256(text.encode()).hexdigest()
 
 
 def word_pieces(tokenizer) -> list[str]:

@@ -33,9 +33,8 @@ from pydantic import Field
 
 from lmfoundry.data.tokenizer import train_bpe
 from lmfoundry.data.workdir import WORK, read_parquet, shard_name, work_path, write_parquet_atomic
-from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER
-from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens, eos_id
-from lmfoundry.platform import checkpoint, storage
+from lmfoundry.model.tokenizer import checkpoint_tokenizer, eos_id
+from lmfoundry.platform import storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
 
@@ -245,33 +244,6 @@ def merged(token_files: list[str], id_field: str, batch_rows: int = 1024):
 
     for _, _, tokens, val in heapq.merge(*(rows(f) for f in token_files), key=lambda r: (r[0], r[1])):
         yield tokens, val
-
-
-def checkpoint_tokenizer(uri: str) -> tuple[str, int, int]:
-    """The tokenizer.json text, end-of-sequence id and vocabulary size (the model's, which may
-    exceed the tokenizer's) of a checkpoint, each file read checked against the manifest; the
-    weights are neither read nor downloaded."""
-    ckpt = checkpoint.resolve(uri)
-    files = checkpoint.checked_files(storage.read_json(storage.join(ckpt, checkpoint.CHECKPOINT_MANIFEST)), ckpt)
-
-    def read(name: str) -> str | None:
-        if name not in files:
-            return None
-        data = storage.read_bytes(storage.join(ckpt, name))
-        if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
-            raise ValueError(f"checkpoint {ckpt}: {name} does not match its checksum (corrupt)")
-        return data.decode()
-
-    from tokenizers import Tokenizer
-
-    text = read(TOKENIZER)
-    if text is None:
-        raise FileNotFoundError(f"pack: tokenizer={uri!r} has no {TOKENIZER}")
-    tok = Tokenizer.from_str(text)
-    special = read(SPECIAL_TOKENS_FILE)
-    special = SpecialTokens.from_json(special, f"{ckpt}/{SPECIAL_TOKENS_FILE}") if special else SpecialTokens()
-    model_vocab = json.loads(read(MODEL_CONFIG) or "{}").get("vocab_size", 0)
-    return text, special.eos_id(tok), max(tok.get_vocab_size(), model_vocab)
 
 
 def _settings(cfg: PackConfig, files: list[str]) -> dict:

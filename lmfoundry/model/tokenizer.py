@@ -3,6 +3,7 @@ bytes of text each token stands for. (Training it is curation's job: data/tokeni
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,3 +89,31 @@ def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
             raise ValueError(f"token {token!r} is not byte-level; bits per byte needs a byte-level BPE")
         lengths[token_id] = len(token)
     return lengths
+
+
+def checkpoint_tokenizer(uri: str) -> tuple[str, int, int]:
+    """The tokenizer.json text, end-of-sequence id and vocabulary size (the model's, which may
+    exceed the tokenizer's) of a checkpoint, each file read checked against the manifest; the
+    weights are neither read nor downloaded."""
+    from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER
+    from lmfoundry.platform import checkpoint, storage
+
+    ckpt = checkpoint.resolve(uri)
+    files = checkpoint.checked_files(storage.read_json(storage.join(ckpt, checkpoint.CHECKPOINT_MANIFEST)), ckpt)
+
+    def read(name: str) -> str | None:
+        if name not in files:
+            return None
+        data = storage.read_bytes(storage.join(ckpt, name))
+        if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
+            raise ValueError(f"checkpoint {ckpt}: {name} does not match its checksum (corrupt)")
+        return data.decode()
+
+    text = read(TOKENIZER)
+    if text is None:
+        raise FileNotFoundError(f"checkpoint {uri!r} has no {TOKENIZER}")
+    tok = Tokenizer.from_str(text)
+    special = read(SPECIAL_TOKENS_FILE)
+    special = SpecialTokens.from_json(special, f"{ckpt}/{SPECIAL_TOKENS_FILE}") if special else SpecialTokens()
+    model_vocab = json.loads(read(MODEL_CONFIG) or "{}").get("vocab_size", 0)
+    return text, special.eos_id(tok), max(tok.get_vocab_size(), model_vocab)

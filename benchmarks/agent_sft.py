@@ -327,6 +327,36 @@ def teacher_forced(checkpoint: str, conversations: Path, questions: list[dict]) 
     }
 
 
+def unseen_rows(checkpoint: str, trained: dict) -> dict | None:
+    """How alike the output head's rows of the tokens the training conversations never hold have
+    become: their mean pairwise cosine in the fine-tuned model and in its base (a drawn start is
+    near 0). A tied head's softmax pushes all those rows the same way at every step, and Adam
+    makes each push a full step."""
+    import torch
+
+    from lmfoundry.model.checkpoint import load_model_files
+    from lmfoundry.platform import checkpoint as checkpoints
+    from lmfoundry.train.sft_data import ConversationEncoder, read_conversations
+
+    if not trained or not trained.get("start_checkpoint") or not trained.get("data"):
+        return None
+    model_dir = checkpoints.local_copy(checkpoints.resolve(checkpoint), model_only=True)
+    encoder = ConversationEncoder(model_dir, 1 << 20)
+    seen = set()
+    for _, conversation in read_conversations(trained["data"]):
+        seen.update(encoder.encode(conversation).ids)
+
+    def mean_cosine(directory) -> tuple[int, float]:
+        rows = load_model_files(directory).lm_head.weight.detach().float()
+        unseen = torch.tensor([i for i in range(rows.shape[0]) if i not in seen])
+        unit = torch.nn.functional.normalize(rows[unseen], dim=-1)
+        n = len(unseen)
+        return n, round(((unit.sum(0).square().sum() - n) / (n * n - n)).item(), 3)
+
+    n, tuned = mean_cosine(model_dir)
+    return {"tokens": n, "fine_tuned": tuned, "base": mean_cosine(trained["start_checkpoint"])[1]}
+
+
 def training(run: str) -> dict | None:
     """What the fine-tuned model's SFT run recorded: steps, time, losses, its data, its base's
     copy warm-up."""
@@ -345,6 +375,7 @@ def training(run: str) -> dict | None:
         "assistant_loss",
         "lora",
         "freeze",
+        "untie_embeddings",
     )
     base = m.get("start_checkpoint")
     manifest = Path(base) / checkpoint.CHECKPOINT_MANIFEST if base else None
@@ -409,6 +440,7 @@ def main() -> None:
     for intent in sorted({j["intent"] for j in judged}):
         mine = [j for j in judged if j["intent"] == intent]
         by_intent[intent] = {"runs": len(mine), "correct": sum(j["correct"] for j in mine)}
+    trained = training(checkpoint) if not args.untrained else None
     result = {
         "benchmark": "agent_sft",
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
@@ -416,7 +448,7 @@ def main() -> None:
         "command": "python " + " ".join(["benchmarks/agent_sft.py", *sys.argv[1:]]),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "model": "untrained: random weights, 4 layers, d_model 128, 1,024 context" if args.untrained else checkpoint,
-        "training": training(checkpoint) if not args.untrained else None,
+        "training": trained,
         "workflow_max_seconds": MAX_SECONDS,
         "held_out_questions": len(questions),
         "correct": sum(j["correct"] for j in judged),
@@ -430,6 +462,7 @@ def main() -> None:
         "invalid_replies": sum(j["invalid_replies"] for j in judged),
         "wall_s": round(wall, 1),
         "teacher_forced": teacher_forced(checkpoint, Path(args.data) / "test.jsonl", every_question),
+        "unseen_tokens_head_rows_mean_cosine": unseen_rows(checkpoint, trained) if trained else None,
         "examples": judged[:3],
         "wrong (the first 20)": [
             {k: j[k] for k in ("question", "answer", "tool_calls")} for j in judged if not j["correct"]
@@ -451,6 +484,12 @@ def main() -> None:
     )
     for kind, accuracy in forced["accuracy"].items():
         print(f"  {kind:<26}{accuracy:>10.3f}  of {forced['tokens'][kind]} tokens")
+    rows = result["unseen_tokens_head_rows_mean_cosine"]
+    if rows:
+        print(
+            f"head rows of the {rows['tokens']} tokens training never holds, mean pairwise cosine: "
+            f"{rows['fine_tuned']} (base {rows['base']})"
+        )
     print(f"wrote {RESULTS / name}", file=sys.stderr)
     from ray import serve
 

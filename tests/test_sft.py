@@ -271,12 +271,43 @@ def test_freeze_keeps_the_named_parameters_and_refuses_what_matches_nothing_or_e
         "embed.weight",
         *(f"blocks.{i}.attn.{w}.weight" for i in (0, 1) for w in ("wq", "wkv", "wo")),
     }
-    with pytest.raises(ValueError, match=r"'blocks\.\*\.attention\.\*' matches no parameter; the model's are embed"):
+    with pytest.raises(ValueError, match=r"'blocks\.\*\.attention\.\*' matches no parameter.*; the model's are embed"):
         freeze(Transformer(model.cfg), ["blocks.*.attention.*"])
+    with pytest.raises(ValueError, match="a tied head is embed.weight; untie_embeddings"):
+        freeze(Transformer(model.cfg), ["lm_head.weight"])
     with pytest.raises(ValueError, match="freezes every parameter"):
         freeze(Transformer(model.cfg), ["*"])
     with pytest.raises(ValueError, match="give freeze or lora, not both"):
         SFTConfig(checkpoint="c", data="d.jsonl", output=str(tmp_path), freeze=["blocks.*"], lora={"rank": 4})
+
+
+def test_untie_embeddings_gives_the_head_its_own_weight_that_a_freeze_keeps(tmp_path):
+    from lmfoundry.model.checkpoint import load_model_files, save_model_files
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.sft import SFTConfig, freeze
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, max_seq_len=16, n_layer=2, d_model=16, n_head=2, n_kv_head=1))
+    start = model.embed.weight.detach().clone()
+    model.untie_head()
+    assert not model.cfg.tie_embeddings and model.lm_head.weight is not model.embed.weight
+    assert torch.equal(model.lm_head.weight, start)
+    freeze(model, ["lm_head.weight"])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tokens = torch.randint(64, (2, 9))
+    logits = model(tokens[:, :-1])
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    assert torch.equal(model.lm_head.weight, start)  # the output rows stay; the input rows train
+    assert not torch.equal(model.embed.weight, start)
+    save_model_files(model, tmp_path)
+    again = load_model_files(tmp_path)  # saved and read back untied, both tables
+    assert torch.equal(again.lm_head.weight, start) and torch.equal(again.embed.weight, model.embed.weight)
+    with pytest.raises(ValueError, match="untied already"):
+        again.untie_head()
+    with pytest.raises(ValueError, match="untie_embeddings: a LoRA run"):
+        SFTConfig(checkpoint="c", data="d.jsonl", output=str(tmp_path / "o"), untie_embeddings=True, lora={"rank": 4})
 
 
 @pytest.mark.parametrize("bad", [[""], ["x" * 257], ["blocks.*"] * 65, "blocks.*", [3]])

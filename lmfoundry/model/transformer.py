@@ -388,6 +388,14 @@ class Transformer(nn.Module):
             self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling
         )
 
+    def untie_head(self) -> None:
+        """Give a tied model's output head a weight of its own, starting as the embedding's values
+        (the config says so too, so the model saves and exports as untied)."""
+        if not self.cfg.tie_embeddings:
+            raise ValueError("untie_embeddings: the model's head and embedding are untied already")
+        self.cfg = self.cfg.model_copy(update={"tie_embeddings": False})
+        self.lm_head.weight = nn.Parameter(self.embed.weight.detach().clone(), self.embed.weight.requires_grad)
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

@@ -94,7 +94,9 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
-            raise ValueError(f"freeze: {pattern!r} matches no parameter; the model's are {shown}")
+            tied = " (a tied head is embed.weight; untie_embeddings gives it a weight of its own)"
+            hint = tied if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings else ""
+            raise ValueError(f"freeze: {pattern!r} matches no parameter{hint}; the model's are {shown}")
     frozen = {name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
     if len(frozen) == len(names):
         raise ValueError(f"freeze: {patterns} freezes every parameter; nothing would train")
@@ -129,6 +131,11 @@ class SFTConfig(TrainStageConfig):
         description="parameters kept at their starting values, by name pattern (fnmatch, e.g. 'blocks.*.attn.*'); "
         "the rest train",
     )
+    untie_embeddings: bool = Field(
+        False,
+        description="a tied model's output head gets a weight of its own, starting as the embedding "
+        "(freeze ['lm_head.weight'] then keeps the starting model's output rows while the input embedding trains)",
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -137,6 +144,10 @@ class SFTConfig(TrainStageConfig):
             raise ValueError("parallelism.expert_parallel_size: SFT trains without expert parallelism")
         if self.freeze and self.lora is not None:
             raise ValueError("freeze: a LoRA run freezes every base weight already; give freeze or lora, not both")
+        if self.untie_embeddings and self.lora is not None:
+            raise ValueError(
+                "untie_embeddings: a LoRA run's checkpoint is its base plus adapters, which keeps the base tied"
+            )
         return self
 
 
@@ -218,6 +229,8 @@ class SFTObjective:
         self.flops_per_token = train_flops_per_token(self.model, self.seq_len - 1)
         if adapter is not None:
             apply_lora(self.model, adapter.lora)  # the same adapters on every rank: the seed is set
+        if cfg.untie_embeddings:
+            self.model.untie_head()
         freeze(self.model, cfg.freeze)
         self.num_params = self.model.num_params()
         self.packed, _ = prepare(cfg.data, start_dir, self.seq_len)
@@ -395,6 +408,7 @@ def run_sft(cfg: SFTConfig) -> dict:
                 "fingerprint": storage.fingerprint(out, [f"{final}/{ADAPTER_WEIGHTS if cfg.lora else WEIGHTS}"]),
                 **({"lora": cfg.lora.model_dump(), "base_sha256": adapter_base[1]} if cfg.lora else {}),
                 **({"freeze": cfg.freeze} if cfg.freeze else {}),
+                **({"untie_embeddings": True} if cfg.untie_embeddings else {}),
                 "seconds": round(time.time() - started, 2),
                 **({"stopped_by_gate": stopped} if stopped and stopped.get("action") == "stop" else {}),
             },

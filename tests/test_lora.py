@@ -2,6 +2,8 @@
 checkpoint holds the adapter and a fingerprinted reference to its base, and loading or exporting
 it merges the adapter in with the adapted model's logits."""
 
+import json
+
 import pytest
 import torch
 from test_export import make_checkpoint
@@ -9,7 +11,15 @@ from test_hf_import import SMALL, build_hf
 
 from lmfoundry.jobs.import_model import main as import_main
 from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE
-from lmfoundry.model.checkpoint import TOKENIZER, WEIGHTS, base_sha256, load_model_files, save_adapter_files
+from lmfoundry.model.checkpoint import (
+    MODEL_CONFIG,
+    TOKENIZER,
+    WEIGHTS,
+    base_sha256,
+    load_model_files,
+    load_model_on_meta,
+    save_adapter_files,
+)
 from lmfoundry.model.lora import ADAPTER_WEIGHTS, AdapterRef, LoraConfig, LoRALinear, apply_lora
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
 from lmfoundry.platform import checkpoint
@@ -76,6 +86,15 @@ def test_lora_trains_only_adapters_and_its_checkpoint_loads_and_exports_merged(t
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
         torch.testing.assert_close(hf(x).logits, adapted, atol=1e-5, rtol=0)
     assert (base / WEIGHTS).read_bytes() == before
+    # built on the meta device (continued pretraining under tensor or pipeline parallelism): each
+    # weight read from the base's file and merged on its own, bitwise the whole merge
+    meta = load_model_on_meta(adapter_dir)
+    assert next(meta.parameters()).is_meta
+    merged = dict(load_model_files(adapter_dir).named_parameters())
+    values = meta.initial_values()
+    assert values.keys() == merged.keys()
+    for name, p in merged.items():
+        assert torch.equal(values[name](), p), name
 
     # the base changed under the adapter: refused, naming it
     changed = load_model_files(base)
@@ -87,6 +106,39 @@ def test_lora_trains_only_adapters_and_its_checkpoint_loads_and_exports_merged(t
     checkpoint.seal(base, {"step": 0})
     with pytest.raises(ValueError, match="weights have changed since"):
         load_model_files(adapter_dir)
+    with pytest.raises(ValueError, match="weights have changed since"):
+        load_model_on_meta(adapter_dir)
+
+
+def test_a_crafted_adapter_is_refused_on_the_meta_device_before_it_is_merged(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base = base_checkpoint(tmp_path, "own")
+    cfg = LoraConfig(rank=4, alpha=8, targets=["wq", "wo"])
+    model = apply_lora(load_model_files(base), cfg)
+    adapter_dir = tmp_path / "adapter"
+    save_adapter_files(
+        model,
+        adapter_dir,
+        model.state_dict(),
+        AdapterRef(cfg, str(base), base_sha256(checkpoint.verify(str(base)), str(base))),
+    )
+    good = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    load_model_on_meta(adapter_dir)  # as written: accepted
+    crafted = {
+        "unexpected": {**good, "../../etc/passwd": torch.zeros(1)},
+        "missing": {k: v for k, v in good.items() if k != "blocks.0.attn.wq.lora_b"},
+        "has shape": {**good, "blocks.0.attn.wq.lora_a": torch.zeros(4, 7)},
+    }
+    for message, tensors in crafted.items():
+        save_file(tensors, str(adapter_dir / ADAPTER_WEIGHTS))
+        with pytest.raises(ValueError, match=message):
+            load_model_on_meta(adapter_dir)
+    save_file(good, str(adapter_dir / ADAPTER_WEIGHTS))
+    config = json.loads((adapter_dir / MODEL_CONFIG).read_text())
+    (adapter_dir / MODEL_CONFIG).write_text(json.dumps({**config, "norm_eps": 1e-3}))  # not its base's
+    with pytest.raises(ValueError, match="is not its base"):
+        load_model_on_meta(adapter_dir)
 
 
 def test_lora_settings_are_checked():

@@ -73,18 +73,98 @@ def load_model_on_meta(directory: str | Path) -> Transformer:
     initial values to be read from the checkpoint's weights one tensor at a time when each rank
     materialises its part (train/meta_init.py): no process holds the whole model. The weights
     file is opened, and checked against the config (names and shapes), here: it stays readable
-    through its memory map after a caller's temporary copy of the checkpoint is removed. Not for
-    an adapter checkpoint (its base is merged whole: load_model_files)."""
+    through its memory map after a caller's temporary copy of the checkpoint is removed. An
+    adapter checkpoint reads its base's file so, each adapted projection merged as it is read."""
     from safetensors import safe_open
 
     directory = Path(directory)
-    if lora.is_adapter(directory):
-        raise ValueError(f"{directory} is an adapter checkpoint: load_model_files merges it into its base")
     cfg = ModelConfig.model_validate(json.loads((directory / MODEL_CONFIG).read_text()))
     model = build_on_meta(cfg)
-    model.start_weights = safe_open(str(directory / WEIGHTS), framework="pt")
+    if lora.is_adapter(directory):
+        model.start_weights = MergedAdapterWeights.open(directory, model)
+    else:
+        model.start_weights = safe_open(str(directory / WEIGHTS), framework="pt")
     model.initial_values()  # the checks, now
     return model.train()
+
+
+class MergedAdapterWeights:
+    """An adapter checkpoint's weights as the meta-device build reads them (keys(),
+    get_slice(name).get_shape(), get_tensor(name)): its base's safetensors file, each adapted
+    projection read as `W + scale * B @ A` in fp32, as `load_merged_adapter` merges it. Base
+    tensors are read one at a time; the adapter's own (small) tensors are read whole."""
+
+    class _Shape:
+        def __init__(self, shape: list[int]):
+            self.shape = shape
+
+        def get_shape(self) -> list[int]:
+            return self.shape
+
+    def __init__(self, base, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float):
+        self.base, self.pairs, self.scale = base, pairs, scale
+
+    @classmethod
+    def open(cls, directory: Path, model: Transformer) -> MergedAdapterWeights:
+        """The adapter at `directory` over its base, checked: the base's weights are the ones it
+        was trained on, its config is the adapter's, and the adapter holds exactly an A (rank, in)
+        and a B (out, rank) for each target projection of `model` (built on meta)."""
+        from safetensors import safe_open
+
+        from lmfoundry.platform.checkpoint import opened
+
+        ref = lora.read_adapter_config(directory)
+        with opened(ref.base) as (base_dir, manifest):
+            check_adapter_base(directory, ref, manifest)
+            base_cfg = json.loads((Path(base_dir) / MODEL_CONFIG).read_text())
+            if ModelConfig.model_validate(base_cfg) != model.cfg:
+                raise ValueError(f"adapter {directory}: its model config is not its base {ref.base}'s")
+            base = safe_open(str(Path(base_dir) / WEIGHTS), framework="pt")  # readable after a copy is removed
+        adapter = load_file(str(directory / lora.ADAPTER_WEIGHTS))
+        shapes = {}
+        for name, module in model.named_modules():
+            for target in ref.lora.targets:
+                child = getattr(module, target, None)
+                if isinstance(child, torch.nn.Linear):
+                    prefix = f"{name}.{target}" if name else target
+                    shapes[f"{prefix}.lora_a"] = (ref.lora.rank, child.in_features)
+                    shapes[f"{prefix}.lora_b"] = (child.out_features, ref.lora.rank)
+        if set(adapter) != set(shapes):
+            raise ValueError(
+                f"adapter {directory} does not fit its base {ref.base}: missing "
+                f"{sorted(set(shapes) - set(adapter))[:4]}, unexpected {sorted(set(adapter) - set(shapes))[:4]}"
+            )
+        for name, shape in shapes.items():
+            if tuple(adapter[name].shape) != shape:
+                raise ValueError(f"adapter {directory}: {name} has shape {tuple(adapter[name].shape)}, not {shape}")
+        pairs = {
+            f"{prefix}.weight": (adapter[f"{prefix}.lora_a"], adapter[f"{prefix}.lora_b"])
+            for prefix in {name.rsplit(".", 1)[0] for name in shapes}
+        }
+        return cls(base, pairs, ref.lora.alpha / ref.lora.rank)
+
+    def keys(self):
+        return self.base.keys()
+
+    def get_slice(self, name: str) -> MergedAdapterWeights._Shape:
+        # the shape only: an adapted weight is merged whole, by get_tensor
+        return self._Shape(self.base.get_slice(name).get_shape())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        value = self.base.get_tensor(name).float()
+        if name in self.pairs:
+            a, b = self.pairs[name]
+            value += b.float() @ a.float() * self.scale
+        return value
+
+
+def check_adapter_base(directory: Path, ref: lora.AdapterRef, base_manifest: dict) -> None:
+    """Refused when the adapter's base checkpoint's weights are not the ones it was trained on."""
+    if base_sha256(base_manifest, ref.base) != ref.base_sha256:
+        raise ValueError(
+            f"adapter {directory} was trained on base {ref.base} with weights sha256 {ref.base_sha256[:16]}..., "
+            "and that checkpoint's weights have changed since"
+        )
 
 
 def base_sha256(manifest: dict, where: str) -> str:
@@ -103,13 +183,9 @@ def load_merged_adapter(directory: Path) -> Transformer:
     from lmfoundry.platform.checkpoint import opened
 
     ref = lora.read_adapter_config(directory)
-    base, sha256 = ref.base, ref.base_sha256
+    base = ref.base
     with opened(base) as (base_dir, manifest):
-        if base_sha256(manifest, base) != sha256:
-            raise ValueError(
-                f"adapter {directory} was trained on base {base} with weights sha256 {sha256[:16]}..., "
-                "and that checkpoint's weights have changed since"
-            )
+        check_adapter_base(directory, ref, manifest)
         model = load_model_files(base_dir)
     lora.apply_lora(model, ref.lora)
     adapter = load_file(str(directory / lora.ADAPTER_WEIGHTS))

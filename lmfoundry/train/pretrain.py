@@ -18,7 +18,6 @@ import torch
 from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS, load_model_files, load_model_on_meta
 from lmfoundry.model.flops import train_flops_per_token
-from lmfoundry.model.lora import is_adapter
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
 from lmfoundry.model.transformer import ModelConfig, Transformer, build_on_meta
 from lmfoundry.platform import checkpoint, storage
@@ -38,17 +37,14 @@ PREFETCH_MICRO_BATCHES = 4  # read ahead of the step on a thread, as Ray Data's 
 def build_model(cfg: PretrainConfig, start_dir: str | None = None) -> Transformer:
     """The model, the same on every rank (same seed, or the weights of the checkpoint in
     `start_dir`), its experts sharded for expert parallelism. A model split by tensor or pipeline
-    parallelism is built on the meta device, new or from a checkpoint's weights (not an adapter's):
-    each rank materialises only its part when the engine is built (train/meta_init.py)."""
+    parallelism is built on the meta device, new or from a checkpoint's weights (an adapter's
+    merged into its base's one tensor at a time): each rank materialises only its part when the
+    engine is built (train/meta_init.py)."""
     torch.manual_seed(cfg.seed)
     par = cfg.parallelism
     split = par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1
     if start_dir is not None:
-        model = (
-            load_model_on_meta(start_dir)
-            if split and not is_adapter(start_dir)
-            else load_model_files(start_dir).train()
-        )
+        model = load_model_on_meta(start_dir) if split else load_model_files(start_dir).train()
     elif split:
         model = build_on_meta(cfg.model)
     else:

@@ -329,18 +329,19 @@ def teacher_forced(checkpoint: str, conversations: Path, questions: list[dict]) 
 
 def unseen_rows(checkpoint: str, trained: dict) -> dict | None:
     """How alike the output head's rows of the tokens the training conversations never hold have
-    become: their mean pairwise cosine in the fine-tuned model and in its base (a drawn start is
-    near 0). A tied head's softmax pushes all those rows the same way at every step, and Adam
-    makes each push a full step."""
+    become: their mean pairwise cosine in the fine-tuned model and in its base (after the base's
+    copy warm-up, which draws every token, about 0). When the head trains, every step's softmax
+    pushes all of those rows away from the hidden state, the same way."""
     import torch
 
     from lmfoundry.model.checkpoint import load_model_files
     from lmfoundry.platform import checkpoint as checkpoints
     from lmfoundry.train.sft_data import ConversationEncoder, read_conversations
 
-    if not trained or not trained.get("start_checkpoint") or not trained.get("data"):
+    if not trained.get("start_checkpoint") or not trained.get("data"):
         return None
     model_dir = checkpoints.local_copy(checkpoints.resolve(checkpoint), model_only=True)
+    base_dir = checkpoints.local_copy(checkpoints.resolve(trained["start_checkpoint"]), model_only=True)
     encoder = ConversationEncoder(model_dir, 1 << 20)
     seen = set()
     for _, conversation in read_conversations(trained["data"]):
@@ -348,13 +349,13 @@ def unseen_rows(checkpoint: str, trained: dict) -> dict | None:
 
     def mean_cosine(directory) -> tuple[int, float]:
         rows = load_model_files(directory).lm_head.weight.detach().float()
-        unseen = torch.tensor([i for i in range(rows.shape[0]) if i not in seen])
+        unseen = torch.tensor([i for i in range(rows.shape[0]) if i not in seen], dtype=torch.long)
         unit = torch.nn.functional.normalize(rows[unseen], dim=-1)
         n = len(unseen)
-        return n, round(((unit.sum(0).square().sum() - n) / (n * n - n)).item(), 3)
+        return n, round(((unit.sum(0).square().sum() - n) / (n * n - n)).item(), 3) if n > 1 else None
 
     n, tuned = mean_cosine(model_dir)
-    return {"tokens": n, "fine_tuned": tuned, "base": mean_cosine(trained["start_checkpoint"])[1]}
+    return {"tokens": n, "fine_tuned": tuned, "base": mean_cosine(base_dir)[1]}
 
 
 def training(run: str) -> dict | None:
@@ -376,6 +377,7 @@ def training(run: str) -> dict | None:
         "lora",
         "freeze",
         "untie_embeddings",
+        "seed",
     )
     base = m.get("start_checkpoint")
     manifest = Path(base) / checkpoint.CHECKPOINT_MANIFEST if base else None

@@ -95,6 +95,7 @@ def test_lora_trains_only_adapters_and_its_checkpoint_loads_and_exports_merged(t
     assert values.keys() == merged.keys()
     for name, p in merged.items():
         assert torch.equal(values[name](), p), name
+        assert torch.equal(values[name](), p), name  # read again: merged once, not twice
 
     # the base changed under the adapter: refused, naming it
     changed = load_model_files(base)
@@ -129,11 +130,19 @@ def test_a_crafted_adapter_is_refused_on_the_meta_device_before_it_is_merged(tmp
         "unexpected": {**good, "../../etc/passwd": torch.zeros(1)},
         "missing": {k: v for k, v in good.items() if k != "blocks.0.attn.wq.lora_b"},
         "has shape": {**good, "blocks.0.attn.wq.lora_a": torch.zeros(4, 7)},
+        "is torch.int64": {**good, "blocks.0.attn.wq.lora_a": good["blocks.0.attn.wq.lora_a"].long()},
+        "NaN or infinite": {
+            **good,
+            "blocks.0.attn.wq.lora_b": torch.full_like(good["blocks.0.attn.wq.lora_b"], float("nan")),
+        },
     }
     for message, tensors in crafted.items():
         save_file(tensors, str(adapter_dir / ADAPTER_WEIGHTS))
         with pytest.raises(ValueError, match=message):
             load_model_on_meta(adapter_dir)
+        if message in ("is torch.int64", "NaN or infinite"):  # the whole merge refuses them too
+            with pytest.raises(ValueError, match=message):
+                load_model_files(adapter_dir)
     save_file(good, str(adapter_dir / ADAPTER_WEIGHTS))
     config = json.loads((adapter_dir / MODEL_CONFIG).read_text())
     (adapter_dir / MODEL_CONFIG).write_text(json.dumps({**config, "norm_eps": 1e-3}))  # not its base's

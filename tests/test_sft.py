@@ -271,7 +271,7 @@ def test_freeze_keeps_the_named_parameters_and_refuses_what_matches_nothing_or_e
         "embed.weight",
         *(f"blocks.{i}.attn.{w}.weight" for i in (0, 1) for w in ("wq", "wkv", "wo")),
     }
-    with pytest.raises(ValueError, match=r"'blocks\.\*\.attention\.\*' matches no parameter.*; the model's are embed"):
+    with pytest.raises(ValueError, match=r"'blocks\.\*\.attention\.\*' matches no parameter; the model's are embed"):
         freeze(Transformer(model.cfg), ["blocks.*.attention.*"])
     with pytest.raises(ValueError, match="a tied head is embed.weight; untie_embeddings"):
         freeze(Transformer(model.cfg), ["lm_head.weight"])
@@ -306,6 +306,18 @@ def test_untie_embeddings_gives_the_head_its_own_weight_that_a_freeze_keeps(tmp_
     assert torch.equal(again.lm_head.weight, start) and torch.equal(again.embed.weight, model.embed.weight)
     with pytest.raises(ValueError, match="untied already"):
         again.untie_head()
+    from lmfoundry.train.sft import check_model_settings
+
+    with pytest.raises(ValueError, match="untied already"):  # in the driver, before any worker starts
+        check_model_settings(
+            SFTConfig(checkpoint="c", data="d.jsonl", output=str(tmp_path / "u"), untie_embeddings=True),
+            again.cfg.model_dump(),
+        )
+    with pytest.raises(ValueError, match="a tied head is embed.weight"):
+        check_model_settings(
+            SFTConfig(checkpoint="c", data="d.jsonl", output=str(tmp_path / "u"), freeze=["lm_head.*"]),
+            model.cfg.model_copy(update={"tie_embeddings": True}).model_dump(),
+        )
     with pytest.raises(ValueError, match="untie_embeddings: a LoRA run"):
         SFTConfig(checkpoint="c", data="d.jsonl", output=str(tmp_path / "o"), untie_embeddings=True, lora={"rank": 4})
 

@@ -121,7 +121,8 @@ class MergedAdapterWeights:
                 raise ValueError(f"adapter {directory}: its model config is not its base {ref.base}'s")
             base = safe_open(str(Path(base_dir) / WEIGHTS), framework="pt")  # readable after a copy is removed
         adapter = load_file(str(directory / lora.ADAPTER_WEIGHTS))
-        shapes = {}
+        lora.check_adapter_tensors(str(directory), adapter)
+        shapes, wrapped = {}, set()
         for name, module in model.named_modules():
             for target in ref.lora.targets:
                 child = getattr(module, target, None)
@@ -129,6 +130,11 @@ class MergedAdapterWeights:
                     prefix = f"{name}.{target}" if name else target
                     shapes[f"{prefix}.lora_a"] = (ref.lora.rank, child.in_features)
                     shapes[f"{prefix}.lora_b"] = (child.out_features, ref.lora.rank)
+                    wrapped.add(target)
+        if set(ref.lora.targets) - wrapped:  # as apply_lora refuses it
+            raise ValueError(
+                f"adapter {directory}: the model has no {sorted(set(ref.lora.targets) - wrapped)} projection"
+            )
         if set(adapter) != set(shapes):
             raise ValueError(
                 f"adapter {directory} does not fit its base {ref.base}: missing "
@@ -151,10 +157,9 @@ class MergedAdapterWeights:
         return self._Shape(self.base.get_slice(name).get_shape())
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        value = self.base.get_tensor(name).float()
-        if name in self.pairs:
-            a, b = self.pairs[name]
-            value += b.float() @ a.float() * self.scale
+        value = self.base.get_tensor(name).float()  # an fp32 tensor may be a view of the mapped file:
+        if name in self.pairs:  # never added to in place, or a second read would merge twice
+            value = value + lora.delta(*self.pairs[name], self.scale)
         return value
 
 
@@ -189,6 +194,7 @@ def load_merged_adapter(directory: Path) -> Transformer:
         model = load_model_files(base_dir)
     lora.apply_lora(model, ref.lora)
     adapter = load_file(str(directory / lora.ADAPTER_WEIGHTS))
+    lora.check_adapter_tensors(str(directory), adapter)
     expected = set(lora.adapter_state(model.state_dict()))
     if set(adapter) != expected:
         raise ValueError(

@@ -62,8 +62,22 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merged(self) -> nn.Linear:
-        self.base.weight += (self.lora_b.float() @ self.lora_a.float() * self.scale).to(self.base.weight.dtype)
+        self.base.weight += delta(self.lora_a, self.lora_b, self.scale).to(self.base.weight.dtype)
         return self.base
+
+
+def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an adapter adds to its projection's weight when merged: scale * B @ A, in fp32."""
+    return b.float() @ a.float() * scale
+
+
+def check_adapter_tensors(where: str, tensors: dict[str, torch.Tensor]) -> None:
+    """An adapter file's tensors, refused unless each is a finite float (fp32, bf16 or fp16)."""
+    for name, t in tensors.items():
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"adapter {where}: {name} is {t.dtype}; adapters are float32, bfloat16 or float16")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"adapter {where}: {name} holds NaN or infinite values")
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:

@@ -40,6 +40,7 @@ from pydantic import Field, StringConstraints, model_validator
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS, base_sha256, load_model_files
 from lmfoundry.model.flops import train_flops_per_token
 from lmfoundry.model.lora import ADAPTER_WEIGHTS, AdapterRef, LoraConfig, apply_lora
+from lmfoundry.model.transformer import ModelConfig, build_on_meta
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
@@ -94,8 +95,12 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
-            tied = " (a tied head is embed.weight; untie_embeddings gives it a weight of its own)"
-            hint = tied if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings else ""
+            tied = getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings
+            hint = (
+                " (a tied head is embed.weight; untie_embeddings gives it a weight of its own)"
+                if tied and fnmatch.fnmatchcase("lm_head.weight", pattern)
+                else ""
+            )
             raise ValueError(f"freeze: {pattern!r} matches no parameter{hint}; the model's are {shown}")
     frozen = {name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
     if len(frozen) == len(names):
@@ -103,6 +108,15 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
+
+
+def check_model_settings(cfg: SFTConfig, model_cfg: dict) -> None:
+    """`untie_embeddings` and `freeze` tried on the starting model built on the meta device (no
+    weights), so that a setting the model refuses fails now, not in every worker."""
+    model = build_on_meta(ModelConfig.model_validate(model_cfg))
+    if cfg.untie_embeddings:
+        model.untie_head()
+    freeze(model, cfg.freeze)
 
 
 class SFTConfig(TrainStageConfig):
@@ -352,6 +366,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         # a LoRA run's checkpoints name their base: this checkpoint, by URI and the checksum of its weights
         adapter_base = (start_uri, base_sha256(start_manifest, start_uri)) if cfg.lora is not None else None
         model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
+        check_model_settings(cfg, model_cfg)
         seq_len = row_length(cfg, model_cfg["max_seq_len"])
         packed, report = prepare(cfg.data, start_dir, seq_len)  # fail now on a bad file, not inside the workers
         per_global = cfg.batch.micro_batch_size * cfg.parallelism.num_workers
@@ -409,6 +424,7 @@ def run_sft(cfg: SFTConfig) -> dict:
                 **({"lora": cfg.lora.model_dump(), "base_sha256": adapter_base[1]} if cfg.lora else {}),
                 **({"freeze": cfg.freeze} if cfg.freeze else {}),
                 **({"untie_embeddings": True} if cfg.untie_embeddings else {}),
+                "seed": cfg.seed,
                 "seconds": round(time.time() - started, 2),
                 **({"stopped_by_gate": stopped} if stopped and stopped.get("action") == "stop" else {}),
             },

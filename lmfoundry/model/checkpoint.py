@@ -107,8 +107,8 @@ class MergedAdapterWeights:
     @classmethod
     def open(cls, directory: Path, model: Transformer) -> MergedAdapterWeights:
         """The adapter at `directory` over its base, checked: the base's weights are the ones it
-        was trained on, its config is the adapter's, and the adapter holds exactly an A (rank, in)
-        and a B (out, rank) for each target projection of `model` (built on meta)."""
+        was trained on, its config is the adapter's, and the adapter fits `model` (built on meta:
+        lora.check_adapter_fits)."""
         from safetensors import safe_open
 
         from lmfoundry.platform.checkpoint import opened
@@ -121,31 +121,10 @@ class MergedAdapterWeights:
                 raise ValueError(f"adapter {directory}: its model config is not its base {ref.base}'s")
             base = safe_open(str(Path(base_dir) / WEIGHTS), framework="pt")  # readable after a copy is removed
         adapter = load_file(str(directory / lora.ADAPTER_WEIGHTS))
-        lora.check_adapter_tensors(str(directory), adapter)
-        shapes, wrapped = {}, set()
-        for name, module in model.named_modules():
-            for target in ref.lora.targets:
-                child = getattr(module, target, None)
-                if isinstance(child, torch.nn.Linear):
-                    prefix = f"{name}.{target}" if name else target
-                    shapes[f"{prefix}.lora_a"] = (ref.lora.rank, child.in_features)
-                    shapes[f"{prefix}.lora_b"] = (child.out_features, ref.lora.rank)
-                    wrapped.add(target)
-        if set(ref.lora.targets) - wrapped:  # as apply_lora refuses it
-            raise ValueError(
-                f"adapter {directory}: the model has no {sorted(set(ref.lora.targets) - wrapped)} projection"
-            )
-        if set(adapter) != set(shapes):
-            raise ValueError(
-                f"adapter {directory} does not fit its base {ref.base}: missing "
-                f"{sorted(set(shapes) - set(adapter))[:4]}, unexpected {sorted(set(adapter) - set(shapes))[:4]}"
-            )
-        for name, shape in shapes.items():
-            if tuple(adapter[name].shape) != shape:
-                raise ValueError(f"adapter {directory}: {name} has shape {tuple(adapter[name].shape)}, not {shape}")
+        lora.check_adapter_fits(f"{directory} (base {ref.base})", adapter, model, ref.lora)
         pairs = {
             f"{prefix}.weight": (adapter[f"{prefix}.lora_a"], adapter[f"{prefix}.lora_b"])
-            for prefix in {name.rsplit(".", 1)[0] for name in shapes}
+            for prefix in lora.target_projections(model, ref.lora)
         }
         return cls(base, pairs, ref.lora.alpha / ref.lora.rank)
 
@@ -192,14 +171,8 @@ def load_merged_adapter(directory: Path) -> Transformer:
     with opened(base) as (base_dir, manifest):
         check_adapter_base(directory, ref, manifest)
         model = load_model_files(base_dir)
-    lora.apply_lora(model, ref.lora)
     adapter = load_file(str(directory / lora.ADAPTER_WEIGHTS))
-    lora.check_adapter_tensors(str(directory), adapter)
-    expected = set(lora.adapter_state(model.state_dict()))
-    if set(adapter) != expected:
-        raise ValueError(
-            f"adapter {directory} does not fit its base {base}: missing {sorted(expected - set(adapter))[:4]}, "
-            f"unexpected {sorted(set(adapter) - expected)[:4]}"
-        )
+    lora.check_adapter_fits(f"{directory} (base {base})", adapter, model, ref.lora)
+    lora.apply_lora(model, ref.lora)
     model.load_state_dict(adapter, strict=False)
     return lora.merge_lora(model)

@@ -71,31 +71,51 @@ def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     return b.float() @ a.float() * scale
 
 
-def check_adapter_tensors(where: str, tensors: dict[str, torch.Tensor]) -> None:
-    """An adapter file's tensors, refused unless each is a finite float (fp32, bf16 or fp16)."""
-    for name, t in tensors.items():
-        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"adapter {where}: {name} is {t.dtype}; adapters are float32, bfloat16 or float16")
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"adapter {where}: {name} holds NaN or infinite values")
+def target_projections(model: nn.Module, cfg: LoraConfig) -> dict[str, tuple[nn.Module, str, nn.Linear]]:
+    """Each projection an adapter wraps, by its name in the model: (its parent, its attribute,
+    the projection). Refused when a target names no projection of the model."""
+    found = {}
+    for name, module in model.named_modules():
+        for target in cfg.targets:
+            child = getattr(module, target, None)
+            if isinstance(child, nn.Linear):
+                found[f"{name}.{target}" if name else target] = (module, target, child)
+    missing = set(cfg.targets) - {target for _, target, _ in found.values()}
+    if missing:
+        raise ValueError(
+            f"lora.targets: the model has no {sorted(missing)} projection (an MoE model's experts are not)"
+        )
+    return found
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Freeze `model` and wrap its target projections in adapters (in place); returns it."""
     model.requires_grad_(False)
-    wrapped = set()
-    for module in list(model.modules()):
-        for target in cfg.targets:
-            child = getattr(module, target, None)
-            if isinstance(child, nn.Linear):
-                setattr(module, target, LoRALinear(child, cfg))
-                wrapped.add(target)
-    missing = set(cfg.targets) - wrapped
-    if missing:
-        raise ValueError(
-            f"lora.targets: the model has no {sorted(missing)} projection (an MoE model's experts are not)"
-        )
+    for module, target, child in target_projections(model, cfg).values():
+        setattr(module, target, LoRALinear(child, cfg))
     return model
+
+
+def check_adapter_fits(where: str, adapter: dict[str, torch.Tensor], model: nn.Module, cfg: LoraConfig) -> None:
+    """An adapter file's tensors against the model they adapt (not yet wrapped): exactly an A
+    (rank, in) and a B (out, rank) for each target projection, each a finite float."""
+    shapes = {}
+    for prefix, (_, _, linear) in target_projections(model, cfg).items():
+        shapes[f"{prefix}.lora_a"] = (cfg.rank, linear.in_features)
+        shapes[f"{prefix}.lora_b"] = (linear.out_features, cfg.rank)
+    if set(adapter) != set(shapes):
+        raise ValueError(
+            f"adapter {where} does not fit its base: missing {sorted(set(shapes) - set(adapter))[:4]}, "
+            f"unexpected {sorted(set(adapter) - set(shapes))[:4]}"
+        )
+    for name, shape in shapes.items():
+        if tuple(adapter[name].shape) != shape:
+            raise ValueError(f"adapter {where}: {name} has shape {tuple(adapter[name].shape)}, not {shape}")
+    for name, t in adapter.items():
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"adapter {where}: {name} is {t.dtype}; adapters are float32, bfloat16 or float16")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"adapter {where}: {name} holds NaN or infinite values")
 
 
 def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

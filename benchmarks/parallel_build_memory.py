@@ -1,10 +1,11 @@
-"""Peak memory of building a model-parallel engine: a model built on the meta device, each rank
-materialising only its part (train/meta_init.py, what `lmfoundry pretrain` does at TP > 1 or
-PP > 1), against the same model built whole on every rank and then split.
+"""Peak memory of building a model-parallel or ZeRO-3 engine: a model built on the meta device,
+each rank materialising only its part (train/meta_init.py, what `lmfoundry pretrain` does at
+TP > 1, PP > 1 or ZeRO-3), against the same model built whole on every rank and then split.
 
 Gloo processes, fp32, a model of about 180M parameters (714 MiB of weights, untied head): TP 2
 (vocabulary- and sequence-parallel) under ZeRO 0 and 1, PP 2 and TP 2 x PP 2 (sequence-parallel;
-4 processes) under ZeRO 1. Each rank's
+4 processes) under ZeRO 1, and 2 and 8 data-parallel ranks under ZeRO-3 (each parameter
+partitioned as it gets its value; a whole build is partitioned inside the optimizer's set-up). Each rank's
 figures are the rise of its resident set from before the model exists to the start of
 DeepSpeed's optimizer set-up (the model built, split and placed) and to the end of
 `deepspeed.initialize` (ZeRO's buffers on top: on a GPU those are the GPU's, while the build is
@@ -34,16 +35,18 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SEQ_LEN = 256
 MIB = 2**20
 BUILDS = {"meta": "meta device, own part materialised", "whole": "whole on every rank, then split"}
-# name: (tensor parallel, pipeline stages, ZeRO stage)
+# name: (tensor parallel, pipeline stages, ZeRO stage, workers)
 LAYOUTS = {
-    "TP 2, ZeRO-0": (2, 1, 0),
-    "TP 2, ZeRO-1": (2, 1, 1),
-    "PP 2, ZeRO-1": (1, 2, 1),
-    "TP 2 x PP 2, ZeRO-1": (2, 2, 1),
+    "TP 2, ZeRO-0": (2, 1, 0, 2),
+    "TP 2, ZeRO-1": (2, 1, 1, 2),
+    "PP 2, ZeRO-1": (1, 2, 1, 2),
+    "TP 2 x PP 2, ZeRO-1": (2, 2, 1, 4),
+    "DP 2, ZeRO-3": (1, 1, 3, 2),
+    "DP 8, ZeRO-3": (1, 1, 3, 8),
 }
 
 
-def config(tp: int, pp: int, zero_stage: int) -> PretrainConfig:
+def config(tp: int, pp: int, zero_stage: int, workers: int) -> PretrainConfig:
     model = ModelConfig(
         vocab_size=32000,
         max_seq_len=SEQ_LEN,
@@ -59,14 +62,14 @@ def config(tp: int, pp: int, zero_stage: int) -> PretrainConfig:
         output="-",
         model=model,
         parallelism={
-            "num_workers": tp * pp,
+            "num_workers": workers,
             "tensor_parallel_size": tp,
             "pipeline_parallel_size": pp,
             "zero_stage": zero_stage,
             "sequence_parallel": tp > 1,
             "vocab_parallel": tp > 1 and pp == 1,
         },
-        batch={"micro_batch_size": 1, "global_batch_tokens": SEQ_LEN * 2},
+        batch={"micro_batch_size": 1, "global_batch_tokens": SEQ_LEN * workers},
         schedule={"max_steps": 2, "warmup_steps": 1},
     )
 
@@ -75,8 +78,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     started = time.time()
     rows = []
-    for layout, (tp, pp, stage) in LAYOUTS.items():
-        cfg = config(tp, pp, stage)
+    for layout, shape in LAYOUTS.items():
+        cfg = config(*shape)
         for way, ranks in build_both_ways(cfg, SEQ_LEN).items():
             rows.append(
                 {
@@ -123,7 +126,7 @@ def main() -> None:
                 ),
                 "model": model.model_dump(),
                 "layouts": {
-                    name: dict(zip(("tensor_parallel", "pipeline_stages", "zero_stage"), v))
+                    name: dict(zip(("tensor_parallel", "pipeline_stages", "zero_stage", "workers"), v))
                     for name, v in LAYOUTS.items()
                 },
                 "rows": rows,

@@ -90,16 +90,19 @@ def test_a_sequence_that_does_not_split_evenly_over_the_group_is_refused_by_name
         _check_splits(63, 2)
 
 
-@pytest.mark.parametrize("layout", ["TP 2, untied, from a checkpoint", "TP 2 x PP 2, tied"])
+@pytest.mark.parametrize(
+    "layout", ["TP 2, untied, from a checkpoint", "TP 2 x PP 2, tied", "DP 2, ZeRO-3, untied, from a checkpoint"]
+)
 def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_parts(
     deepspeed_processes, layout, tmp_path
 ):
     # each rank holds bitwise what the same rank holds when the model is built whole and split:
     # at TP 2, continuing from a checkpoint's weights (vocabulary and sequence parallel, untied:
     # the embedding split before the engine, the head and the column and row layers and the
-    # column layers' biases by AutoTP, the norms whole), and at TP 2 x PP 2 from new initial
+    # column layers' biases by AutoTP, the norms whole), at TP 2 x PP 2 from new initial
     # values (each stage's layers split over 2 ranks by AutoTP inside the engine, the rest given
-    # at the stage's placement, the tied embedding on the first and the last)
+    # at the stage's placement, the tied embedding on the first and the last), and under ZeRO-3
+    # (each parameter partitioned as it is read from the checkpoint; compared gathered whole)
     from harness.model_parallel import SEQ_LEN, small_config
     from harness.parallel_build import build_both_ways
 
@@ -107,8 +110,12 @@ def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_
     from lmfoundry.model.transformer import Transformer
 
     start = None
-    if layout.startswith("TP 2, untied"):
-        cfg = small_config(2, 1, 2, sequence_parallel=True, vocab_parallel=True, tied=False)
+    if "from a checkpoint" in layout:
+        if layout.startswith("DP 2, ZeRO-3"):
+            cfg = small_config(1, 1, 2, tied=False)
+            cfg = cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(update={"zero_stage": 3})})
+        else:
+            cfg = small_config(2, 1, 2, sequence_parallel=True, vocab_parallel=True, tied=False)
         trained = Transformer(cfg.model)
         with torch.no_grad():
             for p in trained.parameters():
@@ -123,7 +130,13 @@ def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_
         assert meta.keys() == whole.keys()
         for name in whole:
             assert meta[name].shape == whole[name].shape and torch.equal(meta[name], whole[name]), (rank, name)
-    if start is not None:  # split, not whole
+    if "ZeRO-3" in layout:  # each rank holds half of every partitioned parameter; gathered, the checkpoint's
+        for rank in (0, 1):
+            report = built["meta"][rank]
+            assert report["rank_parameter_bytes"] < 0.6 * report["model_bytes"]
+            for name, value in trained.state_dict().items():
+                assert torch.equal(report["parameters"][name], value), name
+    elif start is not None:  # split, not whole
         for rank in (0, 1):
             parameters = built["meta"][rank]["parameters"]
             assert parameters["embed.weight"].shape[0] == 48 and parameters["lm_head.weight"].shape[0] == 48

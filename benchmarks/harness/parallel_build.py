@@ -56,13 +56,21 @@ def _worker(
             DeepSpeedEngine._configure_optimizer = original
         peak = _rss_bytes("VmHWM") - before
         params = dict(engine.module.named_parameters())
+        # a ZeRO-3 parameter's own tensor is empty: this rank's part is its ds_tensor
+        held = {name: getattr(p, "ds_tensor", None) if hasattr(p, "ds_id") else p for name, p in params.items()}
+        kept = None
+        if keep:
+            from deepspeed import zero
+
+            with zero.GatheredParameters(list(params.values())):  # whole under ZeRO-3, else as they are
+                kept = {name: p.detach().clone() for name, p in params.items()}
         results[rank] = {
             "peak_rise_bytes": peak,
             "peak_rise_before_optimizer_bytes": seen["before_optimizer"],
             "model_bytes": whole_bytes,
             "largest_parameter_bytes": largest,
-            "rank_parameter_bytes": sum(p.numel() * p.element_size() for p in params.values()),
-            "parameters": {name: p.detach().clone() for name, p in params.items()} if keep else None,
+            "rank_parameter_bytes": sum(p.numel() * p.element_size() for p in held.values()),
+            "parameters": kept,
         }
     finally:
         dist.destroy_process_group()

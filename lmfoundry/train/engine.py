@@ -209,10 +209,11 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
     # a model built on the meta device (train/meta_init.py): its whole initial values are read
     # off it before anything splits it. What AutoTP leaves whole gets its values before
     # `initialize` (a pipeline's stage: when DeepSpeed places it, in its constructor), what
-    # AutoTP splits inside `initialize`, after the split
+    # AutoTP splits inside `initialize`, after the split; under ZeRO-3 each is partitioned as it
+    # gets its value, before `initialize`
     on_meta = meta_init.has_meta_parameters(model)
     values = model.initial_values() if on_meta else None
-    model_name = None
+    model_name, groups = None, None
     if pp > 1:
         from lmfoundry.train.pipeline_parallel import pipeline_module, share_groups_with_tensor_parallelism
 
@@ -224,7 +225,12 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
     else:
         if cfg.parallelism.splits_vocabulary:  # an untied embedding, before the optimizer is built over its rows
             tensor_parallel.split_embedding_by_vocabulary(model, tp)
-        if on_meta:  # before AutoTP hooks the gradients of some of it
+        if on_meta and cfg.parallelism.zero_stage == 3:
+            groups = param_groups(model, cfg.optimizer.weight_decay)  # while the parameters have their shapes
+            meta_init.partition_as_built(model, values, ds_config)
+            model.reset_buffers()
+            on_meta = False  # nothing left for the engine to materialise
+        elif on_meta:  # before AutoTP hooks the gradients of some of it
             vocab = cfg.parallelism.splits_vocabulary
             meta_init.materialize(model, values, leave=lambda name: tensor_parallel.autotp_splits(name, vocab))
             model.reset_buffers()
@@ -232,7 +238,7 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
     with placing:
         engine, _, _, scheduler = deepspeed.initialize(
             model=model,
-            model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+            model_parameters=groups if groups is not None else param_groups(model, cfg.optimizer.weight_decay),
             config=ds_config,
             lr_scheduler=client_scheduler,
         )

@@ -1,4 +1,4 @@
-"""A model-parallel model built without any rank ever holding the whole of it.
+"""A model-parallel or ZeRO-3 model built without any rank ever holding the whole of it.
 
 A model built whole on every rank and then split costs each rank the whole model's memory first:
 280 GB of fp32 weights per worker for a 70B model, whatever its tensor-parallel size. Instead the
@@ -14,8 +14,10 @@ same partition code that cuts a whole build:
 - inside it, the weights AutoTP splits (its layers keep a meta tensor on the meta device), at the
   start of `_configure_distributed_model`: after the split, before the model is placed on its
   device and before the optimizer is built over it.
+Under ZeRO-3 (`partition_as_built`) each parameter gets its whole value and is at once
+partitioned by DeepSpeed, one at a time, before `deepspeed.initialize`.
 A rank's peak while building is its part plus the largest split parameter whole and cut (at
-TP 2, 565 MiB against 786 MiB for a whole build of a 714 MiB model:
+TP 2, 564 MiB against 786 MiB for a whole build of a 714 MiB model:
 benchmarks/parallel_build_memory.py), and its weights are bitwise those of the same rank's part
 of a whole build (tests/test_model_parallel.py).
 
@@ -85,12 +87,43 @@ def materialize(
                     _fill(p, values[names[id(p)]]())
 
 
-def _fill(meta: torch.nn.Parameter, value: torch.Tensor) -> None:
+def partition_as_built(model: torch.nn.Module, values: dict[str, Callable[[], torch.Tensor]], ds_config: dict) -> None:
+    """ZeRO-3 without the whole model on any rank: each meta parameter of `model` is given its
+    whole value (in the engine's training dtype) and partitioned over the data-parallel ranks at
+    once, one parameter at a time, so a rank holds its partitions plus one whole parameter (and
+    the broadcast of it that `zero.Init` makes from rank 0). It is the conversion
+    `deepspeed.initialize` applies to a model built whole (`zero.Init(module=...)`, same
+    config), fed one materialised parameter at a time; `initialize` then finds every parameter
+    partitioned, as after a build inside `zero.Init`. Take the optimizer's parameter groups
+    before: a partitioned parameter's own shape is empty."""
+    import deepspeed
+
+    dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else None
+    dtype = torch.float16 if ds_config.get("fp16", {}).get("enabled") else dtype
+    names = {id(p): name for name, p in model.named_parameters()}  # a tied weight by its first name
+
+    class OneAtATime(torch.nn.Module):
+        """What `zero.Init` converts: the model's parameters, each materialised as it is reached
+        (zero.Init partitions one before it asks for the next)."""
+
+        def parameters(self, recurse: bool = True):
+            for p in model.parameters():
+                if p.is_meta:
+                    _fill(p, values[names[id(p)]](), dtype)
+                yield p
+
+    deepspeed.init_distributed()  # over torch's process group: the config counts the world from it
+    deepspeed.zero.Init(module=OneAtATime(), config_dict_or_path=ds_config)
+    if has_meta_parameters(model):
+        raise RuntimeError("zero.Init left parameters on the meta device")
+
+
+def _fill(meta: torch.nn.Parameter, value: torch.Tensor, dtype: torch.dtype | None = None) -> None:
     """`meta` holds `value` from now on, the same Python object: the optimizer's parameter
     groups, the engine and the split layers all refer to it (a meta tensor's data cannot be set
     to a tensor on another device, so the two objects' contents are swapped), and it keeps the
     attributes DeepSpeed gave it (the universal checkpoint's description of its split)."""
-    real = torch.nn.Parameter(value.detach().to(meta.dtype), requires_grad=meta.requires_grad)
+    real = torch.nn.Parameter(value.detach().to(dtype or meta.dtype), requires_grad=meta.requires_grad)
     real.__dict__.update(meta.__dict__)
     torch.utils.swap_tensors(meta, real)
 

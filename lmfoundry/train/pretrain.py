@@ -37,12 +37,12 @@ PREFETCH_MICRO_BATCHES = 4  # read ahead of the step on a thread, as Ray Data's 
 def build_model(cfg: PretrainConfig, start_dir: str | None = None) -> Transformer:
     """The model, the same on every rank (same seed, or the weights of the checkpoint in
     `start_dir`), its experts sharded for expert parallelism. A model split by tensor or pipeline
-    parallelism is built on the meta device, new or from a checkpoint's weights (an adapter's
-    merged into its base's one tensor at a time): each rank materialises only its part when the
-    engine is built (train/meta_init.py)."""
+    parallelism or partitioned by ZeRO-3 is built on the meta device, new or from a checkpoint's
+    weights (an adapter's merged into its base's one tensor at a time): each rank materialises
+    only its part when the engine is built (train/meta_init.py)."""
     torch.manual_seed(cfg.seed)
     par = cfg.parallelism
-    split = par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1
+    split = par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1 or par.zero_stage == 3
     if start_dir is not None:
         model = load_model_on_meta(start_dir) if split else load_model_files(start_dir).train()
     elif split:

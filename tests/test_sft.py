@@ -329,3 +329,37 @@ def test_freeze_that_is_not_a_short_list_of_patterns_is_refused(tmp_path, bad):
     with pytest.raises(ValueError, match="freeze"):
         SFTConfig(checkpoint="c", data="d.jsonl", output=str(tmp_path / "o"), freeze=bad)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("wrapped", ["lora", "untied head, frozen"])
+def test_a_zero3_start_on_the_meta_device_reads_each_parameter_from_the_checkpoint_by_its_new_name(tmp_path, wrapped):
+    # under ZeRO-3 the SFT model is built on the meta device and each parameter read from the
+    # checkpoint when the engine partitions it: an adapted projection's base weight and an
+    # untied head find the checkpoint's tensors they start from; the adapters are not read
+    from lmfoundry.model.checkpoint import load_model_files, load_model_on_meta, save_model_files
+    from lmfoundry.model.lora import LoraConfig, apply_lora
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.sft import freeze, values_after_wrapping
+
+    cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layer=2, d_model=16, n_head=2, n_kv_head=1, attention_bias=True)
+    save_model_files(Transformer(cfg), tmp_path)
+    whole = load_model_files(tmp_path)
+    model = load_model_on_meta(tmp_path)
+    loaded = model.initial_values()
+    if wrapped == "lora":
+        apply_lora(model, LoraConfig(rank=2, targets=["wq", "wo"]))
+        apply_lora(whole, LoraConfig(rank=2, targets=["wq", "wo"]))
+    else:
+        model.untie_head()
+        whole.untie_head()
+        freeze(model, ["lm_head.weight"])
+    values = values_after_wrapping(model, loaded)
+    meta = {name for name, p in model.named_parameters() if p.is_meta}
+    assert set(values) == meta and meta
+    expected = dict(whole.named_parameters())
+    for name in meta:
+        assert torch.equal(values[name](), expected[name]), name
+    if wrapped == "lora":
+        assert "blocks.0.attn.wq.base.bias" in values and not any("lora_" in name for name in values)
+    else:
+        assert torch.equal(values["lm_head.weight"](), expected["embed.weight"])

@@ -205,6 +205,7 @@ class DPOObjective:
     seq_len = 1  # the batch counts pairs
     tokens_per_step = flops_per_token = None
     adapter = None  # trains every weight
+    initial_values = None  # built whole
 
     def __init__(self, cfg: DPOConfig, start_dir: str, rank: int, world: int):
         self.cfg, self.rank, self.world = cfg, rank, world

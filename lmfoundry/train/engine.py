@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -193,8 +194,15 @@ def prepare_deepspeed() -> None:
     start_deepspeed_without_inference_op()
 
 
-def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict):
-    """`model` in a DeepSpeed engine that checkpoints asynchronously. Returns engine and scheduler."""
+def build_engine(
+    model: torch.nn.Module,
+    cfg: TrainStageConfig,
+    ds_config: dict,
+    values: dict[str, Callable[[], torch.Tensor]] | None = None,
+):
+    """`model` in a DeepSpeed engine that checkpoints asynchronously. Returns engine and scheduler.
+    `values`: the initial values of a model built on the meta device, by its parameters' names
+    (default: its own `initial_values()`)."""
     import deepspeed
 
     from lmfoundry.train.snapshot import SnapshotCheckpointEngine  # DeepSpeed's: imported with it
@@ -212,7 +220,8 @@ def build_engine(model: torch.nn.Module, cfg: TrainStageConfig, ds_config: dict)
     # AutoTP splits inside `initialize`, after the split; under ZeRO-3 each is partitioned as it
     # gets its value, before `initialize`
     on_meta = meta_init.has_meta_parameters(model)
-    values = model.initial_values() if on_meta else None
+    if on_meta and values is None:
+        values = model.initial_values()
     model_name, groups = None, None
     if pp > 1:
         from lmfoundry.train.pipeline_parallel import pipeline_module, share_groups_with_tensor_parallelism

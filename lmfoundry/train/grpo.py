@@ -188,6 +188,7 @@ class RolloutWorker:
 class GRPOObjective:
     kind = "grpo"
     adapter = None  # trains every weight
+    initial_values = None  # built whole
     seq_len = 1  # the batch counts problems
     tokens_per_step = flops_per_token = None
 

@@ -4,7 +4,7 @@ and DPO (train/dpo.py) are objectives; a reward model would be another."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -23,6 +23,9 @@ class Objective(Protocol):
     chat_template: str  # saved with every checkpoint: serving and export read it
     special_tokens: str | None  # special_tokens.json of an imported model, saved with every checkpoint
     adapter: AdapterRef | None  # a LoRA run's adapter settings and base: checkpoints hold the adapter only
+    # a model built on the meta device: its parameters' initial values by their names (None: the
+    # model's own `initial_values()`)
+    initial_values: dict[str, Callable[[], torch.Tensor]] | None
 
     def attach(self, engine) -> None:
         """Called once the engine is built (e.g. to move a reference model to its device)."""

@@ -65,6 +65,7 @@ class PretrainObjective:
     chat_template = DEFAULT_CHAT_TEMPLATE
     special_tokens = None  # its tokenizer is pack's, with lmfoundry's special tokens, unless init_from says otherwise
     adapter = None  # trains every weight
+    initial_values = None  # a meta-built model's are its own
 
     def __init__(
         self, cfg: PretrainConfig, seq_len: int, tokenizer_json: str, layout: SplitLayout, rank: int, world: int

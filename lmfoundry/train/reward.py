@@ -221,6 +221,7 @@ def reward_model(start_dir: str) -> Transformer:
 class RewardObjective:
     kind = "reward"
     adapter = None  # trains every weight
+    initial_values = None  # built whole
     seq_len = 1  # the batch counts examples
     tokens_per_step = flops_per_token = None
 

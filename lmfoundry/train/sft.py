@@ -37,9 +37,16 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, StringConstraints, model_validator
 
-from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS, base_sha256, load_model_files
+from lmfoundry.model.checkpoint import (
+    MODEL_CONFIG,
+    TOKENIZER,
+    WEIGHTS,
+    base_sha256,
+    load_model_files,
+    load_model_on_meta,
+)
 from lmfoundry.model.flops import train_flops_per_token
-from lmfoundry.model.lora import ADAPTER_WEIGHTS, AdapterRef, LoraConfig, apply_lora
+from lmfoundry.model.lora import ADAPTER_WEIGHTS, AdapterRef, LoraConfig, LoRALinear, apply_lora
 from lmfoundry.model.transformer import ModelConfig, build_on_meta
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.config import StageConfig
@@ -108,6 +115,20 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
+
+
+def values_after_wrapping(model: torch.nn.Module, loaded: dict) -> dict:
+    """The loaded checkpoint's values of the parameters still on the meta device, by their names
+    after adapters and an untied head changed them: an adapted projection's weight and bias are
+    its base's (`X.base.weight` was `X.weight`), an untied head starts as the embedding."""
+    renamed = {}
+    for path, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            for attr, _ in module.base.named_parameters(recurse=False):
+                renamed[f"{path}.base.{attr}"] = f"{path}.{attr}"
+    if "lm_head.weight" not in loaded:  # tied in the checkpoint
+        renamed["lm_head.weight"] = "embed.weight"
+    return {name: loaded[renamed.get(name, name)] for name, p in model.named_parameters() if p.is_meta}
 
 
 def check_model_settings(cfg: SFTConfig, model_cfg: dict) -> None:
@@ -233,7 +254,11 @@ class SFTObjective:
     ):
         self.cfg, self.rank, self.world, self.adapter = cfg, rank, world, adapter
         torch.manual_seed(cfg.seed)
-        self.model = load_model_files(start_dir).train()
+        # under ZeRO-3 no worker holds the whole model: built on the meta device, each parameter
+        # read from the checkpoint and partitioned in turn when the engine is built
+        on_meta = cfg.parallelism.zero_stage == 3
+        self.model = load_model_on_meta(start_dir) if on_meta else load_model_files(start_dir).train()
+        loaded = self.model.initial_values() if on_meta else None  # by the checkpoint's names
         self.teacher = None
         if cfg.distill is not None:  # frozen: no gradients, no optimizer state, not in checkpoints
             self.teacher = load_model_files(teacher_dir).eval().requires_grad_(False)
@@ -246,6 +271,7 @@ class SFTObjective:
         if cfg.untie_embeddings:
             self.model.untie_head()
         freeze(self.model, cfg.freeze)
+        self.initial_values = None if loaded is None else values_after_wrapping(self.model, loaded)
         self.num_params = self.model.num_params()
         self.packed, _ = prepare(cfg.data, start_dir, self.seq_len)
         self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()

@@ -272,6 +272,29 @@ def test_pack_tokenizes_with_an_imported_checkpoints_tokenizer_and_eos(tmp_path)
         checkpoint_tokenizer(str(tmp_path / "nothing"))
 
 
+def test_a_checkpoints_tokenizer_over_its_size_limit_is_refused_unread(tmp_path, monkeypatch):
+    # a crafted checkpoint (a manifest that vouches for a huge tokenizer.json or config) is
+    # refused by size before the file is read, whatever its manifest says
+    from transformers import LlamaConfig
+
+    from lmfoundry.model import tokenizer
+    from lmfoundry.platform import storage
+
+    src = build_hf(tmp_path / "hf", LlamaConfig(**SMALL), "")
+    assert import_main(["hf", str(src), str(tmp_path / "ours")]) == 0
+    text = (tmp_path / "ours" / TOKENIZER).read_text()
+    reads = []
+    monkeypatch.setattr(storage, "read_bytes", lambda path, read=storage.read_bytes: reads.append(path) or read(path))
+    monkeypatch.setattr(tokenizer, "MAX_TOKENIZER_BYTES", len(text.encode()) - 1)
+    with pytest.raises(ValueError, match=f"tokenizer.json is {len(text.encode()):,} bytes; at most"):
+        tokenizer.checkpoint_tokenizer(str(tmp_path / "ours"))
+    assert not any(path.endswith(TOKENIZER) for path in reads)
+    monkeypatch.setattr(tokenizer, "MAX_TOKENIZER_BYTES", 64 << 20)
+    monkeypatch.setattr(tokenizer, "MAX_TEXT_FILE_BYTES", 10)
+    with pytest.raises(ValueError, match="bytes; at most 10 allowed"):
+        tokenizer.checkpoint_tokenizer(str(tmp_path / "ours"))
+
+
 def test_the_import_commands_help_names_every_family_the_importer_takes():
     from lmfoundry.jobs import import_model
     from lmfoundry.model import hf_import

@@ -472,7 +472,6 @@ NAME_PIECE = re.compile(r"[a-z]{1,6}")  # a lowercase word piece a name is made 
 LETTER_DEALS = 8  # a single letter is in the deck this many times: what a tokenizer falls back to between pieces
 NAME_CHARS = 12  # at most, so that every intent's query fits a tool call's 64-character string
 DRAWS = 20
-TOKENIZER_BYTES = 64 * 2**20
 
 
 def read_tokenizer(path: str):
@@ -480,15 +479,15 @@ def read_tokenizer(path: str):
     whose tokenizer is read checked against its manifest (model/tokenizer.checkpoint_tokenizer)."""
     from tokenizers import Tokenizer
 
-    from lmfoundry.model.tokenizer import checkpoint_tokenizer
+    from lmfoundry.model.tokenizer import MAX_TOKENIZER_BYTES, checkpoint_tokenizer
 
     uri = storage.normalize(path)
     if uri.endswith(".json"):
         if not storage.exists(uri):
             raise ValueError(f"name_pieces={path!r}: no tokenizer at {uri} (give a tokenizer.json or a checkpoint)")
-        if (size := storage.size(uri)) > TOKENIZER_BYTES:  # before reading it
+        if (size := storage.size(uri)) > MAX_TOKENIZER_BYTES:  # before reading it
             raise ValueError(
-                f"name_pieces={path!r}: {uri} is {size:,} bytes; a tokenizer here is at most {TOKENIZER_BYTES:,}"
+                f"name_pieces={path!r}: {uri} is {size:,} bytes; a tokenizer here is at most {MAX_TOKENIZER_BYTES:,}"
             )
         text = storage.read_bytes(uri).decode("utf-8", errors="replace")
     else:

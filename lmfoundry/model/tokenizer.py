@@ -91,10 +91,16 @@ def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
     return lengths
 
 
+# The most a checkpoint's tokenizer.json may hold (a real one is 2 to 35 MB: Llama 3's 9 MB,
+# Gemma 3's 33 MB), and its other text files (the special tokens, the model config).
+MAX_TOKENIZER_BYTES = 64 << 20
+MAX_TEXT_FILE_BYTES = 1 << 20
+
+
 def checkpoint_tokenizer(uri: str) -> tuple[str, int, int]:
     """The tokenizer.json text, end-of-sequence id and vocabulary size (the model's, which may
-    exceed the tokenizer's) of a checkpoint, each file read checked against the manifest; the
-    weights are neither read nor downloaded."""
+    exceed the tokenizer's) of a checkpoint, each file read checked against the manifest and
+    refused unread over its size limit; the weights are neither read nor downloaded."""
     from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER
     from lmfoundry.platform import checkpoint, storage
 
@@ -104,7 +110,10 @@ def checkpoint_tokenizer(uri: str) -> tuple[str, int, int]:
     def read(name: str) -> str | None:
         if name not in files:
             return None
-        data = storage.read_bytes(storage.join(ckpt, name))
+        path, cap = storage.join(ckpt, name), MAX_TOKENIZER_BYTES if name == TOKENIZER else MAX_TEXT_FILE_BYTES
+        if (size := max(storage.size(path), files[name]["bytes"])) > cap:  # before reading it
+            raise ValueError(f"checkpoint {ckpt}: {name} is {size:,} bytes; at most {cap:,} allowed")
+        data = storage.read_bytes(path)
         if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
             raise ValueError(f"checkpoint {ckpt}: {name} does not match its checksum (corrupt)")
         return data.decode()

@@ -363,3 +363,38 @@ def test_a_zero3_start_on_the_meta_device_reads_each_parameter_from_the_checkpoi
         assert "blocks.0.attn.wq.base.bias" in values and not any("lora_" in name for name in values)
     else:
         assert torch.equal(values["lm_head.weight"](), expected["embed.weight"])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_keep_unseen_token_rows_trains_only_the_rows_of_tokens_the_data_holds(tied):
+    # Adam would move every row of the head (each unseen token's a little, all the same way);
+    # with the rows of unseen tokens' gradients zeroed they stay bitwise, the rest train
+    import numpy as np
+
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.sft import SFTConfig, keep_unseen_token_rows
+
+    torch.manual_seed(0)
+    model = Transformer(
+        ModelConfig(vocab_size=64, max_seq_len=16, n_layer=1, d_model=16, n_head=2, n_kv_head=1, tie_embeddings=tied)
+    )
+    data = np.random.default_rng(0).permutation(np.arange(36) % 20).reshape(4, 9)  # tokens 0-19, each
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    kept = keep_unseen_token_rows(model, data, "cpu")
+    assert kept == ({"embed.weight": 44} if tied else {"embed.weight": 44, "lm_head.weight": 44})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    tokens = torch.from_numpy(data)
+    for _ in range(3):
+        logits = model(tokens[:, :-1])
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name in kept:
+        now = dict(model.named_parameters())[name]
+        assert torch.equal(now[20:], start[name][20:]), name  # unseen: as they started
+        assert not torch.equal(now[:20], start[name][:20]), name  # seen: trained
+    with pytest.raises(ValueError, match="keep_unseen_token_rows: a LoRA run"):
+        SFTConfig(checkpoint="c", data="d.jsonl", output="o", keep_unseen_token_rows=True, lora={"rank": 4})
+    with pytest.raises(ValueError, match="keep_unseen_token_rows with zero_stage=3"):
+        SFTConfig(checkpoint="c", data="d.jsonl", output="o", keep_unseen_token_rows=True, parallelism={"zero_stage": 3})

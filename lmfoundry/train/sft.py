@@ -117,6 +117,29 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
             param.requires_grad_(False)
 
 
+def keep_unseen_token_rows(model: torch.nn.Module, tokens: np.ndarray, device) -> dict[str, int]:
+    """Zero the gradient of the embedding's and the output head's rows of the tokens that
+    `tokens` (the packed training rows) never hold, so that those rows stay as the starting model
+    has them: AdamW moves no weight whose gradients are all zero but for weight decay, which the
+    embedding (and so a tied head) does not take; an untied head's kept rows decay. Without it, every step's softmax pushes each such row of the head away from the
+    hidden states, all of them the same way, and Adam makes each small push a full step: after
+    1,000 steps of the agent recipe they point nearly one way (benchmarks/agent_sft.py), and a
+    token that only a held-out name holds can no longer be written. Returns the count of rows
+    kept per table."""
+    seen = torch.zeros(model.embed.weight.shape[0], dtype=torch.bool)
+    seen[torch.from_numpy(np.unique(tokens))] = True
+    unseen = (~seen).nonzero().flatten().to(device)
+    kept, hooked = {}, []
+    for name, weight in (("embed.weight", model.embed.weight), ("lm_head.weight", model.lm_head.weight)):
+        # a table frozen whole needs nothing; a tied head is the embedding's weight, hooked once
+        if weight.requires_grad and not any(weight is w for w in hooked):
+            weight.register_hook(lambda grad: grad.index_fill(0, unseen, 0.0))
+            hooked.append(weight)
+            kept[name] = len(unseen)
+    logger.info("keep_unseen_token_rows: %s rows kept as they start", kept)
+    return kept
+
+
 def values_after_wrapping(model: torch.nn.Module, loaded: dict) -> dict:
     """The loaded checkpoint's values of the parameters still on the meta device, by their names
     after adapters and an untied head changed them: an adapted projection's weight and bias are
@@ -172,6 +195,13 @@ class SFTConfig(TrainStageConfig):
         "(freeze ['lm_head.weight'] then keeps the starting model's output rows while the input embedding trains)",
     )
 
+    keep_unseen_token_rows: bool = Field(
+        False,
+        description="the embedding and output-head rows of tokens the training data never holds stay "
+        "as the starting model has them (their gradients are zeroed; an untied head's still take weight "
+        "decay); the other rows train",
+    )
+
     @model_validator(mode="after")
     def _check(self):
         self.batch.accumulation(self.parallelism.num_workers)
@@ -182,6 +212,13 @@ class SFTConfig(TrainStageConfig):
         if self.untie_embeddings and self.lora is not None:
             raise ValueError(
                 "untie_embeddings: a LoRA run's checkpoint is its base plus adapters, which keeps the base tied"
+            )
+        if self.keep_unseen_token_rows and self.lora is not None:
+            raise ValueError("keep_unseen_token_rows: a LoRA run trains no embedding or head rows")
+        if self.keep_unseen_token_rows and self.parallelism.zero_stage == 3:
+            raise ValueError(
+                "keep_unseen_token_rows with zero_stage=3: the rows are kept by a gradient hook on the "
+                "whole table, which ZeRO-3 partitions; use zero_stage 0-2"
             )
         return self
 
@@ -291,6 +328,8 @@ class SFTObjective:
         self.device = engine.device
         if self.teacher is not None:
             self.teacher.to(self.device)
+        if self.cfg.keep_unseen_token_rows:
+            keep_unseen_token_rows(engine.module, self.packed.tokens, self.device)
 
     def batches(self, epoch: int, skip: int):
         order = epoch_order(len(self.packed), self.cfg.seed, epoch)
@@ -450,6 +489,7 @@ def run_sft(cfg: SFTConfig) -> dict:
                 **({"lora": cfg.lora.model_dump(), "base_sha256": adapter_base[1]} if cfg.lora else {}),
                 **({"freeze": cfg.freeze} if cfg.freeze else {}),
                 **({"untie_embeddings": True} if cfg.untie_embeddings else {}),
+                **({"keep_unseen_token_rows": True} if cfg.keep_unseen_token_rows else {}),
                 "seed": cfg.seed,
                 "seconds": round(time.time() - started, 2),
                 **({"stopped_by_gate": stopped} if stopped and stopped.get("action") == "stop" else {}),

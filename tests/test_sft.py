@@ -397,4 +397,6 @@ def test_keep_unseen_token_rows_trains_only_the_rows_of_tokens_the_data_holds(ti
     with pytest.raises(ValueError, match="keep_unseen_token_rows: a LoRA run"):
         SFTConfig(checkpoint="c", data="d.jsonl", output="o", keep_unseen_token_rows=True, lora={"rank": 4})
     with pytest.raises(ValueError, match="keep_unseen_token_rows with zero_stage=3"):
-        SFTConfig(checkpoint="c", data="d.jsonl", output="o", keep_unseen_token_rows=True, parallelism={"zero_stage": 3})
+        SFTConfig(
+            checkpoint="c", data="d.jsonl", output="o", keep_unseen_token_rows=True, parallelism={"zero_stage": 3}
+        )

@@ -273,8 +273,8 @@ def test_pack_tokenizes_with_an_imported_checkpoints_tokenizer_and_eos(tmp_path)
 
 
 def test_a_checkpoints_tokenizer_over_its_size_limit_is_refused_unread(tmp_path, monkeypatch):
-    # a crafted checkpoint (a manifest that vouches for a huge tokenizer.json or config) is
-    # refused by size before the file is read, whatever its manifest says
+    # a crafted checkpoint (a manifest that vouches for a huge tokenizer.json or config, or a file
+    # larger than its manifest says) is refused without reading more than the limit
     from transformers import LlamaConfig
 
     from lmfoundry.model import tokenizer
@@ -282,16 +282,28 @@ def test_a_checkpoints_tokenizer_over_its_size_limit_is_refused_unread(tmp_path,
 
     src = build_hf(tmp_path / "hf", LlamaConfig(**SMALL), "")
     assert import_main(["hf", str(src), str(tmp_path / "ours")]) == 0
-    text = (tmp_path / "ours" / TOKENIZER).read_text()
+    original = (tmp_path / "ours" / TOKENIZER).read_bytes()
+    size = len(original)
     reads = []
-    monkeypatch.setattr(storage, "read_bytes", lambda path, read=storage.read_bytes: reads.append(path) or read(path))
-    monkeypatch.setattr(tokenizer, "MAX_TOKENIZER_BYTES", len(text.encode()) - 1)
-    with pytest.raises(ValueError, match=f"tokenizer.json is {len(text.encode()):,} bytes; at most"):
+    monkeypatch.setattr(
+        storage, "read_bytes", lambda path, limit=None, read=storage.read_bytes: reads.append(path) or read(path, limit)
+    )
+    monkeypatch.setattr(tokenizer, "MAX_TOKENIZER_BYTES", size - 1)
+    with pytest.raises(ValueError, match=f"tokenizer.json is {size:,} bytes; at most"):
         tokenizer.checkpoint_tokenizer(str(tmp_path / "ours"))
     assert not any(path.endswith(TOKENIZER) for path in reads)
-    monkeypatch.setattr(tokenizer, "MAX_TOKENIZER_BYTES", 64 << 20)
+    monkeypatch.setattr(tokenizer, "MAX_TOKENIZER_BYTES", size)
+    with open(tmp_path / "ours" / TOKENIZER, "ab") as f:  # grown past what the manifest vouched for
+        f.write(b" " * 10_000)
+    with pytest.raises(ValueError, match=f"tokenizer.json: .* holds more than {size:,} bytes"):
+        tokenizer.checkpoint_tokenizer(str(tmp_path / "ours"))
+    (tmp_path / "ours" / TOKENIZER).write_bytes(original)
     monkeypatch.setattr(tokenizer, "MAX_TEXT_FILE_BYTES", 10)
     with pytest.raises(ValueError, match="bytes; at most 10 allowed"):
+        tokenizer.checkpoint_tokenizer(str(tmp_path / "ours"))
+    # a manifest itself is read only up to its limit
+    monkeypatch.setattr(storage, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(ValueError, match="holds more than 100 bytes"):
         tokenizer.checkpoint_tokenizer(str(tmp_path / "ours"))
 
 

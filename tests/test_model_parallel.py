@@ -12,6 +12,8 @@ engine's: rank 0's half of the vocabulary). The tensor-parallel runs without a p
 activation traffic the planner counts (4 all-reduces a block; 1.25 times that with sequence
 parallelism)."""
 
+import math
+
 import pytest
 import torch
 from harness.model_parallel import compare_layouts
@@ -149,6 +151,25 @@ def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_
         assert not torch.equal(
             first["1.block.attn.wq.weight"], built["meta"][1]["parameters"]["1.block.attn.wq.weight"]
         )
+
+
+def test_a_zero3_bf16_build_on_the_meta_device_casts_the_adapters_and_places_the_buffers(deepspeed_processes, tmp_path):
+    # under ZeRO-3 the engine neither casts nor moves a model that is partitioned already: the
+    # build casts what it did not read from the checkpoint (an adapter, made on the CPU in fp32)
+    # and moves the rotary tables to the rank's device itself
+    from harness.model_parallel import small_config
+    from harness.parallel_build import zero3_bf16_adapter_build
+
+    from lmfoundry.model.checkpoint import save_model_files
+    from lmfoundry.model.transformer import Transformer
+
+    cfg = small_config(1, 1, 1)
+    cfg = cfg.model_copy(update={"parallelism": cfg.parallelism.model_copy(update={"zero_stage": 3})})
+    save_model_files(Transformer(cfg.model), tmp_path)
+    report = zero3_bf16_adapter_build(cfg, str(tmp_path))
+    assert report["partition_dtypes"] == ["torch.bfloat16"]
+    assert report["buffer_devices"] == [report["engine_device"]]
+    assert math.isfinite(report["loss"])
 
 
 def test_the_placement_patch_is_one_at_a_time_and_leaves_deepspeeds_class_as_it_was():

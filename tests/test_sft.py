@@ -366,37 +366,47 @@ def test_a_zero3_start_on_the_meta_device_reads_each_parameter_from_the_checkpoi
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_keep_unseen_token_rows_trains_only_the_rows_of_tokens_the_data_holds(tied):
+def test_keep_unseen_token_rows_trains_only_the_head_rows_of_tokens_the_data_holds(tied):
     # Adam would move every row of the head (each unseen token's a little, all the same way);
-    # with the rows of unseen tokens' gradients zeroed they stay bitwise, the rest train
+    # with the rows of unseen tokens' gradients zeroed they stay bitwise, the rest train. Tied,
+    # "seen" is any token of the rows (each trains its embedding as an input); untied, a token
+    # the assistant writes (the targets that count)
     import numpy as np
 
     from lmfoundry.model.transformer import ModelConfig, Transformer
-    from lmfoundry.train.sft import SFTConfig, keep_unseen_token_rows
+    from lmfoundry.train.sft import SFTConfig, hook_unseen_token_rows
+    from lmfoundry.train.sft_data import Packed
 
     torch.manual_seed(0)
     model = Transformer(
         ModelConfig(vocab_size=64, max_seq_len=16, n_layer=1, d_model=16, n_head=2, n_kv_head=1, tie_embeddings=tied)
     )
-    data = np.random.default_rng(0).permutation(np.arange(36) % 20).reshape(4, 9)  # tokens 0-19, each
+    tokens = np.random.default_rng(0).permutation(np.arange(36) % 20).reshape(4, 9)  # tokens 0-19, each
+    assistant = tokens < 12  # the assistant writes tokens 0-11
+    packed = Packed(tokens, assistant, np.zeros_like(tokens, dtype=np.int32))
     start = {name: p.detach().clone() for name, p in model.named_parameters()}
-    kept = keep_unseen_token_rows(model, data, "cpu")
-    assert kept == ({"embed.weight": 44} if tied else {"embed.weight": 44, "lm_head.weight": 44})
+    kept = hook_unseen_token_rows(model, packed, "cpu")
+    first_unseen = 20 if tied else 12
+    assert kept == ({"embed.weight": 44} if tied else {"lm_head.weight": 52})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    tokens = torch.from_numpy(data)
+    batch = torch.from_numpy(tokens)
     for _ in range(3):
-        logits = model(tokens[:, :-1])
+        logits = model(batch[:, :-1])
         logits = logits[0] if isinstance(logits, tuple) else logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
         optimizer.step()
         optimizer.zero_grad()
-    for name in kept:
-        now = dict(model.named_parameters())[name]
-        assert torch.equal(now[20:], start[name][20:]), name  # unseen: as they started
-        assert not torch.equal(now[:20], start[name][:20]), name  # seen: trained
-    with pytest.raises(ValueError, match="keep_unseen_token_rows: a LoRA run"):
-        SFTConfig(checkpoint="c", data="d.jsonl", output="o", keep_unseen_token_rows=True, lora={"rank": 4})
-    with pytest.raises(ValueError, match="keep_unseen_token_rows with zero_stage=3"):
-        SFTConfig(
-            checkpoint="c", data="d.jsonl", output="o", keep_unseen_token_rows=True, parallelism={"zero_stage": 3}
-        )
+    head = dict(model.named_parameters())["embed.weight" if tied else "lm_head.weight"]
+    name = "embed.weight" if tied else "lm_head.weight"
+    assert torch.equal(head[first_unseen:], start[name][first_unseen:])  # unseen: as they started
+    assert not torch.equal(head[:first_unseen], start[name][:first_unseen])  # seen: trained
+    frozen = Transformer(ModelConfig(vocab_size=64, max_seq_len=16, n_layer=1, d_model=16, n_head=2, n_kv_head=1))
+    frozen.requires_grad_(False)
+    assert hook_unseen_token_rows(frozen, packed, "cpu") == {}  # a frozen head: nothing to keep
+    for bad, message in [
+        ({"lora": {"rank": 4}}, "keep_unseen_token_rows: a LoRA run"),
+        ({"parallelism": {"zero_stage": 3}}, "keep_unseen_token_rows with zero_stage=3"),
+        ({"distill": {"teacher": "t"}}, "keep_unseen_token_rows with distill"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SFTConfig(checkpoint="c", data="d.jsonl", output="o", keep_unseen_token_rows=True, **bad)

@@ -86,3 +86,38 @@ def build_both_ways(
         way: spawn_ranks(_worker, (world, cfg.model_dump(), seq_len, way == "whole", keep_parameters, start), world)
         for way in ("meta", "whole")
     }
+
+
+def _zero3_bf16_adapter_worker(rank: int, port: int, raw: dict, start: str, results) -> None:
+    from lmfoundry.model.checkpoint import load_model_on_meta
+    from lmfoundry.model.lora import LoraConfig, apply_lora
+    from lmfoundry.train.engine import build_engine, deepspeed_config
+    from lmfoundry.train.sft import values_after_wrapping
+
+    start_rank(rank, 1, port)
+    try:
+        cfg = PretrainConfig.model_validate(raw)
+        model = load_model_on_meta(start)
+        loaded = model.initial_values()
+        apply_lora(model, LoraConfig(rank=2, targets=["wq"]))  # built on the CPU in fp32
+        ds_config = deepspeed_config(cfg, 1, cfg.model.max_seq_len, model.num_params())
+        ds_config["bf16"] = {"enabled": True}  # what a GPU run trains in
+        engine, _ = build_engine(model, cfg, ds_config, values_after_wrapping(model, loaded))
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 9))
+        loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
+        engine.backward(loss)
+        results[rank] = {
+            "partition_dtypes": sorted({str(p.ds_tensor.dtype) for p in engine.module.parameters()}),
+            "buffer_devices": sorted({str(b.device) for b in engine.module.buffers()}),
+            "engine_device": str(engine.device),
+            "loss": float(loss),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def zero3_bf16_adapter_build(cfg: PretrainConfig, start: str) -> dict:
+    """One ZeRO-3 rank in bf16 built on the meta device from the checkpoint at `start`, with a
+    LoRA adapter on the CPU, run through one forward and backward: the partitions' dtypes, the
+    buffers' devices, the engine's device and the loss."""
+    return spawn_ranks(_zero3_bf16_adapter_worker, (cfg.model_dump(), start), 1)[0]

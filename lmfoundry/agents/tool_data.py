@@ -485,11 +485,14 @@ def read_tokenizer(path: str):
     if uri.endswith(".json"):
         if not storage.exists(uri):
             raise ValueError(f"name_pieces={path!r}: no tokenizer at {uri} (give a tokenizer.json or a checkpoint)")
-        if (size := storage.size(uri)) > MAX_TOKENIZER_BYTES:  # before reading it
+        if (size := storage.size(uri) or 0) > MAX_TOKENIZER_BYTES:  # before reading it
             raise ValueError(
                 f"name_pieces={path!r}: {uri} is {size:,} bytes; a tokenizer here is at most {MAX_TOKENIZER_BYTES:,}"
             )
-        text = storage.read_bytes(uri).decode("utf-8", errors="replace")
+        try:  # bounded: a file that grew since, or is not a regular file, is refused too
+            text = storage.read_bytes(uri, limit=MAX_TOKENIZER_BYTES).decode("utf-8", errors="replace")
+        except ValueError as e:
+            raise ValueError(f"name_pieces={path!r}: {e}") from None
     else:
         try:
             text, _, _ = checkpoint_tokenizer(uri)

@@ -105,15 +105,19 @@ def checkpoint_tokenizer(uri: str) -> tuple[str, int, int]:
     from lmfoundry.platform import checkpoint, storage
 
     ckpt = checkpoint.resolve(uri)
-    files = checkpoint.checked_files(storage.read_json(storage.join(ckpt, checkpoint.CHECKPOINT_MANIFEST)), ckpt)
+    manifest = storage.read_json(storage.join(ckpt, checkpoint.CHECKPOINT_MANIFEST), storage.MAX_MANIFEST_BYTES)
+    files = checkpoint.checked_files(manifest, ckpt)
 
     def read(name: str) -> str | None:
         if name not in files:
             return None
-        path, cap = storage.join(ckpt, name), MAX_TOKENIZER_BYTES if name == TOKENIZER else MAX_TEXT_FILE_BYTES
-        if (size := max(storage.size(path), files[name]["bytes"])) > cap:  # before reading it
-            raise ValueError(f"checkpoint {ckpt}: {name} is {size:,} bytes; at most {cap:,} allowed")
-        data = storage.read_bytes(path)
+        cap = MAX_TOKENIZER_BYTES if name == TOKENIZER else MAX_TEXT_FILE_BYTES
+        if files[name]["bytes"] > cap:  # the manifest's word, before any read
+            raise ValueError(f"checkpoint {ckpt}: {name} is {files[name]['bytes']:,} bytes; at most {cap:,} allowed")
+        try:
+            data = storage.read_bytes(storage.join(ckpt, name), limit=cap)
+        except ValueError as e:  # larger than its manifest says, or not a file
+            raise ValueError(f"checkpoint {ckpt}: {name}: {e}") from None
         if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
             raise ValueError(f"checkpoint {ckpt}: {name} does not match its checksum (corrupt)")
         return data.decode()

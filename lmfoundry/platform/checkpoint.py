@@ -227,7 +227,7 @@ def verify(directory: str, model_only: bool = False) -> dict:
     local = not storage.is_remote(directory)
     if local:
         refuse_any_link(directory)
-    manifest = storage.read_json(path)
+    manifest = storage.read_json(path, storage.MAX_MANIFEST_BYTES)
     for name, meta in checked_files(manifest, directory).items():
         if model_only and name.startswith(TRAINING_STATE):
             continue
@@ -265,7 +265,9 @@ def download(fs: pafs.FileSystem, path: str, target: str | os.PathLike, model_on
     in its manifest is checked before the first byte is written, and each file is written only
     at its checked name under `target`."""
     with fs.open_input_stream(f"{path}/{CHECKPOINT_MANIFEST}") as f:
-        manifest_bytes = f.read()
+        manifest_bytes = f.read(storage.MAX_MANIFEST_BYTES + 1)
+    if len(manifest_bytes) > storage.MAX_MANIFEST_BYTES:
+        raise ValueError(f"{path}/{CHECKPOINT_MANIFEST} holds more than {storage.MAX_MANIFEST_BYTES:,} bytes")
     names = list(checked_files(json.loads(manifest_bytes), path))
     target = Path(target)
     for name in names:
@@ -447,7 +449,7 @@ def mark_gate(uri: str, gate: dict) -> dict:
     """Record the gate's verdict (suite.apply_gate's result) in the manifest of the committed
     checkpoint at `uri`; the manifest as written."""
     path = storage.join(uri, CHECKPOINT_MANIFEST)
-    manifest = storage.read_json(path)
+    manifest = storage.read_json(path, storage.MAX_MANIFEST_BYTES)
     manifest["gate"] = {
         "passed": bool(gate["passed"]),
         "baseline": gate.get("baseline"),
@@ -470,7 +472,7 @@ def check_gate(uri: str, force: bool, tool: str) -> dict | None:
     regressions and the flag that overrides), or log the override when `force`. A malformed
     verdict counts as failed: the manifest may have been edited by hand."""
     uri = resolve(uri)
-    verdict = gate_verdict(storage.read_json(storage.join(uri, CHECKPOINT_MANIFEST)))
+    verdict = gate_verdict(storage.read_json(storage.join(uri, CHECKPOINT_MANIFEST), storage.MAX_MANIFEST_BYTES))
     if verdict is None or verdict.get("passed") is True:
         return verdict
     worse = ", ".join(map(str, verdict.get("regressions") or [])) or "no metric named"
@@ -492,7 +494,7 @@ def check_gate(uri: str, force: bool, tool: str) -> dict | None:
 def last_passing(run_dir: str) -> tuple[int, str] | None:
     """(step, uri) of the newest committed checkpoint of the run whose gate passed."""
     for step, uri in reversed(committed_checkpoints(run_dir)):
-        verdict = gate_verdict(storage.read_json(storage.join(uri, CHECKPOINT_MANIFEST)))
+        verdict = gate_verdict(storage.read_json(storage.join(uri, CHECKPOINT_MANIFEST), storage.MAX_MANIFEST_BYTES))
         if verdict is not None and verdict.get("passed") is True:
             return step, uri
     return None

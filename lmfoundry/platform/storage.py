@@ -77,10 +77,25 @@ def list_files(uri: str, suffixes: tuple[str, ...] = ()) -> list[str]:
     return sorted(out)
 
 
-def read_bytes(uri: str) -> bytes:
+# The most a manifest (a stage's or a checkpoint's) may hold: one lists every file of a
+# checkpoint, about 150 bytes each.
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def read_bytes(uri: str, limit: int | None = None) -> bytes:
+    """The file's bytes; with `limit`, a file that is not a regular file or holds more than
+    `limit` bytes is refused, reading at most limit + 1 bytes (so a file that grows after a size
+    check cannot make the read unbounded)."""
     fs, path = filesystem(uri)
+    if limit is not None and fs.get_file_info(path).type != _pafs().FileType.File:
+        raise ValueError(f"{uri} is not a regular file")
     with fs.open_input_stream(path) as f:
-        return f.read()
+        if limit is None:
+            return f.read()
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{uri} holds more than {limit:,} bytes; at most {limit:,} allowed")
+    return data
 
 
 def write_bytes_atomic(uri: str, data: bytes) -> None:
@@ -98,8 +113,8 @@ def write_json_atomic(uri: str, obj: Any) -> None:
     write_bytes_atomic(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def read_json(uri: str) -> Any:
-    return json.loads(read_bytes(uri))
+def read_json(uri: str, limit: int | None = None) -> Any:
+    return json.loads(read_bytes(uri, limit))
 
 
 def numbered_jsonl(uri: str) -> list[tuple[int, object]]:
@@ -199,7 +214,7 @@ def read_manifest(stage_dir: str) -> dict:
             f"{stage_dir} has no {MANIFEST}: it is not the committed output of an lmfoundry stage "
             "(the stage did not finish, or the path is wrong)"
         )
-    return read_json(join(stage_dir, MANIFEST))
+    return read_json(join(stage_dir, MANIFEST), MAX_MANIFEST_BYTES)
 
 
 def prepare_output(stage_dir: str, overwrite: bool = False) -> bool:

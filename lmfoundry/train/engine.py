@@ -222,7 +222,7 @@ def build_engine(
     on_meta = meta_init.has_meta_parameters(model)
     if on_meta and values is None:
         values = model.initial_values()
-    model_name, groups = None, None
+    built, model_name, groups = model, None, None
     if pp > 1:
         from lmfoundry.train.pipeline_parallel import pipeline_module, share_groups_with_tensor_parallelism
 
@@ -236,14 +236,17 @@ def build_engine(
             tensor_parallel.split_embedding_by_vocabulary(model, tp)
         if on_meta and cfg.parallelism.zero_stage == 3:
             groups = param_groups(model, cfg.optimizer.weight_decay)  # while the parameters have their shapes
-            meta_init.partition_as_built(model, values, ds_config)
             model.reset_buffers()
-            on_meta = False  # nothing left for the engine to materialise
+            meta_init.partition_as_built(model, values, ds_config)
         elif on_meta:  # before AutoTP hooks the gradients of some of it
             vocab = cfg.parallelism.splits_vocabulary
             meta_init.materialize(model, values, leave=lambda name: tensor_parallel.autotp_splits(name, vocab))
             model.reset_buffers()
-    placing = meta_init.materialized_on_placement(model, values, model_name) if on_meta else contextlib.nullcontext()
+    placing = (
+        meta_init.materialized_on_placement(model, values, model_name)
+        if meta_init.has_meta_parameters(model)
+        else contextlib.nullcontext()
+    )
     with placing:
         engine, _, _, scheduler = deepspeed.initialize(
             model=model,
@@ -251,8 +254,10 @@ def build_engine(
             config=ds_config,
             lr_scheduler=client_scheduler,
         )
-    if on_meta and meta_init.has_meta_parameters(engine.module):
-        raise RuntimeError("DeepSpeed built the engine without materialising the model's meta parameters")
+    if on_meta:
+        if meta_init.has_meta_parameters(engine.module):
+            raise RuntimeError("DeepSpeed built the engine without materialising the model's meta parameters")
+        built.start_weights = None  # the checkpoint's file, read: not kept open for the run
     if pp > 1 and tp > 1:
         from lmfoundry.train.pipeline_parallel import finish_tensor_parallel_pipeline
 

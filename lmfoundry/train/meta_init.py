@@ -89,33 +89,48 @@ def materialize(
 
 def partition_as_built(model: torch.nn.Module, values: dict[str, Callable[[], torch.Tensor]], ds_config: dict) -> None:
     """ZeRO-3 without the whole model on any rank: each meta parameter of `model` is given its
-    whole value (in the engine's training dtype) and partitioned over the data-parallel ranks at
-    once, one parameter at a time, so a rank holds its partitions plus one whole parameter (and
-    the broadcast of it that `zero.Init` makes from rank 0). It is the conversion
-    `deepspeed.initialize` applies to a model built whole (`zero.Init(module=...)`, same
-    config), fed one materialised parameter at a time; `initialize` then finds every parameter
-    partitioned, as after a build inside `zero.Init`. Take the optimizer's parameter groups
-    before: a partitioned parameter's own shape is empty."""
-    import deepspeed
+    whole value and partitioned over the data-parallel ranks at once, one parameter at a time,
+    so a rank holds its partitions plus one whole parameter (two copies of it under bf16: the
+    fp32 value and its cast). It is the conversion `deepspeed.initialize` applies to a model
+    built whole (`zero.Init(module=...)`, same config; it broadcasts each value from rank 0 in
+    place), fed one materialised parameter at a time; `initialize` then finds every parameter
+    partitioned, as after a build inside `zero.Init`, and so neither casts nor moves the model:
+    every parameter (an adapter's too) is cast to the training dtype here, and the buffers are
+    moved to the rank's device. Take the optimizer's parameter groups before: a partitioned
+    parameter's own shape is empty."""
+    import os
 
-    dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else None
-    dtype = torch.float16 if ds_config.get("fp16", {}).get("enabled") else dtype
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else None  # lmfoundry trains bf16 or fp32
     names = {id(p): name for name, p in model.named_parameters()}  # a tied weight by its first name
 
     class OneAtATime(torch.nn.Module):
-        """What `zero.Init` converts: the model's parameters, each materialised as it is reached
-        (zero.Init partitions one before it asks for the next)."""
+        """What `zero.Init` converts: the model's parameters, each materialised as it is reached."""
 
         def parameters(self, recurse: bool = True):
+            previous = None
             for p in model.parameters():
+                # zero.Init partitions each parameter before it asks for the next; were it ever to
+                # collect them first, the whole model would be materialised: refused instead
+                if previous is not None and getattr(previous, "ds_tensor", None) is None:
+                    raise RuntimeError("zero.Init did not partition a parameter before asking for the next")
                 if p.is_meta:
                     _fill(p, values[names[id(p)]](), dtype)
+                elif dtype is not None and p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)  # built on the CPU (an adapter): cast as the engine would
+                previous = p
                 yield p
 
     deepspeed.init_distributed()  # over torch's process group: the config counts the world from it
     deepspeed.zero.Init(module=OneAtATime(), config_dict_or_path=ds_config)
     if has_meta_parameters(model):
         raise RuntimeError("zero.Init left parameters on the meta device")
+    device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0))))
+    for module in model.modules():  # the engine moves a partitioned model's parameters only
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, buffer.to(device))
 
 
 def _fill(meta: torch.nn.Parameter, value: torch.Tensor, dtype: torch.dtype | None = None) -> None:

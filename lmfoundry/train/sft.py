@@ -117,25 +117,26 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
             param.requires_grad_(False)
 
 
-def keep_unseen_token_rows(model: torch.nn.Module, tokens: np.ndarray, device) -> dict[str, int]:
-    """Zero the gradient of the embedding's and the output head's rows of the tokens that
-    `tokens` (the packed training rows) never hold, so that those rows stay as the starting model
-    has them: AdamW moves no weight whose gradients are all zero but for weight decay, which the
-    embedding (and so a tied head) does not take; an untied head's kept rows decay. Without it, every step's softmax pushes each such row of the head away from the
-    hidden states, all of them the same way, and Adam makes each small push a full step: after
-    1,000 steps of the agent recipe they point nearly one way (benchmarks/agent_sft.py), and a
-    token that only a held-out name holds can no longer be written. Returns the count of rows
-    kept per table."""
-    seen = torch.zeros(model.embed.weight.shape[0], dtype=torch.bool)
-    seen[torch.from_numpy(np.unique(tokens))] = True
+def hook_unseen_token_rows(model: torch.nn.Module, packed: Packed, device) -> dict[str, int]:
+    """Zero the gradient of the output head's rows of the tokens that the packed training rows
+    never hold where the loss counts them (the assistant's tokens), so that those rows stay as
+    the starting model has them: AdamW moves no weight whose gradients are all zero but for
+    weight decay, which an untied head takes (its kept rows decay) and the embedding does not.
+    Without it, every step's softmax pushes each such row away from the hidden states, all of
+    them the same way, and Adam makes each small push a full step: after 1,000 steps of the agent
+    recipe they point nearly one way (benchmarks/agent_sft.py), and a token that only a held-out
+    name holds can no longer be written. A tied head is the embedding, which every token of the
+    rows trains as an input: there the rows of tokens the rows never hold at all are kept (an
+    untied embedding's rows of those tokens get no gradient anyway). Returns the rows kept."""
+    weight = model.lm_head.weight
+    if not weight.requires_grad:
+        return {}
+    tied = weight is model.embed.weight
+    seen = torch.zeros(weight.shape[0], dtype=torch.bool)
+    seen[torch.from_numpy(np.unique(packed.tokens if tied else packed.tokens[packed.assistant]))] = True
     unseen = (~seen).nonzero().flatten().to(device)
-    kept, hooked = {}, []
-    for name, weight in (("embed.weight", model.embed.weight), ("lm_head.weight", model.lm_head.weight)):
-        # a table frozen whole needs nothing; a tied head is the embedding's weight, hooked once
-        if weight.requires_grad and not any(weight is w for w in hooked):
-            weight.register_hook(lambda grad: grad.index_fill(0, unseen, 0.0))
-            hooked.append(weight)
-            kept[name] = len(unseen)
+    weight.register_hook(lambda grad: grad.index_fill(0, unseen, 0.0))
+    kept = {"embed.weight" if tied else "lm_head.weight": len(unseen)}
     logger.info("keep_unseen_token_rows: %s rows kept as they start", kept)
     return kept
 
@@ -197,9 +198,9 @@ class SFTConfig(TrainStageConfig):
 
     keep_unseen_token_rows: bool = Field(
         False,
-        description="the embedding and output-head rows of tokens the training data never holds stay "
-        "as the starting model has them (their gradients are zeroed; an untied head's still take weight "
-        "decay); the other rows train",
+        description="the output head's rows of tokens the training data's assistant turns never hold (a tied "
+        "head: of tokens the data never holds) stay as the starting model has them (their gradients are "
+        "zeroed; an untied head's still take weight decay); the other rows train",
     )
 
     @model_validator(mode="after")
@@ -218,7 +219,11 @@ class SFTConfig(TrainStageConfig):
         if self.keep_unseen_token_rows and self.parallelism.zero_stage == 3:
             raise ValueError(
                 "keep_unseen_token_rows with zero_stage=3: the rows are kept by a gradient hook on the "
-                "whole table, which ZeRO-3 partitions; use zero_stage 0-2"
+                "head's whole table, which each ZeRO-3 rank holds only a partition of; use zero_stage 0-2"
+            )
+        if self.keep_unseen_token_rows and self.distill is not None:
+            raise ValueError(
+                "keep_unseen_token_rows with distill: the teacher's distribution trains every row of the head"
             )
         return self
 
@@ -304,7 +309,10 @@ class SFTObjective:
         # frozen weights; its MFU is overstated by that much)
         self.flops_per_token = train_flops_per_token(self.model, self.seq_len - 1)
         if adapter is not None:
-            apply_lora(self.model, adapter.lora)  # the same adapters on every rank: the seed is set
+            # the same adapters on every rank and whether the model was built whole (which draws from
+            # torch's generator) or on the meta device (which does not)
+            torch.manual_seed(cfg.seed)
+            apply_lora(self.model, adapter.lora)
         if cfg.untie_embeddings:
             self.model.untie_head()
         freeze(self.model, cfg.freeze)
@@ -329,7 +337,7 @@ class SFTObjective:
         if self.teacher is not None:
             self.teacher.to(self.device)
         if self.cfg.keep_unseen_token_rows:
-            keep_unseen_token_rows(engine.module, self.packed.tokens, self.device)
+            hook_unseen_token_rows(engine.module, self.packed, self.device)
 
     def batches(self, epoch: int, skip: int):
         order = epoch_order(len(self.packed), self.cfg.seed, epoch)

@@ -92,6 +92,7 @@ class Trainer:
         self.cfg, self.run_dir, self.objective, self.rank, self.world = cfg, run_dir, objective, rank, world
         self.ds_config = deepspeed_config(cfg, world, objective.seq_len, objective.num_params)
         self.engine, self.scheduler = build_engine(objective.model, cfg, self.ds_config, objective.initial_values)
+        objective.initial_values = None  # read: their checkpoint file is not kept open for the run
         objective.attach(self.engine)
         self.accum = self.ds_config["gradient_accumulation_steps"]
         # DeepSpeed's pipeline engine takes a whole step's micro-batches at once

@@ -377,7 +377,6 @@ def training(run: str) -> dict | None:
         "lora",
         "freeze",
         "untie_embeddings",
-        "keep_unseen_token_rows",
         "seed",
     )
     base = m.get("start_checkpoint")

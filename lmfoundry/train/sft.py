@@ -117,30 +117,6 @@ def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
             param.requires_grad_(False)
 
 
-def hook_unseen_token_rows(model: torch.nn.Module, packed: Packed, device) -> dict[str, int]:
-    """Zero the gradient of the output head's rows of the tokens that the packed training rows
-    never hold where the loss counts them (the assistant's tokens), so that those rows stay as
-    the starting model has them: AdamW moves no weight whose gradients are all zero but for
-    weight decay, which an untied head takes (its kept rows decay) and the embedding does not.
-    Without it, every step's softmax pushes each such row away from the hidden states, all of
-    them the same way, and Adam makes each small push a full step: after 1,000 steps of the agent
-    recipe they point nearly one way (benchmarks/agent_sft.py), and a token that only a held-out
-    name holds can no longer be written. A tied head is the embedding, which every token of the
-    rows trains as an input: there the rows of tokens the rows never hold at all are kept (an
-    untied embedding's rows of those tokens get no gradient anyway). Returns the rows kept."""
-    weight = model.lm_head.weight
-    if not weight.requires_grad:
-        return {}
-    tied = weight is model.embed.weight
-    seen = torch.zeros(weight.shape[0], dtype=torch.bool)
-    seen[torch.from_numpy(np.unique(packed.tokens if tied else packed.tokens[packed.assistant]))] = True
-    unseen = (~seen).nonzero().flatten().to(device)
-    weight.register_hook(lambda grad: grad.index_fill(0, unseen, 0.0))
-    kept = {"embed.weight" if tied else "lm_head.weight": len(unseen)}
-    logger.info("keep_unseen_token_rows: %s rows kept as they start", kept)
-    return kept
-
-
 def values_after_wrapping(model: torch.nn.Module, loaded: dict) -> dict:
     """The loaded checkpoint's values of the parameters still on the meta device, by their names
     after adapters and an untied head changed them: an adapted projection's weight and bias are
@@ -196,13 +172,6 @@ class SFTConfig(TrainStageConfig):
         "(freeze ['lm_head.weight'] then keeps the starting model's output rows while the input embedding trains)",
     )
 
-    keep_unseen_token_rows: bool = Field(
-        False,
-        description="the output head's rows of tokens the training data's assistant turns never hold (a tied "
-        "head: of tokens the data never holds) stay as the starting model has them (their gradients are "
-        "zeroed; an untied head's still take weight decay); the other rows train",
-    )
-
     @model_validator(mode="after")
     def _check(self):
         self.batch.accumulation(self.parallelism.num_workers)
@@ -213,17 +182,6 @@ class SFTConfig(TrainStageConfig):
         if self.untie_embeddings and self.lora is not None:
             raise ValueError(
                 "untie_embeddings: a LoRA run's checkpoint is its base plus adapters, which keeps the base tied"
-            )
-        if self.keep_unseen_token_rows and self.lora is not None:
-            raise ValueError("keep_unseen_token_rows: a LoRA run trains no embedding or head rows")
-        if self.keep_unseen_token_rows and self.parallelism.zero_stage == 3:
-            raise ValueError(
-                "keep_unseen_token_rows with zero_stage=3: the rows are kept by a gradient hook on the "
-                "head's whole table, which each ZeRO-3 rank holds only a partition of; use zero_stage 0-2"
-            )
-        if self.keep_unseen_token_rows and self.distill is not None:
-            raise ValueError(
-                "keep_unseen_token_rows with distill: the teacher's distribution trains every row of the head"
             )
         return self
 
@@ -336,8 +294,6 @@ class SFTObjective:
         self.device = engine.device
         if self.teacher is not None:
             self.teacher.to(self.device)
-        if self.cfg.keep_unseen_token_rows:
-            hook_unseen_token_rows(engine.module, self.packed, self.device)
 
     def batches(self, epoch: int, skip: int):
         order = epoch_order(len(self.packed), self.cfg.seed, epoch)
@@ -497,7 +453,6 @@ def run_sft(cfg: SFTConfig) -> dict:
                 **({"lora": cfg.lora.model_dump(), "base_sha256": adapter_base[1]} if cfg.lora else {}),
                 **({"freeze": cfg.freeze} if cfg.freeze else {}),
                 **({"untie_embeddings": True} if cfg.untie_embeddings else {}),
-                **({"keep_unseen_token_rows": True} if cfg.keep_unseen_token_rows else {}),
                 "seed": cfg.seed,
                 "seconds": round(time.time() - started, 2),
                 **({"stopped_by_gate": stopped} if stopped and stopped.get("action") == "stop" else {}),

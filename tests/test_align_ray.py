@@ -94,7 +94,8 @@ def test_dpo_raises_preference_accuracy_survives_a_killed_worker_and_is_gated(
         optimizer={"lr": 2e-3},
         schedule={"warmup_steps": 2, "max_steps": 16},
         batch={"micro_batch_size": 2, "global_batch_pairs": 8},
-        parallelism={"num_workers": 2, "cpus_per_worker": 0.5},
+        # ZeRO-3: the policy and the reference each partitioned as built, no worker holding either whole
+        parallelism={"num_workers": 2, "cpus_per_worker": 0.5, "zero_stage": 3},
         checkpointing={"every": 4},
         drills=[{"at_step": 6, "rank": 1}],
         health={"max_failures": 2},

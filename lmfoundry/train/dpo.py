@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from lmfoundry.model.chat_template import ChatTemplate
-from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
+from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files, load_model_on_meta
 from lmfoundry.model.tokenizer import SpecialTokens
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
@@ -41,7 +41,7 @@ from lmfoundry.train.config import (
     ScheduleConfig,
     TrainStageConfig,
 )
-from lmfoundry.train.engine import check_every_world_size
+from lmfoundry.train.engine import check_every_world_size, frozen_zero3_engine
 from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import start_texts
@@ -205,14 +205,18 @@ class DPOObjective:
     seq_len = 1  # the batch counts pairs
     tokens_per_step = flops_per_token = None
     adapter = None  # trains every weight
-    initial_values = None  # built whole
+    initial_values = None  # a meta-built model's are its own
 
     def __init__(self, cfg: DPOConfig, start_dir: str, rank: int, world: int):
         self.cfg, self.rank, self.world = cfg, rank, world
         torch.manual_seed(cfg.seed)
-        self.model = load_model_files(start_dir).train()
+        # under ZeRO-3 no worker holds a whole model: the policy and the reference are built on
+        # the meta device, each parameter read from the checkpoint and partitioned in turn
+        self.zero3 = cfg.parallelism.zero_stage == 3
+        load = load_model_on_meta if self.zero3 else load_model_files
+        self.model = load(start_dir).train()
         self.num_params = self.model.num_params()
-        self.reference = load_model_files(start_dir).eval().requires_grad_(False)
+        self.reference = load(start_dir).eval().requires_grad_(False)
         self.encoder = PairEncoder(start_dir, cfg.max_seq_len or self.model.cfg.max_seq_len)
         self.pairs = [self.encoder.encode(p) for p in read_pairs(cfg.pairs)]
         self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
@@ -228,7 +232,10 @@ class DPOObjective:
 
     def attach(self, engine) -> None:
         self.device = engine.device
-        self.reference.to(engine.device)
+        if self.zero3:  # partitioned like the policy, in an engine of its own
+            self.reference = frozen_zero3_engine(self.reference, engine.config)
+        else:
+            self.reference.to(engine.device)
 
     def batches(self, epoch: int, skip: int):
         order = epoch_order(len(self.pairs), self.cfg.seed, epoch)

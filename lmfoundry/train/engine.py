@@ -272,6 +272,23 @@ def build_engine(
     return engine, scheduler
 
 
+def frozen_zero3_engine(model: torch.nn.Module, ds_config: dict):
+    """A frozen model (DPO's reference) built on the meta device, partitioned like the trained
+    one under ZeRO-3 (each parameter as it gets its value: meta_init.partition_as_built), in a
+    DeepSpeed engine without an optimizer whose forward gathers each module's parameters as it
+    runs, as TRL prepares its reference under ZeRO-3. Every rank must run its forwards in step
+    (each gather is a collective), as the training loop's micro-batches do."""
+    import deepspeed
+
+    config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+    model.requires_grad_(False).reset_buffers()
+    meta_init.partition_as_built(model, model.initial_values(), config)
+    model.start_weights = None  # read: the checkpoint's file is not kept open
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # DeepSpeed's returns None, not the engine
+    return engine
+
+
 def make_sequence_parallel(engine) -> None:
     """The engine's model (or pipeline stage), its blocks split by AutoTP, made
     sequence-parallel over its tensor-parallel group (train/tensor_parallel.py)."""

@@ -89,6 +89,8 @@ def test_a_lora_run_under_zero3_trains_and_saves_the_adapter_only(deepspeed_work
         tmp_path / "lora",
         lora={"rank": 8, "alpha": 16, "targets": ["wq", "wkv", "wo", "w_gate_up", "w_down"]},
         optimizer={"lr": 1e-2},
+        # the base as a token-level teacher: under ZeRO-3 partitioned too, in a frozen engine
+        distill={"teacher": base[0], "weight": 0.5},
         parallelism={"num_workers": 2, "zero_stage": 3, "cpus_per_worker": 0.5},
         schedule={"warmup_steps": 1, "max_steps": 8},
         drills=[{"at_step": 5, "rank": 0}],
@@ -97,6 +99,8 @@ def test_a_lora_run_under_zero3_trains_and_saves_the_adapter_only(deepspeed_work
     result = run_sft_job(cfg)
     assert result["assistant_loss"]["after"] < result["assistant_loss"]["before"] - 0.2
     assert [s for s, _ in losses(tmp_path / "lora")] == list(range(1, 9))  # resumed from step 4's adapter
+    logged = [json.loads(line) for line in open(tmp_path / "lora" / "metrics.jsonl")]
+    assert all("kl" in row for row in logged if "loss" in row)  # the teacher ran beside the student
     final = tmp_path / "lora" / result["final_checkpoint"]
     assert (final / ADAPTER_WEIGHTS).exists() and not (final / WEIGHTS).exists()
     ref = json.loads((final / ADAPTER_CONFIG).read_text())

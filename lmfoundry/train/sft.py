@@ -59,7 +59,7 @@ from lmfoundry.train.config import (
     SequenceBatchConfig,
     TrainStageConfig,
 )
-from lmfoundry.train.engine import check_every_world_size
+from lmfoundry.train.engine import check_every_world_size, frozen_zero3_engine
 from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import plot_loss, start_texts
@@ -261,7 +261,9 @@ class SFTObjective:
         loaded = self.model.initial_values() if on_meta else None  # by the checkpoint's names
         self.teacher = None
         if cfg.distill is not None:  # frozen: no gradients, no optimizer state, not in checkpoints
-            self.teacher = load_model_files(teacher_dir).eval().requires_grad_(False)
+            # under ZeRO-3 partitioned like the student, in an engine of its own (attach)
+            self.teacher = (load_model_on_meta if on_meta else load_model_files)(teacher_dir)
+            self.teacher.eval().requires_grad_(False)
         self.seq_len = row_length(cfg, self.model.cfg.max_seq_len)
         # the full model's training FLOPs (a LoRA or `freeze` run's are fewer: no gradients of
         # frozen weights; its MFU is overstated by that much)
@@ -292,7 +294,9 @@ class SFTObjective:
 
     def attach(self, engine) -> None:
         self.device = engine.device
-        if self.teacher is not None:
+        if self.teacher is not None and self.cfg.parallelism.zero_stage == 3:
+            self.teacher = frozen_zero3_engine(self.teacher, engine.config)
+        elif self.teacher is not None:
             self.teacher.to(self.device)
 
     def batches(self, epoch: int, skip: int):

@@ -65,6 +65,11 @@ def test_a_new_reward_model_scores_zero_and_cannot_be_served_or_exported(tmp_pat
     assert model.cfg.reward_head and model.lm_head.weight.shape[0] == 1
     out, _ = model(torch.tensor([[1, 2, 3]]))
     assert out.shape == (1, 3, 1) and float(out.abs().max()) == 0.0
+    # under ZeRO-3 it is built on the meta device: the values it is given are the whole build's
+    meta, values = reward.reward_model_on_meta(str(tmp_path / "lm"))
+    whole = dict(model.named_parameters())
+    assert meta.cfg == model.cfg and set(values) == set(whole)
+    assert all(torch.equal(values[name](), whole[name]) for name in whole)
     with pytest.raises(ValueError, match="not a reward model"):
         RewardScorer(str(tmp_path / "lm"))
     rm = tmp_path / "rm"
@@ -116,7 +121,9 @@ def test_a_process_reward_model_trains_on_its_own_step_labels(deepspeed_workers,
         optimizer={"lr": 3e-3},
         schedule={"warmup_steps": 1, "max_steps": 8},
         batch={"micro_batch_size": 2, "global_batch_size": 4},
-        parallelism={"num_workers": 1},  # one worker starts faster; ranks are the skeleton's
+        # one worker starts faster; ranks are the skeleton's. ZeRO-3: the reward model built on the
+        # meta device, its decoder read from the checkpoint and its head zeros as it is partitioned
+        parallelism={"num_workers": 1, "zero_stage": 3},
         checkpointing={"every": 4},
         logging={"every": 1},
     )  # fmt: skip

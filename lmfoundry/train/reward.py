@@ -25,6 +25,7 @@ held-out slice of the data before and after training.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import time
@@ -35,9 +36,9 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from lmfoundry.clients.reward import encode_reply, encode_steps
-from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files
+from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files, load_model_on_meta
 from lmfoundry.model.tokenizer import SpecialTokens
-from lmfoundry.model.transformer import ModelConfig, Transformer
+from lmfoundry.model.transformer import ModelConfig, Transformer, build_on_meta
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import skeleton
@@ -215,20 +216,41 @@ def reward_model(start_dir: str) -> Transformer:
     return model
 
 
+def reward_model_on_meta(start_dir: str) -> tuple[Transformer, dict | None]:
+    """`reward_model` built on the meta device, for ZeRO-3 (no worker holds it whole), with its
+    initial values by name (None: its own, read from the checkpoint): the decoder's read from the
+    checkpoint one tensor at a time, the new scalar head zeros."""
+    base = load_model_on_meta(start_dir)
+    if base.cfg.reward_head:
+        return base, None
+    loaded = base.initial_values()
+    model = build_on_meta(
+        ModelConfig.model_validate({**base.cfg.model_dump(), "reward_head": True, "tie_embeddings": False})
+    )
+    values = {
+        name: functools.partial(torch.zeros, tuple(p.shape)) if name.startswith("lm_head.") else loaded[name]
+        for name, p in model.named_parameters()
+    }
+    return model.train(), values
+
+
 # --- the objective ------------------------------------------------------------------------------
 
 
 class RewardObjective:
     kind = "reward"
     adapter = None  # trains every weight
-    initial_values = None  # built whole
     seq_len = 1  # the batch counts examples
     tokens_per_step = flops_per_token = None
 
     def __init__(self, cfg: RewardConfig, start_dir: str, rank: int, world: int):
         self.cfg, self.rank, self.world = cfg, rank, world
         torch.manual_seed(cfg.seed)
-        self.model = reward_model(start_dir).train()
+        self.initial_values = None
+        if cfg.parallelism.zero_stage == 3:  # partitioned as it is read: no worker holds it whole
+            self.model, self.initial_values = reward_model_on_meta(start_dir)
+        else:
+            self.model = reward_model(start_dir).train()
         self.num_params = self.model.num_params()
         self.encoder = Encoder(start_dir, cfg.max_seq_len or self.model.cfg.max_seq_len)
         fmt, rows = read_rows(cfg.data)

@@ -3,6 +3,7 @@ student and as teacher judge), and DPO on 2 CPU workers with DeepSpeed, a worker
 way, and the evaluation gate before and after."""
 
 import json
+import math
 
 import pytest
 
@@ -94,7 +95,8 @@ def test_dpo_raises_preference_accuracy_survives_a_killed_worker_and_is_gated(
         optimizer={"lr": 2e-3},
         schedule={"warmup_steps": 2, "max_steps": 16},
         batch={"micro_batch_size": 2, "global_batch_pairs": 8},
-        # ZeRO-3: the policy and the reference each partitioned as built, no worker holding either whole
+        # ZeRO-3: the policy and the reference each built partitioned (the reference's matrices
+        # gathered for each forward and released after)
         parallelism={"num_workers": 2, "cpus_per_worker": 0.5, "zero_stage": 3},
         checkpointing={"every": 4},
         drills=[{"at_step": 6, "rank": 1}],
@@ -125,6 +127,8 @@ def test_dpo_raises_preference_accuracy_survives_a_killed_worker_and_is_gated(
     assert list((run / "_drills").iterdir())  # the worker was killed, and the run resumed
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == list(range(1, 17))  # no step lost or repeated across the restart
+    # before the first update the policy is the reference, weight for weight: loss log 2, margin 0
+    assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and abs(history[0]["margin"]) < 1e-6
     assert result["gate"]["passed"] and (run / "eval_before.json").exists() and (run / "eval_after.json").exists()
     from lmfoundry.platform.checkpoint import resolve
 

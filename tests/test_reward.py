@@ -134,6 +134,7 @@ def test_a_process_reward_model_trains_on_its_own_step_labels(deepspeed_workers,
     assert result["kind"] == "process" and result["step_labels"]["steps"] == sum(len(r["steps"]) for r in rows)
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == list(range(1, 9))
+    assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the new head is zeros: every score 0
     assert result["final_loss"] < result["first_loss"]
     scorer = RewardScorer(checkpoint.resolve(str(run)))
     scores = scorer.score_steps(rows[0]["prompt"], [rows[0]["steps"][:1], rows[0]["steps"]])

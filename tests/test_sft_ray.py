@@ -101,6 +101,8 @@ def test_a_lora_run_under_zero3_trains_and_saves_the_adapter_only(deepspeed_work
     assert [s for s, _ in losses(tmp_path / "lora")] == list(range(1, 9))  # resumed from step 4's adapter
     logged = [json.loads(line) for line in open(tmp_path / "lora" / "metrics.jsonl")]
     assert all("kl" in row for row in logged if "loss" in row)  # the teacher ran beside the student
+    assert logged[0]["kl"] < 1e-6  # at step 1 the adapters add nothing (B = 0): the student is its base
+    assert max(row["kl"] for row in logged) > 1e-4  # and it moved away from it
     final = tmp_path / "lora" / result["final_checkpoint"]
     assert (final / ADAPTER_WEIGHTS).exists() and not (final / WEIGHTS).exists()
     ref = json.loads((final / ADAPTER_CONFIG).read_text())

@@ -41,7 +41,7 @@ from lmfoundry.train.config import (
     ScheduleConfig,
     TrainStageConfig,
 )
-from lmfoundry.train.engine import check_every_world_size, frozen_zero3_engine
+from lmfoundry.train.engine import check_every_world_size, frozen_zero3_engine, place_frozen
 from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import start_texts
@@ -232,10 +232,10 @@ class DPOObjective:
 
     def attach(self, engine) -> None:
         self.device = engine.device
-        if self.zero3:  # partitioned like the policy, in an engine of its own
+        if self.zero3:  # partitioned like the policy, in an engine of its own (every rank: a collective)
             self.reference = frozen_zero3_engine(self.reference, engine.config)
         else:
-            self.reference.to(engine.device)
+            self.reference = place_frozen(self.reference, engine)
 
     def batches(self, epoch: int, skip: int):
         order = epoch_order(len(self.pairs), self.cfg.seed, epoch)

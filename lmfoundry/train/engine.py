@@ -273,20 +273,39 @@ def build_engine(
 
 
 def frozen_zero3_engine(model: torch.nn.Module, ds_config: dict):
-    """A frozen model (DPO's reference) built on the meta device, partitioned like the trained
-    one under ZeRO-3 (each parameter as it gets its value: meta_init.partition_as_built), in a
-    DeepSpeed engine without an optimizer whose forward gathers each module's parameters as it
-    runs, as TRL prepares its reference under ZeRO-3. Every rank must run its forwards in step
-    (each gather is a collective), as the training loop's micro-batches do."""
+    """A frozen model (DPO's reference, an SFT distillation teacher) built on the meta device
+    from a checkpoint, partitioned like the trained one under ZeRO-3 (each parameter as it gets
+    its value: meta_init.partition_as_built), in a DeepSpeed engine without an optimizer whose
+    forward gathers each module's parameters as it runs and releases them after. As TRL
+    prepares its reference, only parameters under 10 x d_model elements (the norms) stay whole
+    between forwards. Every rank must call this and run its forwards in step (each gather is a
+    collective), as the training loop's micro-batches do."""
     import deepspeed
 
+    if getattr(model, "start_weights", None) is None:
+        raise ValueError("a frozen ZeRO-3 model is read from a checkpoint: build it with load_model_on_meta")
     config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+    config["zero_optimization"] = {
+        **config["zero_optimization"],
+        "stage3_param_persistence_threshold": 10 * model.cfg.d_model,
+    }
     model.requires_grad_(False).reset_buffers()
     meta_init.partition_as_built(model, model.initial_values(), config)
     model.start_weights = None  # read: the checkpoint's file is not kept open
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()  # DeepSpeed's returns None, not the engine
     return engine
+
+
+def place_frozen(model: torch.nn.Module, engine) -> torch.nn.Module:
+    """A frozen model (DPO's reference, an SFT teacher) beside the engine's, below ZeRO-3: on its
+    device, its parameters in the engine's training dtype (as DeepSpeed casts the trained model:
+    parameters only, the rotary tables stay fp32), so that the two agree where their weights do."""
+    model.to(engine.device)
+    if engine.bfloat16_enabled():
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    return model
 
 
 def make_sequence_parallel(engine) -> None:

@@ -28,7 +28,8 @@ class Objective(Protocol):
     initial_values: dict[str, Callable[[], torch.Tensor]] | None
 
     def attach(self, engine) -> None:
-        """Called once the engine is built (e.g. to move a reference model to its device)."""
+        """Called once the engine is built, on every rank (e.g. to place a reference model beside it;
+        under ZeRO-3 that builds an engine of its own, a collective)."""
 
     def batches(self, epoch: int, skip: int) -> Iterator[tuple[int, Any]]:
         """(index, batch): this rank's slice of each global micro-batch of the epoch, in the order

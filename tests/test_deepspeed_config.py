@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from lmfoundry.train.config import PretrainConfig
 from lmfoundry.train.engine import deepspeed_config, gradient_accumulation
@@ -309,3 +310,21 @@ def test_tensor_and_pipeline_parallelism_are_refused_outside_pretraining():
 
     with pytest.raises(ValueError, match="tensor and pipeline parallelism are for pretraining"):
         DPOConfig(output="o", checkpoint="c", pairs="p", parallelism={"tensor_parallel_size": 2})
+
+
+def test_a_frozen_model_beside_a_bf16_engine_takes_its_parameter_dtype_and_keeps_fp32_rotary_tables():
+    # DPO's reference and an SFT teacher below ZeRO-3: cast as DeepSpeed casts the trained model
+    # (parameters only), so that policy and reference agree exactly where their weights do
+    from types import SimpleNamespace
+
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.engine import place_frozen
+
+    model = Transformer(ModelConfig(vocab_size=32, max_seq_len=8, n_layer=1, d_model=16, n_head=2, n_kv_head=1))
+    engine = SimpleNamespace(device=torch.device("cpu"), bfloat16_enabled=lambda: True)
+    assert place_frozen(model, engine) is model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in model.buffers()} == {torch.float32}
+    fp32 = Transformer(ModelConfig(vocab_size=32, max_seq_len=8, n_layer=1, d_model=16, n_head=2, n_kv_head=1))
+    place_frozen(fp32, SimpleNamespace(device=torch.device("cpu"), bfloat16_enabled=lambda: False))
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32}

@@ -321,10 +321,15 @@ def test_a_frozen_model_beside_a_bf16_engine_takes_its_parameter_dtype_and_keeps
     from lmfoundry.train.engine import place_frozen
 
     model = Transformer(ModelConfig(vocab_size=32, max_seq_len=8, n_layer=1, d_model=16, n_head=2, n_kv_head=1))
-    engine = SimpleNamespace(device=torch.device("cpu"), bfloat16_enabled=lambda: True)
+    engine = SimpleNamespace(
+        device=torch.device("cpu"), bfloat16_enabled=lambda: True, zero_optimization_stage=lambda: 2
+    )
     assert place_frozen(model, engine) is model
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert {b.dtype for b in model.buffers()} == {torch.float32}
     fp32 = Transformer(ModelConfig(vocab_size=32, max_seq_len=8, n_layer=1, d_model=16, n_head=2, n_kv_head=1))
-    place_frozen(fp32, SimpleNamespace(device=torch.device("cpu"), bfloat16_enabled=lambda: False))
+    place_frozen(
+        fp32,
+        SimpleNamespace(device=torch.device("cpu"), bfloat16_enabled=lambda: False, zero_optimization_stage=lambda: 1),
+    )
     assert {p.dtype for p in fp32.parameters()} == {torch.float32}

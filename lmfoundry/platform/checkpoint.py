@@ -265,9 +265,7 @@ def download(fs: pafs.FileSystem, path: str, target: str | os.PathLike, model_on
     in its manifest is checked before the first byte is written, and each file is written only
     at its checked name under `target`."""
     with fs.open_input_stream(f"{path}/{CHECKPOINT_MANIFEST}") as f:
-        manifest_bytes = f.read(storage.MAX_MANIFEST_BYTES + 1)
-    if len(manifest_bytes) > storage.MAX_MANIFEST_BYTES:
-        raise ValueError(f"{path}/{CHECKPOINT_MANIFEST} holds more than {storage.MAX_MANIFEST_BYTES:,} bytes")
+        manifest_bytes = storage.read_bounded(f, storage.MAX_MANIFEST_BYTES, f"{path}/{CHECKPOINT_MANIFEST}")
     names = list(checked_files(json.loads(manifest_bytes), path))
     target = Path(target)
     for name in names:

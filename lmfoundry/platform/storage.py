@@ -90,11 +90,14 @@ def read_bytes(uri: str, limit: int | None = None) -> bytes:
     if limit is not None and fs.get_file_info(path).type != _pafs().FileType.File:
         raise ValueError(f"{uri} is not a regular file")
     with fs.open_input_stream(path) as f:
-        if limit is None:
-            return f.read()
-        data = f.read(limit + 1)
+        return f.read() if limit is None else read_bounded(f, limit, uri)
+
+
+def read_bounded(stream, limit: int, where: str) -> bytes:
+    """At most `limit` bytes of an open stream, reading no more than limit + 1: more is refused."""
+    data = stream.read(limit + 1)
     if len(data) > limit:
-        raise ValueError(f"{uri} holds more than {limit:,} bytes; at most {limit:,} allowed")
+        raise ValueError(f"{where} holds more than {limit:,} bytes; at most {limit:,} allowed")
     return data
 
 

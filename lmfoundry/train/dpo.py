@@ -41,7 +41,7 @@ from lmfoundry.train.config import (
     ScheduleConfig,
     TrainStageConfig,
 )
-from lmfoundry.train.engine import check_every_world_size, frozen_zero3_engine, place_frozen
+from lmfoundry.train.engine import check_every_world_size, place_frozen
 from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import start_texts
@@ -212,8 +212,7 @@ class DPOObjective:
         torch.manual_seed(cfg.seed)
         # under ZeRO-3 no worker holds a whole model: the policy and the reference are built on
         # the meta device, each parameter read from the checkpoint and partitioned in turn
-        self.zero3 = cfg.parallelism.zero_stage == 3
-        load = load_model_on_meta if self.zero3 else load_model_files
+        load = load_model_on_meta if cfg.parallelism.zero_stage == 3 else load_model_files
         self.model = load(start_dir).train()
         self.num_params = self.model.num_params()
         self.reference = load(start_dir).eval().requires_grad_(False)
@@ -232,10 +231,7 @@ class DPOObjective:
 
     def attach(self, engine) -> None:
         self.device = engine.device
-        if self.zero3:  # partitioned like the policy, in an engine of its own (every rank: a collective)
-            self.reference = frozen_zero3_engine(self.reference, engine.config)
-        else:
-            self.reference = place_frozen(self.reference, engine)
+        self.reference = place_frozen(self.reference, engine)  # under ZeRO-3 a collective: every rank
 
     def batches(self, epoch: int, skip: int):
         order = epoch_order(len(self.pairs), self.cfg.seed, epoch)

@@ -297,10 +297,14 @@ def frozen_zero3_engine(model: torch.nn.Module, ds_config: dict):
     return engine
 
 
-def place_frozen(model: torch.nn.Module, engine) -> torch.nn.Module:
-    """A frozen model (DPO's reference, an SFT teacher) beside the engine's, below ZeRO-3: on its
-    device, its parameters in the engine's training dtype (as DeepSpeed casts the trained model:
-    parameters only, the rotary tables stay fp32), so that the two agree where their weights do."""
+def place_frozen(model: torch.nn.Module, engine):
+    """A frozen model (DPO's reference, an SFT teacher) beside the engine's. Under ZeRO-3 (the
+    model built with load_model_on_meta) partitioned in an engine of its own
+    (`frozen_zero3_engine`; every rank must call this). Below it, on the engine's device, its
+    parameters in the engine's training dtype (as DeepSpeed casts the trained model: parameters
+    only, the rotary tables stay fp32), so that the two agree where their weights do."""
+    if engine.zero_optimization_stage() == 3:
+        return frozen_zero3_engine(model, engine.config)
     model.to(engine.device)
     if engine.bfloat16_enabled():
         for p in model.parameters():

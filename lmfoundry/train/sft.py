@@ -59,7 +59,7 @@ from lmfoundry.train.config import (
     SequenceBatchConfig,
     TrainStageConfig,
 )
-from lmfoundry.train.engine import check_every_world_size, frozen_zero3_engine, place_frozen
+from lmfoundry.train.engine import check_every_world_size, place_frozen
 from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import plot_loss, start_texts
@@ -294,9 +294,7 @@ class SFTObjective:
 
     def attach(self, engine) -> None:
         self.device = engine.device
-        if self.teacher is not None and self.cfg.parallelism.zero_stage == 3:
-            self.teacher = frozen_zero3_engine(self.teacher, engine.config)
-        elif self.teacher is not None:
+        if self.teacher is not None:  # under ZeRO-3 a collective: every rank
             self.teacher = place_frozen(self.teacher, engine)
 
     def batches(self, epoch: int, skip: int):

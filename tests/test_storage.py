@@ -42,3 +42,21 @@ def test_checkpoint_seal_verify_detects_corruption_and_missing_manifest(tmp_path
     (tmp_path / "manifest.json").unlink()
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
         checkpoint.verify(tmp_path)
+
+
+def test_a_bounded_read_refuses_what_is_not_a_regular_file_and_what_holds_more_than_the_limit(tmp_path):
+    import os
+
+    from lmfoundry.platform import storage
+
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)  # a read of it would block forever: refused before it is opened
+    with pytest.raises(ValueError, match="is not a regular file"):
+        storage.read_bytes(str(fifo), limit=10)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        storage.read_bytes(str(tmp_path), limit=10)
+    big = tmp_path / "big.json"
+    big.write_bytes(b"x" * 11)
+    with pytest.raises(ValueError, match="holds more than 10 bytes"):
+        storage.read_bytes(str(big), limit=10)
+    assert storage.read_bytes(str(big), limit=11) == b"x" * 11

@@ -139,3 +139,17 @@ def test_a_process_reward_model_trains_on_its_own_step_labels(deepspeed_workers,
     scorer = RewardScorer(checkpoint.resolve(str(run)))
     scores = scorer.score_steps(rows[0]["prompt"], [rows[0]["steps"][:1], rows[0]["steps"]])
     assert all(math.isfinite(s) for s in scores) and scores[0] != 0.0
+    # the worker measured the held-out accuracy on partitioned models (the starting one with its
+    # zero head); the models whole give the same
+    from lmfoundry.model.checkpoint import load_model_files
+    from lmfoundry.train.reward import Encoder, ranked_right, read_rows, reward_model, split
+
+    start = checkpoint.resolve(pretrained[0])
+    fmt, data = read_rows(str(run / "step_labels.jsonl"))
+    encoder = Encoder(start, load_model_files(start).cfg.max_seq_len)
+    held = [encoder.encode(fmt, row) for row in split(data, cfg.validation_fraction, cfg.seed)[1]]
+    final = load_model_files(checkpoint.resolve(str(run)))
+    for when, model in (("before", reward_model(start).eval()), ("after", final)):
+        with torch.no_grad():
+            hits, scored = ranked_right(model, held, encoder.eos, "cpu")
+        assert result["held_out_accuracy"][when] == pytest.approx(hits / scored)

@@ -1,7 +1,8 @@
 """Supervised fine-tuning on real Ray Train + DeepSpeed workers: a run with every checkpoint
 evaluated, the same run with a worker killed (bitwise-equal losses after the resume), both with
 one layer's attention frozen, and a LoRA
-run under ZeRO-3 whose checkpoints hold the adapter only."""
+run under ZeRO-3 whose checkpoints hold the adapter only and whose before-and-after figures, measured
+by the workers on partitioned models, equal those of the models whole."""
 
 import json
 from pathlib import Path
@@ -115,3 +116,15 @@ def test_a_lora_run_under_zero3_trains_and_saves_the_adapter_only(deepspeed_work
     assert any(
         not torch.equal(p, q) for p, q in zip(merged.parameters(), load_model_files(base[0]).parameters(), strict=True)
     )
+    # the workers measured the figures on partitioned models; one process holding each model
+    # whole finds the same
+    from lmfoundry.train.sft import assistant_loss_sum, row_length, sample_rows
+    from lmfoundry.train.sft_data import prepare
+
+    packed, _ = prepare(base[1], base[0], row_length(cfg, merged.cfg.max_seq_len))
+    rows = list(sample_rows(len(packed)))
+    for when, model in (("before", load_model_files(base[0])), ("after", merged)):
+        with torch.no_grad():
+            total, count = assistant_loss_sum(model, packed, rows, "cpu")
+        assert result["assistant_loss"][when] == pytest.approx(total / count, rel=1e-5)
+    assert result["assistant_loss"]["rows"] == len(rows)

@@ -19,7 +19,6 @@ global micro-batch, so the position is one number.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -29,11 +28,11 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from lmfoundry.model.chat_template import ChatTemplate
-from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, load_model_files, load_model_on_meta
+from lmfoundry.model.checkpoint import TOKENIZER, load_model_files, load_model_on_meta
 from lmfoundry.model.tokenizer import SpecialTokens
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
-from lmfoundry.train import skeleton
+from lmfoundry.train import held_out, skeleton
 from lmfoundry.train.config import (
     CheckpointingConfig,
     OptimizerConfig,
@@ -184,14 +183,15 @@ def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tupl
 
 
 @torch.no_grad()
-def preference_accuracy(policy, reference, encoded: list, pad: int, beta: float, batch: int = 16) -> float:
-    """The share of pairs whose chosen reply the policy rewards above the rejected one."""
-    hits = 0
-    for start in range(0, len(encoded), batch):
-        ids, mask = collate(encoded[start : start + batch], pad)
-        _, stats = dpo_loss(reply_logprobs(policy, ids, mask), reply_logprobs(reference, ids, mask), beta)
-        hits += stats["accuracy"] * len(encoded[start : start + batch])
-    return hits / len(encoded)
+def preference_hits(policy, reference, pairs: list, pad: int, beta: float, device) -> tuple[float, float]:
+    """How many of the pairs' chosen replies the policy rewards above the rejected ones, and of
+    how many pairs (the policy may be the reference itself: then none)."""
+    ids, mask = collate(pairs, pad)
+    ids, mask = ids.to(device), mask.to(device)
+    reference_logprobs = reply_logprobs(reference, ids, mask)
+    policy_logprobs = reference_logprobs if policy is reference else reply_logprobs(policy, ids, mask)
+    _, stats = dpo_loss(policy_logprobs, reference_logprobs, beta)
+    return stats["accuracy"] * len(pairs), float(len(pairs))
 
 
 # --- the objective ------------------------------------------------------------------------------
@@ -233,6 +233,28 @@ class DPOObjective:
         self.device = engine.device
         self.reference = place_frozen(self.reference, engine)  # under ZeRO-3 a collective: every rank
 
+    def report(self, engine, final_dir: str) -> dict:
+        """The preference accuracy on the training pairs of the starting checkpoint (the
+        reference: 0) and of the final one, each against the reference."""
+
+        def accuracy(policy) -> float:
+            hits, pairs = held_out.summed_over_ranks(
+                self.pairs,
+                16,
+                lambda some: preference_hits(
+                    policy, self.reference, some, self.encoder.end, self.cfg.beta, self.device
+                ),
+                self.device,
+            )
+            return hits / max(pairs, 1)
+
+        return {
+            "preference_accuracy": {
+                "before": accuracy(self.reference),
+                "after": accuracy(held_out.frozen_from(final_dir, engine)),
+            }
+        }
+
     def batches(self, epoch: int, skip: int):
         order = epoch_order(len(self.pairs), self.cfg.seed, epoch)
         mbs = self.cfg.batch.micro_batch_size
@@ -268,26 +290,17 @@ def dpo_loop(loop_config: dict) -> None:
 def run_dpo(cfg: DPOConfig) -> dict:
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
-    final_dir = None
     try:
         checkpoint.verify(start_dir, model_only=True)
-        pairs = read_pairs(cfg.pairs)  # fail now on a bad file, not inside the workers
-        model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
+        read_pairs(cfg.pairs)  # fail now on a bad file, not inside the workers
         check_every_world_size(cfg, seq_len=1)
         out, done = open_run_dir(cfg, "align")
         if done:
             return done
         started = time.time()
         loop_config = {"cfg": worker_config(cfg, "pairs"), "start_dir": start_dir, "run_dir": out}
-        final_uri, final, state = train_on_ray(dpo_loop, loop_config, cfg, out, "DPO")
-        final_dir = checkpoint.local_copy(final_uri, model_only=True)
-        encoder = PairEncoder(start_dir, cfg.max_seq_len or model_cfg["max_seq_len"])
-        encoded = [encoder.encode(p) for p in pairs]
-        reference = load_model_files(start_dir)
-        accuracy = {
-            "before": preference_accuracy(reference, reference, encoded, encoder.end, cfg.beta),
-            "after": preference_accuracy(load_model_files(final_dir), reference, encoded, encoder.end, cfg.beta),
-        }
+        _, final, state = train_on_ray(dpo_loop, loop_config, cfg, out, "DPO")
+        accuracy = held_out.read_report(out, final)["preference_accuracy"]
         manifest = storage.commit(
             out,
             "align",
@@ -312,7 +325,5 @@ def run_dpo(cfg: DPOConfig) -> dict:
             accuracy["after"],
         )
         return manifest
-    finally:  # temporary copies of remote checkpoints
+    finally:  # a temporary copy of a remote checkpoint
         checkpoint.remove_copy(start_dir, start_uri)
-        if final_dir is not None:
-            checkpoint.remove_copy(final_dir, final_uri)

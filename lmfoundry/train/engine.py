@@ -272,17 +272,18 @@ def build_engine(
     return engine, scheduler
 
 
-def frozen_zero3_engine(model: torch.nn.Module, ds_config: dict):
+def frozen_zero3_engine(model: torch.nn.Module, ds_config: dict, values: dict | None = None):
     """A frozen model (DPO's reference, an SFT distillation teacher) built on the meta device
     from a checkpoint, partitioned like the trained one under ZeRO-3 (each parameter as it gets
     its value: meta_init.partition_as_built), in a DeepSpeed engine without an optimizer whose
     forward gathers each module's parameters as it runs and releases them after. As TRL
     prepares its reference, only parameters under 10 x d_model elements (the norms) stay whole
     between forwards. Every rank must call this and run its forwards in step (each gather is a
-    collective), as the training loop's micro-batches do."""
+    collective), as the training loop's micro-batches do. `values`: its initial values by name
+    (default: its own, read from the checkpoint)."""
     import deepspeed
 
-    if getattr(model, "start_weights", None) is None:
+    if values is None and getattr(model, "start_weights", None) is None:
         raise ValueError("a frozen ZeRO-3 model is read from a checkpoint: build it with load_model_on_meta")
     config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
     config["zero_optimization"] = {
@@ -290,21 +291,22 @@ def frozen_zero3_engine(model: torch.nn.Module, ds_config: dict):
         "stage3_param_persistence_threshold": 10 * model.cfg.d_model,
     }
     model.requires_grad_(False).reset_buffers()
-    meta_init.partition_as_built(model, model.initial_values(), config)
+    meta_init.partition_as_built(model, model.initial_values() if values is None else values, config)
     model.start_weights = None  # read: the checkpoint's file is not kept open
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()  # DeepSpeed's returns None, not the engine
     return engine
 
 
-def place_frozen(model: torch.nn.Module, engine):
+def place_frozen(model: torch.nn.Module, engine, values: dict | None = None):
     """A frozen model (DPO's reference, an SFT teacher) beside the engine's. Under ZeRO-3 (the
     model built with load_model_on_meta) partitioned in an engine of its own
     (`frozen_zero3_engine`; every rank must call this). Below it, on the engine's device, its
     parameters in the engine's training dtype (as DeepSpeed casts the trained model: parameters
-    only, the rotary tables stay fp32), so that the two agree where their weights do."""
+    only, the rotary tables stay fp32), so that the two agree where their weights do. `values`:
+    a meta-built model's initial values by name (default: its own)."""
     if engine.zero_optimization_stage() == 3:
-        return frozen_zero3_engine(model, engine.config)
+        return frozen_zero3_engine(model, engine.config, values)
     model.to(engine.device)
     if engine.bfloat16_enabled():
         for p in model.parameters():

@@ -189,6 +189,7 @@ class GRPOObjective:
     kind = "grpo"
     adapter = None  # trains every weight
     initial_values = None  # built whole
+    report = None  # its held-out accuracy is measured by the driver (jobs/rl.py)
     seq_len = 1  # the batch counts problems
     tokens_per_step = flops_per_token = None
 

@@ -1,6 +1,6 @@
 """What a training stage supplies to the one training loop (train/skeleton.py): the model, a
-batch source and a loss. Pretraining (train/pretrain.py), supervised fine-tuning (train/sft.py)
-and DPO (train/dpo.py) are objectives; a reward model would be another."""
+batch source and a loss. Pretraining (train/pretrain.py), supervised fine-tuning (train/sft.py),
+DPO (train/dpo.py), reward models (train/reward.py) and GRPO (train/grpo.py) are objectives."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ class Objective(Protocol):
     # a model built on the meta device: its parameters' initial values by their names (None: the
     # model's own `initial_values()`)
     initial_values: dict[str, Callable[[], torch.Tensor]] | None
+    # the run's before-and-after figures, measured by every worker once training has finished:
+    # report(engine, final checkpoint's local directory) -> figures (train/held_out.py); None
+    # where the stage reports none
+    report: Callable[[Any, str], dict] | None
 
     def attach(self, engine) -> None:
         """Called once the engine is built, on every rank (e.g. to place a reference model beside it;

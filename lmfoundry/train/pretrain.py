@@ -66,6 +66,7 @@ class PretrainObjective:
     special_tokens = None  # its tokenizer is pack's, with lmfoundry's special tokens, unless init_from says otherwise
     adapter = None  # trains every weight
     initial_values = None  # a meta-built model's are its own
+    report = None  # its figures are the training metrics
 
     def __init__(
         self, cfg: PretrainConfig, seq_len: int, tokenizer_json: str, layout: SplitLayout, rank: int, world: int

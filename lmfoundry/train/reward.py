@@ -41,7 +41,7 @@ from lmfoundry.model.tokenizer import SpecialTokens
 from lmfoundry.model.transformer import ModelConfig, Transformer, build_on_meta
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
-from lmfoundry.train import skeleton
+from lmfoundry.train import held_out, skeleton
 from lmfoundry.train.config import RewardBatchConfig, TrainStageConfig
 from lmfoundry.train.dpo import DPOCheckpointingConfig, DPOOptimizerConfig, DPOScheduleConfig, PairEncoder
 from lmfoundry.train.engine import check_every_world_size
@@ -186,19 +186,16 @@ def split(rows: list, fraction: float, seed: int) -> tuple[list, list]:
     return [rows[i] for i in order[cut:]], [rows[i] for i in order[:cut]]
 
 
-@torch.no_grad()
-def accuracy(model, encoded: list, pad_id: int, batch: int = 16) -> float | None:
-    """Pairs ranked right, or scores on the right side of 0 (per step for process rows)."""
-    hits = total = 0
-    for start in range(0, len(encoded), batch):
-        chunk = [e for e in encoded[start : start + batch] if e[0] == "pair" or e[2]]
-        if not chunk:
-            continue
-        _, stats = example_loss(model, chunk, pad_id, "cpu")
-        n = len(chunk) if chunk[0][0] == "pair" else sum(len(e[2]) for e in chunk)
-        hits += stats["accuracy"] * n
-        total += n
-    return hits / total if total else None
+def ranked_right(model, examples: list, pad_id: int, device) -> tuple[float, float]:
+    """How many pairs the model ranks right, or how many step scores it puts on the right side
+    of 0 (process rows), and of how many."""
+    chunk = [e for e in examples if e[0] == "pair" or e[2]]
+    if not chunk:  # nothing to score, but the forward runs all the same: under ZeRO-3 a collective
+        scores(model, pad([examples[0][1]], pad_id).to(device))
+        return 0.0, 0.0
+    _, stats = example_loss(model, chunk, pad_id, device)
+    n = len(chunk) if chunk[0][0] == "pair" else sum(len(e[2]) for e in chunk)
+    return stats["accuracy"] * n, float(n)
 
 
 def reward_model(start_dir: str) -> Transformer:
@@ -254,8 +251,10 @@ class RewardObjective:
         self.num_params = self.model.num_params()
         self.encoder = Encoder(start_dir, cfg.max_seq_len or self.model.cfg.max_seq_len)
         fmt, rows = read_rows(cfg.data)
-        train, _ = split(rows, cfg.validation_fraction, cfg.seed)
+        train, held = split(rows, cfg.validation_fraction, cfg.seed)
         self.examples = [self.encoder.encode(fmt, row) for row in train]
+        self.held_out = [self.encoder.encode(fmt, row) for row in held]
+        self.start_dir = start_dir
         self.tokenizer_json = (Path(start_dir) / TOKENIZER).read_text()
         self.chat_template, self.special_tokens = start_texts(start_dir)  # an imported model keeps its own
         self.per_global = cfg.batch.micro_batch_size * world
@@ -269,6 +268,27 @@ class RewardObjective:
 
     def attach(self, engine) -> None:
         self.device = engine.device
+
+    def report(self, engine, final_dir: str) -> dict:
+        """The accuracy on the held-out rows of the starting checkpoint as a reward model (its
+        decoder with the zero head the run started from) and of the final one."""
+        if not self.held_out:
+            return {"held_out_accuracy": {"before": None, "after": None}}
+        if engine.zero_optimization_stage() == 3:
+            model, values = reward_model_on_meta(self.start_dir)
+            start = held_out.frozen(model, engine, values)
+        else:
+            start = held_out.frozen(reward_model(self.start_dir), engine)
+
+        def accuracy(model) -> float | None:
+            hits, scored = held_out.summed_over_ranks(
+                self.held_out, 16, lambda some: ranked_right(model, some, self.encoder.eos, self.device), self.device
+            )
+            return hits / scored if scored else None
+
+        return {
+            "held_out_accuracy": {"before": accuracy(start), "after": accuracy(held_out.frozen_from(final_dir, engine))}
+        }
 
     def batches(self, epoch: int, skip: int):
         order = list(range(len(self.examples)))
@@ -302,11 +322,10 @@ def reward_loop(loop_config: dict) -> None:
 def run_reward(cfg: RewardConfig) -> dict:
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
-    final_dir = None
     try:
         checkpoint.verify(start_dir, model_only=True)
         fmt, rows = read_rows(cfg.data)  # fail now on a bad file, not inside the workers
-        _, held_out = split(rows, cfg.validation_fraction, cfg.seed)
+        _, held = split(rows, cfg.validation_fraction, cfg.seed)
         model_cfg = json.loads((Path(start_dir) / MODEL_CONFIG).read_text())
         check_every_world_size(cfg, seq_len=1)
         out, done = open_run_dir(cfg, "reward")
@@ -314,16 +333,11 @@ def run_reward(cfg: RewardConfig) -> dict:
             return done
         started = time.time()
         loop_config = {"cfg": worker_config(cfg, "data"), "start_dir": start_dir, "run_dir": out}
-        final_uri, final, state = train_on_ray(reward_loop, loop_config, cfg, out, "reward model training")
-        final_dir = checkpoint.local_copy(final_uri, model_only=True)
+        _, final, state = train_on_ray(reward_loop, loop_config, cfg, out, "reward model training")
         encoder = Encoder(start_dir, cfg.max_seq_len or model_cfg["max_seq_len"])
         for row in rows:  # counts what max_seq_len cut, over the whole file
             encoder.encode(fmt, row)
-        encoded = [Encoder(start_dir, encoder.max_seq_len).encode(fmt, row) for row in held_out]
-        held_accuracy = {
-            "before": accuracy(reward_model(start_dir).eval(), encoded, encoder.eos),
-            "after": accuracy(load_model_files(final_dir).eval(), encoded, encoder.eos),
-        }
+        held_accuracy = held_out.read_report(out, final)["held_out_accuracy"]
         manifest = storage.commit(
             out,
             "reward",
@@ -335,7 +349,7 @@ def run_reward(cfg: RewardConfig) -> dict:
                 "final_checkpoint": final,
                 "steps": state["step"],
                 "examples": len(rows),
-                "held_out": len(held_out),
+                "held_out": len(held),
                 "held_out_accuracy": held_accuracy,
                 "truncated_steps": encoder.truncated_steps,
                 "first_loss": state["history"][0]["loss"],
@@ -353,7 +367,5 @@ def run_reward(cfg: RewardConfig) -> dict:
             held_accuracy["after"],
         )
         return manifest
-    finally:  # temporary copies of remote checkpoints
+    finally:  # a temporary copy of a remote checkpoint
         checkpoint.remove_copy(start_dir, start_uri)
-        if final_dir is not None:
-            checkpoint.remove_copy(final_dir, final_uri)

@@ -51,7 +51,7 @@ from lmfoundry.model.transformer import ModelConfig, build_on_meta
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.config import StageConfig
 from lmfoundry.platform.log import get_logger
-from lmfoundry.train import skeleton
+from lmfoundry.train import held_out, skeleton
 from lmfoundry.train.config import (
     CheckpointingConfig,
     OptimizerConfig,
@@ -253,6 +253,7 @@ class SFTObjective:
         teacher_dir: str | None = None,
     ):
         self.cfg, self.rank, self.world, self.adapter = cfg, rank, world, adapter
+        self.start_dir = start_dir
         torch.manual_seed(cfg.seed)
         # under ZeRO-3 no worker holds the whole model: built on the meta device, each parameter
         # read from the checkpoint and partitioned in turn when the engine is built
@@ -296,6 +297,22 @@ class SFTObjective:
         self.device = engine.device
         if self.teacher is not None:  # under ZeRO-3 a collective: every rank
             self.teacher = place_frozen(self.teacher, engine)
+
+    def report(self, engine, final_dir: str) -> dict:
+        """The assistant loss of the starting and of the final checkpoint over the same rows,
+        ASSISTANT_LOSS_ROWS of them spread over the data."""
+        rows = sample_rows(len(self.packed))
+
+        def mean_loss(directory: str) -> float:
+            model = held_out.frozen_from(directory, engine)
+            total, count = held_out.summed_over_ranks(
+                rows, 16, lambda some: assistant_loss_sum(model, self.packed, some, self.device), self.device
+            )
+            return total / max(count, 1)
+
+        return {
+            "assistant_loss": {"before": mean_loss(self.start_dir), "after": mean_loss(final_dir), "rows": len(rows)}
+        }
 
     def batches(self, epoch: int, skip: int):
         order = epoch_order(len(self.packed), self.cfg.seed, epoch)
@@ -357,7 +374,7 @@ def sft_loop(loop_config: dict) -> None:
 
 
 # Rows the before/after assistant loss reads: a sample spread over the whole data, so that the
-# report after a run costs seconds, not another pass over the data on the driver.
+# report after a run costs seconds, not another pass over the data.
 ASSISTANT_LOSS_ROWS = 256
 
 
@@ -366,27 +383,20 @@ def sample_rows(n: int, at_most: int = ASSISTANT_LOSS_ROWS) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, num=min(n, at_most)).round().astype(np.int64)) if n else np.arange(0)
 
 
-@torch.no_grad()
-def assistant_loss(model, packed: Packed, rows: np.ndarray, batch: int = 16) -> float:
-    """The mean cross-entropy over every assistant token of the packed data's `rows`."""
-    total, count = 0.0, 0
-    for start in range(0, len(rows), batch):
-        some = rows[start : start + batch]
-        _, losses, counted = token_losses(
-            model,
-            torch.from_numpy(packed.tokens[some]),
-            torch.from_numpy(packed.assistant[some]),
-            torch.from_numpy(packed.docs[some]),
-        )
-        total += float((losses * counted).sum())
-        count += int(counted.sum())
-    return total / max(count, 1)
+def assistant_loss_sum(model, packed: Packed, rows: list, device) -> tuple[float, float]:
+    """The summed cross-entropy over every assistant token of the packed data's `rows`, and how
+    many tokens that is."""
+    tokens, assistant, docs = (
+        torch.from_numpy(a[rows]).to(device) for a in (packed.tokens, packed.assistant, packed.docs)
+    )
+    _, losses, counted = token_losses(model, tokens, assistant, docs)
+    return float((losses * counted).sum()), float(counted.sum())
 
 
 def run_sft(cfg: SFTConfig) -> dict:
     start_uri = checkpoint.resolve(cfg.checkpoint)
     start_dir = checkpoint.local_copy(start_uri, model_only=True)
-    final_dir = teacher_dir = teacher_uri = None
+    teacher_dir = teacher_uri = None
     try:
         start_manifest = checkpoint.verify(start_dir, model_only=True)
         if cfg.distill is not None:
@@ -428,14 +438,8 @@ def run_sft(cfg: SFTConfig) -> dict:
             "adapter_base": adapter_base,
             "teacher_dir": teacher_dir,
         }
-        final_uri, final, state = train_on_ray(sft_loop, loop_config, cfg, out, "SFT")
-        final_dir = checkpoint.local_copy(final_uri, model_only=True)
-        rows = sample_rows(len(packed))
-        loss = {
-            "before": assistant_loss(load_model_files(start_dir), packed, rows),
-            "after": assistant_loss(load_model_files(final_dir), packed, rows),
-            "rows": len(rows),
-        }
+        _, final, state = train_on_ray(sft_loop, loop_config, cfg, out, "SFT")
+        loss = held_out.read_report(out, final)["assistant_loss"]
         gate_action = storage.join(out, checkpoint.GATE_ACTION)
         stopped = storage.read_json(gate_action) if storage.exists(gate_action) else None
         plot_loss(out)
@@ -473,5 +477,3 @@ def run_sft(cfg: SFTConfig) -> dict:
         checkpoint.remove_copy(start_dir, start_uri)
         if teacher_dir is not None:
             checkpoint.remove_copy(teacher_dir, teacher_uri)
-        if final_dir is not None:
-            checkpoint.remove_copy(final_dir, final_uri)

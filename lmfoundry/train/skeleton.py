@@ -24,6 +24,7 @@ import torch
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.hardware import device_peak_tflops
 from lmfoundry.platform.log import get_logger
+from lmfoundry.train import held_out
 from lmfoundry.train.checkpointing import resume, stage_checkpoint, stage_root
 from lmfoundry.train.config import TrainStageConfig, data_parallel
 from lmfoundry.train.drills import Drills
@@ -60,7 +61,18 @@ def run(cfg: TrainStageConfig, run_dir: str, build_objective: Callable[[int, int
     if cfg.deterministic:
         use_deterministic_kernels()
     # the objective reads the batches of this worker's data-parallel rank
-    Trainer(cfg, run_dir, build_objective(*data_parallel(rank, world, cfg.parallelism)), rank, world).train()
+    objective = build_objective(*data_parallel(rank, world, cfg.parallelism))
+    trainer = Trainer(cfg, run_dir, objective, rank, world)
+    trainer.train()
+    if objective.report is not None:  # measured by every worker on the final checkpoint (train/held_out.py)
+        final_uri = held_out.final_checkpoint(run_dir)
+        final_dir = checkpoint.local_copy(final_uri, model_only=True)
+        try:
+            figures = objective.report(trainer.engine, final_dir)
+        finally:
+            checkpoint.remove_copy(final_dir, final_uri)
+        if rank == 0:
+            held_out.write_report(run_dir, final_uri, figures)
 
 
 def use_deterministic_kernels() -> None:

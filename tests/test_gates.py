@@ -120,9 +120,14 @@ def test_the_evaluator_asks_training_to_act_and_drops_what_a_rollback_overtook(t
     assert checkpoint.read_gate_action(str(run)) is None
     assert evaluator._rolled_back(10, submitted=time.time() - 60)
     assert not evaluator._rolled_back(10, submitted=time.time() + 60) and not evaluator._rolled_back(5, 0.0)
+    assert checkpoint.carried_out_stop(str(run)) is None  # a rollback carried out does not end the run
     # failing again after the rollback: the next action is a stop
     evaluator._act()
-    assert checkpoint.read_gate_action(str(run))["action"] == "stop"
+    stop = checkpoint.read_gate_action(str(run))
+    assert stop["action"] == "stop" and checkpoint.carried_out_stop(str(run)) is None  # asked, not yet done
+    # once training carried it out, a worker group that takes over later trains no further
+    storage.write_json_atomic(str(run / checkpoint.GATE_ACTION), {**stop, "done": True})
+    assert checkpoint.read_gate_action(str(run)) is None and checkpoint.carried_out_stop(str(run))["action"] == "stop"
 
 
 @pytest.mark.timeout(900)  # three short runs, after the session's corpus fixtures

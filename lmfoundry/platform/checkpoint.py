@@ -508,6 +508,16 @@ def read_gate_action(run_dir: str) -> dict | None:
     return None if action.get("done") else action
 
 
+def carried_out_stop(run_dir: str) -> dict | None:
+    """The stop the failed gates asked for, once training carried it out (None otherwise): the
+    run is over, whatever worker group reads it next."""
+    path = storage.join(run_dir, GATE_ACTION)
+    if not storage.exists(path):
+        return None
+    action = storage.read_json(path)
+    return action if action.get("done") and action.get("action") == "stop" else None
+
+
 # --- a training run's rolling checkpoints -------------------------------------------------------
 
 

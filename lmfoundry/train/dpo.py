@@ -240,7 +240,7 @@ class DPOObjective:
         def accuracy(policy) -> float:
             hits, pairs = held_out.summed_over_ranks(
                 self.pairs,
-                16,
+                self.cfg.batch.micro_batch_size,
                 lambda some: preference_hits(
                     policy, self.reference, some, self.encoder.end, self.cfg.beta, self.device
                 ),

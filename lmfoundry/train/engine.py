@@ -307,11 +307,10 @@ def place_frozen(model: torch.nn.Module, engine, values: dict | None = None):
     a meta-built model's initial values by name (default: its own)."""
     if engine.zero_optimization_stage() == 3:
         return frozen_zero3_engine(model, engine.config, values)
-    model.to(engine.device)
-    if engine.bfloat16_enabled():
+    if engine.bfloat16_enabled():  # cast where it was read, so the device never holds it in fp32
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
-    return model
+    return model.to(engine.device)
 
 
 def make_sequence_parallel(engine) -> None:

@@ -274,21 +274,25 @@ class RewardObjective:
         decoder with the zero head the run started from) and of the final one."""
         if not self.held_out:
             return {"held_out_accuracy": {"before": None, "after": None}}
-        if engine.zero_optimization_stage() == 3:
-            model, values = reward_model_on_meta(self.start_dir)
-            start = held_out.frozen(model, engine, values)
-        else:
-            start = held_out.frozen(reward_model(self.start_dir), engine)
+
+        def start_model():
+            if engine.zero_optimization_stage() == 3:
+                model, values = reward_model_on_meta(self.start_dir)
+                return held_out.frozen(model, engine, values)
+            return held_out.frozen(reward_model(self.start_dir), engine)
 
         def accuracy(model) -> float | None:
             hits, scored = held_out.summed_over_ranks(
-                self.held_out, 16, lambda some: ranked_right(model, some, self.encoder.eos, self.device), self.device
+                self.held_out,
+                self.cfg.batch.micro_batch_size,
+                lambda some: ranked_right(model, some, self.encoder.eos, self.device),
+                self.device,
             )
             return hits / scored if scored else None
 
-        return {
-            "held_out_accuracy": {"before": accuracy(start), "after": accuracy(held_out.frozen_from(final_dir, engine))}
-        }
+        # one model at a time: each is released once measured
+        before = accuracy(start_model())
+        return {"held_out_accuracy": {"before": before, "after": accuracy(held_out.frozen_from(final_dir, engine))}}
 
     def batches(self, epoch: int, skip: int):
         order = list(range(len(self.examples)))

@@ -306,7 +306,10 @@ class SFTObjective:
         def mean_loss(directory: str) -> float:
             model = held_out.frozen_from(directory, engine)
             total, count = held_out.summed_over_ranks(
-                rows, 16, lambda some: assistant_loss_sum(model, self.packed, some, self.device), self.device
+                rows,
+                self.cfg.batch.micro_batch_size,
+                lambda some: assistant_loss_sum(model, self.packed, some, self.device),
+                self.device,
             )
             return total / max(count, 1)
 

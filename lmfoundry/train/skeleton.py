@@ -65,6 +65,7 @@ def run(cfg: TrainStageConfig, run_dir: str, build_objective: Callable[[int, int
     trainer = Trainer(cfg, run_dir, objective, rank, world)
     trainer.train()
     if objective.report is not None:  # measured by every worker on the final checkpoint (train/held_out.py)
+        trainer.release_training_state()
         final_uri = held_out.final_checkpoint(run_dir)
         final_dir = checkpoint.local_copy(final_uri, model_only=True)
         try:
@@ -163,7 +164,7 @@ class Trainer:
         import torch.distributed as dist
 
         pos, max_steps = self.position, self.cfg.schedule.max_steps
-        self.stopped_by_gate = None
+        self.stopped_by_gate = self._stopped_earlier()
         while pos.step < max_steps and self.stopped_by_gate is None:
             try:
                 finished_epoch = self._train_epoch()
@@ -180,6 +181,18 @@ class Trainer:
         if self.mlflow:
             self.mlflow.end()
         dist.barrier()  # rank 0's last commit waits for every rank's part: all are written now
+
+    def release_training_state(self) -> None:
+        """Once training is over: the optimizer's state and the engine's buffers go (DeepSpeed's
+        `destroy`), so that what runs after (the final figures' models) has that memory. The
+        engine keeps its config, device and model."""
+        import gc
+
+        self.engine.destroy()
+        self.engine.optimizer = self.engine.lr_scheduler = self.scheduler = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _train_epoch(self) -> bool:
         """Train on the rest of this epoch's micro-batches; False when the run ended inside it."""
@@ -224,6 +237,16 @@ class Trainer:
         self._gate_action_done(action)
         self.stopped_by_gate = {**action, "stopped_at_step": self.position.step}
         return True
+
+    def _stopped_earlier(self) -> dict | None:
+        """Collective: the stop an earlier worker group of this run carried out (a group that
+        takes over after it, e.g. one restarted while the final figures were measured, trains
+        no further), or None."""
+        import torch.distributed as dist
+
+        found = [checkpoint.carried_out_stop(self.run_dir) if self.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        return found[0]
 
     def _gate_action_done(self, action: dict) -> None:
         if self.rank == 0:

@@ -67,11 +67,15 @@ def run(cfg: TrainStageConfig, run_dir: str, build_objective: Callable[[int, int
     if objective.report is not None:  # measured by every worker on the final checkpoint (train/held_out.py)
         trainer.release_training_state()
         final_uri = held_out.final_checkpoint(run_dir)
-        final_dir = checkpoint.local_copy(final_uri, model_only=True)
+        local_rank = ctx.get_local_rank()
+        final_dir = held_out.node_copy(final_uri, local_rank, ctx.get_node_rank())
         try:
             figures = objective.report(trainer.engine, final_dir)
-        finally:
-            checkpoint.remove_copy(final_dir, final_uri)
+        except BaseException:
+            if local_rank == 0:  # no collective here: the other ranks may be gone
+                checkpoint.remove_copy(final_dir, final_uri)
+            raise
+        held_out.remove_node_copy(final_dir, final_uri, local_rank)
         if rank == 0:
             held_out.write_report(run_dir, final_uri, figures)
 

@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -307,6 +308,42 @@ def copy_down(fs: pafs.FileSystem, path: str, model_only: bool = False) -> str:
         shutil.rmtree(target, ignore_errors=True)
         raise
     return target
+
+
+def run_copy(uri: str, key: str) -> str:
+    """A local copy of the checkpoint at `uri` (model files only) at a path that `key` fixes, in
+    a directory of this user's that no one else can write: a worker group that takes over after
+    a failure reuses the copy its predecessor made instead of leaving that one behind and
+    downloading another. A copy cut short (no manifest: `download` writes it last) is made
+    again. A local checkpoint is used where it is. `remove_copy` removes it."""
+    uri = resolve(uri)
+    if not storage.is_remote(uri):
+        return uri
+    target = private_temp_dir() / f"{TEMP_PREFIX}{key}"
+    if (target / CHECKPOINT_MANIFEST).is_file():
+        return str(target)
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir()
+    try:
+        download(*storage.filesystem(uri), target, model_only=True)
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
+    return str(target)
+
+
+def private_temp_dir() -> Path:
+    """TMPDIR/lmfoundry-UID, made with mode 0700; refused when it is a link, another user's, or
+    writable by others (a predictable name in a shared directory is only safe so)."""
+    path = Path(tempfile.gettempdir()) / f"lmfoundry-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{path} must be a directory of this user's that no one else can read or write")
+    return path
 
 
 def remove_copy(local: str, uri: str) -> None:

@@ -39,36 +39,6 @@ def checkpoint_name(uri: str) -> str:
     return f"{checkpoint.CHECKPOINTS}/{uri.rstrip('/').rsplit('/', 1)[-1]}"
 
 
-def node_copy(uri: str, local_rank: int, node_rank: int) -> str:
-    """Collective: a local directory holding the checkpoint at `uri` (model files only), one per
-    node: the node's first local rank downloads a remote one and the node's other ranks read
-    its copy. A failed download fails every rank. `remove_node_copy` removes it."""
-    import torch.distributed as dist
-
-    path = error = None
-    if local_rank == 0:
-        try:
-            path = checkpoint.local_copy(uri, model_only=True)
-        except Exception as e:  # sent to every rank, raised below
-            error = f"{type(e).__name__}: {e}"
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, (node_rank, path, error))
-    errors = [e for _, _, e in found if e is not None]
-    if errors:
-        raise RuntimeError(f"copying the final checkpoint {uri} failed: {errors[0]}")
-    return next(p for node, p, _ in found if node == node_rank and p is not None)
-
-
-def remove_node_copy(local: str, uri: str, local_rank: int) -> None:
-    """Collective: once every rank is done with the node's copy, its first local rank removes it
-    (nothing, when the checkpoint is local)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    if local_rank == 0:
-        checkpoint.remove_copy(local, uri)
-
-
 @torch.no_grad()
 def summed_over_ranks(
     items: Sequence, batch: int, measure: Callable[[list], tuple[float, float]], device

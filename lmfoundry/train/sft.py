@@ -26,6 +26,7 @@ the base checkpoint (URI and weights' sha256), which loading merges back in.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import time
@@ -61,6 +62,7 @@ from lmfoundry.train.config import (
 )
 from lmfoundry.train.engine import check_every_world_size, place_frozen
 from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
+from lmfoundry.train.node_copies import on_each_node
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import plot_loss, start_texts
 from lmfoundry.train.sft_data import PAD_DOC, Packed, prepare
@@ -367,13 +369,11 @@ def sft_loop(loop_config: dict) -> None:
     cfg = SFTConfig.model_validate(loop_config["cfg"])
     base = loop_config["adapter_base"]
     adapter = AdapterRef(cfg.lora, *base) if cfg.lora is not None else None
-    skeleton.run(
-        cfg,
-        loop_config["run_dir"],
-        lambda rank, world: SFTObjective(
-            cfg, loop_config["start_dir"], rank, world, adapter, loop_config.get("teacher_dir")
-        ),
-    )
+    run_dir, teacher = loop_config["run_dir"], loop_config["teacher"]
+    with contextlib.ExitStack() as copies:  # the checkpoints as this node's copies (train/node_copies.py)
+        start_dir = copies.enter_context(on_each_node(run_dir, *loop_config["start"]))
+        teacher_dir = copies.enter_context(on_each_node(run_dir, *teacher)) if teacher else None
+        skeleton.run(cfg, run_dir, lambda rank, world: SFTObjective(cfg, start_dir, rank, world, adapter, teacher_dir))
 
 
 # Rows the before/after assistant loss reads: a sample spread over the whole data, so that the
@@ -436,10 +436,11 @@ def run_sft(cfg: SFTConfig) -> dict:
         loop_config = {
             # the workers run in another directory: a relative data path would name nothing there
             "cfg": worker_config(cfg, "data"),
-            "start_dir": start_dir,
+            # each checkpoint by its URI and the driver's copy (which the workers on its node read)
+            "start": (start_uri, start_dir),
             "run_dir": out,
             "adapter_base": adapter_base,
-            "teacher_dir": teacher_dir,
+            "teacher": (teacher_uri, teacher_dir) if teacher_uri is not None else None,
         }
         _, final, state = train_on_ray(sft_loop, loop_config, cfg, out, "SFT")
         loss = held_out.read_report(out, final)["assistant_loss"]

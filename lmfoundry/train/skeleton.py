@@ -40,6 +40,7 @@ from lmfoundry.train.metrics import (
     imbalance,
     mean_across_ranks,
 )
+from lmfoundry.train.node_copies import on_each_node
 from lmfoundry.train.objective import Objective
 from lmfoundry.train.position import Position, timed
 from lmfoundry.train.tensor_parallel import splits_embedding_vocabulary, splits_vocabulary
@@ -67,15 +68,8 @@ def run(cfg: TrainStageConfig, run_dir: str, build_objective: Callable[[int, int
     if objective.report is not None:  # measured by every worker on the final checkpoint (train/held_out.py)
         trainer.release_training_state()
         final_uri = held_out.final_checkpoint(run_dir)
-        local_rank = ctx.get_local_rank()
-        final_dir = held_out.node_copy(final_uri, local_rank, ctx.get_node_rank())
-        try:
+        with on_each_node(run_dir, final_uri) as final_dir:
             figures = objective.report(trainer.engine, final_dir)
-        except BaseException:
-            if local_rank == 0:  # no collective here: the other ranks may be gone
-                checkpoint.remove_copy(final_dir, final_uri)
-            raise
-        held_out.remove_node_copy(final_dir, final_uri, local_rank)
         if rank == 0:
             held_out.write_report(run_dir, final_uri, figures)
 

@@ -1,7 +1,8 @@
 """The collectives the training workers run around a run's checkpoints, in two gloo processes:
 the final figures' batches in step (every rank runs as many as the busiest, counting only its
 own rows), and a remote checkpoint copied once per node, read there by every rank, kept for a
-worker group that takes over, and removed once all are done; a failed copy fails every rank."""
+worker group that takes over, and removed once all are done; a failed copy fails every rank. A
+copy is used only when its files match the manifest the driver verified."""
 
 import os
 import socket
@@ -18,22 +19,24 @@ from lmfoundry.train import held_out
 from lmfoundry.train.node_copies import copy_key, node_copy, remove_node_copy
 
 
-def _worker(rank: int, world: int, port: int, uri: str, nodes: int, present: str, results):
+def _worker(rank: int, world: int, port: int, uri: str, nodes: int, present: str, tmp: str, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        calls = []
+        downloads = []
+        download = checkpoint.download
+        checkpoint.download = lambda *args, **kw: (downloads.append(args[1]), download(*args, **kw))[1]
 
         def measure(some):
             calls.append(list(some))
             return float(sum(some)), float(len(some))
 
+        calls = []
         results[rank, "sums"] = held_out.summed_over_ranks([1, 2, 3, 4, 5], 2, measure, "cpu"), calls
-        # two ranks of one node, or the first ranks of two nodes (each with a temporary directory of its own)
+        # two ranks of one node, or the first ranks of two nodes (each its own temporary directory)
         local_rank, node_rank = (0, rank) if nodes == 2 else (rank, 0)
-        if nodes == 2:
-            tempfile.tempdir = str(Path(present).parent / f"node-{rank}")
-            os.makedirs(tempfile.tempdir, exist_ok=True)
+        tempfile.tempdir = os.path.join(tmp, f"node-{node_rank}")
+        os.makedirs(tempfile.tempdir, exist_ok=True)
         key = copy_key("s3://runs/run", uri)
         local = node_copy(uri, key, local_rank, node_rank)
         results[rank, "copy"] = local, sorted(p.name for p in Path(local).iterdir())
@@ -42,38 +45,44 @@ def _worker(rank: int, world: int, port: int, uri: str, nodes: int, present: str
             (Path(local) / "mark").write_text("")
         # a worker group that takes over finds the node's copy and reuses it
         results[rank, "again"] = node_copy(uri, key, local_rank, node_rank) == local and (Path(local) / "mark").exists()
-        remove_node_copy(local, uri, local_rank)
+        remove_node_copy(local, local_rank)
         dist.barrier()
         results[rank, "left"] = Path(local).exists()
-        # on the driver's node its copy is read where it is, and left to it
-        mine = node_copy(uri, key, local_rank, node_rank, present=present if node_rank == 0 else None)
-        remove_node_copy(mine, uri, local_rank, present=present if node_rank == 0 else None)
+        # on the driver's node the driver's copy is read where it is, and left to the driver
+        here = present if node_rank == 0 else None
+        mine = node_copy(uri, key, local_rank, node_rank, present=here)
+        remove_node_copy(mine, local_rank)
         results[rank, "present"] = mine == present, Path(present).exists()
         try:
             node_copy(uri + "-missing", key + "x", local_rank, node_rank)
         except RuntimeError as e:
             results[rank, "missing"] = str(e)
+        results[rank, "downloads"] = len(downloads)
     finally:
         dist.destroy_process_group()
 
 
-def _run(uri: str, nodes: int, present: str) -> dict:
+def _run(uri: str, nodes: int, present: str, tmp: Path) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(2, port, uri, nodes, present, results), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, port, uri, nodes, present, str(tmp), results), nprocs=2, join=True)
     return dict(results)
 
 
-def test_ranks_measure_in_step_and_share_one_copy_of_a_remote_checkpoint_per_node(s3_bucket, tmp_path):
+@pytest.fixture
+def remote_checkpoint(s3_bucket, tmp_path) -> tuple[str, Path]:
     make_checkpoint(tmp_path / "ckpt")
     uri = f"{s3_bucket}/run/ckpt"
     for f in (tmp_path / "ckpt").iterdir():
         storage.upload_file(f, f"{uri}/{f.name}")
-    present = str(tmp_path / "ckpt")
+    return uri, tmp_path / "ckpt"
 
-    one_node = _run(uri, nodes=1, present=present)
+
+def test_ranks_measure_in_step_and_share_one_copy_of_a_remote_checkpoint_per_node(remote_checkpoint, tmp_path):
+    uri, present = remote_checkpoint
+    one_node = _run(uri, 1, str(present), tmp_path / "one")
     for rank in (0, 1):
         (total, count), calls = one_node[rank, "sums"]
         assert (total, count) == (15.0, 5.0)
@@ -82,34 +91,42 @@ def test_ranks_measure_in_step_and_share_one_copy_of_a_remote_checkpoint_per_nod
         assert len(calls) == 2
     assert one_node[1, "sums"][1] == [[2, 4], [1]]
     (copy0, files0), (copy1, files1) = one_node[0, "copy"], one_node[1, "copy"]
-    assert copy0 == copy1 and Path(copy0).parent == checkpoint.private_temp_dir()  # one download
-    assert files0 == files1 and checkpoint.CHECKPOINT_MANIFEST in files0
+    assert copy0 == copy1 and files0 == files1 and checkpoint.CHECKPOINT_MANIFEST in files0
+    # one download on the node, by its first rank; reused once
+    assert (one_node[0, "downloads"], one_node[1, "downloads"]) == (1, 0)
     assert one_node[0, "again"] and one_node[1, "again"]
     assert not one_node[0, "left"] and not one_node[1, "left"]  # removed once both were done
     assert one_node[0, "present"] == one_node[1, "present"] == (True, True)
     assert all(f"{uri}-missing" in one_node[rank, "missing"] for rank in (0, 1))  # both ranks fail
 
-    two_nodes = _run(uri, nodes=2, present=present)
+    two_nodes = _run(uri, 2, str(present), tmp_path / "two")
     assert two_nodes[0, "copy"][0] != two_nodes[1, "copy"][0]  # each node its own copy
     assert two_nodes[1, "copy"][1] == files0 and not two_nodes[0, "left"] and not two_nodes[1, "left"]
     assert two_nodes[0, "present"] == (True, True) and two_nodes[1, "present"] == (False, True)
+    # node 1 has no driver's copy: it downloaded the checkpoint again for the last reads
+    assert (two_nodes[0, "downloads"], two_nodes[1, "downloads"]) == (1, 2)
 
 
-def test_a_copy_cut_short_is_made_again_and_a_shared_directory_is_refused(s3_bucket, tmp_path, monkeypatch):
-    make_checkpoint(tmp_path / "ckpt")
-    uri = f"{s3_bucket}/ckpt"
-    for f in (tmp_path / "ckpt").iterdir():
-        storage.upload_file(f, f"{uri}/{f.name}")
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+def test_a_copy_is_made_again_unless_it_matches_the_verified_manifest(remote_checkpoint, tmp_path, monkeypatch):
+    uri, present = remote_checkpoint
+    verified = storage.sha256_file(present / checkpoint.CHECKPOINT_MANIFEST)
     (tmp_path / "tmp").mkdir()
-    partial = checkpoint.private_temp_dir() / f"{checkpoint.TEMP_PREFIX}k"
-    partial.mkdir()
-    (partial / "model.safetensors").write_bytes(b"cut short")  # no manifest: a download killed midway
-    local = checkpoint.run_copy(uri, "k")
-    assert local == str(partial) and (partial / checkpoint.CHECKPOINT_MANIFEST).is_file()
-    checkpoint.verify(local, model_only=True)  # every file whole again
-    checkpoint.remove_copy(local, uri)
-    assert not partial.exists()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    target = checkpoint.private_temp_dir() / f"{checkpoint.TEMP_PREFIX}k"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"cut short")  # no manifest: a download killed midway
+    assert checkpoint.run_copy(uri, "k", verified) == str(target)
+    checkpoint.verify(str(target), model_only=True)  # every file whole again
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")  # changed after it was made
+    assert checkpoint.run_copy(uri, "k", verified) == str(target)
+    checkpoint.verify(str(target), model_only=True)
+    with pytest.raises(ValueError, match="changed since"):  # not the checkpoint the driver verified
+        checkpoint.run_copy(uri, "other", "0" * 64)
+    assert [p.name for p in checkpoint.private_temp_dir().iterdir()] == [target.name]  # nothing left behind
+    checkpoint.remove_run_copy(str(target))
+    checkpoint.remove_run_copy(str(present))  # a checkpoint used where it is stays
+    assert not target.exists() and present.exists()
     os.chmod(checkpoint.private_temp_dir(), 0o777)  # anyone could plant a copy there
     with pytest.raises(PermissionError, match="no one else"):
         checkpoint.run_copy(uri, "k")

@@ -310,26 +310,57 @@ def copy_down(fs: pafs.FileSystem, path: str, model_only: bool = False) -> str:
     return target
 
 
-def run_copy(uri: str, key: str) -> str:
+def run_copy(uri: str, key: str, manifest_sha256: str | None = None) -> str:
     """A local copy of the checkpoint at `uri` (model files only) at a path that `key` fixes, in
     a directory of this user's that no one else can write: a worker group that takes over after
     a failure reuses the copy its predecessor made instead of leaving that one behind and
-    downloading another. A copy cut short (no manifest: `download` writes it last) is made
-    again. A local checkpoint is used where it is. `remove_copy` removes it."""
+    downloading another. A copy is used only when every file matches its manifest (and, given
+    `manifest_sha256`, the manifest is the one the caller verified, so that every node trains
+    from the checkpoint the driver checked); otherwise it is made again, into a directory of its
+    own that is renamed into place when complete. A local checkpoint is used where it is.
+    `remove_run_copy` removes it."""
     uri = resolve(uri)
     if not storage.is_remote(uri):
         return uri
-    target = private_temp_dir() / f"{TEMP_PREFIX}{key}"
-    if (target / CHECKPOINT_MANIFEST).is_file():
-        return str(target)
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir()
-    try:
-        download(*storage.filesystem(uri), target, model_only=True)
-    except BaseException:
+    private = private_temp_dir()
+    target = private / f"{TEMP_PREFIX}{key}"
+    if target.exists():
+        if _verified_copy(target, manifest_sha256):
+            return str(target)
         shutil.rmtree(target, ignore_errors=True)
+    partial = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=private))
+    try:
+        download(*storage.filesystem(uri), partial, model_only=True)
+        if not _verified_copy(partial, manifest_sha256):
+            raise ValueError(f"checkpoint {uri} does not match the manifest it was verified with: it changed since")
+        try:
+            partial.rename(target)
+        except OSError:  # another process made the copy meanwhile (a temporary directory shared by nodes)
+            if not _verified_copy(target, manifest_sha256):
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
         raise
     return str(target)
+
+
+def _verified_copy(directory: Path, manifest_sha256: str | None) -> bool:
+    try:
+        if manifest_sha256 is not None and storage.sha256_file(directory / CHECKPOINT_MANIFEST) != manifest_sha256:
+            return False
+        verify(str(directory), model_only=True)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def remove_run_copy(local: str) -> None:
+    """Remove a copy `run_copy` made (nothing for a checkpoint it used where it is): decided by
+    where the directory is, without asking the storage again."""
+    path = Path(local)
+    if path.parent == private_temp_dir() and path.name.startswith(TEMP_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def private_temp_dir() -> Path:

@@ -42,7 +42,7 @@ from lmfoundry.train.config import (
 )
 from lmfoundry.train.engine import check_every_world_size, place_frozen
 from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
-from lmfoundry.train.node_copies import on_each_node
+from lmfoundry.train.node_copies import driver_copy, on_each_node
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import start_texts
 
@@ -281,7 +281,7 @@ def dpo_loop(loop_config: dict) -> None:
     """Ray Train's per-worker function."""
     cfg = DPOConfig.model_validate(loop_config["cfg"])
     run_dir = loop_config["run_dir"]
-    with on_each_node(run_dir, *loop_config["start"]) as start_dir:  # this node's copy (train/node_copies.py)
+    with on_each_node(run_dir, **loop_config["start"]) as start_dir:  # this node's copy (train/node_copies.py)
         skeleton.run(cfg, run_dir, lambda rank, world: DPOObjective(cfg, start_dir, rank, world))
 
 
@@ -299,7 +299,7 @@ def run_dpo(cfg: DPOConfig) -> dict:
         if done:
             return done
         started = time.time()
-        loop_config = {"cfg": worker_config(cfg, "pairs"), "start": (start_uri, start_dir), "run_dir": out}
+        loop_config = {"cfg": worker_config(cfg, "pairs"), "start": driver_copy(start_uri, start_dir), "run_dir": out}
         _, final, state = train_on_ray(dpo_loop, loop_config, cfg, out, "DPO")
         accuracy = held_out.read_report(out, final)["preference_accuracy"]
         manifest = storage.commit(

@@ -46,7 +46,7 @@ from lmfoundry.train.config import RewardBatchConfig, TrainStageConfig
 from lmfoundry.train.dpo import DPOCheckpointingConfig, DPOOptimizerConfig, DPOScheduleConfig, PairEncoder
 from lmfoundry.train.engine import check_every_world_size
 from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
-from lmfoundry.train.node_copies import on_each_node
+from lmfoundry.train.node_copies import driver_copy, on_each_node
 from lmfoundry.train.pretrain import start_texts
 
 logger = get_logger(__name__)
@@ -317,7 +317,7 @@ def reward_loop(loop_config: dict) -> None:
     """Ray Train's per-worker function."""
     cfg = RewardConfig.model_validate(loop_config["cfg"])
     run_dir = loop_config["run_dir"]
-    with on_each_node(run_dir, *loop_config["start"]) as start_dir:  # this node's copy (train/node_copies.py)
+    with on_each_node(run_dir, **loop_config["start"]) as start_dir:  # this node's copy (train/node_copies.py)
         skeleton.run(cfg, run_dir, lambda rank, world: RewardObjective(cfg, start_dir, rank, world))
 
 
@@ -337,7 +337,7 @@ def run_reward(cfg: RewardConfig) -> dict:
         if done:
             return done
         started = time.time()
-        loop_config = {"cfg": worker_config(cfg, "data"), "start": (start_uri, start_dir), "run_dir": out}
+        loop_config = {"cfg": worker_config(cfg, "data"), "start": driver_copy(start_uri, start_dir), "run_dir": out}
         _, final, state = train_on_ray(reward_loop, loop_config, cfg, out, "reward model training")
         encoder = Encoder(start_dir, cfg.max_seq_len or model_cfg["max_seq_len"])
         for row in rows:  # counts what max_seq_len cut, over the whole file

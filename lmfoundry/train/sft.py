@@ -62,7 +62,7 @@ from lmfoundry.train.config import (
 )
 from lmfoundry.train.engine import check_every_world_size, place_frozen
 from lmfoundry.train.launch import open_run_dir, train_on_ray, worker_config
-from lmfoundry.train.node_copies import on_each_node
+from lmfoundry.train.node_copies import driver_copy, on_each_node
 from lmfoundry.train.position import epoch_order
 from lmfoundry.train.pretrain import plot_loss, start_texts
 from lmfoundry.train.sft_data import PAD_DOC, Packed, prepare
@@ -371,8 +371,8 @@ def sft_loop(loop_config: dict) -> None:
     adapter = AdapterRef(cfg.lora, *base) if cfg.lora is not None else None
     run_dir, teacher = loop_config["run_dir"], loop_config["teacher"]
     with contextlib.ExitStack() as copies:  # the checkpoints as this node's copies (train/node_copies.py)
-        start_dir = copies.enter_context(on_each_node(run_dir, *loop_config["start"]))
-        teacher_dir = copies.enter_context(on_each_node(run_dir, *teacher)) if teacher else None
+        start_dir = copies.enter_context(on_each_node(run_dir, **loop_config["start"]))
+        teacher_dir = copies.enter_context(on_each_node(run_dir, **teacher)) if teacher else None
         skeleton.run(cfg, run_dir, lambda rank, world: SFTObjective(cfg, start_dir, rank, world, adapter, teacher_dir))
 
 
@@ -437,10 +437,10 @@ def run_sft(cfg: SFTConfig) -> dict:
             # the workers run in another directory: a relative data path would name nothing there
             "cfg": worker_config(cfg, "data"),
             # each checkpoint by its URI and the driver's copy (which the workers on its node read)
-            "start": (start_uri, start_dir),
+            "start": driver_copy(start_uri, start_dir),
             "run_dir": out,
             "adapter_base": adapter_base,
-            "teacher": (teacher_uri, teacher_dir) if teacher_uri is not None else None,
+            "teacher": driver_copy(teacher_uri, teacher_dir) if teacher_uri is not None else None,
         }
         _, final, state = train_on_ray(sft_loop, loop_config, cfg, out, "SFT")
         loss = held_out.read_report(out, final)["assistant_loss"]

@@ -130,3 +130,16 @@ def test_a_copy_is_made_again_unless_it_matches_the_verified_manifest(remote_che
     os.chmod(checkpoint.private_temp_dir(), 0o777)  # anyone could plant a copy there
     with pytest.raises(PermissionError, match="no one else"):
         checkpoint.run_copy(uri, "k")
+
+
+def test_the_driver_reads_only_the_figures_of_the_checkpoint_it_committed(tmp_path):
+    run = str(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="wrote no"):
+        held_out.read_report(run, "checkpoints/step-00000008")
+    held_out.write_report(run, f"{run}/checkpoints/step-00000008", {"assistant_loss": {"before": 2.0, "after": 1.0}})
+    assert held_out.read_report(run, "checkpoints/step-00000008") == {"assistant_loss": {"before": 2.0, "after": 1.0}}
+    with pytest.raises(RuntimeError, match="measured 'checkpoints/step-00000008', not checkpoints/step-00000004"):
+        held_out.read_report(run, "checkpoints/step-00000004")  # measured on another checkpoint
+    (tmp_path / "run" / held_out.REPORT).write_bytes(b" " * (held_out.MAX_REPORT_BYTES + 1))
+    with pytest.raises(ValueError):
+        held_out.read_report(run, "checkpoints/step-00000008")

@@ -20,6 +20,7 @@ import torch
 from lmfoundry.platform import checkpoint, storage
 
 REPORT = "final_figures.json"
+MAX_REPORT_BYTES = 1 << 20  # a few numbers: anything near this is not a report
 
 
 def final_checkpoint(run_dir: str) -> str:
@@ -94,7 +95,7 @@ def read_report(run_dir: str, final: str) -> dict:
     path = storage.join(run_dir, REPORT)
     if not storage.exists(path):
         raise RuntimeError(f"the workers wrote no {REPORT} in {run_dir}: the run's figures are missing")
-    report = storage.read_json(path)
+    report = storage.read_json(path, limit=MAX_REPORT_BYTES)
     if not isinstance(report, dict) or report.get("checkpoint") != final or not isinstance(report.get("figures"), dict):
         raise RuntimeError(
             f"{path} measured {report.get('checkpoint') if isinstance(report, dict) else report!r}, not {final}"

@@ -310,6 +310,12 @@ def copy_down(fs: pafs.FileSystem, path: str, model_only: bool = False) -> str:
     return target
 
 
+def name_in_run(uri: str) -> str:
+    """A checkpoint's name inside its run directory (`checkpoints/step-NNNNNNNN`), as a run's
+    manifest records it."""
+    return f"{CHECKPOINTS}/{uri.rstrip('/').rsplit('/', 1)[-1]}"
+
+
 def run_copy(uri: str, key: str, manifest_sha256: str | None = None) -> str:
     """A local copy of the checkpoint at `uri` (model files only) at a path that `key` fixes, in
     a directory of this user's that no one else can write: a worker group that takes over after
@@ -569,21 +575,20 @@ def last_passing(run_dir: str) -> tuple[int, str] | None:
 def read_gate_action(run_dir: str) -> dict | None:
     """The action the failed gates ask of training (`{"action": "stop"|"rollback", "to_step",
     ...}`), or None when there is none or it was carried out."""
-    path = storage.join(run_dir, GATE_ACTION)
-    if not storage.exists(path):
-        return None
-    action = storage.read_json(path)
-    return None if action.get("done") else action
+    action = _gate_action_file(run_dir)
+    return None if action is None or action.get("done") else action
 
 
 def carried_out_stop(run_dir: str) -> dict | None:
     """The stop the failed gates asked for, once training carried it out (None otherwise): the
     run is over, whatever worker group reads it next."""
+    action = _gate_action_file(run_dir)
+    return action if action is not None and action.get("done") and action.get("action") == "stop" else None
+
+
+def _gate_action_file(run_dir: str) -> dict | None:
     path = storage.join(run_dir, GATE_ACTION)
-    if not storage.exists(path):
-        return None
-    action = storage.read_json(path)
-    return action if action.get("done") and action.get("action") == "stop" else None
+    return storage.read_json(path) if storage.exists(path) else None
 
 
 # --- a training run's rolling checkpoints -------------------------------------------------------

@@ -35,11 +35,6 @@ def final_checkpoint(run_dir: str) -> str:
     return found[0]
 
 
-def checkpoint_name(uri: str) -> str:
-    """A checkpoint's name inside its run directory, as the run's manifest records it."""
-    return f"{checkpoint.CHECKPOINTS}/{uri.rstrip('/').rsplit('/', 1)[-1]}"
-
-
 @torch.no_grad()
 def summed_over_ranks(
     items: Sequence, batch: int, measure: Callable[[list], tuple[float, float]], device
@@ -70,9 +65,7 @@ def frozen(model: torch.nn.Module, engine, values: dict | None = None):
     its initial `values` unless its own), on the engine's device below it."""
     from lmfoundry.train.engine import place_frozen
 
-    placed = place_frozen(model.eval().requires_grad_(False), engine, values)
-    placed.eval()
-    return placed
+    return place_frozen(model.eval().requires_grad_(False), engine, values)
 
 
 def frozen_from(directory: str, engine):
@@ -86,7 +79,7 @@ def frozen_from(directory: str, engine):
 
 def write_report(run_dir: str, final_uri: str, figures: dict) -> None:
     storage.write_json_atomic(
-        storage.join(run_dir, REPORT), {"checkpoint": checkpoint_name(final_uri), "figures": figures}
+        storage.join(run_dir, REPORT), {"checkpoint": checkpoint.name_in_run(final_uri), "figures": figures}
     )
 
 

@@ -130,5 +130,5 @@ def train_on_ray(loop, loop_config: dict, cfg: TrainStageConfig, out: str, what:
     final_uri = checkpoint.latest_valid(out)
     if final_uri is None:
         raise RuntimeError(f"{what} finished without a checkpoint")
-    final = f"{checkpoint.CHECKPOINTS}/{final_uri.rstrip('/').rsplit('/', 1)[-1]}"
+    final = checkpoint.name_in_run(final_uri)
     return final_uri, final, storage.read_json(storage.join(final_uri, "train_state.json"))

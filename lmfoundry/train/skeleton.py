@@ -217,11 +217,7 @@ class Trainer:
     def _gate_action(self) -> bool:
         """Collective: carry out what failed gates ask (eval/watch.py). True when training stops
         here; a rollback raises GateRollback."""
-        import torch.distributed as dist
-
-        found = [checkpoint.read_gate_action(self.run_dir) if self.rank == 0 else None]
-        dist.broadcast_object_list(found, src=0)
-        action = found[0]
+        action = self._read_on_rank0(checkpoint.read_gate_action)
         if action is None:
             return False
         if action.get("action") == "rollback" and isinstance(action.get("to_step"), int):
@@ -240,9 +236,13 @@ class Trainer:
         """Collective: the stop an earlier worker group of this run carried out (a group that
         takes over after it, e.g. one restarted while the final figures were measured, trains
         no further), or None."""
+        return self._read_on_rank0(checkpoint.carried_out_stop)
+
+    def _read_on_rank0(self, read: Callable[[str], dict | None]) -> dict | None:
+        """Collective: what `read(run_dir)` gives on rank 0, on every rank."""
         import torch.distributed as dist
 
-        found = [checkpoint.carried_out_stop(self.run_dir) if self.rank == 0 else None]
+        found = [read(self.run_dir) if self.rank == 0 else None]
         dist.broadcast_object_list(found, src=0)
         return found[0]
 

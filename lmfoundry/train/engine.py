@@ -269,7 +269,24 @@ def build_engine(
 
         tensor_parallel.reduce_column_inputs_once(engine.module, groups.get_tensor_model_parallel_group())
     engine.checkpoint_engine = SnapshotCheckpointEngine(engine._config)
+    keep_fp32_gradient_norm(engine)
     return engine, scheduler
+
+
+def keep_fp32_gradient_norm(engine) -> None:
+    """Without ZeRO and in fp32, DeepSpeed clips the gradients with its `clip_grad_norm_` but
+    keeps no norm: `get_global_grad_norm()` stays None and the logged norm would read 0. Here
+    that clip keeps the norm it measured (the same function, arguments and point in the step)."""
+    if engine.zero_optimization_stage() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return  # DeepSpeed's own optimizer wrappers keep the norm
+
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_keep_norm() -> None:
+        norm = clip_grad_norm_(engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+        engine._global_grad_norm = float(norm)
+
+    engine.clip_fp32_gradients = clip_and_keep_norm
 
 
 def frozen_zero3_engine(model: torch.nn.Module, ds_config: dict, values: dict | None = None):

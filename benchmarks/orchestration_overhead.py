@@ -14,6 +14,17 @@ the same cores, world size, model and global batch, and against one process usin
                              same algorithm as DDP (replicated optimizer, gradients all-reduced),
                              so it measures orchestration alone; ZeRO-2 adds sharding's own
                              cost, the all-gather of the updated weights after every step
+  DeepSpeed engine alone     2 spawned processes over gloo stepping the engine lmfoundry builds
+                             (train/pretrain.py: build_pretrain_engine) on batches in memory,
+                             with the workers' allocator settings and no Ray: a row per ZeRO
+                             stage, so that DeepSpeed's cost and the rest of the run's separate
+
+While each lmfoundry run trains, the benchmark samples every process's CPU time (/proc) once a
+second; "others' CPU share" is the median, over the seconds in which both training workers were
+busy, of the share of the machine's CPU time that went to every other process (Ray's own:
+GCS, raylet, dashboard, Ray Train's controller and helper actors, log monitor; and this driver).
+On a machine with as many cores as training workers, that share is taken from training; on a
+machine with cores to spare it is not.
 
 Model: 4 layers, d_model 256, 8 heads (2 key/value heads); 16 sequences x 256 tokens per step.
 tokens/s is the median over steps after warm-up (steps 6 onwards); lmfoundry logs every 5 steps,
@@ -21,9 +32,10 @@ as a run would (every logged step is a collective, and at this step time a repor
 Train), so its figure is the median over those 5-step intervals.
 
 The loops run one after another, --repeats rounds (interleaved); the table gives each loop's
-median over the rounds, and the lmfoundry / DDP ratios of each round.
+median over the rounds, and the ratios of each round: lmfoundry and the engine alone against
+both DDP rows, lmfoundry against the engine alone.
 
-    python benchmarks/orchestration_overhead.py --steps 40 --repeats 5 --zero-stages 0 2
+    python benchmarks/orchestration_overhead.py --steps 40 --repeats 3 --zero-stages 0 2
 
 Prints a table; writes benchmarks/results/orchestration_overhead.json.
 """
@@ -37,6 +49,7 @@ import platform
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -86,15 +99,60 @@ def _ddp_worker(rank: int, world: int, port: int, vocab: int, steps: int, result
     dist.destroy_process_group()
 
 
-def ddp(vocab: int, steps: int, env: dict[str, str]) -> float:
+def _engine_worker(rank: int, world: int, port: int, raw: dict, steps: int, results) -> None:
+    from harness.peak_memory import start_rank
+
+    from lmfoundry.train.config import PretrainConfig
+    from lmfoundry.train.pretrain import build_pretrain_engine
+
+    start_rank(rank, world, port)  # the environment DeepSpeed reads, one thread, gloo
+    cfg = PretrainConfig.model_validate(raw)
+    engine, _, _ = build_pretrain_engine(cfg, world, SEQ)
+    batches = torch.randint(
+        0, cfg.model.vocab_size, (steps, GLOBAL_SEQS // world, SEQ + 1), generator=torch.Generator().manual_seed(rank)
+    )
+    times = []
+    for tokens in batches:
+        start = time.perf_counter()
+        loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
+        engine.backward(loss)
+        engine.step()
+        loss.item()
+        times.append(time.perf_counter() - start)
+    results[rank] = times
+    engine.destroy()
+    dist.destroy_process_group()
+
+
+def _spawn_pair(worker, args: tuple, env: dict[str, str]) -> float:
+    """tokens/s of `worker` on 2 spawned processes: the median over steps after warm-up of the
+    slower rank's step time."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").Manager().dict()
     with mock.patch.dict(os.environ, env):  # spawned processes start with it: glibc reads it at start
-        mp.spawn(_ddp_worker, args=(2, port, vocab, steps, results), nprocs=2, join=True)
+        mp.spawn(worker, args=(2, port, *args, results), nprocs=2, join=True)
     step_s = [max(a, b) for a, b in zip(results[0], results[1])][WARMUP:]
     return GLOBAL_SEQS * SEQ / statistics.median(step_s)
+
+
+def deepspeed_alone(vocab: int, steps: int, zero_stage: int, env: dict[str, str]) -> float:
+    from lmfoundry.train.config import PretrainConfig
+
+    cfg = PretrainConfig(
+        data="-",
+        output="-",
+        model=model_config(vocab),
+        parallelism={"num_workers": 2, "cpus_per_worker": 1, "zero_stage": zero_stage},
+        batch={"micro_batch_size": GLOBAL_SEQS // 2, "global_batch_tokens": GLOBAL_SEQS * SEQ},
+        schedule={"max_steps": steps, "warmup_steps": 2},
+    )
+    return _spawn_pair(_engine_worker, (cfg.model_dump(), steps), env)
+
+
+def ddp(vocab: int, steps: int, env: dict[str, str]) -> float:
+    return _spawn_pair(_ddp_worker, (vocab, steps), env)
 
 
 def one_process(vocab: int, steps: int) -> float:
@@ -107,7 +165,63 @@ def one_process(vocab: int, steps: int) -> float:
     return GLOBAL_SEQS * SEQ / statistics.median(times[WARMUP:])
 
 
-def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> float:
+def _cpu_ticks() -> dict[int, tuple[str, int]]:
+    """Every process's name and CPU time so far (user + system, in clock ticks)."""
+    ticks = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                text = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        ticks[int(entry)] = (name, int(rest[11]) + int(rest[12]))  # fields 14 and 15 of stat(5)
+    return ticks
+
+
+class OthersCpuShare(threading.Thread):
+    """Samples every process's CPU time once a second while a run trains (a context manager);
+    `share()` is the median, over the seconds in which every training worker (Ray's
+    "ray::RayTrainWorker" processes) was busy, of the machine's CPU time that went to the other
+    processes."""
+
+    WORKER, BUSY = "ray::RayTrainWo", 0.8  # /proc keeps 15 characters of a process's name
+
+    def __init__(self, workers: int):
+        super().__init__(daemon=True)
+        self.workers, self.shares, self.stop = workers, [], threading.Event()
+        self.capacity = os.cpu_count() * os.sysconf("SC_CLK_TCK")  # ticks a second, every core
+
+    def run(self) -> None:
+        before, then = _cpu_ticks(), time.monotonic()
+        while not self.stop.wait(1.0):
+            now, at = _cpu_ticks(), time.monotonic()
+            used = {pid: (name, t - before.get(pid, (name, 0))[1]) for pid, (name, t) in now.items()}
+            capacity = self.capacity * (at - then)
+            workers = [t for name, t in used.values() if name.startswith(self.WORKER)]
+            busy = len(workers) == self.workers and min(workers) >= self.BUSY * capacity / os.cpu_count()
+            if busy:
+                others = sum(t for name, t in used.values() if not name.startswith(self.WORKER))
+                self.shares.append(others / capacity)
+            before, then = now, at
+
+    def __enter__(self) -> OthersCpuShare:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.join()
+
+    def share(self) -> float | None:
+        return statistics.median(self.shares) if self.shares else None
+
+
+def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> tuple[float, float | None]:
+    """tokens/s of the run (the median of its logged intervals after warm-up) and the share of
+    the machine's CPU the other processes took while it trained (OthersCpuShare)."""
     from lmfoundry.train.config import PretrainConfig
     from lmfoundry.train.pretrain import run_pretrain
 
@@ -121,9 +235,11 @@ def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> fl
         checkpointing={"every": steps},
         logging={"every": 5},
     )
-    run_pretrain(cfg)
+    with OthersCpuShare(workers=2) as others:
+        run_pretrain(cfg)
     rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
-    return statistics.median(r["tokens_per_s"] for r in rows if r["step"] > WARMUP and "checkpoint_blocking_s" not in r)
+    tokens_per_s = [r["tokens_per_s"] for r in rows if r["step"] > WARMUP and "checkpoint_blocking_s" not in r]
+    return statistics.median(tokens_per_s), others.share()
 
 
 DDP, ONE = "PyTorch DDP, 2 processes", "one process, 2 threads"
@@ -132,6 +248,10 @@ DDP_ALLOC = "PyTorch DDP, 2 processes, lmfoundry's allocator settings"
 
 def lmfoundry_row(stage: int) -> str:
     return f"lmfoundry pretrain (Ray Train + DeepSpeed ZeRO-{stage})"
+
+
+def engine_row(stage: int) -> str:
+    return f"DeepSpeed engine alone, ZeRO-{stage} (2 processes, no Ray)"
 
 
 def by_round(runs: dict[str, list[float]], name: str, base: str) -> list[float]:
@@ -148,7 +268,7 @@ def main() -> None:
         nargs="+",
         default=[0, 2],
         choices=[0, 1, 2, 3],
-        help="the DeepSpeed ZeRO stages to run lmfoundry with, a row each",
+        help="the DeepSpeed ZeRO stages to run lmfoundry and the engine alone with, a row each",
     )
     args = p.parse_args()
 
@@ -159,7 +279,15 @@ def main() -> None:
 
     init_ray()
     lmf_rows = {stage: lmfoundry_row(stage) for stage in args.zero_stages}
-    runs: dict[str, list[float]] = {**{row: [] for row in lmf_rows.values()}, DDP: [], DDP_ALLOC: [], ONE: []}
+    engine_rows = {stage: engine_row(stage) for stage in args.zero_stages}
+    runs: dict[str, list[float]] = {
+        **{row: [] for row in lmf_rows.values()},
+        **{row: [] for row in engine_rows.values()},
+        DDP: [],
+        DDP_ALLOC: [],
+        ONE: [],
+    }
+    others: dict[str, list[float | None]] = {row: [] for row in lmf_rows.values()}
     with tempfile.TemporaryDirectory(prefix="lmf-overhead-") as work:
         build_sample_corpus(f"{work}/raw", seed=1, shards=2)
         run_curate(CurateConfig(input=f"{work}/raw", output=f"{work}/curated"))
@@ -168,7 +296,12 @@ def main() -> None:
         # interleaved, so that a change in the machine's state over the run touches every loop alike
         for r in range(args.repeats):
             for stage, row in lmf_rows.items():
-                runs[row].append(lmfoundry_pretrain(f"{work}/packed", f"{work}/run-{r}-zero{stage}", args.steps, stage))
+                tokens_per_s, share = lmfoundry_pretrain(
+                    f"{work}/packed", f"{work}/run-{r}-zero{stage}", args.steps, stage
+                )
+                runs[row].append(tokens_per_s)
+                others[row].append(share)
+                runs[engine_rows[stage]].append(deepspeed_alone(vocab, args.steps, stage, CPU_ALLOCATOR_ENV))
             runs[DDP].append(ddp(vocab, args.steps, {}))
             runs[DDP_ALLOC].append(ddp(vocab, args.steps, CPU_ALLOCATOR_ENV))
             runs[ONE].append(one_process(vocab, args.steps))
@@ -177,8 +310,17 @@ def main() -> None:
     base = figures[DDP]
     # side by side within a round: the figures to quote (the pooled medians mix different rounds)
     rounds = {
-        row: {"vs DDP": by_round(runs, row, DDP), "vs DDP with the same allocator": by_round(runs, row, DDP_ALLOC)}
-        for row in lmf_rows.values()
+        row: {
+            "vs DDP": by_round(runs, row, DDP),
+            "vs DDP with the same allocator": by_round(runs, row, DDP_ALLOC),
+            **(
+                {"vs the DeepSpeed engine alone": by_round(runs, row, engine_rows[stage])}
+                if row in lmf_rows.values()
+                else {}
+            ),
+        }
+        for stage in args.zero_stages
+        for row in (lmf_rows[stage], engine_rows[stage])
     }
     print(f"\n{'loop':<58} {'tokens/s':>9} {'vs DDP':>7}   (medians of {args.repeats} interleaved rounds)")
     for name, tps in figures.items():
@@ -190,6 +332,13 @@ def main() -> None:
                 + ", ".join(f"{x:.3f}" for x in ratios)
                 + f" (median {statistics.median(ratios):.3f})"
             )
+    for row, shares in others.items():
+        known = [x for x in shares if x is not None]
+        print(
+            f"{row}: other processes' share of the machine's CPU while it trained, round by round: "
+            + ", ".join("—" if x is None else f"{x:.3f}" for x in shares)
+            + (f" (median {statistics.median(known):.3f})" if known else "")
+        )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "orchestration_overhead.json").write_text(
         json.dumps(
@@ -202,11 +351,12 @@ def main() -> None:
                 "tokens_per_s_runs": runs,
                 "tokens_per_s": figures,
                 "ratio_to_ddp": {k: v / base for k, v in figures.items()},
-                "lmfoundry_by_round": rounds,
-                "lmfoundry_median_of_rounds": {
+                "by_round": rounds,
+                "median_of_rounds": {
                     row: {what: statistics.median(ratios) for what, ratios in against.items()}
                     for row, against in rounds.items()
                 },
+                "others_cpu_share_while_training": others,
             },
             indent=2,
         )

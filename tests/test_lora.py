@@ -3,6 +3,7 @@ checkpoint holds the adapter and a fingerprinted reference to its base, and load
 it merges the adapter in with the adapted model's logits."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -157,3 +158,47 @@ def test_lora_settings_are_checked():
         LoraConfig(targets=["q_proj"])
     with pytest.raises(ValueError, match="rank"):
         LoraConfig(rank=0)
+
+
+def test_an_adapter_reads_its_base_from_the_callers_copy_and_still_checks_it(tmp_path):
+    """A training run's workers hand the loaders their node's copy of the checkpoint the run
+    started from (train/sft.py report): the adapter's base is read there, not fetched from where
+    the adapter names it, and the adapter's fingerprint of its base still decides."""
+    base = base_checkpoint(tmp_path, "own")
+    cfg = LoraConfig(rank=4, alpha=8, targets=["wq", "wo"])
+    torch.manual_seed(0)
+    model = apply_lora(load_model_files(base), cfg)
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            torch.nn.init.normal_(m.lora_b)
+    named = str(tmp_path / "elsewhere" / "base")  # where the adapter says its base is: not there
+    adapter_dir = tmp_path / "adapter"
+    save_adapter_files(
+        model, adapter_dir, model.state_dict(), AdapterRef(cfg, named, base_sha256(checkpoint.verify(str(base)), named))
+    )
+    with pytest.raises(FileNotFoundError):
+        load_model_files(adapter_dir)
+    copies = {named: str(base)}
+    x = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        expected = model.eval()(x)[0]
+        torch.testing.assert_close(load_model_files(adapter_dir, base_copies=copies)(x)[0], expected, atol=1e-5, rtol=0)
+    meta = load_model_on_meta(adapter_dir, copies)
+    merged = dict(load_model_files(adapter_dir, base_copies=copies).named_parameters())
+    values = meta.initial_values()
+    assert all(torch.equal(values[name](), p) for name, p in merged.items())
+
+    from lmfoundry.model.checkpoint import save_model_files
+
+    other = tmp_path / "other"  # a copy of another checkpoint under the base's name: refused
+    shutil.copytree(base, other)
+    changed = load_model_files(other)
+    with torch.no_grad():
+        changed.norm.weight += 1
+    save_model_files(changed, other)
+    checkpoint.seal(other, {"step": 0})
+    wrong = {named: str(other)}
+    with pytest.raises(ValueError, match="weights have changed since"):
+        load_model_files(adapter_dir, base_copies=wrong)
+    with pytest.raises(ValueError, match="weights have changed since"):
+        load_model_on_meta(adapter_dir, wrong)

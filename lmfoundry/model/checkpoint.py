@@ -3,7 +3,9 @@ adapter checkpoint (lora.py) is loaded as its base checkpoint with the adapter m
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -52,10 +54,14 @@ def save_adapter_files(
     (directory / MODEL_CONFIG).write_text(model.cfg.model_dump_json(indent=2))
 
 
-def load_model_files(directory: str | Path, device: str | torch.device = "cpu") -> Transformer:
+def load_model_files(
+    directory: str | Path, device: str | torch.device = "cpu", base_copies: Mapping[str, str] | None = None
+) -> Transformer:
+    """A checkpoint's model, whole (an adapter checkpoint merged into its base: `base_copies` as
+    `adapter_base` takes them)."""
     directory = Path(directory)
     if lora.is_adapter(directory):
-        return load_merged_adapter(directory).to(device).eval()
+        return load_merged_adapter(directory, base_copies).to(device).eval()
     cfg = ModelConfig.model_validate(json.loads((directory / MODEL_CONFIG).read_text()))
     model = Transformer(cfg)
     missing, unexpected = model.load_state_dict(load_file(str(directory / WEIGHTS)), strict=False)
@@ -68,20 +74,21 @@ def load_model_files(directory: str | Path, device: str | torch.device = "cpu") 
     return model.to(device).eval()
 
 
-def load_model_on_meta(directory: str | Path) -> Transformer:
+def load_model_on_meta(directory: str | Path, base_copies: Mapping[str, str] | None = None) -> Transformer:
     """A checkpoint's model built on the meta device (model/transformer.py build_on_meta), its
     initial values to be read from the checkpoint's weights one tensor at a time when each rank
     materialises its part (train/meta_init.py): no process holds the whole model. The weights
     file is opened, and checked against the config (names and shapes), here: it stays readable
     through its memory map after a caller's temporary copy of the checkpoint is removed. An
-    adapter checkpoint reads its base's file so, each adapted projection merged as it is read."""
+    adapter checkpoint reads its base's file so, each adapted projection merged as it is read
+    (`base_copies` as `adapter_base` takes them)."""
     from safetensors import safe_open
 
     directory = Path(directory)
     cfg = ModelConfig.model_validate(json.loads((directory / MODEL_CONFIG).read_text()))
     model = build_on_meta(cfg)
     if lora.is_adapter(directory):
-        model.start_weights = MergedAdapterWeights.open(directory, model)
+        model.start_weights = MergedAdapterWeights.open(directory, model, base_copies)
     else:
         model.start_weights = safe_open(str(directory / WEIGHTS), framework="pt")
     model.initial_values()  # the checks, now
@@ -105,16 +112,16 @@ class MergedAdapterWeights:
         self.base, self.pairs, self.scale = base, pairs, scale
 
     @classmethod
-    def open(cls, directory: Path, model: Transformer) -> MergedAdapterWeights:
+    def open(
+        cls, directory: Path, model: Transformer, base_copies: Mapping[str, str] | None = None
+    ) -> MergedAdapterWeights:
         """The adapter at `directory` over its base, checked: the base's weights are the ones it
         was trained on, its config is the adapter's, and the adapter fits `model` (built on meta:
         lora.check_adapter_fits)."""
         from safetensors import safe_open
 
-        from lmfoundry.platform.checkpoint import opened
-
         ref = lora.read_adapter_config(directory)
-        with opened(ref.base) as (base_dir, manifest):
+        with adapter_base(ref, base_copies) as (base_dir, manifest):
             check_adapter_base(directory, ref, manifest)
             base_cfg = json.loads((Path(base_dir) / MODEL_CONFIG).read_text())
             if ModelConfig.model_validate(base_cfg) != model.cfg:
@@ -161,14 +168,31 @@ def base_sha256(manifest: dict, where: str) -> str:
     return files[WEIGHTS]["sha256"]
 
 
-def load_merged_adapter(directory: Path) -> Transformer:
+@contextlib.contextmanager
+def adapter_base(ref: lora.AdapterRef, base_copies: Mapping[str, str] | None) -> Iterator[tuple[str, dict]]:
+    """(local directory, manifest) of an adapter's base checkpoint: the caller's copy of it when
+    `base_copies` (a base's URI -> a local directory the caller verified, e.g. a training run's
+    node copy of the checkpoint it started from) holds one, so that every process of a node
+    does not download the base again; else a verified temporary copy (or the local checkpoint
+    itself), removed after the block. The adapter's fingerprint of its base is checked by the
+    caller either way."""
+    from lmfoundry.platform import storage
+    from lmfoundry.platform.checkpoint import CHECKPOINT_MANIFEST, opened
+
+    local = (base_copies or {}).get(ref.base)
+    if local is None:
+        with opened(ref.base) as found:
+            yield found
+        return
+    yield local, storage.read_json(str(Path(local) / CHECKPOINT_MANIFEST), storage.MAX_MANIFEST_BYTES)
+
+
+def load_merged_adapter(directory: Path, base_copies: Mapping[str, str] | None = None) -> Transformer:
     """The adapter's base model (verified against the fingerprint the adapter recorded) with the
     adapter merged into its weights."""
-    from lmfoundry.platform.checkpoint import opened
-
     ref = lora.read_adapter_config(directory)
     base = ref.base
-    with opened(base) as (base_dir, manifest):
+    with adapter_base(ref, base_copies) as (base_dir, manifest):
         check_adapter_base(directory, ref, manifest)
         model = load_model_files(base_dir)
     adapter = load_file(str(directory / lora.ADAPTER_WEIGHTS))

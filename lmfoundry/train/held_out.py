@@ -68,13 +68,15 @@ def frozen(model: torch.nn.Module, engine, values: dict | None = None):
     return place_frozen(model.eval().requires_grad_(False), engine, values)
 
 
-def frozen_from(directory: str, engine):
-    """A checkpoint's model as `frozen` places it: read on the meta device under ZeRO-3, whole below it."""
+def frozen_from(directory: str, engine, base_copies: dict[str, str] | None = None):
+    """A checkpoint's model as `frozen` places it: read on the meta device under ZeRO-3, whole
+    below it. `base_copies`: local copies of an adapter checkpoint's base (model/checkpoint.py
+    adapter_base)."""
     from lmfoundry.model.checkpoint import load_model_files, load_model_on_meta
 
-    return frozen(
-        (load_model_on_meta if engine.zero_optimization_stage() == 3 else load_model_files)(directory), engine
-    )
+    if engine.zero_optimization_stage() == 3:
+        return frozen(load_model_on_meta(directory, base_copies), engine)
+    return frozen(load_model_files(directory, base_copies=base_copies), engine)
 
 
 def write_report(run_dir: str, final_uri: str, figures: dict) -> None:

@@ -304,9 +304,12 @@ class SFTObjective:
         """The assistant loss of the starting and of the final checkpoint over the same rows,
         ASSISTANT_LOSS_ROWS of them spread over the data."""
         rows = sample_rows(len(self.packed))
+        # a LoRA run's final checkpoint is an adapter over the checkpoint it started from: read
+        # from this node's copy of that, not downloaded again by every rank
+        base_copies = {self.adapter.base: self.start_dir} if self.adapter is not None else None
 
         def mean_loss(directory: str) -> float:
-            model = held_out.frozen_from(directory, engine)
+            model = held_out.frozen_from(directory, engine, base_copies)
             total, count = held_out.summed_over_ranks(
                 rows,
                 self.cfg.batch.micro_batch_size,

@@ -2,11 +2,15 @@
 the final figures' batches in step (every rank runs as many as the busiest, counting only its
 own rows), and a remote checkpoint copied once per node, read there by every rank, kept for a
 worker group that takes over, and removed once all are done; a failed copy fails every rank. A
-copy is used only when its files match the manifest the driver verified."""
+copy is used only when its files match the manifest the driver verified. Copies nobody holds
+go a day after their last use; a held one stays."""
 
 import os
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +47,7 @@ def _worker(rank: int, world: int, port: int, uri: str, nodes: int, present: str
         dist.barrier()
         if local_rank == 0:
             (Path(local) / "mark").write_text("")
+            checkpoint.release_run_copy(local)  # as a worker group that failed lets go of it
         # a worker group that takes over finds the node's copy and reuses it
         results[rank, "again"] = node_copy(uri, key, local_rank, node_rank) == local and (Path(local) / "mark").exists()
         remove_node_copy(local, local_rank)
@@ -117,6 +122,7 @@ def test_a_copy_is_made_again_unless_it_matches_the_verified_manifest(remote_che
     (target / "model.safetensors").write_bytes(b"cut short")  # no manifest: a download killed midway
     assert checkpoint.run_copy(uri, "k", verified) == str(target)
     checkpoint.verify(str(target), model_only=True)  # every file whole again
+    checkpoint.release_run_copy(str(target))
     weights = target / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")  # changed after it was made
     assert checkpoint.run_copy(uri, "k", verified) == str(target)
@@ -130,6 +136,46 @@ def test_a_copy_is_made_again_unless_it_matches_the_verified_manifest(remote_che
     os.chmod(checkpoint.private_temp_dir(), 0o777)  # anyone could plant a copy there
     with pytest.raises(PermissionError, match="no one else"):
         checkpoint.run_copy(uri, "k")
+
+
+HOLD = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_SH); print(1, flush=True); time.sleep(120)"
+
+
+def test_copies_nobody_holds_go_a_day_after_their_last_use_and_held_ones_stay(remote_checkpoint, tmp_path, monkeypatch):
+    uri, _ = remote_checkpoint
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    private = checkpoint.private_temp_dir()
+    copies = {name: Path(checkpoint.run_copy(uri, name)) for name in ("held", "left", "recent", "other")}
+    for name in ("left", "recent", "other"):  # their runs ended, or failed for good
+        checkpoint.release_run_copy(str(copies[name]))
+    stalled, writing = private / f"{checkpoint.PARTIAL_PREFIX}stalled", private / f"{checkpoint.PARTIAL_PREFIX}now"
+    for partial in (stalled, writing):
+        partial.mkdir()
+        (partial / "model.safetensors").write_bytes(b"part")
+    day_ago = time.time() - checkpoint.STALE_RUN_COPY_S - 60
+    for path in (copies["held"], copies["left"], copies["other"], stalled, stalled / "model.safetensors"):
+        os.utime(path, (day_ago, day_ago))
+    # another process reads "other": neither pruned nor removed under it
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(copies["other"])], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "1"
+        new = Path(checkpoint.run_copy(uri, "new"))  # prunes first
+        kept = {copies[name].name for name in ("held", "recent", "other")} | {new.name, writing.name}
+        assert {p.name for p in private.iterdir()} == kept
+        checkpoint.remove_run_copy(str(copies["other"]))
+        assert copies["other"].exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert checkpoint.prune_run_copies() == [copies["other"].name]  # nobody holds it now
+    # a copy used twice in one process stays until both uses are done
+    assert checkpoint.run_copy(uri, "new") == str(new)
+    checkpoint.remove_run_copy(str(new))
+    assert new.exists()
+    checkpoint.remove_run_copy(str(new))
+    checkpoint.remove_run_copy(str(copies["held"]))
+    assert not new.exists() and not copies["held"].exists()
 
 
 def test_the_driver_reads_only_the_figures_of_the_checkpoint_it_committed(tmp_path):

@@ -17,6 +17,7 @@ skipped.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -316,6 +317,15 @@ def name_in_run(uri: str) -> str:
     return f"{CHECKPOINTS}/{uri.rstrip('/').rsplit('/', 1)[-1]}"
 
 
+# A node's copies (run_copy) are kept for a worker group that takes over; one that no process
+# holds and no run has used for this long is removed by the next run_copy on the node (a run that
+# failed for good and was not rerun), and so is a download that has written nothing for as long.
+STALE_RUN_COPY_S = 24 * 3600
+PARTIAL_PREFIX = "lmfoundry-partial-"
+# the copies this process reads: the path -> (a descriptor holding a shared lock on it, its uses here)
+_HELD: dict[str, tuple[int, int]] = {}
+
+
 def run_copy(uri: str, key: str, manifest_sha256: str | None = None) -> str:
     """A local copy of the checkpoint at `uri` (model files only) at a path that `key` fixes, in
     a directory of this user's that no one else can write: a worker group that takes over after
@@ -324,17 +334,22 @@ def run_copy(uri: str, key: str, manifest_sha256: str | None = None) -> str:
     `manifest_sha256`, the manifest is the one the caller verified, so that every node trains
     from the checkpoint the driver checked); otherwise it is made again, into a directory of its
     own that is renamed into place when complete. A local checkpoint is used where it is.
-    `remove_run_copy` removes it."""
+
+    The process holds a shared lock (flock) on the copy until `release_run_copy` or
+    `remove_run_copy`: `prune_run_copies`, which runs first, removes only copies nobody holds."""
     uri = resolve(uri)
     if not storage.is_remote(uri):
         return uri
     private = private_temp_dir()
+    prune_run_copies(private)
     target = private / f"{TEMP_PREFIX}{key}"
-    if target.exists():
+    fd = _lock_shared(target)
+    if fd is not None:
         if _verified_copy(target, manifest_sha256):
-            return str(target)
+            return _hold(target, fd)
+        os.close(fd)
         shutil.rmtree(target, ignore_errors=True)
-    partial = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=private))
+    partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=private))
     try:
         download(*storage.filesystem(uri), partial, model_only=True)
         if not _verified_copy(partial, manifest_sha256):
@@ -348,7 +363,10 @@ def run_copy(uri: str, key: str, manifest_sha256: str | None = None) -> str:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return str(target)
+    fd = _lock_shared(target)
+    if fd is None:
+        raise RuntimeError(f"the copy of {uri} at {target} was removed as it was made")
+    return _hold(target, fd)
 
 
 def _verified_copy(directory: Path, manifest_sha256: str | None) -> bool:
@@ -361,12 +379,105 @@ def _verified_copy(directory: Path, manifest_sha256: str | None) -> bool:
     return True
 
 
+def _open_dir(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # not there, or not a directory
+        return None
+
+
+def _lock_shared(path: Path) -> int | None:
+    """A descriptor holding a shared lock on the directory at `path`, or None when there is none
+    (or a prune removed it while this waited for the lock)."""
+    fd = _open_dir(path)
+    if fd is None:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a prune holds it
+    try:
+        here, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+        if (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _hold(target: Path, fd: int) -> str:
+    os.utime(target)  # its last use, which prune_run_copies goes by
+    earlier = _HELD.get(str(target))
+    if earlier is not None:  # the same copy again, or one made again in its place: one lock, counted
+        os.close(earlier[0])
+    _HELD[str(target)] = (fd, (earlier[1] if earlier else 0) + 1)
+    return str(target)
+
+
+def release_run_copy(local: str) -> None:
+    """This process is done with a copy `run_copy` gave it (nothing for any other directory);
+    the copy stays on disk."""
+    held = _HELD.pop(str(local), None)
+    if held is None:
+        return
+    fd, uses = held
+    if uses > 1:
+        _HELD[str(local)] = (fd, uses - 1)
+    else:
+        os.close(fd)
+
+
 def remove_run_copy(local: str) -> None:
     """Remove a copy `run_copy` made (nothing for a checkpoint it used where it is): decided by
-    where the directory is, without asking the storage again."""
+    where the directory is, without asking the storage again. A copy that another process, or
+    another use in this one, still holds is left to that holder."""
     path = Path(local)
     if path.parent == private_temp_dir() and path.name.startswith(TEMP_PREFIX):
+        release_run_copy(local)
+        if str(local) not in _HELD:
+            _remove_unless_held(path)
+
+
+def _remove_unless_held(path: Path, unused_for: float = 0.0) -> bool:
+    """Remove the directory at `path` when no process holds it and it was last used at least
+    `unused_for` seconds ago; True when it did."""
+    fd = _open_dir(path)
+    if fd is None:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # in use
+        if time.time() - os.fstat(fd).st_mtime < unused_for:
+            return False
         shutil.rmtree(path, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
+
+
+def prune_run_copies(private: Path | None = None, unused_for: float = STALE_RUN_COPY_S) -> list[str]:
+    """Remove the node's copies that no process holds and no run has used for `unused_for`
+    seconds, and downloads into them that have written nothing for as long. Returns their names."""
+    private = private or private_temp_dir()
+    now, removed = time.time(), []
+    for entry in private.iterdir():
+        if entry.name.startswith(PARTIAL_PREFIX):
+            if now - _last_written(entry) >= unused_for:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+        elif entry.name.startswith(TEMP_PREFIX) and _remove_unless_held(entry, unused_for):
+            removed.append(entry.name)
+    return removed
+
+
+def _last_written(directory: Path) -> float:
+    """The newest modification time of `directory` and everything in it."""
+    newest = os.lstat(directory).st_mtime
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            with contextlib.suppress(FileNotFoundError):
+                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+    return newest
 
 
 def private_temp_dir() -> Path:

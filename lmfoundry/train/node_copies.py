@@ -6,8 +6,10 @@ own copy lives on the driver's node only: the workers there read it, the others 
 A copy's path is fixed by the run and the checkpoint (checkpoint.run_copy), so a worker group
 that takes over after a failure reuses its predecessor's copy instead of leaving that one behind
 and downloading another; a copy is used only when its files match the manifest the driver
-verified. The copies go when the run finishes; a run that fails for good leaves them in
-TMPDIR/lmfoundry-UID, where a rerun of it finds them. A local checkpoint is read where it is."""
+verified. The copies go when the run finishes; a run that fails leaves them in
+TMPDIR/lmfoundry-UID, where a rerun of it finds them, until a copy made on the node a day after
+their last use removes them (checkpoint.prune_run_copies: never one that a process holds). A
+local checkpoint is read where it is."""
 
 from __future__ import annotations
 
@@ -88,5 +90,10 @@ def on_each_node(
     local_rank = ctx.get_local_rank()
     here = driver_copy if driver_node is not None and ray.get_runtime_context().get_node_id() == driver_node else None
     local = node_copy(uri, copy_key(run_dir, uri), local_rank, ctx.get_node_rank(), here, manifest_sha256)
-    yield local
+    try:
+        yield local
+    except BaseException:
+        if local_rank == 0:  # kept for the worker group that takes over, no longer held by this one
+            checkpoint.release_run_copy(local)
+        raise
     remove_node_copy(local, local_rank)

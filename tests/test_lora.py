@@ -202,3 +202,12 @@ def test_an_adapter_reads_its_base_from_the_callers_copy_and_still_checks_it(tmp
         load_model_files(adapter_dir, base_copies=wrong)
     with pytest.raises(ValueError, match="weights have changed since"):
         load_model_on_meta(adapter_dir, wrong)
+    # a directory that is not a node's verified copy is verified as it is read: weights swapped
+    # under the base's own manifest are refused
+    shutil.copyfile(other / WEIGHTS, base / WEIGHTS)
+    for load in (
+        lambda: load_model_files(adapter_dir, base_copies=copies),
+        lambda: load_model_on_meta(adapter_dir, copies),
+    ):
+        with pytest.raises(ValueError, match="does not match its checksum"):
+            load()

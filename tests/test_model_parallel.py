@@ -18,7 +18,9 @@ import math
 
 import pytest
 import torch
-from harness.model_parallel import compare_layouts
+import torch.distributed as dist
+from harness.model_parallel import SEQ_LEN, compare_layouts, small_config
+from harness.peak_memory import spawn_ranks, start_rank
 
 
 def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_weights(deepspeed_processes, tmp_path):
@@ -192,3 +194,37 @@ def test_the_placement_patch_is_one_at_a_time_and_leaves_deepspeeds_class_as_it_
         with materialized_on_placement(model, {}):
             raise KeyError("a failed build")
     assert DeepSpeedEngine._configure_distributed_model is own
+
+
+def _gradient_norms(rank: int, port: int, cases: list[tuple[int, float]], results) -> None:
+    from lmfoundry.train.pretrain import build_pretrain_engine
+
+    start_rank(rank, 1, port)
+    try:
+        norms = []
+        for zero, clip in cases:
+            cfg = small_config(1, 1, 1, zero_stage=zero)
+            cfg = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"grad_clip": clip})})
+            engine, _, ds_config = build_pretrain_engine(cfg, 1, SEQ_LEN)
+            tokens = torch.randint(
+                0, cfg.model.vocab_size, (8, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0)
+            )
+            for rows in tokens.split(cfg.batch.micro_batch_size):  # one optimizer step
+                engine.backward(engine(rows[:, :-1], rows[:, 1:])[1])
+                engine.step()
+            assert engine.global_steps == 1 and ds_config["gradient_clipping"] == clip
+            norm = engine.get_global_grad_norm()
+            norms.append(None if norm is None else float(norm))
+            engine.destroy()
+        results[rank] = norms
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_run_without_zero_keeps_the_gradient_norm_with_clipping_on_and_off(deepspeed_processes):
+    """DeepSpeed keeps no gradient norm without ZeRO in fp32 (train/engine.py
+    keep_fp32_gradient_norm): the engine's is ZeRO-1's, clipping or not."""
+    cases = [(1, 1.0), (0, 1.0), (0, 0.0)]
+    zero1, clipped, unclipped = spawn_ranks(_gradient_norms, (cases,), 1)[0]
+    assert zero1 > 0
+    assert clipped == pytest.approx(zero1, rel=1e-5) and unclipped == pytest.approx(zero1, rel=1e-5)

@@ -156,7 +156,8 @@ def test_copies_nobody_holds_go_a_day_after_their_last_use_and_held_ones_stay(re
     day_ago = time.time() - checkpoint.STALE_RUN_COPY_S - 60
     for path in (copies["held"], copies["left"], copies["other"], stalled, stalled / "model.safetensors"):
         os.utime(path, (day_ago, day_ago))
-    # another process reads "other": neither pruned nor removed under it
+    # another process reads "other": neither pruned nor removed under it, nor made again when
+    # it fails to verify (an I/O error as it is read)
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(copies["other"])], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "1"
@@ -165,10 +166,28 @@ def test_copies_nobody_holds_go_a_day_after_their_last_use_and_held_ones_stay(re
         assert {p.name for p in private.iterdir()} == kept
         checkpoint.remove_run_copy(str(copies["other"]))
         assert copies["other"].exists()
+        with monkeypatch.context() as m:
+            m.setattr(checkpoint, "verify", lambda *a, **k: (_ for _ in ()).throw(OSError("read failed")))
+            with pytest.raises(RuntimeError, match="another process still reads it"):
+                checkpoint.run_copy(uri, "other")
+        assert (copies["other"] / checkpoint.CHECKPOINT_MANIFEST).exists()
     finally:
         holder.kill()
         holder.wait()
+    os.utime(copies["other"], (day_ago, day_ago))
     assert checkpoint.prune_run_copies() == [copies["other"].name]  # nobody holds it now
+
+    # a worker group that takes over after a run of more than a day reuses its predecessor's copy
+    downloads = []
+    download = checkpoint.download
+    monkeypatch.setattr(checkpoint, "download", lambda *a, **k: (downloads.append(a[1]), download(*a, **k))[1])
+    os.utime(copies["held"], (day_ago, day_ago))
+    assert checkpoint.run_copy(uri, "held") == str(copies["held"]) and downloads == []
+    os.utime(copies["held"], (day_ago, day_ago))
+    checkpoint.release_run_copy(str(copies["held"]))
+    assert copies["held"].stat().st_mtime < time.time() - checkpoint.STALE_RUN_COPY_S  # still used here
+    checkpoint.release_run_copy(str(copies["held"]))  # its last use ends: the day starts again
+    assert time.time() - copies["held"].stat().st_mtime < 60
     # a copy used twice in one process stays until both uses are done
     assert checkpoint.run_copy(uri, "new") == str(new)
     checkpoint.remove_run_copy(str(new))

@@ -171,20 +171,24 @@ def base_sha256(manifest: dict, where: str) -> str:
 @contextlib.contextmanager
 def adapter_base(ref: lora.AdapterRef, base_copies: Mapping[str, str] | None) -> Iterator[tuple[str, dict]]:
     """(local directory, manifest) of an adapter's base checkpoint: the caller's copy of it when
-    `base_copies` (a base's URI -> a local directory the caller verified, e.g. a training run's
-    node copy of the checkpoint it started from) holds one, so that every process of a node
-    does not download the base again; else a verified temporary copy (or the local checkpoint
-    itself), removed after the block. The adapter's fingerprint of its base is checked by the
-    caller either way."""
+    `base_copies` (a base's URI -> a local directory, e.g. a training run's node copy of the
+    checkpoint it started from) holds one, so that every process of a node does not download
+    the base again; else a verified temporary copy (or the local checkpoint itself), removed
+    after the block. A node's copy (platform/checkpoint.py run_copy: verified when made, in this
+    user's private directory) is not hashed again; any other directory is verified here, as
+    `opened` would. The adapter's fingerprint of its base is checked by the caller either way."""
     from lmfoundry.platform import storage
-    from lmfoundry.platform.checkpoint import CHECKPOINT_MANIFEST, opened
+    from lmfoundry.platform.checkpoint import CHECKPOINT_MANIFEST, is_run_copy, opened, verify
 
     local = (base_copies or {}).get(ref.base)
     if local is None:
         with opened(ref.base) as found:
             yield found
         return
-    yield local, storage.read_json(str(Path(local) / CHECKPOINT_MANIFEST), storage.MAX_MANIFEST_BYTES)
+    if is_run_copy(local):
+        yield local, storage.read_json(str(Path(local) / CHECKPOINT_MANIFEST), storage.MAX_MANIFEST_BYTES)
+    else:
+        yield local, verify(local, model_only=True)
 
 
 def load_merged_adapter(directory: Path, base_copies: Mapping[str, str] | None = None) -> Transformer:

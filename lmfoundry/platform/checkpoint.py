@@ -341,14 +341,23 @@ def run_copy(uri: str, key: str, manifest_sha256: str | None = None) -> str:
     if not storage.is_remote(uri):
         return uri
     private = private_temp_dir()
-    prune_run_copies(private)
     target = private / f"{TEMP_PREFIX}{key}"
-    fd = _lock_shared(target)
+    fd = _lock_shared(target)  # before pruning: a group that takes over keeps its predecessor's copy
+    prune_run_copies(private)
     if fd is not None:
-        if _verified_copy(target, manifest_sha256):
+        try:
+            verified = _verified_copy(target, manifest_sha256)
+        except BaseException:
+            os.close(fd)
+            raise
+        if verified:
             return _hold(target, fd)
         os.close(fd)
-        shutil.rmtree(target, ignore_errors=True)
+        if not _remove_unless_held(target) and target.exists():
+            raise RuntimeError(
+                f"the node's copy of {uri} at {target} does not match the manifest it was verified with, "
+                "and another process still reads it"
+            )
     partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=private))
     try:
         download(*storage.filesystem(uri), partial, model_only=True)
@@ -404,7 +413,11 @@ def _lock_shared(path: Path) -> int | None:
 
 
 def _hold(target: Path, fd: int) -> str:
-    os.utime(target)  # its last use, which prune_run_copies goes by
+    try:
+        os.utime(target)  # its last use, which prune_run_copies goes by
+    except BaseException:
+        os.close(fd)
+        raise
     earlier = _HELD.get(str(target))
     if earlier is not None:  # the same copy again, or one made again in its place: one lock, counted
         os.close(earlier[0])
@@ -421,8 +434,17 @@ def release_run_copy(local: str) -> None:
     fd, uses = held
     if uses > 1:
         _HELD[str(local)] = (fd, uses - 1)
-    else:
-        os.close(fd)
+        return
+    with contextlib.suppress(OSError):  # its last use ends now: a day from here, prune_run_copies may remove it
+        os.utime(fd)
+    os.close(fd)
+
+
+def is_run_copy(local: str) -> bool:
+    """Whether `local` is a copy `run_copy` made (verified when made, in this user's private
+    directory), decided by where it is, not a checkpoint used where it is."""
+    path = Path(local)
+    return path.parent == private_temp_dir() and path.name.startswith(TEMP_PREFIX)
 
 
 def remove_run_copy(local: str) -> None:
@@ -430,7 +452,7 @@ def remove_run_copy(local: str) -> None:
     where the directory is, without asking the storage again. A copy that another process, or
     another use in this one, still holds is left to that holder."""
     path = Path(local)
-    if path.parent == private_temp_dir() and path.name.startswith(TEMP_PREFIX):
+    if is_run_copy(local):
         release_run_copy(local)
         if str(local) not in _HELD:
             _remove_unless_held(path)
@@ -445,8 +467,8 @@ def _remove_unless_held(path: Path, unused_for: float = 0.0) -> bool:
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # in use
+        except OSError:  # held by another process (or, on NFS, a lock a read-only descriptor cannot take)
+            return False
         if time.time() - os.fstat(fd).st_mtime < unused_for:
             return False
         shutil.rmtree(path, ignore_errors=True)
@@ -461,12 +483,15 @@ def prune_run_copies(private: Path | None = None, unused_for: float = STALE_RUN_
     private = private or private_temp_dir()
     now, removed = time.time(), []
     for entry in private.iterdir():
-        if entry.name.startswith(PARTIAL_PREFIX):
-            if now - _last_written(entry) >= unused_for:
-                shutil.rmtree(entry, ignore_errors=True)
+        try:
+            if entry.name.startswith(PARTIAL_PREFIX):
+                if now - _last_written(entry) >= unused_for:
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(entry.name)
+            elif entry.name.startswith(TEMP_PREFIX) and _remove_unless_held(entry, unused_for):
                 removed.append(entry.name)
-        elif entry.name.startswith(TEMP_PREFIX) and _remove_unless_held(entry, unused_for):
-            removed.append(entry.name)
+        except FileNotFoundError:  # renamed into place or removed by its maker meanwhile
+            continue
     return removed
 
 

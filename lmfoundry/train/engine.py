@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import sys
 from collections.abc import Callable
 
@@ -275,18 +276,28 @@ def build_engine(
 
 def keep_fp32_gradient_norm(engine) -> None:
     """Without ZeRO and in fp32, DeepSpeed clips the gradients with its `clip_grad_norm_` but
-    keeps no norm: `get_global_grad_norm()` stays None and the logged norm would read 0. Here
-    that clip keeps the norm it measured (the same function, arguments and point in the step)."""
+    keeps no norm, and with clipping off measures none: `get_global_grad_norm()` stays None and
+    the logged norm would read 0. Here the engine keeps the norm that function measures: in
+    DeepSpeed's clip (the same arguments and point in the step), or, with clipping off, just
+    before the optimizer step, clipping nothing. Kept as a tensor: read only when logged."""
     if engine.zero_optimization_stage() or engine.bfloat16_enabled() or engine.fp16_enabled():
         return  # DeepSpeed's own optimizer wrappers keep the norm
 
     from deepspeed.runtime.utils import clip_grad_norm_
 
-    def clip_and_keep_norm() -> None:
-        norm = clip_grad_norm_(engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
-        engine._global_grad_norm = float(norm)
+    def measure(max_norm: float) -> None:
+        engine._global_grad_norm = clip_grad_norm_(engine.module.parameters(), max_norm=max_norm, mpu=engine.mpu)
 
-    engine.clip_fp32_gradients = clip_and_keep_norm
+    if engine.gradient_clipping() > 0:
+        engine.clip_fp32_gradients = lambda: measure(engine.gradient_clipping())
+        return
+    take_model_step = engine._take_model_step
+
+    def measured_step(*args, **kwargs):
+        measure(math.inf)
+        return take_model_step(*args, **kwargs)
+
+    engine._take_model_step = measured_step
 
 
 def frozen_zero3_engine(model: torch.nn.Module, ds_config: dict, values: dict | None = None):

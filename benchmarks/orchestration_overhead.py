@@ -19,12 +19,14 @@ the same cores, world size, model and global batch, and against one process usin
                              with the workers' allocator settings and no Ray: a row per ZeRO
                              stage, so that DeepSpeed's cost and the rest of the run's separate
 
-While each lmfoundry run trains, the benchmark samples every process's CPU time (/proc) once a
-second; "others' CPU share" is the median, over the seconds in which both training workers were
-busy, of the share of the machine's CPU time that went to every other process (Ray's own:
-GCS, raylet, dashboard, Ray Train's controller and helper actors, log monitor; and this driver).
-On a machine with as many cores as training workers, that share is taken from training; on a
-machine with cores to spare it is not.
+While each lmfoundry run and each run of the engine alone trains, the benchmark samples every
+process's CPU time (/proc) once a second. In each second the two processes that used the most
+are the training workers; "others' CPU share" is the median, over the seconds in which each of
+them used at least half a core, of the share of the machine's CPU time that went to every other
+process. Ray's daemons (GCS, raylet, dashboard, log monitor) run beside both loops, as the
+benchmark's Ray is up throughout; an lmfoundry run adds Ray Train's controller and helper
+actors and the driver's polling. On a machine with as many cores as training workers, the
+others' share is taken from training; on a machine with cores to spare it is not.
 
 Model: 4 layers, d_model 256, 8 heads (2 key/value heads); 16 sequences x 256 tokens per step.
 tokens/s is the median over steps after warm-up (steps 6 onwards); lmfoundry logs every 5 steps,
@@ -137,7 +139,9 @@ def _spawn_pair(worker, args: tuple, env: dict[str, str]) -> float:
     return GLOBAL_SEQS * SEQ / statistics.median(step_s)
 
 
-def deepspeed_alone(vocab: int, steps: int, zero_stage: int, env: dict[str, str]) -> float:
+def deepspeed_alone(vocab: int, steps: int, zero_stage: int, env: dict[str, str]) -> tuple[float, OthersCpuShare]:
+    """tokens/s of the engine alone and what the other processes took of the machine's CPU
+    meanwhile (Ray's daemons idle beside it: the benchmark's Ray is up)."""
     from lmfoundry.train.config import PretrainConfig
 
     cfg = PretrainConfig(
@@ -148,7 +152,9 @@ def deepspeed_alone(vocab: int, steps: int, zero_stage: int, env: dict[str, str]
         batch={"micro_batch_size": GLOBAL_SEQS // 2, "global_batch_tokens": GLOBAL_SEQS * SEQ},
         schedule={"max_steps": steps, "warmup_steps": 2},
     )
-    return _spawn_pair(_engine_worker, (cfg.model_dump(), steps), env)
+    with OthersCpuShare(workers=2) as others:
+        tokens_per_s = _spawn_pair(_engine_worker, (cfg.model_dump(), steps), env)
+    return tokens_per_s, others
 
 
 def ddp(vocab: int, steps: int, env: dict[str, str]) -> float:
@@ -182,29 +188,30 @@ def _cpu_ticks() -> dict[int, tuple[str, int]]:
 
 
 class OthersCpuShare(threading.Thread):
-    """Samples every process's CPU time once a second while a run trains (a context manager);
-    `share()` is the median, over the seconds in which every training worker (Ray's
-    "ray::RayTrainWorker" processes) was busy, of the machine's CPU time that went to the other
-    processes."""
+    """Samples every process's CPU time once a second while a loop trains (a context manager).
+    In each second, the `workers` processes that used the most CPU are the training workers;
+    `share()` is the median, over the seconds in which each of them used at least half a core
+    (the loop was training), of the share of the machine's CPU time that went to every other
+    process, and `seconds` is how many seconds that is."""
 
-    WORKER, BUSY = "ray::RayTrainWo", 0.8  # /proc keeps 15 characters of a process's name
+    BUSY = 0.5  # of a core, each worker
 
     def __init__(self, workers: int):
         super().__init__(daemon=True)
         self.workers, self.shares, self.stop = workers, [], threading.Event()
-        self.capacity = os.cpu_count() * os.sysconf("SC_CLK_TCK")  # ticks a second, every core
+        self.cores = len(os.sched_getaffinity(0))  # the cores this benchmark and its children may use
+        self.ticks_per_s = os.sysconf("SC_CLK_TCK")
 
     def run(self) -> None:
         before, then = _cpu_ticks(), time.monotonic()
         while not self.stop.wait(1.0):
             now, at = _cpu_ticks(), time.monotonic()
-            used = {pid: (name, t - before.get(pid, (name, 0))[1]) for pid, (name, t) in now.items()}
-            capacity = self.capacity * (at - then)
-            workers = [t for name, t in used.values() if name.startswith(self.WORKER)]
-            busy = len(workers) == self.workers and min(workers) >= self.BUSY * capacity / os.cpu_count()
-            if busy:
-                others = sum(t for name, t in used.values() if not name.startswith(self.WORKER))
-                self.shares.append(others / capacity)
+            # a process that started since counts from 0 (a pid is not reused within a second)
+            used = sorted((t - before.get(pid, (name, 0))[1] for pid, (name, t) in now.items()), reverse=True)
+            core = self.ticks_per_s * (at - then)
+            workers, others = used[: self.workers], used[self.workers :]
+            if len(workers) == self.workers and min(workers) >= self.BUSY * core:
+                self.shares.append(sum(max(t, 0) for t in others) / (core * self.cores))
             before, then = now, at
 
     def __enter__(self) -> OthersCpuShare:
@@ -218,10 +225,14 @@ class OthersCpuShare(threading.Thread):
     def share(self) -> float | None:
         return statistics.median(self.shares) if self.shares else None
 
+    @property
+    def seconds(self) -> int:
+        return len(self.shares)
 
-def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> tuple[float, float | None]:
-    """tokens/s of the run (the median of its logged intervals after warm-up) and the share of
-    the machine's CPU the other processes took while it trained (OthersCpuShare)."""
+
+def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> tuple[float, OthersCpuShare]:
+    """tokens/s of the run (the median of its logged intervals after warm-up) and what the other
+    processes took of the machine's CPU while it trained."""
     from lmfoundry.train.config import PretrainConfig
     from lmfoundry.train.pretrain import run_pretrain
 
@@ -239,7 +250,7 @@ def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> tu
         run_pretrain(cfg)
     rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
     tokens_per_s = [r["tokens_per_s"] for r in rows if r["step"] > WARMUP and "checkpoint_blocking_s" not in r]
-    return statistics.median(tokens_per_s), others.share()
+    return statistics.median(tokens_per_s), others
 
 
 DDP, ONE = "PyTorch DDP, 2 processes", "one process, 2 threads"
@@ -287,7 +298,9 @@ def main() -> None:
         DDP_ALLOC: [],
         ONE: [],
     }
-    others: dict[str, list[float | None]] = {row: [] for row in lmf_rows.values()}
+    others: dict[str, dict[str, list]] = {
+        row: {"share": [], "seconds": []} for rows in (lmf_rows, engine_rows) for row in rows.values()
+    }
     with tempfile.TemporaryDirectory(prefix="lmf-overhead-") as work:
         build_sample_corpus(f"{work}/raw", seed=1, shards=2)
         run_curate(CurateConfig(input=f"{work}/raw", output=f"{work}/curated"))
@@ -295,13 +308,15 @@ def main() -> None:
         vocab = packed["vocab_size"]
         # interleaved, so that a change in the machine's state over the run touches every loop alike
         for r in range(args.repeats):
-            for stage, row in lmf_rows.items():
-                tokens_per_s, share = lmfoundry_pretrain(
-                    f"{work}/packed", f"{work}/run-{r}-zero{stage}", args.steps, stage
-                )
-                runs[row].append(tokens_per_s)
-                others[row].append(share)
-                runs[engine_rows[stage]].append(deepspeed_alone(vocab, args.steps, stage, CPU_ALLOCATOR_ENV))
+            for stage in args.zero_stages:
+                out = f"{work}/run-{r}-zero{stage}"
+                for row, (tokens_per_s, sampled) in (
+                    (lmf_rows[stage], lmfoundry_pretrain(f"{work}/packed", out, args.steps, stage)),
+                    (engine_rows[stage], deepspeed_alone(vocab, args.steps, stage, CPU_ALLOCATOR_ENV)),
+                ):
+                    runs[row].append(tokens_per_s)
+                    others[row]["share"].append(sampled.share())
+                    others[row]["seconds"].append(sampled.seconds)
             runs[DDP].append(ddp(vocab, args.steps, {}))
             runs[DDP_ALLOC].append(ddp(vocab, args.steps, CPU_ALLOCATOR_ENV))
             runs[ONE].append(one_process(vocab, args.steps))
@@ -332,12 +347,13 @@ def main() -> None:
                 + ", ".join(f"{x:.3f}" for x in ratios)
                 + f" (median {statistics.median(ratios):.3f})"
             )
-    for row, shares in others.items():
-        known = [x for x in shares if x is not None]
+    for row, sampled in others.items():
+        known = [x for x in sampled["share"] if x is not None]
         print(
             f"{row}: other processes' share of the machine's CPU while it trained, round by round: "
-            + ", ".join("—" if x is None else f"{x:.3f}" for x in shares)
+            + ", ".join("—" if x is None else f"{x:.3f}" for x in sampled["share"])
             + (f" (median {statistics.median(known):.3f})" if known else "")
+            + f"; seconds sampled: {', '.join(map(str, sampled['seconds']))}"
         )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "orchestration_overhead.json").write_text(

@@ -87,11 +87,11 @@ def timed_steps(model, batches) -> list[float]:
 
 
 def _ddp_worker(rank: int, world: int, port: int, vocab: int, steps: int, results) -> None:
+    from harness.peak_memory import start_rank
+
     from lmfoundry.model.transformer import Transformer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    start_rank(rank, world, port)  # one thread, gloo
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(Transformer(model_config(vocab)))
     batches = torch.randint(

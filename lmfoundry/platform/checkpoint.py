@@ -442,9 +442,13 @@ def release_run_copy(local: str) -> None:
 
 def is_run_copy(local: str) -> bool:
     """Whether `local` is a copy `run_copy` made (verified when made, in this user's private
-    directory), decided by where it is, not a checkpoint used where it is."""
+    directory), decided by where it is, not a checkpoint used where it is. Any other path is
+    answered without making the private directory."""
     path = Path(local)
-    return path.parent == private_temp_dir() and path.name.startswith(TEMP_PREFIX)
+    if path.parent != _private_path() or not path.name.startswith(TEMP_PREFIX):
+        return False
+    private_temp_dir()  # still this user's alone, which is what a copy there is trusted for
+    return True
 
 
 def remove_run_copy(local: str) -> None:
@@ -505,10 +509,14 @@ def _last_written(directory: Path) -> float:
     return newest
 
 
+def _private_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"lmfoundry-{os.getuid()}"
+
+
 def private_temp_dir() -> Path:
     """TMPDIR/lmfoundry-UID, made with mode 0700; refused when it is a link, another user's, or
     writable by others (a predictable name in a shared directory is only safe so)."""
-    path = Path(tempfile.gettempdir()) / f"lmfoundry-{os.getuid()}"
+    path = _private_path()
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:

@@ -13,7 +13,7 @@ checkpoint they measured; the driver reads that file and refuses one written for
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -68,7 +68,7 @@ def frozen(model: torch.nn.Module, engine, values: dict | None = None):
     return place_frozen(model.eval().requires_grad_(False), engine, values)
 
 
-def frozen_from(directory: str, engine, base_copies: dict[str, str] | None = None):
+def frozen_from(directory: str, engine, base_copies: Mapping[str, str] | None = None):
     """A checkpoint's model as `frozen` places it: read on the meta device under ZeRO-3, whole
     below it. `base_copies`: local copies of an adapter checkpoint's base (model/checkpoint.py
     adapter_base)."""

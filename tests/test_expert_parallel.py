@@ -40,6 +40,10 @@ def _worker(rank: int, world: int, port: int, results):
             "router": (full.router.weight.grad - ep.router.weight.grad).abs().max().item(),
             "local_experts": ep.w_gate_up.shape[0],
         }
+        # The graphs and the sharded layer hold the process group: free them, and let neither
+        # rank tear its group down while the other may still be sending.
+        del full, ep, y_full, y_ep
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

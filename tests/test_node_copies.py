@@ -168,7 +168,7 @@ def test_copies_nobody_holds_go_a_day_after_their_last_use_and_held_ones_stay(re
         assert copies["other"].exists()
         with monkeypatch.context() as m:
             m.setattr(checkpoint, "verify", lambda *a, **k: (_ for _ in ()).throw(OSError("read failed")))
-            with pytest.raises(RuntimeError, match="another process still reads it"):
+            with pytest.raises(RuntimeError, match="it is still read .by another process"):
                 checkpoint.run_copy(uri, "other")
         assert (copies["other"] / checkpoint.CHECKPOINT_MANIFEST).exists()
     finally:
@@ -195,6 +195,44 @@ def test_copies_nobody_holds_go_a_day_after_their_last_use_and_held_ones_stay(re
     checkpoint.remove_run_copy(str(new))
     checkpoint.remove_run_copy(str(copies["held"]))
     assert not new.exists() and not copies["held"].exists()
+
+
+def test_a_copy_made_again_meanwhile_is_not_removed_and_a_held_copy_is_kept_fresh(tmp_path, monkeypatch):
+    """A removal that locked a copy which another process then removed and made again (the lock
+    is on the old directory) leaves the new copy. A copy this process holds is marked used by
+    the thread `run_copy` starts, so a holder killed after a long run leaves a recent copy."""
+    import fcntl
+    import shutil
+    import threading
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    target = checkpoint.private_temp_dir() / f"{checkpoint.TEMP_PREFIX}remade"
+    target.mkdir()
+    (target / "weights").write_text("old")
+    flock = fcntl.flock
+
+    def remade_before_the_lock(fd, op):
+        if op & fcntl.LOCK_EX:
+            shutil.rmtree(target)
+            target.mkdir()
+            (target / "weights").write_text("new")
+        return flock(fd, op)
+
+    monkeypatch.setattr(checkpoint.fcntl, "flock", remade_before_the_lock)
+    assert not checkpoint._remove_unless_held(target)
+    monkeypatch.setattr(checkpoint.fcntl, "flock", flock)
+    assert (target / "weights").read_text() == "new"
+
+    fd = checkpoint._lock_shared(target)
+    held = checkpoint._hold(target, fd)
+    assert any(t.name == "lmfoundry-held-copies" and t.daemon for t in threading.enumerate())
+    day_ago = time.time() - checkpoint.STALE_RUN_COPY_S - 60
+    os.utime(target, (day_ago, day_ago))
+    checkpoint.touch_held_copies()
+    assert time.time() - target.stat().st_mtime < 60
+    checkpoint.remove_run_copy(held)
+    assert not target.exists()
 
 
 def test_the_driver_reads_only_the_figures_of_the_checkpoint_it_committed(tmp_path):

@@ -321,9 +321,14 @@ def name_in_run(uri: str) -> str:
 # holds and no run has used for this long is removed by the next run_copy on the node (a run that
 # failed for good and was not rerun), and so is a download that has written nothing for as long.
 STALE_RUN_COPY_S = 24 * 3600
+# while a process holds a copy it marks it used this often, so that a holder killed after a long
+# run (which never lets go) leaves a copy that looks used an hour before it died at most
+HELD_COPY_TOUCH_S = 3600
 PARTIAL_PREFIX = "lmfoundry-partial-"
 # the copies this process reads: the path -> (a descriptor holding a shared lock on it, its uses here)
 _HELD: dict[str, tuple[int, int]] = {}
+_TOUCHING = threading.Lock()
+_toucher: threading.Thread | None = None
 
 
 def run_copy(uri: str, key: str, manifest_sha256: str | None = None) -> str:
@@ -336,14 +341,21 @@ def run_copy(uri: str, key: str, manifest_sha256: str | None = None) -> str:
     own that is renamed into place when complete. A local checkpoint is used where it is.
 
     The process holds a shared lock (flock) on the copy until `release_run_copy` or
-    `remove_run_copy`: `prune_run_copies`, which runs first, removes only copies nobody holds."""
+    `remove_run_copy`: `prune_run_copies`, which runs first, removes only copies nobody holds.
+    The private directory must be on the node's own disk: a network filesystem's directory lock
+    would lock the node only."""
     uri = resolve(uri)
     if not storage.is_remote(uri):
         return uri
     private = private_temp_dir()
     target = private / f"{TEMP_PREFIX}{key}"
     fd = _lock_shared(target)  # before pruning: a group that takes over keeps its predecessor's copy
-    prune_run_copies(private)
+    try:
+        prune_run_copies(private)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
     if fd is not None:
         try:
             verified = _verified_copy(target, manifest_sha256)
@@ -356,7 +368,7 @@ def run_copy(uri: str, key: str, manifest_sha256: str | None = None) -> str:
         if not _remove_unless_held(target) and target.exists():
             raise RuntimeError(
                 f"the node's copy of {uri} at {target} does not match the manifest it was verified with, "
-                "and another process still reads it"
+                "and it is still read (by another process, or by another use in this one)"
             )
     partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=private))
     try:
@@ -401,15 +413,25 @@ def _lock_shared(path: Path) -> int | None:
     fd = _open_dir(path)
     if fd is None:
         return None
-    fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a prune holds it
     try:
-        here, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
-        if (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
-            return fd
-    except FileNotFoundError:
-        pass
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a prune holds it
+    except BaseException:
+        os.close(fd)
+        raise
+    if _still_at(path, fd):
+        return fd
     os.close(fd)
     return None
+
+
+def _still_at(path: Path, fd: int) -> bool:
+    """Whether `path` still names the directory `fd` was opened on (not removed, or removed and
+    made again by another process, since)."""
+    try:
+        here, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _hold(target: Path, fd: int) -> str:
@@ -422,7 +444,33 @@ def _hold(target: Path, fd: int) -> str:
     if earlier is not None:  # the same copy again, or one made again in its place: one lock, counted
         os.close(earlier[0])
     _HELD[str(target)] = (fd, (earlier[1] if earlier else 0) + 1)
+    _keep_touching_held_copies()
     return str(target)
+
+
+def touch_held_copies() -> None:
+    """Mark every copy this process holds as used now (through the held descriptor: the
+    directory it locked, wherever its path points now)."""
+    for fd, _ in list(_HELD.values()):
+        with contextlib.suppress(OSError):  # let go and closed meanwhile
+            os.utime(fd)
+
+
+def _keep_touching_held_copies() -> None:
+    """Start, once per process, the thread that touches the copies it holds every
+    HELD_COPY_TOUCH_S seconds."""
+    global _toucher
+    with _TOUCHING:
+        if _toucher is not None and _toucher.is_alive():
+            return
+
+        def touch_forever() -> None:
+            while True:
+                time.sleep(HELD_COPY_TOUCH_S)
+                touch_held_copies()
+
+        _toucher = threading.Thread(target=touch_forever, name="lmfoundry-held-copies", daemon=True)
+        _toucher.start()
 
 
 def release_run_copy(local: str) -> None:
@@ -471,7 +519,9 @@ def _remove_unless_held(path: Path, unused_for: float = 0.0) -> bool:
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held by another process (or, on NFS, a lock a read-only descriptor cannot take)
+        except OSError:  # held by another process (or a lock this filesystem refuses: counted as held)
+            return False
+        if not _still_at(path, fd):  # removed and made again meanwhile: the lock is on the old one
             return False
         if time.time() - os.fstat(fd).st_mtime < unused_for:
             return False

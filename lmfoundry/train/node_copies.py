@@ -58,6 +58,8 @@ def node_copy(
     dist.all_gather_object(found, (node_rank, path, error))
     errors = [e for _, _, e in found if e is not None]
     if errors:
+        if path is not None and path != present:  # this node's copy is kept, no longer held here
+            checkpoint.release_run_copy(path)
         raise RuntimeError(f"copying the checkpoint {uri} failed: {errors[0]}")
     return next(p for node, p, _ in found if node == node_rank and p is not None)
 

@@ -4,8 +4,9 @@ Each case is a small pretraining config trained for two optimizer steps by two C
 over gloo (benchmarks/harness/peak_memory.py: the training loop's model, DeepSpeed engine and
 optimizer, on random tokens); the measured figure is the largest per-rank rise of the resident
 set during training. The prediction is `planner.training_memory_bytes` for the same layout (dp=2, fp32, no GPU
-workspace allowance). Two more cases, tensor and pipeline parallelism together without and with
-sequence parallelism, run on four processes (one TP 2 x PP 2 replica).
+workspace allowance). Three more cases, tensor and pipeline parallelism together without and with
+sequence parallelism, and with the end stages' vocabulary tables split as well, run on four
+processes (one TP 2 x PP 2 replica).
 
     python benchmarks/peak_memory.py
 

@@ -272,10 +272,10 @@ def test_sequence_parallelism_sums_the_norms_gradients_and_sends_whole_slices_be
     assert resolve_model_shape(sp, {"vocab_size": 100, "seq_len": 128}).model.max_seq_len >= 128
 
 
-def test_a_vocabulary_parallel_head_is_asked_of_autotp_only_where_it_runs(caplog):
-    """With tensor parallelism and no pipeline AutoTP splits the head by vocabulary rows;
-    without tensor parallelism the setting does nothing, and with a pipeline it does nothing
-    and says so."""
+def test_a_vocabulary_parallel_head_is_asked_of_autotp_only_where_it_runs():
+    """With tensor parallelism and no pipeline AutoTP splits the head by vocabulary rows; in a
+    pipeline the head and the embedding are split too, by lmfoundry (train/pipeline_parallel.py),
+    so AutoTP is not asked; without tensor parallelism the setting does nothing."""
     tp = cfg(parallelism={"num_workers": 2, "tensor_parallel_size": 2, "vocab_parallel": True})
     assert tp.parallelism.splits_vocabulary
     assert deepspeed_config(tp, 2, 128)["tensor_parallel"]["vocab_parallel_lm_head"] is True
@@ -290,9 +290,8 @@ def test_a_vocabulary_parallel_head_is_asked_of_autotp_only_where_it_runs(caplog
             "vocab_parallel": True,
         }
     )
-    assert not piped.parallelism.splits_vocabulary
+    assert piped.parallelism.splits_vocabulary
     assert "vocab_parallel_lm_head" not in deepspeed_config(piped, 4, 128)["tensor_parallel"]
-    assert "vocab_parallel does nothing with pipeline_parallel_size=2" in caplog.text
     with pytest.raises(ValueError, match="vocab_parallel"):
         cfg(parallelism={"tensor_parallel_size": 2, "vocab_parallel": "all of it"})
     # every rank needs a row of the vocabulary, checked before any worker starts

@@ -258,9 +258,16 @@ def finish(data: str, run: Path, parallelism: dict, **overrides) -> list[float]:
             ("layer_0[0-4]-model_00-model_states.pt", 4),
             False,
         ),
-        # ... each layer split over its stage's 2 tensor-parallel ranks
+        # ... each layer split over its stage's 2 tensor-parallel ranks, the embedding and the
+        # tied head by vocabulary rows
         (
-            {"num_workers": 4, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1},
+            {
+                "num_workers": 4,
+                "tensor_parallel_size": 2,
+                "pipeline_parallel_size": 2,
+                "zero_stage": 1,
+                "vocab_parallel": True,
+            },
             ("layer_0[0-4]-model_0[01]-model_states.pt", 8),
             True,
         ),

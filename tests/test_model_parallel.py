@@ -3,9 +3,11 @@
 (benchmarks/harness/model_parallel.py), the losses of 20 steps at TP 2 x DP 2 with a
 vocabulary-parallel head (4 workers), PP 2 (2 workers, 4 micro-batches a step), PP 2 x DP 2 (4
 workers, activation checkpointing), TP 2 x PP 2 (4 workers, each stage split over 2, 4
-micro-batches a step, activation checkpointing), with sequence parallelism at TP 2 x PP 2 (the
-head whole) and at TP 2 with a vocabulary-parallel head and embedding (tied, with checkpointing;
-untied) are those of one worker holding the whole model, and the weights each run writes (piece
+micro-batches a step) with a vocabulary-parallel head and embedding (untied, activation
+checkpointing), with sequence parallelism at TP 2 x PP 2 (the head whole; the head and
+embedding vocabulary-parallel, tied) and at TP 2 with a vocabulary-parallel head and embedding
+(tied, with checkpointing; untied) are those of one worker holding the whole model, each rank
+holding its half of every vocabulary table it holds, and the weights each run writes (piece
 by piece, or layer by layer from each stage, gathered over its tensor-parallel group) are whole:
 loaded into the single-device model they give the engines' logits (a vocabulary-parallel
 engine's: rank 0's half of the vocabulary). The untied one-worker run is without ZeRO, whose
@@ -34,8 +36,10 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
         assert row["reloaded_vs_own_engine_logits"] is None or row["reloaded_vs_own_engine_logits"] <= 1e-5, name
         if row["pipeline_stages"] == 1:  # a vocabulary-parallel engine computes its rank's half of the logits
             assert row["engine_logits_width"] == (48 if row.get("vocab_parallel") else 96), name
-            # and looks up the tokens of its half of the embedding's rows, tied or not
-            assert row["embedding_rows"] == (48 if row.get("vocab_parallel") else 96), name
+        # and holds half of each vocabulary table's rows, tied or not, in a pipeline or not: the
+        # embedding on a first stage, the head (tied: the embedding's weight) on a last
+        table_rows, held = 48 if row.get("vocab_parallel") else 96, row["vocabulary_rows"]
+        assert all(tables and set(tables) == {table_rows} for tables in held), (name, held)
     assert rows["one worker, untied"]["losses"] != reference  # the untied rows have a reference of their own
 
     # tensor-parallel traffic of a micro-batch, in all-reduces of one activation, forward and
@@ -97,7 +101,8 @@ def test_a_sequence_that_does_not_split_evenly_over_the_group_is_refused_by_name
 
 
 @pytest.mark.parametrize(
-    "layout", ["TP 2, untied, from a checkpoint", "TP 2 x PP 2, tied", "DP 2, ZeRO-3, untied, from a checkpoint"]
+    "layout",
+    ["TP 2, untied, from a checkpoint", "TP 2 x PP 2, tied, vocab parallel", "DP 2, ZeRO-3, untied, from a checkpoint"],
 )
 def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_parts(
     deepspeed_processes, layout, tmp_path
@@ -107,7 +112,8 @@ def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_
     # the embedding split before the engine, the head and the column and row layers and the
     # column layers' biases by AutoTP, the norms whole), at TP 2 x PP 2 from new initial
     # values (each stage's layers split over 2 ranks by AutoTP inside the engine, the rest given
-    # at the stage's placement, the tied embedding on the first and the last), and under ZeRO-3
+    # at the stage's placement, the tied embedding split by vocabulary on the first and the
+    # last stage as it is placed), and under ZeRO-3
     # (each parameter partitioned as it is read from the checkpoint; compared gathered whole)
     from harness.model_parallel import SEQ_LEN, small_config
     from harness.parallel_build import build_both_ways
@@ -129,7 +135,7 @@ def test_a_model_parallel_model_built_on_the_meta_device_holds_the_whole_builds_
         save_model_files(trained, tmp_path)
         start = str(tmp_path)
     else:
-        cfg = small_config(2, 2, 4)
+        cfg = small_config(2, 2, 4, vocab_parallel=True)
     built = build_both_ways(cfg, SEQ_LEN, keep_parameters=True, start=start)
     for rank in built["whole"]:
         meta, whole = built["meta"][rank]["parameters"], built["whole"][rank]["parameters"]

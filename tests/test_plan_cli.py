@@ -118,9 +118,11 @@ def test_on_64_gpus_the_70b_recipe_written_splits_each_pipeline_stage_by_tensor_
     assert main(["configs/pretrain_70b_gpu.yaml", "--gpu", "H100", "--nodes", "8", "--write-config", str(out)]) == 0
     par = load_config(PretrainConfig, out).parallelism
     assert (par.tensor_parallel_size, par.pipeline_parallel_size, par.num_workers) == (2, 4, 64)
-    assert par.splits_sequences and not par.vocab_parallel  # the pipeline keeps the head whole
+    # each stage's tensor-parallel group splits its vocabulary table too: lmfoundry does, not AutoTP
+    assert par.splits_sequences and par.splits_vocabulary
     ds = yaml.safe_load((tmp_path / "70b.deepspeed.json").read_text())["deepspeed"]
     assert ds["tensor_parallel"]["autotp_size"] == 2 and ds["zero_optimization"]["stage"] == 1
+    assert "vocab_parallel_lm_head" not in ds["tensor_parallel"]
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 8
     assert ds["train_batch_size"] * 4096 == 4194304
 

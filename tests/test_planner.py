@@ -156,7 +156,8 @@ def test_the_busiest_pipeline_stage_holds_its_blocks_and_one_vocabulary_table(he
 def test_a_vocabulary_parallel_layout_splits_the_head_and_the_embedding_tied_or_not(tied):
     """At TP 2 with `vocab_parallel`, against the model's own parameters as train/tensor_parallel.py
     splits them: the blocks' linear layers, the head and the embedding (one table when tied)
-    halved, the norms whole on each rank."""
+    halved, the norms whole on each rank. At TP 2 x PP 2, as train/pipeline_parallel.py cuts and
+    splits them: each stage's blocks halved and the end stage's table halved too."""
     from lmfoundry.model.flops import model_shape
     from lmfoundry.model.transformer import ModelConfig, Transformer
     from lmfoundry.planner.search import dense_params_per_gpu
@@ -171,6 +172,16 @@ def test_a_vocabulary_parallel_layout_splits_the_head_and_the_embedding_tied_or_
     held = dense_params_per_gpu(model_shape(cfg), Layout(tp=2, pp=1, dp=1), recipe)
     assert held == pytest.approx(split / 2 + whole, rel=2e-3)
     assert dense_params_per_gpu(model_shape(cfg), Layout(tp=2, pp=1, dp=1)) > held + cfg.vocab_size * 64 / 4
+
+    def count(*modules, halved: bool) -> float:
+        return sum(p.numel() / (2 if halved and p.dim() == 2 else 1) for m in modules for p in m.parameters())
+
+    first = count(*model.blocks[:2], halved=True) + model.embed.weight.numel() / 2
+    last = count(*model.blocks[2:], halved=True) + count(model.norm, halved=False) + model.lm_head.weight.numel() / 2
+    piped = dense_params_per_gpu(model_shape(cfg), Layout(tp=2, pp=2, dp=1), recipe)
+    assert piped == pytest.approx(max(first, last), rel=2e-3)
+    unsplit = dense_params_per_gpu(model_shape(cfg), Layout(tp=2, pp=2, dp=1))
+    assert unsplit == pytest.approx(piped + model.embed.weight.numel() / 2, rel=2e-3)
 
 
 def test_tensor_parallel_sizes_keep_whole_key_value_heads_and_mlp_columns():

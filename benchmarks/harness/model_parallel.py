@@ -24,6 +24,9 @@ from harness.peak_memory import spawn_ranks, start_rank
 from lmfoundry.train.config import PretrainConfig, data_parallel
 
 SEQ_LEN, STEPS = 32, 20
+# the names that end a vocabulary table's: the model's embedding and head, a pipeline's embedding
+# layer (tied: on the last stage too) and its untied head, the last of n_layer + 3 layers
+VOCABULARY_TABLES = ("embed.weight", "lm_head.weight", "4.module.weight")
 # name: (tensor parallel, pipeline stages, workers, options of small_config); a layout with an
 # untied head is held to the one-worker run of the untied model
 LAYOUTS = {
@@ -45,8 +48,14 @@ LAYOUTS = {
     ),
     "PP 2": (1, 2, 2, {}),
     "PP 2 x DP 2, recompute": (1, 2, 4, {"recompute": True}),
-    "TP 2 x PP 2, recompute": (2, 2, 4, {"recompute": True}),
+    "TP 2 x PP 2, vocab parallel, untied, recompute": (
+        2,
+        2,
+        4,
+        {"vocab_parallel": True, "tied": False, "recompute": True},
+    ),
     "TP 2 x PP 2, sequence parallel": (2, 2, 4, {"sequence_parallel": True}),
+    "TP 2 x PP 2, vocab + sequence parallel": (2, 2, 4, {"vocab_parallel": True, "sequence_parallel": True}),
 }
 
 
@@ -259,7 +268,11 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
             "losses": losses,
             "grad_norms": grad_norms,
             "logits": logits if rank == 0 else None,
-            "embedding_rows": None if pipelined else engine.module.embed.weight.shape[0],  # this rank's
+            # the rows of each vocabulary table this rank holds (a pipeline's first stage holds
+            # the embedding, its last the head: untied, or the embedding's weight again, tied)
+            "vocabulary_rows": sorted(
+                p.shape[0] for n, p in engine.module.named_parameters() if n.endswith(VOCABULARY_TABLES)
+            ),
             **(
                 {"tensor_parallel_all_reduces": {k: traffic.get(k, 0.0) for k in ("forward", "backward")}}
                 if traffic
@@ -271,7 +284,8 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
 
 
 def train_losses(cfg: PretrainConfig, world: int, seq_len: int, steps: int, out: str) -> dict:
-    """The mean loss of each of `steps` optimizer steps of `cfg` on `world` processes, and rank
-    0's logits (2 rows of a probe batch) after them; the servable model files go to `out`."""
+    """The mean loss of each of `steps` optimizer steps of `cfg` on `world` processes, rank
+    0's logits (2 rows of a probe batch) after them, and the rows of the vocabulary tables each
+    rank holds; the servable model files go to `out`."""
     results = spawn_ranks(_worker, (world, cfg.model_dump(), seq_len, steps, out), world)
-    return results[0]
+    return {**results[0], "vocabulary_rows": [results[rank]["vocabulary_rows"] for rank in range(world)]}

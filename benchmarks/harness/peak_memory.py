@@ -187,11 +187,11 @@ def reference_cases() -> dict[str, PretrainConfig]:
 
 def composed_cases() -> dict[str, PretrainConfig]:
     """Tensor and pipeline parallelism together, on 4 processes (one replica of TP 2 x PP 2),
-    without and with sequence parallelism: the benchmark measures them beside the reference
-    cases (the test, to stay short, does not)."""
+    without and with sequence parallelism, and with the end stages' vocabulary table split too:
+    the benchmark measures them beside the reference cases (the test, to stay short, does not)."""
     wide = ModelConfig(vocab_size=8192, max_seq_len=SEQ_LEN, n_layer=4, d_model=512, n_head=8, n_kv_head=4)
 
-    def cfg(sequence_parallel: bool) -> PretrainConfig:
+    def cfg(sequence_parallel: bool, vocab_parallel: bool = False) -> PretrainConfig:
         return PretrainConfig(
             data="-",
             output="-",
@@ -202,6 +202,7 @@ def composed_cases() -> dict[str, PretrainConfig]:
                 "tensor_parallel_size": 2,
                 "pipeline_parallel_size": 2,
                 "sequence_parallel": sequence_parallel,
+                "vocab_parallel": vocab_parallel,
             },
             batch={"micro_batch_size": 4, "global_batch_tokens": 4 * SEQ_LEN * 4},
             schedule={"max_steps": 10, "warmup_steps": 1},
@@ -210,6 +211,7 @@ def composed_cases() -> dict[str, PretrainConfig]:
     return {
         "dense 512-wide, TP 2 x PP 2, 4 micro": cfg(False),
         "dense 512-wide, TP 2 x PP 2, sequence parallel, 4 micro": cfg(True),
+        "dense 512-wide, TP 2 x PP 2, sequence + vocab parallel, 4 micro": cfg(True, vocab_parallel=True),
     }
 
 

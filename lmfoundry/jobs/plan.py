@@ -45,7 +45,7 @@ def recipe_for(cfg: PretrainConfig, plan) -> dict:
         precision="bf16",
     )
     if cfg.parallelism.vocab_parallel:  # the recipe's ask, kept where the layout splits the vocabulary
-        out["parallelism"]["vocab_parallel"] = plan.layout.tp > 1 and plan.layout.pp == 1
+        out["parallelism"]["vocab_parallel"] = plan.layout.tp > 1
     out.setdefault("batch", {})["micro_batch_size"] = plan.micro_batch_size
     return out
 

@@ -11,7 +11,8 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   all of it, ZeRO-3 the weights too (plus a gathered layer); offload moves the partitioned
   optimizer side to CPU memory. ZeRO-1/2 add the gradient-reduction bucket DeepSpeed allocates
   (two with overlapped communication). Counted on the busiest GPU: tensor parallelism splits the
-  blocks' linear layers, the pipeline the blocks, and an end stage keeps a vocabulary table whole.
+  blocks' linear layers, the pipeline the blocks, and an end stage keeps a vocabulary table
+  (whole, or split by t when vocabulary-parallel).
 - activations: what autograd keeps for this project's block (model/transformer.py), counted
   per token in elements: the block input, the two RMSNorm outputs, q, k and v (key/value heads
   repeated for attention under GQA), the attention output and its reshaped copy, the residual
@@ -103,7 +104,7 @@ class Recipe:
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
     sequence_parallel: bool = False  # under tensor parallelism (see activation_bytes)
-    vocab_parallel: bool = False  # the head and the embedding split by t, without a pipeline
+    vocab_parallel: bool = False  # the head and the embedding split by t (on the end stages of a pipeline)
     micro_batch_size: int = 1
     precision: str = "bf16"  # or "fp32"
     reduce_bucket_size: int = 50_000_000  # elements, as in the pretrain config
@@ -156,8 +157,8 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
 
 def vocab_split(layout: Layout, recipe: Recipe | None) -> bool:
     """Whether the output head and the embedding (tied or not) are split by vocabulary rows over
-    the tensor-parallel group: asked for, with tensor parallelism and no pipeline."""
-    return recipe is not None and recipe.vocab_parallel and layout.tp > 1 and layout.pp == 1
+    the tensor-parallel group (in a pipeline, on the end stages): asked for, with tensor parallelism."""
+    return recipe is not None and recipe.vocab_parallel and layout.tp > 1
 
 
 def dense_params_per_gpu(shape: ModelShape, layout: Layout, recipe: Recipe | None = None) -> float:
@@ -165,9 +166,9 @@ def dense_params_per_gpu(shape: ModelShape, layout: Layout, recipe: Recipe | Non
     layers (the embedding, an untied head and the norms stay whole on each rank, as
     train/tensor_parallel.py lays the model out), and with `recipe.vocab_parallel` the head and
     the embedding (one table when tied) too. The pipeline spreads the blocks evenly over its
-    stages but keeps the embedding whole on the first and the head (or, tied, the embedding again)
-    on the last (train/pipeline_parallel.py): the busier end stage holds one of them beside its
-    blocks."""
+    stages but keeps the embedding on the first and the head (or, tied, the embedding again) on
+    the last (train/pipeline_parallel.py), whole or, vocabulary-parallel, split by the tensor
+    parallelism: the busier end stage holds one of them beside its blocks."""
     dense = shape.total_params - shape.expert_params
     whole = shape.replicated_params
     if layout.pp == 1:
@@ -175,7 +176,8 @@ def dense_params_per_gpu(shape: ModelShape, layout: Layout, recipe: Recipe | Non
         return (dense - whole + vocab) / layout.tp + whole - vocab
     first, last = shape.embedding_params, shape.head_params or shape.embedding_params
     norms = whole - shape.embedding_params - shape.head_params
-    return ((dense - whole) / layout.tp + norms) / layout.pp + max(first, last)
+    table = max(first, last) / (layout.tp if vocab_split(layout, recipe) else 1)
+    return ((dense - whole) / layout.tp + norms) / layout.pp + table
 
 
 def model_state_bytes(shape: ModelShape, layout: Layout, recipe: Recipe) -> dict:

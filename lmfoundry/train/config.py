@@ -107,11 +107,11 @@ class ParallelismConfig(StageConfig):
     )
     vocab_parallel: bool = Field(
         False,
-        description="with tensor_parallel_size > 1 and no pipeline: the output head and the embedding (tied or "
-        "not) split by vocabulary rows over the tensor-parallel group, each rank computing the logits of its "
-        "slice and the loss by a distributed cross-entropy (DeepSpeed AutoTP's vocabulary-parallel head), and "
-        "looking up the tokens of its rows (the group sums the lookups). Elsewhere it does nothing, so a recipe "
-        "can ask for it before the planner chooses the layout",
+        description="with tensor_parallel_size > 1: the output head and the embedding (tied or not) split by "
+        "vocabulary rows over the tensor-parallel group, each rank computing the logits of its slice and the "
+        "loss by a distributed cross-entropy, and looking up the tokens of its rows (the group sums the "
+        "lookups); in a pipeline, on the first and the last stage. Without tensor parallelism it does "
+        "nothing, so a recipe can ask for it before the planner chooses the layout",
     )
     precision: Literal["auto", "fp32", "bf16"] = "auto"
 
@@ -122,8 +122,8 @@ class ParallelismConfig(StageConfig):
 
     @property
     def splits_vocabulary(self) -> bool:
-        """Whether the head is vocabulary-parallel: asked for, with tensor parallelism and no pipeline."""
-        return self.vocab_parallel and self.tensor_parallel_size > 1 and self.pipeline_parallel_size == 1
+        """Whether the head and the embedding are vocabulary-parallel: asked for, with tensor parallelism."""
+        return self.vocab_parallel and self.tensor_parallel_size > 1
 
     @property
     def model_parallel_size(self) -> int:
@@ -167,12 +167,6 @@ class ParallelismConfig(StageConfig):
                     "tensor-parallel group; use a fixed num_workers (a checkpoint still resumes at "
                     "another layout)"
                 )
-        if self.vocab_parallel and tp > 1 and pp > 1:
-            logger.warning(
-                "vocab_parallel does nothing with pipeline_parallel_size=%d: DeepSpeed's pipeline holds the head "
-                "and the embedding in layers AutoTP cannot split by vocabulary, so they stay whole on their stages",
-                pp,
-            )
         if self.num_workers % (tp * pp):
             raise ValueError(
                 f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} must divide num_workers={self.num_workers}"

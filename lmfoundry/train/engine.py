@@ -52,8 +52,10 @@ def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_p
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     model_parallel = {}
     if tp > 1:
+        # AutoTP splits the head of a model by vocabulary; a pipeline's stages are split by
+        # lmfoundry (train/pipeline_parallel.py: its head is no layer AutoTP knows as one)
         model_parallel["tensor_parallel"] = tensor_parallel.deepspeed_section(
-            tp, norms_on_sequence_slices(cfg), par.splits_vocabulary
+            tp, norms_on_sequence_slices(cfg), par.splits_vocabulary and pp == 1
         )
     if par.splits_sequences and pp > 1:
         # the ranks of a stage's tensor-parallel group hold different slices of the activations:
@@ -228,7 +230,7 @@ def build_engine(
         from lmfoundry.train.pipeline_parallel import pipeline_module, share_groups_with_tensor_parallelism
 
         deepspeed.init_distributed()  # the pipeline's groups are made before the engine: over torch's process group
-        model = pipeline_module(model, pp, tp, values)
+        model = pipeline_module(model, pp, tp, values, vocab_parallel=cfg.parallelism.splits_vocabulary)
         model_name = model.names_in_model.__getitem__
         if tp > 1:
             share_groups_with_tensor_parallelism(model._grid)
@@ -350,14 +352,14 @@ def make_sequence_parallel(engine) -> None:
     if hasattr(module, "forward_funcs"):  # a pipeline stage
         from lmfoundry.train.pipeline_parallel import prepare_sequence_parallel_stage
 
-        embeddings, norms = prepare_sequence_parallel_stage(module, group)
+        embeddings, norms, head = prepare_sequence_parallel_stage(module, group)
         if not engine.is_first_stage() and getattr(engine, "first_dataloader_check", None) is not None:
             # DeepSpeed checks once that a tensor-parallel group's ranks start on the same
             # inputs: the token ids, yes, but a later stage's are its ranks' own slices
             engine.first_dataloader_check.remove()
             engine.first_dataloader_check = None
-        head = None  # a pipeline's head is never vocabulary-parallel (config.splits_vocabulary)
     else:
         embeddings, norms = [module.embed], [module.norm]
         head = module.lm_head if tensor_parallel.splits_vocabulary(engine) else None
-    tensor_parallel.apply_sequence_parallelism(module, embeddings, norms, group, head)
+    split_head = tensor_parallel.splits_vocabulary(engine)
+    tensor_parallel.apply_sequence_parallelism(module, embeddings, norms, group, head, split_head)

@@ -9,8 +9,8 @@ same partition code that cuts a whole build:
 - before `deepspeed.initialize`, every parameter AutoTP leaves whole (norms, row-split layers'
   biases, and the embedding and head unless they are split by vocabulary) and the untied
   embedding split by vocabulary (train/tensor_parallel.py splits it before the engine); in a
-  pipeline, the stage's such parameters when DeepSpeed places the stage
-  (train/pipeline_parallel.py), the other stages' never;
+  pipeline, the stage's such parameters and its tables split by vocabulary when DeepSpeed
+  places the stage (train/pipeline_parallel.py), the other stages' never;
 - inside it, the weights AutoTP splits (its layers keep a meta tensor on the meta device), at the
   start of `_configure_distributed_model`: after the split, before the model is placed on its
   device and before the optimizer is built over it.

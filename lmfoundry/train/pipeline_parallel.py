@@ -9,6 +9,16 @@ accumulated before the one optimizer step.
 A tied output head is the embedding's weight on the last stage: DeepSpeed keeps a copy on the
 first and the last stage, in step (broadcast at the start, gradients summed across the two).
 
+With `vocab_parallel` under tensor parallelism, the embedding and the head are split by
+vocabulary rows over each stage's tensor-parallel group, as Megatron's are: each rank looks up
+the tokens of its rows (the group sums the lookups), computes the logits of its rows only, and
+the loss is a cross-entropy distributed over the group (the maximum, the sum of exponentials
+and the target's logit each reduced). AutoTP splits only a linear layer named as a head, which a
+pipeline's head is not (a tied head is the embedding's weight), so lmfoundry splits both with
+DeepSpeed's own layers when the stage is placed: the same shards, checkpoint files and universal
+checkpoint description as AutoTP's. A tied table is split on the first and the last stage alike,
+and DeepSpeed keeps each rank's rows in step with its peer's on the other stage.
+
 With tensor parallelism as well (Megatron's 3D layout, as Megatron-DeepSpeed composes it), the
 ranks are laid out stage, then data-parallel replica, then tensor-parallel rank, and AutoTP
 (train/tensor_parallel.py) splits each stage's blocks over the stage's consecutive ranks: the
@@ -26,6 +36,8 @@ schedule, which is why lmfoundry has none either.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -34,7 +46,7 @@ from lmfoundry.model.checkpoint import TIED_HEAD
 from lmfoundry.model.tensor_files import write_safetensors
 from lmfoundry.model.transformer import RMSNorm, Transformer, build_on_meta, rope_tables
 from lmfoundry.train import meta_init
-from lmfoundry.train.tensor_parallel import autotp_splits
+from lmfoundry.train.tensor_parallel import IntoTensorParallel, autotp_splits
 
 
 class Embedding(nn.Module):
@@ -49,9 +61,29 @@ class Embedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.embed(idx)
 
+    def split_by_vocabulary(self, group) -> None:
+        """This rank's rows of the table, looked up over `group` (DeepSpeed's VocabParallelEmbedding:
+        AutoTP leaves it alone, and it cuts a meta weight when `meta_init` gives it its value)."""
+        from deepspeed.module_inject.layers import VocabParallelEmbedding, set_autotp_mode
+
+        set_autotp_mode(training=True)  # as `deepspeed.initialize` sets it: else the layer freezes its weight
+        split = VocabParallelEmbedding(self.embed, group, name="embed")
+        split.replaced = True
+        self.embed = split
+        # under sequence parallelism the final norm's gather sums the head's partial input
+        # gradients over the group (tensor_parallel.OutOfSequenceSlices): the head must not
+        self.head_input_summed = False
+
 
 def tied_head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, embedding.embed.weight)
+    """The logits of the tied table's rows: all of them, or this rank's under `vocab_parallel`,
+    where each rank's input gradient is a part of the whole and the group sums them."""
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    table = embedding.embed
+    if isinstance(table, TensorParallel_Layer) and not embedding.head_input_summed:
+        x = IntoTensorParallel.apply(x, table.mp_group)
+    return F.linear(x, table.weight)
 
 
 class BlockLayer(nn.Module):
@@ -85,13 +117,49 @@ class Wrapped(nn.Module):
         return self.module(x)
 
 
+def split_head_by_vocabulary(layer: Wrapped, group) -> None:
+    """An untied head as this rank's rows of it over `group` (DeepSpeed's column-parallel layer,
+    which keeps its rank's logits and sums its input's gradient over the group)."""
+    from deepspeed.module_inject.layers import LinearLayer, set_autotp_mode
+
+    set_autotp_mode(training=True)
+    split = LinearLayer(layer.module, group, gather_output=False, name="lm_head")
+    split.replaced = True
+    layer.module = split
+
+
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1, values: dict | None = None):
+def vocab_parallel_next_token_loss(
+    logits: torch.Tensor, targets: torch.Tensor, group, start: int, end: int, vocab_size: int
+) -> torch.Tensor:
+    """The mean next-token cross-entropy of logits split by vocabulary over `group`, this rank's
+    rows [start, end) of `vocab_size` (DeepSpeed's distributed cross-entropy, the one AutoTP gives
+    a vocabulary-parallel head)."""
+    from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(
+        logits.float(),
+        targets,
+        tp_group=group,
+        vocab_start_index=start,
+        vocab_end_index=end,
+        global_vocab_size=vocab_size,
+    )
+
+
+def pipeline_module(
+    model: Transformer,
+    stages: int,
+    tensor_parallel: int = 1,
+    values: dict | None = None,
+    vocab_parallel: bool = False,
+):
     """`model` (the same on every rank) as a DeepSpeed PipelineModule over `stages` stages, each
-    stage's layers split over `tensor_parallel` consecutive ranks. Every layer knows the prefix
+    stage's layers split over `tensor_parallel` consecutive ranks (with `vocab_parallel`, the
+    embedding and the head by vocabulary rows too, when each stage is placed). Every layer knows the prefix
     of its tensors' names in the model's state (`state_prefixes`), so the servable weights are
     written under the single-device model's names. A model built on the meta device comes with
     its initial `values` (Transformer.initial_values): each rank materialises its own stage's
@@ -107,6 +175,7 @@ def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1, v
 
     class TransformerPipe(PipelineModule):
         cfg = model.cfg
+        splits_vocabulary = False
         state_prefixes = ["embed.", *(f"blocks.{i}." for i in range(model.cfg.n_layer)), "norm.", "lm_head."]
         # each parameter's name in the stage -> its name in the model
         names_in_model = {pipe: name for name, pipe in pipeline_parameter_names(model.cfg).items()}
@@ -114,11 +183,33 @@ def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1, v
         def moe_layers(self) -> list:
             return []
 
+        def split_vocabulary(self) -> None:
+            """The stage's embedding (the first stage's, and a tied head's table on the last) and
+            untied head split by vocabulary rows over its tensor-parallel group, and its loss
+            distributed over them."""
+            group = self._grid.get_slice_parallel_group()
+            tables = {id(m): m for m in [*self.forward_funcs, *self.tied_modules.values()] if isinstance(m, Embedding)}
+            for table in tables.values():
+                table.split_by_vocabulary(group)
+            heads = [m for m in self.forward_funcs if isinstance(m, Wrapped) and isinstance(m.module, nn.Linear)]
+            for head in heads:
+                split_head_by_vocabulary(head, group)
+            rows = [t.embed for t in tables.values()] + [h.module for h in heads]
+            if rows:  # every split cuts the vocabulary the same way
+                start = sum(rows[0]._partition_sizes[: rows[0].tp_index])
+                end = start + rows[0]._partition_sizes[rows[0].tp_index]
+                self.loss_fn = functools.partial(
+                    vocab_parallel_next_token_loss, group=group, start=start, end=end, vocab_size=self.cfg.vocab_size
+                )
+
         def to(self, *args, **kwargs):
             # DeepSpeed places the stage right after building its layers: the first moment a
             # stage built from a meta model can get its values. What AutoTP will split stays on
             # the meta device (train/meta_init.py gives it its values inside `initialize`) and
             # is left where it is; the rest moves.
+            if vocab_parallel and not self.splits_vocabulary:
+                self.splits_vocabulary = True  # on every stage: what a checkpoint records of the run
+                self.split_vocabulary()
             blocks = [layer for layer in self.forward_funcs if isinstance(layer, BlockLayer)]
             if values is not None and any(layer.cos.is_meta for layer in blocks):
                 cfg = self.cfg
@@ -162,21 +253,29 @@ def pipeline_module(model: Transformer, stages: int, tensor_parallel: int = 1, v
     )
 
 
-def prepare_sequence_parallel_stage(module, group) -> tuple[list, list]:
+def prepare_sequence_parallel_stage(module, group) -> tuple[list, list, nn.Module | None]:
     """A pipeline stage made ready for sequence parallelism over `group`: its blocks told that
     they hold a slice of each sequence. Returns the stage's embedding lookups (whose output
-    each rank slices) and its final norm (whose output is gathered whole for the head)."""
+    each rank slices: a vocabulary-parallel table's partial lookups are reduce-scattered), its
+    final norm (whose output is gathered whole for the head) and its untied vocabulary-parallel
+    head, if any (a tied one, the table's weight, is told that the gather sums its input's
+    gradients)."""
     import torch.distributed as dist
 
-    embeddings, norms = [], []
+    embeddings, norms, head = [], [], None
     for layer in module.forward_funcs:
         if isinstance(layer, BlockLayer):
             layer.sequence_shards = dist.get_world_size(group)
         elif isinstance(layer, Embedding):
-            embeddings.append(layer)
+            embeddings.append(layer.embed if module.splits_vocabulary else layer)
         elif isinstance(layer, Wrapped) and isinstance(layer.module, RMSNorm):
             norms.append(layer)  # the final norm (the untied head is the other wrapped layer)
-    return embeddings, norms
+        elif isinstance(layer, Wrapped) and module.splits_vocabulary:
+            head = layer.module
+    if module.splits_vocabulary:
+        for table in module.tied_modules.values():
+            table.head_input_summed = True
+    return embeddings, norms, head
 
 
 def share_groups_with_tensor_parallelism(grid) -> None:

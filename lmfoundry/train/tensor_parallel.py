@@ -80,17 +80,22 @@ def tensor_parallel_size(engine) -> int:
 
 
 def splits_vocabulary(engine) -> bool:
-    """Whether AutoTP split the engine's output head by vocabulary rows."""
+    """Whether the engine's output head is split by vocabulary rows: by AutoTP, or in a pipeline
+    by lmfoundry, on every stage alike (train/pipeline_parallel.py: a stage may hold no head)."""
     from deepspeed.module_inject.layers import VocabParallelLinear
 
+    if hasattr(engine.module, "forward_funcs"):
+        return engine.module.splits_vocabulary
     return any(isinstance(m, VocabParallelLinear) for m in engine.module.modules())
 
 
 def splits_embedding_vocabulary(engine) -> bool:
     """Whether the engine's embedding is split by vocabulary rows (tied to a vocabulary-parallel
-    head by AutoTP, or untied by `split_embedding_by_vocabulary`)."""
+    head by AutoTP, or untied by `split_embedding_by_vocabulary`; in a pipeline, with the head)."""
     from deepspeed.module_inject.layers import VocabParallelEmbedding
 
+    if hasattr(engine.module, "forward_funcs"):
+        return engine.module.splits_vocabulary
     return any(isinstance(m, VocabParallelEmbedding) for m in engine.module.modules())
 
 
@@ -209,7 +214,9 @@ class IntoSequenceSlices(torch.autograd.Function):
 
 
 def _into_sequence_slices(_module, _args, out: torch.Tensor, group, summed: bool) -> torch.Tensor:
-    return IntoSequenceSlices.apply(out, group, summed)
+    # the residual stream starts here: contiguous, so that the sums along it are too (a
+    # pipeline stage sends its output as it is, and a send takes contiguous tensors only)
+    return IntoSequenceSlices.apply(out, group, summed).contiguous()
 
 
 class OutOfSequenceSlices(torch.autograd.Function):
@@ -367,7 +374,12 @@ def reduce_column_inputs_once(module: torch.nn.Module, group) -> None:
 
 
 def apply_sequence_parallelism(
-    module: torch.nn.Module, embeddings: list, final_norms: list, group, vocab_parallel_head=None
+    module: torch.nn.Module,
+    embeddings: list,
+    final_norms: list,
+    group,
+    vocab_parallel_head=None,
+    split_head: bool = False,
 ) -> None:
     """Makes `module`, whose blocks AutoTP has split over `group`, sequence-parallel: each
     attention and MLP gathers its input's sequence once for its column-parallel layers, the
@@ -376,8 +388,9 @@ def apply_sequence_parallelism(
     vocabulary-parallel one reduce-scatters its partial lookups into the slices, where its own
     all-reduce and then a slice would move twice the bytes, as Megatron's does) and each norm in
     `final_norms` (the one before the output head) gathers the whole sequence back: for a
-    replicated head, or for `vocab_parallel_head` (then the gather's backward reduce-scatters
-    the head's partial input gradients, and the head's own all-reduce is gone)."""
+    replicated head, or for a vocabulary-parallel one (`split_head`; then the gather's backward
+    reduce-scatters the head's partial input gradients, and the all-reduce of
+    `vocab_parallel_head`, its layer if it is one, is gone)."""
     import functools
 
     from deepspeed.module_inject.layers import VocabParallelEmbedding
@@ -396,8 +409,8 @@ def apply_sequence_parallelism(
         if summed:
             _replace_forward("the vocabulary-parallel embedding", embedding, _local_lookup_forward, group)
         embedding.register_forward_hook(functools.partial(_into_sequence_slices, group=group, summed=summed))
-    partial = vocab_parallel_head is not None
-    if partial:
+    partial = split_head or vocab_parallel_head is not None
+    if vocab_parallel_head is not None:
         _replace_forward("the vocabulary-parallel head", vocab_parallel_head, _local_column_forward, group)
     for norm in final_norms:
         norm.register_forward_hook(lambda _m, _args, out: OutOfSequenceSlices.apply(out, group, partial))

@@ -22,16 +22,20 @@ the same cores, world size, model and global batch, and against one process usin
 While each lmfoundry run and each run of the engine alone trains, the benchmark samples every
 process's CPU time (/proc) once a second. In each second the two processes that used the most
 are the training workers; "others' CPU share" is the median, over the seconds in which each of
-them used at least half a core, of the share of the machine's CPU time that went to every other
+them used at least half a core (for lmfoundry, within its measured windows), of the share of the
+CPU time of the cores the benchmark may use (all of them, here) that went to every other
 process. Ray's daemons (GCS, raylet, dashboard, log monitor) run beside both loops, as the
 benchmark's Ray is up throughout; an lmfoundry run adds Ray Train's controller and helper
 actors and the driver's polling. On a machine with as many cores as training workers, the
 others' share is taken from training; on a machine with cores to spare it is not.
 
 Model: 4 layers, d_model 256, 8 heads (2 key/value heads); 16 sequences x 256 tokens per step.
-tokens/s is the median over steps after warm-up (steps 6 onwards); lmfoundry logs every 5 steps,
-as a run would (every logged step is a collective, and at this step time a report to Ray
-Train), so its figure is the median over those 5-step intervals.
+Every loop's tokens/s is the median over windows of 5 consecutive steps after warm-up (steps
+6-10, 11-15, ...), each window's wall time from its first step's start to its last step's end
+(on 2 processes, the slower rank's steps). lmfoundry logs every 5 steps, as a run would, and its
+windows are the times between consecutive logged steps (the `time` of each metrics row), so
+they include everything the run does between them: the logged step's collectives, the report
+to Ray Train, the metrics files; a window that ends in a checkpoint is left out.
 
 The loops run one after another, --repeats rounds (interleaved); the table gives each loop's
 median over the rounds, and the ratios of each round: lmfoundry and the engine alone against
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import socket
@@ -62,6 +67,14 @@ import torch.multiprocessing as mp
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SEQ, GLOBAL_SEQS, WARMUP = 256, 16, 5
+WINDOW = 5  # steps: lmfoundry's logging interval, over which every loop is measured
+
+
+def windowed_tokens_per_s(step_s: list[float]) -> float:
+    """tokens/s over the median window of WINDOW consecutive steps after warm-up."""
+    after = step_s[WARMUP:]
+    windows = [sum(after[i : i + WINDOW]) for i in range(0, len(after) - WINDOW + 1, WINDOW)]
+    return WINDOW * GLOBAL_SEQS * SEQ / statistics.median(windows)
 
 
 def model_config(vocab: int):
@@ -127,16 +140,15 @@ def _engine_worker(rank: int, world: int, port: int, raw: dict, steps: int, resu
 
 
 def _spawn_pair(worker, args: tuple, env: dict[str, str]) -> float:
-    """tokens/s of `worker` on 2 spawned processes: the median over steps after warm-up of the
-    slower rank's step time."""
+    """tokens/s of `worker` on 2 spawned processes, windowed (windowed_tokens_per_s) over the
+    slower rank's step times."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").Manager().dict()
     with mock.patch.dict(os.environ, env):  # spawned processes start with it: glibc reads it at start
         mp.spawn(worker, args=(2, port, *args, results), nprocs=2, join=True)
-    step_s = [max(a, b) for a, b in zip(results[0], results[1])][WARMUP:]
-    return GLOBAL_SEQS * SEQ / statistics.median(step_s)
+    return windowed_tokens_per_s([max(a, b) for a, b in zip(results[0], results[1])])
 
 
 def deepspeed_alone(vocab: int, steps: int, zero_stage: int, env: dict[str, str]) -> tuple[float, OthersCpuShare]:
@@ -167,8 +179,7 @@ def one_process(vocab: int, steps: int) -> float:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     batches = torch.randint(0, vocab, (steps, GLOBAL_SEQS, SEQ + 1))
-    times = timed_steps(Transformer(model_config(vocab)), batches)
-    return GLOBAL_SEQS * SEQ / statistics.median(times[WARMUP:])
+    return windowed_tokens_per_s(timed_steps(Transformer(model_config(vocab)), batches))
 
 
 def _cpu_ticks() -> dict[int, tuple[str, int]]:
@@ -191,14 +202,16 @@ class OthersCpuShare(threading.Thread):
     """Samples every process's CPU time once a second while a loop trains (a context manager).
     In each second, the `workers` processes that used the most CPU are the training workers;
     `share()` is the median, over the seconds in which each of them used at least half a core
-    (the loop was training), of the share of the machine's CPU time that went to every other
-    process, and `seconds` is how many seconds that is."""
+    (the loop was training; given `between`, a window of wall time, only the seconds that end
+    in it), of the share of the CPU time of the cores this benchmark may use that went to every
+    other process, and `seconds` is how many seconds were kept."""
 
     BUSY = 0.5  # of a core, each worker
 
     def __init__(self, workers: int):
         super().__init__(daemon=True)
-        self.workers, self.shares, self.stop = workers, [], threading.Event()
+        self.workers, self.samples, self.stop = workers, [], threading.Event()
+        self.between: tuple[float, float] | None = None
         self.cores = len(os.sched_getaffinity(0))  # the cores this benchmark and its children may use
         self.ticks_per_s = os.sysconf("SC_CLK_TCK")
 
@@ -211,7 +224,7 @@ class OthersCpuShare(threading.Thread):
             core = self.ticks_per_s * (at - then)
             workers, others = used[: self.workers], used[self.workers :]
             if len(workers) == self.workers and min(workers) >= self.BUSY * core:
-                self.shares.append(sum(max(t, 0) for t in others) / (core * self.cores))
+                self.samples.append((time.time(), sum(max(t, 0) for t in others) / (core * self.cores)))
             before, then = now, at
 
     def __enter__(self) -> OthersCpuShare:
@@ -222,6 +235,11 @@ class OthersCpuShare(threading.Thread):
         self.stop.set()
         self.join()
 
+    @property
+    def shares(self) -> list[float]:
+        low, high = self.between or (-math.inf, math.inf)
+        return [share for at, share in self.samples if low <= at <= high]
+
     def share(self) -> float | None:
         return statistics.median(self.shares) if self.shares else None
 
@@ -231,8 +249,8 @@ class OthersCpuShare(threading.Thread):
 
 
 def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> tuple[float, OthersCpuShare]:
-    """tokens/s of the run (the median of its logged intervals after warm-up) and what the other
-    processes took of the machine's CPU while it trained."""
+    """tokens/s of the run (the median over the windows between its logged steps after warm-up,
+    by the rows' `time`) and what the other processes took of the machine's CPU while it trained."""
     from lmfoundry.train.config import PretrainConfig
     from lmfoundry.train.pretrain import run_pretrain
 
@@ -249,8 +267,16 @@ def lmfoundry_pretrain(packed: str, out: str, steps: int, zero_stage: int) -> tu
     with OthersCpuShare(workers=2) as others:
         run_pretrain(cfg)
     rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
-    tokens_per_s = [r["tokens_per_s"] for r in rows if r["step"] > WARMUP and "checkpoint_blocking_s" not in r]
-    return statistics.median(tokens_per_s), others
+    measured = [
+        (before, now)
+        for before, now in zip(rows, rows[1:])
+        if before["step"] >= WARMUP and "checkpoint_blocking_s" not in now
+    ]
+    windows = [
+        (now["step"] - before["step"]) * GLOBAL_SEQS * SEQ / (now["time"] - before["time"]) for before, now in measured
+    ]
+    others.between = (measured[0][0]["time"], measured[-1][1]["time"])  # the seconds it trained, measured
+    return statistics.median(windows), others
 
 
 DDP, ONE = "PyTorch DDP, 2 processes", "one process, 2 threads"

@@ -2,12 +2,11 @@
 steps on the same global batches (benchmarks/harness/model_parallel.py), at TP 2 x DP 2 on 4
 gloo processes (with a vocabulary-parallel head and embedding), PP 2 on 2 (4 micro-batches a step, 1F1B),
 PP 2 x DP 2 on 4 (with activation checkpointing, whose recomputation must not change the
-losses), TP 2 x PP 2 on 4 (each stage split over 2 ranks, 4 micro-batches a step, with
-activation checkpointing and an untied head and embedding split by vocabulary rows), with
-sequence parallelism TP 2 on 2 (with activation checkpointing), TP 2 x PP 2 on 4 (the head whole;
-and the tied table split by vocabulary rows on both end stages), and TP 2 on 2 with both and an
-untied head and embedding, each split by vocabulary rows (an untied layout is held to a
-one-worker run of the untied model). The figures: the largest loss difference from the one-worker run, the
+losses), and with sequence parallelism TP 2 on 2 (with activation checkpointing), TP 2 x PP 2
+on 4 (each stage split over 2 ranks, 4 micro-batches a step: the head whole; the tied table split
+by vocabulary rows on both end stages; an untied head and embedding split by vocabulary rows,
+with activation checkpointing), and TP 2 on 2 with an untied head and embedding, each split by
+vocabulary rows (an untied layout is held to a one-worker run of the untied model). The figures: the largest loss difference from the one-worker run, the
 largest relative difference of the gradient norm (clipping's), and the largest logit difference
 between the weights each run wrote, loaded into the single-device model, and the one-worker
 engine (and the run's own engine, where it sees the logits). For the layouts without a pipeline, the
@@ -43,13 +42,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         rows = compare_layouts(scratch)
     print(
-        f"{'layout':<48} {'workers':>7} {'first loss':>10} {'last loss':>9} {'max |d loss|':>12} {'grad norm':>9} "
+        f"{'layout':<58} {'workers':>7} {'first loss':>10} {'last loss':>9} {'max |d loss|':>12} {'grad norm':>9} "
         f"{'written vs 1 worker':>19} {'written vs own':>14} {'TP all-reduces':>14}"
     )
     for name, r in rows.items():
         own = r["reloaded_vs_own_engine_logits"]
         print(
-            f"{name:<48} {r['workers']:>7} {r['losses'][0]:>10.4f} {r['losses'][-1]:>9.4f} "
+            f"{name:<58} {r['workers']:>7} {r['losses'][0]:>10.4f} {r['losses'][-1]:>9.4f} "
             f"{r['loss_max_abs_diff']:>12.2e} {r['grad_norm_max_rel_diff']:>9.1e} "
             f"{r['reloaded_vs_one_worker_logits']:>19.2e} "
             f"{'-' if own is None else f'{own:.2e}':>14} {traffic(r.get('tensor_parallel_all_reduces')):>14}"

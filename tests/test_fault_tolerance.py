@@ -278,7 +278,8 @@ def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_lay
     parallelism, own_files, drilled, deepspeed_workers, packed, pretrained, tmp_path
 ):
     """The reference run (2 workers, data parallel) stopped after step 30 and finished at TP 2
-    (with sequence parallelism and a vocabulary-parallel head), in 2 pipeline stages, or at TP 2 in each of 2 stages: its losses, up to the rounding of the
+    (with sequence parallelism and a vocabulary-parallel head), in 2 pipeline stages, or at TP 2
+    in each of 2 stages (the end stages' tied table split by vocabulary): its losses, up to the rounding of the
     other summation order. That run stopped after step 35 and finished again in its layout with
     the second worker killed after step 38: bitwise its own losses. The TP 2 run, stopped after
     step 35, also finishes as plain TP 2 (its head whole, no sequence split): its losses, up to

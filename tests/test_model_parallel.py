@@ -2,11 +2,11 @@
 (train/pipeline_parallel.py) train the model the data-parallel run trains: on gloo processes
 (benchmarks/harness/model_parallel.py), the losses of 20 steps at TP 2 x DP 2 with a
 vocabulary-parallel head (4 workers), PP 2 (2 workers, 4 micro-batches a step), PP 2 x DP 2 (4
-workers, activation checkpointing), TP 2 x PP 2 (4 workers, each stage split over 2, 4
-micro-batches a step) with a vocabulary-parallel head and embedding (untied, activation
-checkpointing), with sequence parallelism at TP 2 x PP 2 (the head whole; the head and
-embedding vocabulary-parallel, tied) and at TP 2 with a vocabulary-parallel head and embedding
-(tied, with checkpointing; untied) are those of one worker holding the whole model, each rank
+workers, activation checkpointing), and with sequence parallelism TP 2 x PP 2 (4 workers, each
+stage split over 2, 4 micro-batches a step: the head whole; the tied table split by vocabulary
+on both end stages; an untied head and embedding split by vocabulary, with checkpointing) and
+TP 2 with a vocabulary-parallel head and embedding (tied, with checkpointing; untied) are those
+of one worker holding the whole model, each rank
 holding its half of every vocabulary table it holds, and the weights each run writes (piece
 by piece, or layer by layer from each stage, gathered over its tensor-parallel group) are whole:
 loaded into the single-device model they give the engines' logits (a vocabulary-parallel

@@ -24,9 +24,16 @@ from harness.peak_memory import spawn_ranks, start_rank
 from lmfoundry.train.config import PretrainConfig, data_parallel
 
 SEQ_LEN, STEPS = 32, 20
-# the names that end a vocabulary table's: the model's embedding and head, a pipeline's embedding
-# layer (tied: on the last stage too) and its untied head, the last of n_layer + 3 layers
-VOCABULARY_TABLES = ("embed.weight", "lm_head.weight", "4.module.weight")
+
+
+def vocabulary_table(name: str, n_layer: int) -> bool:
+    """Whether the parameter `name` (of a model or of a pipeline stage) is a vocabulary table:
+    the embedding and the head, a pipeline's embedding layer (tied: on the last stage too) and
+    its untied head, the last of n_layer + 3 layers."""
+    tables = ("embed.weight", "lm_head.weight", f"{n_layer + 2}.module.weight")
+    return any(name == table or name.endswith("." + table) for table in tables)
+
+
 # name: (tensor parallel, pipeline stages, workers, options of small_config); a layout with an
 # untied head is held to the one-worker run of the untied model
 LAYOUTS = {
@@ -48,11 +55,11 @@ LAYOUTS = {
     ),
     "PP 2": (1, 2, 2, {}),
     "PP 2 x DP 2, recompute": (1, 2, 4, {"recompute": True}),
-    "TP 2 x PP 2, vocab parallel, untied, recompute": (
+    "TP 2 x PP 2, vocab + sequence parallel, untied, recompute": (
         2,
         2,
         4,
-        {"vocab_parallel": True, "tied": False, "recompute": True},
+        {"vocab_parallel": True, "sequence_parallel": True, "tied": False, "recompute": True},
     ),
     "TP 2 x PP 2, sequence parallel": (2, 2, 4, {"sequence_parallel": True}),
     "TP 2 x PP 2, vocab + sequence parallel": (2, 2, 4, {"vocab_parallel": True, "sequence_parallel": True}),
@@ -271,7 +278,7 @@ def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: in
             # the rows of each vocabulary table this rank holds (a pipeline's first stage holds
             # the embedding, its last the head: untied, or the embedding's weight again, tied)
             "vocabulary_rows": sorted(
-                p.shape[0] for n, p in engine.module.named_parameters() if n.endswith(VOCABULARY_TABLES)
+                p.shape[0] for n, p in engine.module.named_parameters() if vocabulary_table(n, cfg.model.n_layer)
             ),
             **(
                 {"tensor_parallel_all_reduces": {k: traffic.get(k, 0.0) for k in ("forward", "backward")}}

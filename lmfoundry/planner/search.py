@@ -24,9 +24,10 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   layer keeps 3 h + V (its norm and the log-probabilities; the head is whole on every rank
   unless it is vocabulary-parallel, which splits V by t); backward briefly holds two V-wide gradients
   more, or with activation checkpointing (which keeps only each block's input) one block's
-  recomputed activations. 1F1B keeps up to p micro-batches in flight on the first
-  stage (interleaving adds (p-1)/(p*v) of that) and one on the last, which also holds the
-  output layer and the logits DeepSpeed's pipeline engine keeps: the busier of the two counts. tests/test_planner_memory.py checks the sum
+  recomputed activations. 1F1B keeps up to p micro-batches in flight on the first stage
+  (interleaving adds (p-1)/(p*v) of that) and one on the last ((v-1)p + 1 chunks of 1/v of
+  one, interleaved), which also holds the output layer and the logits DeepSpeed's pipeline
+  engine keeps: the busier of the two counts. tests/test_planner_memory.py checks the sum
   against the measured peak of real DeepSpeed runs.
 - pipeline bubble, as a fraction of the step: (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) with v
   virtual stages per GPU (tests check both against a simulated schedule).
@@ -246,11 +247,14 @@ def activation_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_ba
     in_flight = min(micro_batches, p) * (1 + (p - 1) / (p * v) if v > 1 else 1)
     # in a pipeline the busiest stage is the first, which holds up to p micro-batches of its
     # layers' activations, or the last, which holds one, the output layer's and the logits
-    # themselves (DeepSpeed's pipeline engine keeps a stage's output in its buffer until the
-    # next micro-batch replaces it), and in backward the logits' gradients; checkpointing
-    # recomputes a block on either
+    # themselves, and in backward the logits' gradients; checkpointing recomputes a block on
+    # either. DeepSpeed's pipeline engine keeps the last stage's outputs in two buffers it
+    # never clears, so two micro-batches' logits can be alive; one counted matches the
+    # measured peaks of the last stage better (benchmarks/peak_memory.py: within 6%, two
+    # would give 6-13% above)
     first = (kept / p * in_flight, biggest_layer if recipe.activation_checkpointing and p > 1 else 0.0)
-    last = (kept / p + output + vocab, backward)
+    last_chunks = min(micro_batches * v, (v - 1) * p + 1)  # Megatron's interleaved warm-up; 1 at v = 1
+    last = (kept / (p * v) * last_chunks + output + vocab, backward)
     kept_now, transient = max(first, last, key=sum) if p > 1 else (kept + output, backward)
     return {"activations": kept_now * tokens * e, "backward_transient": transient * tokens * e}
 

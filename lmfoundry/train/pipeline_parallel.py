@@ -15,8 +15,9 @@ the tokens of its rows (the group sums the lookups), computes the logits of its 
 the loss is a cross-entropy distributed over the group (the maximum, the sum of exponentials
 and the target's logit each reduced). AutoTP splits only a linear layer named as a head, which a
 pipeline's head is not (a tied head is the embedding's weight), so lmfoundry splits both with
-DeepSpeed's own layers when the stage is placed: the same shards, checkpoint files and universal
-checkpoint description as AutoTP's. A tied table is split on the first and the last stage alike,
+DeepSpeed's own layers when the stage is placed: the same shards and checkpoint files as AutoTP's,
+each split parameter carrying the description a universal checkpoint merges its rows by. A tied
+table is split on the first and the last stage alike,
 and DeepSpeed keeps each rank's rows in step with its peer's on the other stage.
 
 With tensor parallelism as well (Megatron's 3D layout, as Megatron-DeepSpeed composes it), the

@@ -47,7 +47,7 @@ from lmfoundry.model.checkpoint import TIED_HEAD
 from lmfoundry.model.tensor_files import write_safetensors
 from lmfoundry.model.transformer import RMSNorm, Transformer, build_on_meta, rope_tables
 from lmfoundry.train import meta_init
-from lmfoundry.train.tensor_parallel import IntoTensorParallel, autotp_splits
+from lmfoundry.train.tensor_parallel import IntoTensorParallel, autotp_splits, vocab_parallel_embedding
 
 
 class Embedding(nn.Module):
@@ -63,14 +63,8 @@ class Embedding(nn.Module):
         return self.embed(idx)
 
     def split_by_vocabulary(self, group) -> None:
-        """This rank's rows of the table, looked up over `group` (DeepSpeed's VocabParallelEmbedding:
-        AutoTP leaves it alone, and it cuts a meta weight when `meta_init` gives it its value)."""
-        from deepspeed.module_inject.layers import VocabParallelEmbedding, set_autotp_mode
-
-        set_autotp_mode(training=True)  # as `deepspeed.initialize` sets it: else the layer freezes its weight
-        split = VocabParallelEmbedding(self.embed, group, name="embed")
-        split.replaced = True
-        self.embed = split
+        """This rank's rows of the table, looked up over `group`."""
+        self.embed = vocab_parallel_embedding(self.embed, group)
         # under sequence parallelism the final norm's gather sums the head's partial input
         # gradients over the group (tensor_parallel.OutOfSequenceSlices): the head must not
         self.head_input_summed = False

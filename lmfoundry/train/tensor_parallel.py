@@ -110,7 +110,6 @@ def split_embedding_by_vocabulary(model: torch.nn.Module, tp: int) -> None:
     keeps them), the layer is marked replaced so that AutoTP leaves it, and it carries the
     universal checkpoint's description of its split (rows, dim 0) like AutoTP's layers."""
     import deepspeed
-    from deepspeed.module_inject.layers import VocabParallelEmbedding, set_autotp_mode
     from deepspeed.utils import groups
 
     embedding = model.embed
@@ -122,10 +121,19 @@ def split_embedding_by_vocabulary(model: torch.nn.Module, tp: int) -> None:
         )
     deepspeed.init_distributed()
     groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
+    model.embed = vocab_parallel_embedding(embedding, groups.get_tensor_model_parallel_group())
+
+
+def vocab_parallel_embedding(embedding: torch.nn.Embedding, group) -> torch.nn.Module:
+    """`embedding` as this rank's rows of it, looked up over `group` (DeepSpeed's
+    VocabParallelEmbedding), marked replaced so that AutoTP leaves it; a meta weight is cut
+    when `meta_init` gives it its value."""
+    from deepspeed.module_inject.layers import VocabParallelEmbedding, set_autotp_mode
+
     set_autotp_mode(training=True)  # as `deepspeed.initialize` sets it: else the layer freezes its weight
-    split = VocabParallelEmbedding(embedding, groups.get_tensor_model_parallel_group(), name="embed")
+    split = VocabParallelEmbedding(embedding, group, name="embed")
     split.replaced = True
-    model.embed = split
+    return split
 
 
 @contextlib.contextmanager

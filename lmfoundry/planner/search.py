@@ -252,7 +252,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_ba
     # never clears, so two micro-batches' logits can be alive; one counted matches the
     # measured peaks of the last stage better (benchmarks/peak_memory.py: within 6%, two
     # would give 6-13% above)
-    first = (kept / p * in_flight, biggest_layer if recipe.activation_checkpointing and p > 1 else 0.0)
+    first = (kept / p * in_flight, biggest_layer if recipe.activation_checkpointing else 0.0)
     last_chunks = min(micro_batches * v, (v - 1) * p + 1)  # Megatron's interleaved warm-up; 1 at v = 1
     last = (kept / (p * v) * last_chunks + output + vocab, backward)
     kept_now, transient = max(first, last, key=sum) if p > 1 else (kept + output, backward)

@@ -123,13 +123,17 @@ def compare_layouts(out: str) -> dict:
     one-worker engine and of its own engine (None through a pipeline)."""
     from lmfoundry.model.checkpoint import load_model_files
 
+    configs = {name: small_config(tp, pp, workers, **options) for name, (tp, pp, workers, options) in LAYOUTS.items()}
+    directories = {name: str(Path(out) / name.replace(" ", "").replace(",", "-").replace("+", "")) for name in LAYOUTS}
+    runs = {}
+    for world in sorted({workers for _, _, workers, _ in LAYOUTS.values()}):
+        names = [name for name, (_, _, workers, _) in LAYOUTS.items() if workers == world]
+        trained = train_losses([configs[n] for n in names], world, SEQ_LEN, STEPS, [directories[n] for n in names])
+        runs.update(zip(names, trained))
     rows = {}
     for name, (tp, pp, workers, options) in LAYOUTS.items():
-        cfg = small_config(tp, pp, workers, **options)
-        directory = str(Path(out) / name.replace(" ", "").replace(",", "-").replace("+", ""))
-        run = train_losses(cfg, workers, SEQ_LEN, STEPS, directory)
         with torch.no_grad():
-            reloaded = load_model_files(directory)(probe_batch(cfg))[0]
+            reloaded = load_model_files(directories[name])(probe_batch(configs[name]))[0]
         reference = "one worker" if options.get("tied", True) else "one worker, untied"
         rows[name] = {
             "name": name,
@@ -138,7 +142,7 @@ def compare_layouts(out: str) -> dict:
             "workers": workers,
             **options,
             "reference": reference,
-            **run,
+            **runs[name],
             "reloaded": reloaded,
         }
     for row in rows.values():
@@ -218,81 +222,97 @@ def tensor_parallel_traffic(activation_elements: int, counts: dict):
             setattr(dist, name, collective)
 
 
-def _worker(rank: int, port: int, world: int, raw: dict, seq_len: int, steps: int, out: str, results) -> None:
+def _worker(
+    rank: int, port: int, world: int, configs: list[dict], seq_len: int, steps: int, outs: list[str], results
+) -> None:
+    start_rank(rank, world, port)
+    try:
+        # the layouts of one world size one after another in the same processes: each spawn
+        # imports torch and DeepSpeed anew, which takes most of a short run's time
+        results[rank] = [
+            _train_layout(rank, world, PretrainConfig.model_validate(raw), seq_len, steps, out)
+            for raw, out in zip(configs, outs)
+        ]
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_layout(rank: int, world: int, cfg: PretrainConfig, seq_len: int, steps: int, out: str) -> dict:
+    """One layout's run on this rank (train_losses says what it returns)."""
     from lmfoundry.model.checkpoint import WEIGHTS, save_model_config, save_model_files
     from lmfoundry.train.checkpointing import stream_servable_weights
     from lmfoundry.train.pipeline_parallel import write_servable_weights as write_pipeline_weights
     from lmfoundry.train.pretrain import build_pretrain_engine
     from lmfoundry.train.tensor_parallel import gathered
 
-    start_rank(rank, world, port)
-    try:
-        cfg = PretrainConfig.model_validate(raw)
-        engine, _, ds_config = build_pretrain_engine(cfg, world, seq_len)
-        dp_rank, dp_world = data_parallel(rank, world, cfg.parallelism)
-        micro, accum = cfg.batch.micro_batch_size, ds_config["gradient_accumulation_steps"]
-        pipelined = cfg.parallelism.pipeline_parallel_size > 1
-        losses, grad_norms, traffic = [], [], None
-        for batch in global_batches(cfg, seq_len, steps):
-            # micro-batch i of the step is rows [i * dp_world + dp_rank] * micro: the rows a
-            # data-parallel rank reads interleave, as the training loop's do
-            rows = [batch[(i * dp_world + dp_rank) * micro :][:micro] for i in range(accum)]
-            if pipelined:  # the step's mean over every micro-batch and replica, on every rank
-                losses.append(float(engine.train_batch(iter([(r[:, :-1], r[:, 1:]) for r in rows]))))
-                grad_norms.append(float(engine.get_global_grad_norm()))
-                continue
-            step_loss = torch.zeros(())
-            for tokens in rows:
-                # the tensor-parallel collectives of the run's first micro-batch
-                record = traffic is None and cfg.parallelism.tensor_parallel_size > 1
-                activation = tokens[:, :-1].numel() * cfg.model.d_model
-                counts = {"phase": "forward"}
-                with tensor_parallel_traffic(activation, counts) if record else contextlib.nullcontext():
-                    loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
-                    counts["phase"] = "backward"
-                    engine.backward(loss)
-                traffic = counts if record else traffic
-                engine.step()
-                step_loss += loss.detach() / accum
-            dist.all_reduce(step_loss)
-            losses.append(step_loss.item() / world)  # every rank holds its replica's mean
-            grad_norms.append(float(engine.get_global_grad_norm()))  # the whole model's, before clipping
-        logits = None
-        if not pipelined:
-            with torch.no_grad():
-                logits = engine(probe_batch(cfg))[0]
-        Path(out).mkdir(parents=True, exist_ok=True)
-        path = Path(out) / WEIGHTS if rank == 0 else None
-        if pipelined:  # the checkpoint's write, layer by layer from each stage
-            write_pipeline_weights(engine, path)
-        elif cfg.parallelism.tensor_parallel_size > 1:  # the checkpoint's streamed write
-            stream_servable_weights(engine.module, path, gathered)
-        elif rank == 0:
-            save_model_files(engine.module, out)
-        if rank == 0:
-            save_model_config(engine.module, out)
-        results[rank] = {
-            "losses": losses,
-            "grad_norms": grad_norms,
-            "logits": logits if rank == 0 else None,
-            # the rows of each vocabulary table this rank holds (a pipeline's first stage holds
-            # the embedding, its last the head: untied, or the embedding's weight again, tied)
-            "vocabulary_rows": sorted(
-                p.shape[0] for n, p in engine.module.named_parameters() if vocabulary_table(n, cfg.model.n_layer)
-            ),
-            **(
-                {"tensor_parallel_all_reduces": {k: traffic.get(k, 0.0) for k in ("forward", "backward")}}
-                if traffic
-                else {}
-            ),
-        }
-    finally:
-        dist.destroy_process_group()
+    engine, _, ds_config = build_pretrain_engine(cfg, world, seq_len)
+    dp_rank, dp_world = data_parallel(rank, world, cfg.parallelism)
+    micro, accum = cfg.batch.micro_batch_size, ds_config["gradient_accumulation_steps"]
+    pipelined = cfg.parallelism.pipeline_parallel_size > 1
+    losses, grad_norms, traffic = [], [], None
+    for batch in global_batches(cfg, seq_len, steps):
+        # micro-batch i of the step is rows [i * dp_world + dp_rank] * micro: the rows a
+        # data-parallel rank reads interleave, as the training loop's do
+        rows = [batch[(i * dp_world + dp_rank) * micro :][:micro] for i in range(accum)]
+        if pipelined:  # the step's mean over every micro-batch and replica, on every rank
+            losses.append(float(engine.train_batch(iter([(r[:, :-1], r[:, 1:]) for r in rows]))))
+            grad_norms.append(float(engine.get_global_grad_norm()))
+            continue
+        step_loss = torch.zeros(())
+        for tokens in rows:
+            # the tensor-parallel collectives of the run's first micro-batch
+            record = traffic is None and cfg.parallelism.tensor_parallel_size > 1
+            activation = tokens[:, :-1].numel() * cfg.model.d_model
+            counts = {"phase": "forward"}
+            with tensor_parallel_traffic(activation, counts) if record else contextlib.nullcontext():
+                loss = engine(tokens[:, :-1], tokens[:, 1:])[1]
+                counts["phase"] = "backward"
+                engine.backward(loss)
+            traffic = counts if record else traffic
+            engine.step()
+            step_loss += loss.detach() / accum
+        dist.all_reduce(step_loss)
+        losses.append(step_loss.item() / world)  # every rank holds its replica's mean
+        grad_norms.append(float(engine.get_global_grad_norm()))  # the whole model's, before clipping
+    logits = None
+    if not pipelined:
+        with torch.no_grad():
+            logits = engine(probe_batch(cfg))[0]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    path = Path(out) / WEIGHTS if rank == 0 else None
+    if pipelined:  # the checkpoint's write, layer by layer from each stage
+        write_pipeline_weights(engine, path)
+    elif cfg.parallelism.tensor_parallel_size > 1:  # the checkpoint's streamed write
+        stream_servable_weights(engine.module, path, gathered)
+    elif rank == 0:
+        save_model_files(engine.module, out)
+    if rank == 0:
+        save_model_config(engine.module, out)
+    dist.barrier()  # every rank done with this layout's engine before the next is built
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "logits": logits if rank == 0 else None,
+        # the rows of each vocabulary table this rank holds (a pipeline's first stage holds
+        # the embedding, its last the head: untied, or the embedding's weight again, tied)
+        "vocabulary_rows": sorted(
+            p.shape[0] for n, p in engine.module.named_parameters() if vocabulary_table(n, cfg.model.n_layer)
+        ),
+        **(
+            {"tensor_parallel_all_reduces": {k: traffic.get(k, 0.0) for k in ("forward", "backward")}}
+            if traffic
+            else {}
+        ),
+    }
 
 
-def train_losses(cfg: PretrainConfig, world: int, seq_len: int, steps: int, out: str) -> dict:
-    """The mean loss of each of `steps` optimizer steps of `cfg` on `world` processes, rank
-    0's logits (2 rows of a probe batch) after them, and the rows of the vocabulary tables each
-    rank holds; the servable model files go to `out`."""
-    results = spawn_ranks(_worker, (world, cfg.model_dump(), seq_len, steps, out), world)
-    return {**results[0], "vocabulary_rows": [results[rank]["vocabulary_rows"] for rank in range(world)]}
+def train_losses(configs: list[PretrainConfig], world: int, seq_len: int, steps: int, outs: list[str]) -> list[dict]:
+    """For each of `configs` (each at `world` processes, trained one after another in the same
+    processes): the mean loss of each of `steps` optimizer steps, rank 0's logits (2 rows of a
+    probe batch) after them, and the rows of the vocabulary tables each rank holds; its
+    servable model files go to its entry of `outs`."""
+    results = spawn_ranks(_worker, (world, [c.model_dump() for c in configs], seq_len, steps, outs), world)
+    return [
+        {**results[0][i], "vocabulary_rows": [results[rank][i]["vocabulary_rows"] for rank in range(world)]}
+        for i in range(len(configs))
+    ]

@@ -19,73 +19,93 @@ from lmfoundry.train.config import PretrainConfig
 
 
 def _worker(
-    rank: int, port: int, world: int, raw: dict, seq_len: int, whole: bool, keep: bool, start: str | None, results
+    rank: int, port: int, world: int, raw: dict, seq_len: int, ways: list[str], keep: bool, start: str | None, results
 ) -> None:
+    start_rank(rank, world, port)
+    try:
+        cfg = PretrainConfig.model_validate(raw)
+        results[rank] = {way: _build(rank, cfg, world, seq_len, way == "whole", keep, start) for way in ways}
+    finally:
+        dist.destroy_process_group()
+
+
+def _build(
+    rank: int, cfg: PretrainConfig, world: int, seq_len: int, whole: bool, keep: bool, start: str | None
+) -> dict:
+    """This rank's report of one build (the module's docstring says what it holds)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     from lmfoundry.model.checkpoint import load_model_files, load_model_on_meta
     from lmfoundry.model.transformer import Transformer, build_on_meta
     from lmfoundry.train.engine import build_engine, deepspeed_config
 
-    start_rank(rank, world, port)
+    gc.collect()
+    _reset_peak_rss()
+    before = _rss_bytes("VmRSS")
+    torch.manual_seed(cfg.seed)  # as train/pretrain.py's build_model
+    if start is not None:  # continued training: the checkpoint's weights
+        model = load_model_files(start).train() if whole else load_model_on_meta(start)
+    else:
+        model = Transformer(cfg.model) if whole else build_on_meta(cfg.model)
+    whole_bytes = sum(p.numel() * 4 for p in model.parameters())
+    largest = max(p.numel() * 4 for p in model.parameters())
+    # the peak before DeepSpeed builds its optimizer (its ZeRO buffers come on top): the build
+    # of the model, its split and its placement
+    seen = {}
+    original = DeepSpeedEngine._configure_optimizer
+
+    def configure_optimizer(engine, *args, **kwargs):
+        seen["before_optimizer"] = _rss_bytes("VmHWM") - before
+        return original(engine, *args, **kwargs)
+
+    DeepSpeedEngine._configure_optimizer = configure_optimizer
     try:
-        cfg = PretrainConfig.model_validate(raw)
-        gc.collect()
-        _reset_peak_rss()
-        before = _rss_bytes("VmRSS")
-        torch.manual_seed(cfg.seed)  # as train/pretrain.py's build_model
-        if start is not None:  # continued training: the checkpoint's weights
-            model = load_model_files(start).train() if whole else load_model_on_meta(start)
-        else:
-            model = Transformer(cfg.model) if whole else build_on_meta(cfg.model)
-        whole_bytes = sum(p.numel() * 4 for p in model.parameters())
-        largest = max(p.numel() * 4 for p in model.parameters())
-        # the peak before DeepSpeed builds its optimizer (its ZeRO buffers come on top): the build
-        # of the model, its split and its placement
-        seen = {}
-        original = DeepSpeedEngine._configure_optimizer
-
-        def configure_optimizer(engine, *args, **kwargs):
-            seen["before_optimizer"] = _rss_bytes("VmHWM") - before
-            return original(engine, *args, **kwargs)
-
-        DeepSpeedEngine._configure_optimizer = configure_optimizer
-        try:
-            engine, _ = build_engine(model, cfg, deepspeed_config(cfg, world, seq_len, model.num_params()))
-        finally:
-            DeepSpeedEngine._configure_optimizer = original
-        peak = _rss_bytes("VmHWM") - before
-        params = dict(engine.module.named_parameters())
-        # a ZeRO-3 parameter's own tensor is empty: this rank's part is its ds_tensor
-        held = {name: getattr(p, "ds_tensor", None) if hasattr(p, "ds_id") else p for name, p in params.items()}
-        kept = None
-        if keep:
-            from deepspeed import zero
-
-            with zero.GatheredParameters(list(params.values())):  # whole under ZeRO-3, else as they are
-                kept = {name: p.detach().clone() for name, p in params.items()}
-        results[rank] = {
-            "peak_rise_bytes": peak,
-            "peak_rise_before_optimizer_bytes": seen["before_optimizer"],
-            "model_bytes": whole_bytes,
-            "largest_parameter_bytes": largest,
-            "rank_parameter_bytes": sum(p.numel() * p.element_size() for p in held.values()),
-            "parameters": kept,
-        }
+        engine, _ = build_engine(model, cfg, deepspeed_config(cfg, world, seq_len, model.num_params()))
     finally:
-        dist.destroy_process_group()
+        DeepSpeedEngine._configure_optimizer = original
+    peak = _rss_bytes("VmHWM") - before
+    params = dict(engine.module.named_parameters())
+    # a ZeRO-3 parameter's own tensor is empty: this rank's part is its ds_tensor
+    held = {name: getattr(p, "ds_tensor", None) if hasattr(p, "ds_id") else p for name, p in params.items()}
+    kept = None
+    if keep:
+        from deepspeed import zero
+
+        with zero.GatheredParameters(list(params.values())):  # whole under ZeRO-3, else as they are
+            kept = {name: p.detach().clone() for name, p in params.items()}
+    dist.barrier()  # every rank done building before the next build starts
+    return {
+        "peak_rise_bytes": peak,
+        "peak_rise_before_optimizer_bytes": seen["before_optimizer"],
+        "model_bytes": whole_bytes,
+        "largest_parameter_bytes": largest,
+        "rank_parameter_bytes": sum(p.numel() * p.element_size() for p in held.values()),
+        "parameters": kept,
+    }
 
 
 def build_both_ways(
-    cfg: PretrainConfig, seq_len: int, keep_parameters: bool = False, start: str | None = None
+    cfg: PretrainConfig,
+    seq_len: int,
+    keep_parameters: bool = False,
+    start: str | None = None,
+    same_processes: bool = False,
 ) -> dict[str, dict]:
     """{"meta": {rank: report}, "whole": {rank: report}} for `cfg` on its num_workers ranks; with
-    `start`, the model of that checkpoint directory (model files) rather than a new one."""
-    world = cfg.parallelism.num_workers
-    return {
-        way: spawn_ranks(_worker, (world, cfg.model_dump(), seq_len, way == "whole", keep_parameters, start), world)
-        for way in ("meta", "whole")
-    }
+    `start`, the model of that checkpoint directory (model files) rather than a new one. Each way
+    builds in processes of its own, so that neither's memory figures carry the other's heap;
+    `same_processes` builds both in one spawn (one import of torch and DeepSpeed: for a
+    comparison of the parameters, not of the memory figures)."""
+    world, ways = cfg.parallelism.num_workers, ["meta", "whole"]
+    args = (world, cfg.model_dump(), seq_len)
+    if same_processes:
+        by_rank = spawn_ranks(_worker, (*args, ways, keep_parameters, start), world)
+    else:
+        by_rank = {}
+        for way in ways:
+            for rank, report in spawn_ranks(_worker, (*args, [way], keep_parameters, start), world).items():
+                by_rank.setdefault(rank, {}).update(report)
+    return {way: {rank: reports[way] for rank, reports in by_rank.items()} for way in ways}
 
 
 def _zero3_bf16_adapter_worker(rank: int, port: int, raw: dict, start: str, results) -> None:

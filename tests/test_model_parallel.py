@@ -4,7 +4,8 @@
 vocabulary-parallel head (4 workers), PP 2 (2 workers, 4 micro-batches a step), PP 2 x DP 2 (4
 workers, activation checkpointing), and with sequence parallelism TP 2 x PP 2 (4 workers, each
 stage split over 2, 4 micro-batches a step: the head whole; the tied table split by vocabulary
-on both end stages; an untied head and embedding split by vocabulary, with checkpointing) and
+on both end stages; an untied head and embedding split by vocabulary, with checkpointing), TP 2
+x PP 2 with an untied head and embedding split by vocabulary and no sequence split, and
 TP 2 with a vocabulary-parallel head and embedding (tied, with checkpointing; untied) are those
 of one worker holding the whole model, each rank
 holding its half of every vocabulary table it holds, and the weights each run writes (piece

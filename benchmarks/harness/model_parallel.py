@@ -62,6 +62,8 @@ LAYOUTS = {
         {"vocab_parallel": True, "sequence_parallel": True, "tied": False, "recompute": True},
     ),
     "TP 2 x PP 2, sequence parallel": (2, 2, 4, {"sequence_parallel": True}),
+    # without sequence parallelism, the split head's input gradient is all-reduced by the head
+    "TP 2 x PP 2, vocab parallel, untied": (2, 2, 4, {"vocab_parallel": True, "tied": False}),
     "TP 2 x PP 2, vocab + sequence parallel": (2, 2, 4, {"vocab_parallel": True, "sequence_parallel": True}),
 }
 

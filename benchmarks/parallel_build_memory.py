@@ -3,8 +3,8 @@ each rank materialising only its part (train/meta_init.py, what `lmfoundry pretr
 TP > 1, PP > 1 or ZeRO-3), against the same model built whole on every rank and then split.
 
 Gloo processes, fp32, a model of about 180M parameters (714 MiB of weights, untied head): TP 2
-(vocabulary- and sequence-parallel) under ZeRO 0 and 1, PP 2 and TP 2 x PP 2 (sequence-parallel;
-4 processes) under ZeRO 1, and 2 and 8 data-parallel ranks under ZeRO-3 (each parameter
+(vocabulary- and sequence-parallel) under ZeRO 0 and 1, PP 2 and TP 2 x PP 2 (the same; 4
+processes) under ZeRO 1, and 2 and 8 data-parallel ranks under ZeRO-3 (each parameter
 partitioned as it gets its value; a whole build is partitioned inside the optimizer's set-up). Each rank's
 figures are the rise of its resident set from before the model exists to the start of
 DeepSpeed's optimizer set-up (the model built, split and placed) and to the end of
@@ -67,7 +67,7 @@ def config(tp: int, pp: int, zero_stage: int, workers: int) -> PretrainConfig:
             "pipeline_parallel_size": pp,
             "zero_stage": zero_stage,
             "sequence_parallel": tp > 1,
-            "vocab_parallel": tp > 1 and pp == 1,
+            "vocab_parallel": tp > 1,
         },
         batch={"micro_batch_size": 1, "global_batch_tokens": SEQ_LEN * workers},
         schedule={"max_steps": 2, "warmup_steps": 1},

@@ -5,7 +5,8 @@ PP 2 x DP 2 on 4 (with activation checkpointing, whose recomputation must not ch
 losses), and with sequence parallelism TP 2 on 2 (with activation checkpointing), TP 2 x PP 2
 on 4 (each stage split over 2 ranks, 4 micro-batches a step: the head whole; the tied table split
 by vocabulary rows on both end stages; an untied head and embedding split by vocabulary rows,
-with activation checkpointing), and TP 2 on 2 with an untied head and embedding, each split by
+with activation checkpointing), TP 2 x PP 2 on 4 with an untied head and embedding split by
+vocabulary rows and no sequence split, and TP 2 on 2 with an untied head and embedding, each split by
 vocabulary rows (an untied layout is held to a one-worker run of the untied model). The figures: the largest loss difference from the one-worker run, the
 largest relative difference of the gradient norm (clipping's), and the largest logit difference
 between the weights each run wrote, loaded into the single-device model, and the one-worker

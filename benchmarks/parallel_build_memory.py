@@ -3,8 +3,8 @@ each rank materialising only its part (train/meta_init.py, what `lmfoundry pretr
 TP > 1, PP > 1 or ZeRO-3), against the same model built whole on every rank and then split.
 
 Gloo processes, fp32, a model of about 180M parameters (714 MiB of weights, untied head): TP 2
-(vocabulary- and sequence-parallel) under ZeRO 0 and 1, PP 2 and TP 2 x PP 2 (the same; 4
-processes) under ZeRO 1, and 2 and 8 data-parallel ranks under ZeRO-3 (each parameter
+(vocabulary- and sequence-parallel) under ZeRO 0 and 1, PP 2 and TP 2 x PP 2 (vocabulary- and
+sequence-parallel too, on 4 processes) under ZeRO 1, and 2 and 8 data-parallel ranks under ZeRO-3 (each parameter
 partitioned as it gets its value; a whole build is partitioned inside the optimizer's set-up). Each rank's
 figures are the rise of its resident set from before the model exists to the start of
 DeepSpeed's optimizer set-up (the model built, split and placed) and to the end of

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness.peak_memory import spawn_ranks, start_rank
+from harness.peak_memory import release_deepspeed_groups, spawn_ranks, start_rank
 from lmfoundry.train.config import PretrainConfig, data_parallel
 
 SEQ_LEN, STEPS = 32, 20
@@ -291,6 +291,7 @@ def _train_layout(rank: int, world: int, cfg: PretrainConfig, seq_len: int, step
     if rank == 0:
         save_model_config(engine.module, out)
     dist.barrier()  # every rank done with this layout's engine before the next is built
+    release_deepspeed_groups()
     return {
         "losses": losses,
         "grad_norms": grad_norms,

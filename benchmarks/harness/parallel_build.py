@@ -14,7 +14,7 @@ import gc
 import torch
 import torch.distributed as dist
 
-from harness.peak_memory import _reset_peak_rss, _rss_bytes, spawn_ranks, start_rank
+from harness.peak_memory import _reset_peak_rss, _rss_bytes, release_deepspeed_groups, spawn_ranks, start_rank
 from lmfoundry.train.config import PretrainConfig
 
 
@@ -74,6 +74,7 @@ def _build(
         with zero.GatheredParameters(list(params.values())):  # whole under ZeRO-3, else as they are
             kept = {name: p.detach().clone() for name, p in params.items()}
     dist.barrier()  # every rank done building before the next build starts
+    release_deepspeed_groups()
     return {
         "peak_rise_bytes": peak,
         "peak_rise_before_optimizer_bytes": seen["before_optimizer"],

@@ -74,6 +74,16 @@ def start_rank(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def release_deepspeed_groups() -> None:
+    """Forget the process groups DeepSpeed keeps in module globals (tensor, data and model
+    parallel, its mpu), as it does when the world group is destroyed: the next engine built in
+    the same process makes its own, where it would otherwise find a tensor-parallel group set and
+    keep it, or read an engine without an mpu's groups from the last one's."""
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references()
+
+
 def spawn_ranks(worker, args: tuple, world: int) -> dict:
     """Run `worker(rank, port, *args, results)` in `world` spawned processes, with glibc told to
     map and unmap every block of 64 KiB or more on its own, so that the resident set follows the

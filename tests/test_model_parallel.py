@@ -203,6 +203,16 @@ def test_the_placement_patch_is_one_at_a_time_and_leaves_deepspeeds_class_as_it_
     assert DeepSpeedEngine._configure_distributed_model is own
 
 
+def one_step(engine, tokens: torch.Tensor, micro_batch_size: int, poison: bool = False) -> None:
+    """One optimizer step of `engine` on `tokens`; `poison`: one weight's gradient is NaN."""
+    hook = next(engine.module.parameters()).register_hook(lambda g: torch.full_like(g, math.nan)) if poison else None
+    for rows in tokens.split(micro_batch_size):
+        engine.backward(engine(rows[:, :-1], rows[:, 1:])[1])
+        engine.step()
+    if hook is not None:
+        hook.remove()
+
+
 def _gradient_norms(rank: int, port: int, cases: list[tuple[int, float]], results) -> None:
     from lmfoundry.train.pretrain import build_pretrain_engine
 
@@ -216,12 +226,21 @@ def _gradient_norms(rank: int, port: int, cases: list[tuple[int, float]], result
             tokens = torch.randint(
                 0, cfg.model.vocab_size, (8, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0)
             )
-            for rows in tokens.split(cfg.batch.micro_batch_size):  # one optimizer step
-                engine.backward(engine(rows[:, :-1], rows[:, 1:])[1])
-                engine.step()
+            one_step(engine, tokens, cfg.batch.micro_batch_size)
             assert engine.global_steps == 1 and ds_config["gradient_clipping"] == clip
             norm = engine.get_global_grad_norm()
             norms.append(None if norm is None else float(norm))
+            one_step(engine, tokens, cfg.batch.micro_batch_size)  # the warm-up's first learning rate is 0
+            # a step with a NaN gradient in one weight: not taken, its gradients dropped
+            weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+            lr = engine.get_lr()
+            assert lr[0] > 0
+            one_step(engine, tokens, cfg.batch.micro_batch_size, poison=True)
+            assert not engine.was_step_applied() and engine.skipped_steps == 1 and engine.get_lr() == lr
+            assert all(torch.equal(p, weights[n]) for n, p in engine.module.named_parameters())
+            one_step(engine, tokens, cfg.batch.micro_batch_size)  # and the next is taken, from the same schedule
+            assert engine.was_step_applied() and math.isfinite(engine.get_global_grad_norm())
+            assert not all(torch.equal(p, weights[n]) for n, p in engine.module.named_parameters())
             engine.destroy()
         results[rank] = norms
     finally:
@@ -230,7 +249,8 @@ def _gradient_norms(rank: int, port: int, cases: list[tuple[int, float]], result
 
 def test_a_run_without_zero_keeps_the_gradient_norm_with_clipping_on_and_off(deepspeed_processes):
     """DeepSpeed keeps no gradient norm without ZeRO in fp32 (train/engine.py
-    keep_fp32_gradient_norm): the engine's is ZeRO-1's, clipping or not."""
+    keep_fp32_gradient_norm): the engine's is ZeRO-1's, clipping or not. And, as ZeRO-1 does,
+    it skips a step whose gradients are not finite: the weights and the schedule as they were."""
     cases = [(1, 1.0), (0, 1.0), (0, 0.0)]
     zero1, clipped, unclipped = spawn_ranks(_gradient_norms, (cases,), 1)[0]
     assert zero1 > 0

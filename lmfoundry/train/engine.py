@@ -281,15 +281,30 @@ def keep_fp32_gradient_norm(engine) -> None:
     keeps no norm, and with clipping off measures none: `get_global_grad_norm()` stays None and
     the logged norm would read 0. Here the engine keeps the norm that function measures: in
     DeepSpeed's clip (the same arguments and point in the step), or, with clipping off, just
-    before the optimizer step, clipping nothing. Kept as a tensor: read only when logged."""
+    before the optimizer step, clipping nothing. Kept as a tensor: read only when logged.
+
+    Nor does DeepSpeed skip a step whose gradients are not finite there, as its ZeRO and
+    mixed-precision optimizers do: one rank's NaN gradient would reach every replica's weights.
+    Here the optimizer skips it on that norm (the same on every rank: it is reduced over them),
+    and the engine then leaves the schedule as it does for theirs (`was_step_applied()` False)."""
     if engine.zero_optimization_stage() or engine.bfloat16_enabled() or engine.fp16_enabled():
-        return  # DeepSpeed's own optimizer wrappers keep the norm
+        return  # DeepSpeed's own optimizer wrappers keep the norm and skip non-finite steps
 
     from deepspeed.runtime.utils import clip_grad_norm_
 
     def measure(max_norm: float) -> None:
         engine._global_grad_norm = clip_grad_norm_(engine.module.parameters(), max_norm=max_norm, mpu=engine.mpu)
 
+    optimizer = engine.optimizer
+    take_optimizer_step = optimizer.step
+
+    def step_when_finite(*args, **kwargs):
+        # the attribute DeepSpeed's engine reads after the step, as it does from its own optimizers
+        optimizer.overflow = not bool(torch.isfinite(engine._global_grad_norm).all())
+        if not optimizer.overflow:
+            take_optimizer_step(*args, **kwargs)
+
+    optimizer.step = step_when_finite
     if engine.gradient_clipping() > 0:
         engine.clip_fp32_gradients = lambda: measure(engine.gradient_clipping())
         return

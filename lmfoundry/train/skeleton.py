@@ -345,7 +345,7 @@ class Trainer:
             if drilled:
                 drilled.remove()
         self.micro += self.accum
-        if not engine.was_step_applied():  # DeepSpeed found non-finite gradients (ZeRO-1, bf16)
+        if not engine.was_step_applied():  # DeepSpeed found non-finite gradients
             self._skip_step()
             return False
         if not math.isfinite(loss):  # the same on every stage: the step was applied to the weights
@@ -356,8 +356,8 @@ class Trainer:
         return self._apply_step()
 
     def _skip_step(self) -> None:
-        """DeepSpeed found the step's gradients non-finite on some rank (its global gradient norm,
-        ZeRO stages 1-3) and left the weights, the optimizer and the schedule as they were: the
+        """DeepSpeed found the step's gradients non-finite on some rank (its global gradient norm:
+        ZeRO stages 1-3, bf16, and ZeRO-0 in fp32 through train/engine.py) and left the weights, the optimizer and the schedule as they were: the
         step is not taken and its micro-batches are passed over."""
         self.skipped += self.accum
         self.sums.drop_step()

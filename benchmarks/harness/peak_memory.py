@@ -61,6 +61,7 @@ def _train_steps(cfg: PretrainConfig, seq_len: int, world: int, steps: int) -> N
             engine.backward(loss)
             engine.step()
     engine.destroy()
+    release_deepspeed_groups()  # the next config in this process builds its own
 
 
 def start_rank(rank: int, world: int, port: int) -> None:

@@ -217,7 +217,10 @@ def read_manifest(stage_dir: str) -> dict:
             f"{stage_dir} has no {MANIFEST}: it is not the committed output of an lmfoundry stage "
             "(the stage did not finish, or the path is wrong)"
         )
-    return read_json(join(stage_dir, MANIFEST), MAX_MANIFEST_BYTES)
+    manifest = read_json(join(stage_dir, MANIFEST), MAX_MANIFEST_BYTES)
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{join(stage_dir, MANIFEST)} is not a JSON object: not a manifest lmfoundry wrote")
+    return manifest
 
 
 def prepare_output(stage_dir: str, overwrite: bool = False) -> bool:

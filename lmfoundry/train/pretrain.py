@@ -159,6 +159,47 @@ def start_texts(start_dir: str) -> tuple[str, str | None]:
     )
 
 
+# The most a pack manifest may claim for the model's shape: 16 times the largest vocabularies of
+# open models (Gemma 3's 262,144) and a million-token training sequence
+MAX_PACK_VOCAB = 1 << 22
+MAX_PACK_SEQ_LEN = 1 << 20
+
+
+def read_pack_tokenizer(data: str, pack_manifest: dict) -> str:
+    """The text of the tokenizer a pack output was tokenised with: its own tokenizer.json, read
+    bounded and parsed, and the shape the manifest records checked against it. The manifest's
+    word is not followed anywhere else: the file is written into every checkpoint of the run, so
+    a name leading out of the pack directory, or a link there, would publish whatever it reached."""
+    from tokenizers import Tokenizer
+
+    from lmfoundry.model.tokenizer import MAX_TOKENIZER_BYTES
+
+    named = pack_manifest.get("tokenizer")
+    if named != TOKENIZER:
+        raise ValueError(
+            f"pack output {data!r}: its manifest names the tokenizer {str(named)[:80]!r}, not {TOKENIZER!r}"
+        )
+    uri = storage.join(data, TOKENIZER)
+    if not storage.is_remote(uri) and Path(uri).is_symlink():
+        raise ValueError(f"pack output {data!r}: {TOKENIZER} is a link; a pack output holds its own")
+    try:
+        text = storage.read_bytes(uri, limit=MAX_TOKENIZER_BYTES).decode("utf-8")
+        tokenizer_vocab = Tokenizer.from_str(text).get_vocab_size()
+    except Exception as e:  # missing, too large, not a file, not UTF-8, not a tokenizer: which, and where
+        raise ValueError(f"pack output {data!r}: {TOKENIZER} is not a usable tokenizer: {str(e)[:200]}") from None
+    vocab, seq_len = pack_manifest.get("vocab_size"), pack_manifest.get("seq_len")
+    if type(vocab) is not int or not tokenizer_vocab <= vocab <= MAX_PACK_VOCAB:
+        raise ValueError(
+            f"pack output {data!r}: vocab_size={vocab!r} in its manifest; an integer from its tokenizer's "
+            f"{tokenizer_vocab:,} to {MAX_PACK_VOCAB:,}"
+        )
+    if type(seq_len) is not int or not 1 <= seq_len <= MAX_PACK_SEQ_LEN:
+        raise ValueError(
+            f"pack output {data!r}: seq_len={seq_len!r} in its manifest; an integer from 1 to {MAX_PACK_SEQ_LEN:,}"
+        )
+    return text
+
+
 def resolve_start(cfg: PretrainConfig, data: str, pack_manifest: dict) -> PretrainConfig:
     """Continued pretraining: the model section from the `init_from` checkpoint (verified), whose
     tokenizer must be the one the data was packed with."""
@@ -168,7 +209,7 @@ def resolve_start(cfg: PretrainConfig, data: str, pack_manifest: dict) -> Pretra
     with checkpoint.opened(start) as (start_dir, _):  # verified: every file against the manifest
         model = ModelConfig.model_validate_json((Path(start_dir) / MODEL_CONFIG).read_text())
         tokenizer = json.loads((Path(start_dir) / TOKENIZER).read_text())
-    if json.loads(storage.read_bytes(storage.join(data, pack_manifest["tokenizer"]))) != tokenizer:
+    if json.loads(read_pack_tokenizer(data, pack_manifest)) != tokenizer:
         raise ValueError(
             f"pretrain data {cfg.data!r} was not tokenised with the tokenizer of init_from={cfg.init_from!r}: "
             f"pack it with --set tokenizer={cfg.init_from}"
@@ -235,12 +276,14 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     pack = storage.read_manifest(data)
     if pack.get("stage") != "pack":
         raise ValueError(f"pretrain data {cfg.data!r} is a {pack.get('stage')!r} output, not a pack output")
+    tokenizer_json = read_pack_tokenizer(data, pack)  # checked before anything is written
     if cfg.init_from is not None:
         cfg = resolve_start(cfg, data, pack)
     cfg = resolve_model_shape(cfg, pack)
     seq_len = pack["seq_len"]
     check_every_world_size(cfg, seq_len)  # fail now, not inside the workers
-    sequences = pack["splits"]["train"]["sequences"]
+    layout = SplitLayout.from_manifest(data, pack)
+    sequences = layout.sequences
     per_micro_step = cfg.parallelism.num_workers * cfg.batch.micro_batch_size
     if sequences < per_micro_step:  # an epoch would hold no micro-batch, and training no step
         raise ValueError(
@@ -254,7 +297,6 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     logger.info("pretrain: DeepSpeed config %s", deepspeed_config(cfg, cfg.parallelism.num_workers, seq_len))
 
     started = time.time()
-    layout = SplitLayout.from_manifest(data, pack)
     if cfg.batch.micro_batch_size % layout.per_group:
         logger.warning(
             "pretrain: micro_batch_size=%d is not a multiple of the data's rows_per_group=%d: workers share "
@@ -262,7 +304,6 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
             cfg.batch.micro_batch_size,
             layout.per_group,
         )
-    tokenizer_json = storage.read_bytes(storage.join(data, pack["tokenizer"])).decode()
     loop_config = {
         "cfg": cfg.model_dump(mode="json"),
         "seq_len": seq_len,

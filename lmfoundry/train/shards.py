@@ -31,6 +31,10 @@ import pyarrow.parquet as pq
 
 from lmfoundry.platform import storage
 
+# The most shards a split may have: each is a file name held by every worker (at pack's default
+# 16,384 sequences a shard, a million shards of 4,096-token sequences hold 67 trillion tokens)
+MAX_SHARDS = 1_000_000
+
 
 @dataclass(frozen=True)
 class SplitLayout:
@@ -43,21 +47,39 @@ class SplitLayout:
 
     @classmethod
     def from_manifest(cls, data: str, manifest: dict, split: str = "train") -> SplitLayout:
-        info = manifest["splits"][split]
+        """The layout a pack manifest records, every count checked before anything is sized by it
+        (a manifest from storage may claim anything)."""
         missing = [k for k in ("sequences_per_shard", "rows_per_group") if k not in manifest]
         if missing:
             raise ValueError(
                 f"pack output {data!r} does not record {', '.join(missing)} in its manifest (written by an "
                 "older pack): pack it again"
             )
-        files = tuple(storage.join(data, split, f"part-{s:05d}.parquet") for s in range(info["shards"]))
-        layout = cls(files, info["sequences"], manifest["sequences_per_shard"], manifest["rows_per_group"])
-        if layout.shard_rows(len(files) - 1) <= 0 or layout.shard_rows(len(files) - 1) > layout.per_shard:
+        info = manifest.get("splits", {}).get(split) if isinstance(manifest.get("splits"), dict) else None
+        if not isinstance(info, dict):
+            raise ValueError(f"pack output {data!r}: its manifest records no {split!r} split")
+        counts = {
+            "shards": info.get("shards"),
+            "sequences": info.get("sequences"),
+            "sequences_per_shard": manifest["sequences_per_shard"],
+            "rows_per_group": manifest["rows_per_group"],
+        }
+        for key, value in counts.items():
+            if type(value) is not int or value < 1:
+                raise ValueError(f"pack output {data!r}: {split} {key}={value!r} in its manifest; a positive integer")
+        sequences, per_shard = counts["sequences"], counts["sequences_per_shard"]
+        if counts["shards"] != -(-sequences // per_shard):
             raise ValueError(
-                f"pack output {data!r}: {info['sequences']} {split} sequences do not fill {info['shards']} "
-                f"shards of {layout.per_shard}"
+                f"pack output {data!r}: {sequences} {split} sequences do not fill {counts['shards']} "
+                f"shards of {per_shard}"
             )
-        return layout
+        if counts["shards"] > MAX_SHARDS:
+            raise ValueError(
+                f"pack output {data!r}: {counts['shards']:,} {split} shards; at most {MAX_SHARDS:,} "
+                "(pack with a larger sequences_per_shard)"
+            )
+        files = tuple(storage.join(data, split, f"part-{s:05d}.parquet") for s in range(counts["shards"]))
+        return cls(files, sequences, per_shard, counts["rows_per_group"])
 
     def shard_rows(self, shard: int) -> int:
         return min(self.per_shard, self.sequences - shard * self.per_shard)

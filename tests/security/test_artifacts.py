@@ -385,3 +385,79 @@ def test_json_state_refuses_what_json_cannot_hold(tmp_path):
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(ValueError, match="JSON object"):
         checkpoint.load_json_state(tmp_path / "list.json")
+
+
+# --- pack outputs -----------------------------------------------------------------------------
+
+
+def make_pack(directory: Path, **manifest) -> Path:
+    """A pack output's tokenizer and manifest (the shards are not read before these are checked)."""
+    from tokenizers import Tokenizer, models
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).to_str())
+    details = {
+        "tokenizer": "tokenizer.json",
+        "vocab_size": 2,
+        "seq_len": 16,
+        "sequences_per_shard": 64,
+        "rows_per_group": 8,
+        "splits": {"train": {"shards": 1, "sequences": 64}, "val": {"shards": 1, "sequences": 8}},
+        **manifest,
+    }
+    storage.commit(str(directory), "pack", details)
+    return directory
+
+
+def pretrain_on(data: Path, out: Path):
+    from lmfoundry.train.config import PretrainConfig
+    from lmfoundry.train.pretrain import run_pretrain
+
+    return run_pretrain(PretrainConfig(data=str(data), output=str(out)))
+
+
+@pytest.mark.parametrize(
+    "manifest, message",
+    [
+        ({"tokenizer": "../secret.txt"}, "names the tokenizer '../secret.txt'"),
+        ({"tokenizer": "/etc/passwd"}, "names the tokenizer '/etc/passwd'"),
+        ({"vocab_size": 1}, "vocab_size=1 in its manifest; an integer from its tokenizer's 2"),
+        ({"vocab_size": 10**12}, "vocab_size=1000000000000"),
+        ({"seq_len": "16"}, "seq_len='16'"),
+        ({"seq_len": 2**40}, "seq_len=1099511627776"),
+        ({"rows_per_group": 0}, "rows_per_group=0 in its manifest; a positive integer"),
+        ({"splits": {"train": {"shards": 10**8, "sequences": 64 * 10**8}}}, "at most 1,000,000"),
+        ({"splits": {"train": {"shards": 3, "sequences": 64}}}, "do not fill 3 shards of 64"),
+        ({"splits": {"train": {"shards": True, "sequences": 64}}}, "shards=True"),
+        ({"splits": []}, "no 'train' split"),
+    ],
+)
+def test_a_crafted_pack_manifest_is_refused_before_anything_is_read_or_written(tmp_path, manifest, message):
+    """A pack output's manifest names its tokenizer, which pretraining copies into every
+    checkpoint: a name leading out of the directory would publish any file the run can read.
+    Its counts size the model and the workers' file lists: each is checked first."""
+    (tmp_path / "secret.txt").write_text("AWS_SECRET_ACCESS_KEY=hunter2")
+    data = make_pack(tmp_path / "packed", **manifest)
+    with pytest.raises(ValueError, match=message):
+        pretrain_on(data, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_pack_tokenizer_that_is_a_link_or_not_a_tokenizer_is_refused(tmp_path):
+    (tmp_path / "secret.txt").write_text('{"not": "a tokenizer"}')
+    data = make_pack(tmp_path / "packed")
+    (data / "tokenizer.json").unlink()
+    (data / "tokenizer.json").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(ValueError, match="tokenizer.json is a link"):
+        pretrain_on(data, tmp_path / "run")
+    (data / "tokenizer.json").unlink()
+    (data / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ValueError, match="not a usable tokenizer"):
+        pretrain_on(data, tmp_path / "run")
+    (data / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="not a usable tokenizer"):
+        pretrain_on(data, tmp_path / "run")
+    storage.write_json_atomic(str(data / "_MANIFEST.json"), ["a", "list"])
+    with pytest.raises(ValueError, match="not a JSON object"):
+        pretrain_on(data, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

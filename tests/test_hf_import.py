@@ -157,6 +157,12 @@ REFUSED = [
     ({"attention_bias": True}, "attention_bias"),
     ({"num_hidden_layers": None}, "num_hidden_layers"),  # None: the field is left out
     ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
+    # crafted values: each named before any arithmetic or allocation is sized by it
+    ({"num_attention_heads": 0}, "num_attention_heads=0"),
+    ({"hidden_size": "64"}, "hidden_size='64'"),
+    ({"sliding_window": "4096"}, "sliding_window='4096'"),
+    ({"max_position_embeddings": 2 * 10**9}, "max_position_embeddings=2000000000"),
+    ({"num_key_value_heads": -2}, "num_key_value_heads=-2"),
 ]
 
 
@@ -180,6 +186,38 @@ def test_a_window_narrower_than_the_context_imports_with_the_context_cut_to_it(p
     assert import_main(["hf", str(src), str(tmp_path / "ours"), "--max-seq-len", "64"]) == 0
     assert load_model_files(tmp_path / "ours").cfg.max_seq_len == 64
     assert import_main(["hf", str(src), str(tmp_path / "ours")]) == 2  # a complete checkpoint stays
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer.json", "config.json", "generation_config.json"])
+def test_a_source_file_that_is_a_link_is_refused_not_followed(plain_src, tmp_path, capsys, name):
+    """A link could reach any file the process can read (a template from ~/.netrc would be
+    rendered into every served prompt): refused, as a linked weights shard is."""
+    src = tmp_path / "hf"
+    shutil.copytree(plain_src, src)
+    secret = tmp_path / "netrc"
+    secret.write_text("machine api.example.com login ci password s3cr3t")
+    if name == "chat_template.jinja":  # read when tokenizer_config.json holds no template
+        config = json.loads((src / "tokenizer_config.json").read_text())
+        (src / "tokenizer_config.json").write_text(
+            json.dumps({k: v for k, v in config.items() if k != "chat_template"})
+        )
+    (src / name).unlink(missing_ok=True)
+    (src / name).symlink_to(secret)
+    assert import_main(["hf", str(src), str(tmp_path / "ours")]) == 2
+    assert f"{name} is a symbolic link" in capsys.readouterr().err
+    assert not (tmp_path / "ours").exists()
+
+
+def test_a_malformed_generation_config_or_shard_index_is_a_clear_error(plain_src, tmp_path, capsys):
+    src = tmp_path / "hf"
+    shutil.copytree(plain_src, src)
+    (src / "generation_config.json").write_text("[]")
+    assert import_main(["hf", str(src), str(tmp_path / "ours")]) == 2
+    assert "generation_config.json is not a JSON object" in capsys.readouterr().err
+    (src / "generation_config.json").unlink()
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": ["model.safetensors"]}}))
+    assert import_main(["hf", str(src), str(tmp_path / "ours")]) == 2
+    assert "weight_map" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,7 @@ def load_model_files(
     if lora.is_adapter(directory):
         return load_merged_adapter(directory, base_copies).to(device).eval()
     cfg = ModelConfig.model_validate(json.loads((directory / MODEL_CONFIG).read_text()))
+    check_weights_fit(cfg, directory / WEIGHTS)
     model = Transformer(cfg)
     missing, unexpected = model.load_state_dict(load_file(str(directory / WEIGHTS)), strict=False)
     allowed_missing = {TIED_HEAD} if cfg.tie_embeddings else set()
@@ -72,6 +73,26 @@ def load_model_files(
             f"{sorted(set(missing) - allowed_missing)}, unexpected {sorted(unexpected)}"
         )
     return model.to(device).eval()
+
+
+def check_weights_fit(cfg: ModelConfig, weights: Path) -> None:
+    """The config, from storage, sizes the model: the names and shapes of its state (parameters
+    and saved buffers), built on the meta device, checked against the weights file's header
+    before anything the config sizes is allocated (a config of a few bytes can claim any size)."""
+    from safetensors import safe_open
+
+    expected = {name: tuple(t.shape) for name, t in build_on_meta(cfg).state_dict().items()}
+    if cfg.tie_embeddings:
+        expected.pop(TIED_HEAD, None)
+    with safe_open(str(weights), framework="pt") as f:
+        stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    if stored != expected:
+        wrong = sorted(n for n in expected.keys() & stored.keys() if expected[n] != stored[n])
+        raise ValueError(
+            f"checkpoint {weights.parent} does not fit its model config: missing "
+            f"{sorted(expected.keys() - stored.keys())[:5]}, unexpected {sorted(stored.keys() - expected.keys())[:5]}, "
+            f"other shapes {[(n, stored[n], expected[n]) for n in wrong[:5]]}"
+        )
 
 
 def load_model_on_meta(directory: str | Path, base_copies: Mapping[str, str] | None = None) -> Transformer:

@@ -12,7 +12,6 @@ holds one tensor at a time, not the model.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -23,9 +22,9 @@ from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS
 from lmfoundry.model.hf_layout import Arch, layout, our_shape
 from lmfoundry.model.hf_layout import join as join_tensors
 from lmfoundry.model.moe import MoEConfig
-from lmfoundry.model.tensor_files import SafetensorsDir, write_safetensors
+from lmfoundry.model.tensor_files import SafetensorsDir, read_source_file, write_safetensors
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens
-from lmfoundry.model.transformer import ModelConfig, RopeScaling
+from lmfoundry.model.transformer import MAX_SEQ_LEN, ModelConfig, RopeScaling
 
 FAMILIES: dict[str, str] = {  # model_type -> the architecture its config.json names
     "llama": "LlamaForCausalLM",
@@ -41,6 +40,18 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _refuse(field: str, value, supported: str) -> ValueError:
     return ValueError(f"config.json: {field}={value!r} is not supported; supported: {supported}")
+
+
+def _count(hf: dict, field: str, default: int | None = None, high: int | None = None) -> int:
+    """A positive integer field of config.json (a count or a size), checked before any arithmetic."""
+    value = hf.get(field)
+    if value is None:
+        if default is None:
+            raise ValueError(f"config.json lacks the field {field!r}")
+        return default
+    if type(value) is not int or value < 1 or (high is not None and value > high):
+        raise _refuse(field, value, f"an integer from 1 to {high:,}" if high else "a positive integer")
+    return value
 
 
 def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
@@ -70,19 +81,21 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
 
 def _sliding_window(hf: dict, arch: str) -> int | None:
     """The window the source model attends within, None when it attends to everything."""
-    if "sliding_attention" in (hf.get("layer_types") or []):
-        return int(hf.get("sliding_window") or 0) or None
+    layer_types = hf.get("layer_types") or []
+    if isinstance(layer_types, list) and "sliding_attention" in layer_types:
+        return None if hf.get("sliding_window") is None else _count(hf, "sliding_window")
     if arch in ("mistral", "mixtral") or hf.get("use_sliding_window"):
-        return hf.get("sliding_window")
+        window = hf.get("sliding_window")
+        return None if window is None else _count(hf, "sliding_window")
     return None
 
 
 def _moe(hf: dict, arch: str) -> MoEConfig | None:
     if arch == "mixtral":
         return MoEConfig(
-            num_experts=hf["num_local_experts"],
-            top_k=hf["num_experts_per_tok"],
-            expert_hidden=hf["intermediate_size"],
+            num_experts=_count(hf, "num_local_experts"),
+            top_k=_count(hf, "num_experts_per_tok"),
+            expert_hidden=_count(hf, "intermediate_size"),
             num_shared_experts=0,
             score_func="softmax",
             normalize_topk=True,
@@ -91,13 +104,13 @@ def _moe(hf: dict, arch: str) -> MoEConfig | None:
     if arch == "qwen3_moe":
         if hf.get("decoder_sparse_step", 1) != 1:
             raise _refuse("decoder_sparse_step", hf["decoder_sparse_step"], "1 (every layer after the dense ones MoE)")
-        dense = sorted(hf.get("mlp_only_layers") or [])
-        if dense != list(range(len(dense))):
+        dense = hf.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or sorted(dense, key=repr) != list(range(len(dense))):
             raise _refuse("mlp_only_layers", dense, "the leading layers [0, 1, ..., k-1] or []")
         return MoEConfig(
-            num_experts=hf.get("num_experts", hf.get("num_local_experts")),
-            top_k=hf["num_experts_per_tok"],
-            expert_hidden=hf["moe_intermediate_size"],
+            num_experts=_count(hf, "num_experts" if "num_experts" in hf else "num_local_experts"),
+            top_k=_count(hf, "num_experts_per_tok"),
+            expert_hidden=_count(hf, "moe_intermediate_size"),
             num_shared_experts=0,
             score_func="softmax",
             normalize_topk=bool(hf.get("norm_topk_prob", False)),
@@ -123,7 +136,10 @@ def model_config_from_hf(hf: dict, weights: SafetensorsDir, max_seq_len: int | N
         # Llama's and Qwen3's attention_bias puts a bias on the output projection too
         raise _refuse("attention_bias", True, f"false for {arch} (q/k/v biases: Qwen2)")
     theta, scaling = _rope(hf)
-    context = int(max_seq_len or hf.get("max_position_embeddings") or 0)
+    if max_seq_len is not None:
+        context = _count({"max_seq_len": max_seq_len}, "max_seq_len", high=MAX_SEQ_LEN)
+    else:
+        context = _count(hf, "max_position_embeddings", high=MAX_SEQ_LEN)
     window = _sliding_window(hf, arch)
     if window is not None and window < context:
         raise ValueError(
@@ -131,24 +147,24 @@ def model_config_from_hf(hf: dict, weights: SafetensorsDir, max_seq_len: int | N
             "attends to the whole context; supported: sliding_window null or at least the context "
             f"(import with a max_seq_len of at most {window} to use this model within its window)"
         )
-    d_model, n_head = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or d_model // n_head
+    d_model, n_head, vocab = _count(hf, "hidden_size"), _count(hf, "num_attention_heads"), _count(hf, "vocab_size")
+    head_dim = _count(hf, "head_dim", default=max(d_model // n_head, 1))
     embed = weights.shape("model.embed_tokens.weight")
-    if embed != (hf["vocab_size"], d_model):
-        raise ValueError(f"model.embed_tokens.weight is {embed}, config.json says ({hf['vocab_size']}, {d_model})")
+    if embed != (vocab, d_model):
+        raise ValueError(f"model.embed_tokens.weight is {embed}, config.json says ({vocab}, {d_model})")
     tied = hf.get("tie_word_embeddings")
     if tied is None:
         tied = "lm_head.weight" not in weights
     moe = _moe(hf, arch)
     return ModelConfig(
-        vocab_size=hf["vocab_size"],
+        vocab_size=vocab,
         max_seq_len=context,
-        n_layer=hf["num_hidden_layers"],
+        n_layer=_count(hf, "num_hidden_layers"),
         d_model=d_model,
         n_head=n_head,
-        n_kv_head=hf.get("num_key_value_heads") or n_head,
+        n_kv_head=_count(hf, "num_key_value_heads", default=n_head),
         attention_head_dim=0 if head_dim * n_head == d_model else head_dim,
-        ffn_hidden_size=hf["intermediate_size"],
+        ffn_hidden_size=_count(hf, "intermediate_size"),
         rope_theta=theta,
         rope_scaling=scaling,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -172,8 +188,8 @@ def _chat_template(src: Path, tok_config: dict) -> str:
         template = next(
             (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
         )
-    if not isinstance(template, str) and (src / CHAT_TEMPLATE_FILE).is_file():
-        template = (src / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if not isinstance(template, str) and (text := read_source_file(src, CHAT_TEMPLATE_FILE)) is not None:
+        template = text.decode("utf-8")
     if not isinstance(template, str) or not template.strip():
         raise ValueError(
             f"{src}: no chat template (neither tokenizer_config.json's chat_template nor {CHAT_TEMPLATE_FILE}); "
@@ -188,9 +204,9 @@ def _special_tokens(src: Path, tok_config: dict, tok: Tokenizer) -> SpecialToken
         if token is not None and tok.token_to_id(token) is None:
             raise ValueError(f"tokenizer_config.json: {key}_token {token!r} is not in tokenizer.json's vocabulary")
     stop: list[str] = []
-    gen_path = src / "generation_config.json"
-    if gen_path.is_file():  # instruct models stop at an end of turn as well as at eos
-        eos_ids = json.loads(gen_path.read_text()).get("eos_token_id")
+    generation = _read_json(src / "generation_config.json", required=False)
+    if generation is not None:  # instruct models stop at an end of turn as well as at eos
+        eos_ids = generation.get("eos_token_id")
         for token_id in eos_ids if isinstance(eos_ids, list) else [eos_ids]:
             if isinstance(token_id, int) and (token := tok.id_to_token(token_id)) is not None:
                 stop.append(token)
@@ -205,10 +221,16 @@ def _special_tokens(src: Path, tok_config: dict, tok: Tokenizer) -> SpecialToken
     )
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
+def _read_json(path: Path, required: bool = True) -> dict | None:
+    text = read_source_file(path.parent, path.name)
+    if text is None:
+        if not required:
+            return None
         raise FileNotFoundError(f"{path.parent} has no {path.name}; a Hugging Face checkpoint directory needs one")
-    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path} is not JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a JSON object")
     return data
@@ -225,9 +247,13 @@ def import_hf(
         raise ValueError(f"dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     hf = _read_json(src / "config.json")
     tok_config = _read_json(src / "tokenizer_config.json")
-    if not (src / "tokenizer.json").is_file():
+    tokenizer_json = read_source_file(src, "tokenizer.json")
+    if tokenizer_json is None:
         raise FileNotFoundError(f"{src} has no tokenizer.json (a fast tokenizer); lmfoundry reads only that format")
-    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    try:
+        tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+    except Exception as e:  # the parser's words, and which file
+        raise ValueError(f"{src}/tokenizer.json is not a tokenizers JSON file: {str(e)[:200]}") from None
     template = _chat_template(src, tok_config)
     special = _special_tokens(src, tok_config, tok)
     ChatTemplate(template, special)  # compiles, or says why not, before any weight is read
@@ -244,7 +270,8 @@ def import_hf(
     if cfg.moe is not None:
         moe = "block_sparse_moe." if arch == "mixtral" else "mlp."
         expert = f"model.layers.{cfg.n_layer - 1}.{moe}gate.weight"
-        if expert not in weights or weights.shape(expert)[0] != cfg.moe.num_experts:
+        # the whole shape: a router of (experts, 0) would hold no bytes for any number of experts
+        if expert not in weights or weights.shape(expert) != (cfg.moe.num_experts, cfg.d_model):
             raise ValueError(f"config.json: {cfg.moe.num_experts} experts do not match the router {expert}")
 
     entries = layout(cfg, arch)
@@ -269,7 +296,7 @@ def import_hf(
     tensors = (join_tensors(e, weights.get(list(e.theirs)), dtype) for e, (_, dtype, _) in zip(entries, specs))
     write_safetensors(out / WEIGHTS, specs, tensors)
     (out / MODEL_CONFIG).write_text(cfg.model_dump_json(indent=2))
-    shutil.copyfile(src / "tokenizer.json", out / TOKENIZER)
+    (out / TOKENIZER).write_bytes(tokenizer_json)  # the bytes parsed above, not the file again
     (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
     (out / SPECIAL_TOKENS_FILE).write_text(special.to_json())
     source = {

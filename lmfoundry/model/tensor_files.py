@@ -34,6 +34,29 @@ DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape
 
+# The most a model directory's JSON or template file may hold: a tokenizer.json is 2 to 35 MB
+# (model/tokenizer.py MAX_TOKENIZER_BYTES), the index of a 400B model's shards under 1 MB
+MAX_SOURCE_FILE_BYTES = 64 << 20
+
+
+def read_source_file(directory: Path, name: str, limit: int = MAX_SOURCE_FILE_BYTES) -> bytes | None:
+    """The bytes of the file `name` of a model directory from outside (a Hugging Face checkpoint),
+    None when there is none: a link is refused, not followed (it could reach any file the process
+    can read, which an import would then seal into its checkpoint), and so is a file that is not
+    a regular one or holds more than `limit` bytes (read at most limit + 1)."""
+    path = directory / name
+    if path.is_symlink():
+        raise ValueError(f"{directory}: {name} is a symbolic link; a model directory's files must be its own")
+    if not path.exists():
+        return None
+    if not path.is_file():
+        raise ValueError(f"{directory}: {name} is not a regular file")
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{directory}: {name} holds more than {limit:,} bytes; at most {limit:,} allowed")
+    return data
+
 
 def write_safetensors(
     path: str | os.PathLike, specs: list[TensorSpec], tensors: Iterable[torch.Tensor], metadata: dict | None = None
@@ -70,10 +93,16 @@ class SafetensorsDir:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         index = self.directory / INDEX
-        if index.exists():
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{index}: needs a non-empty 'weight_map' object of tensor name -> file")
+        text = read_source_file(self.directory, INDEX)
+        if text is not None:
+            weight_map = json.loads(text)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if (
+                not isinstance(weight_map, dict)
+                or not weight_map
+                or not all(isinstance(v, str) for v in weight_map.values())
+            ):
+                raise ValueError(f"{index}: needs a non-empty 'weight_map' object of tensor name -> file name")
             files = set(weight_map.values())
         elif (self.directory / SINGLE).exists():
             files = {SINGLE}

@@ -47,9 +47,16 @@ class RopeScaling(StageConfig):
         return self
 
 
+# The longest context a model is built for: its rotary tables are max_seq_len rows (a table of
+# 2 million positions at head_dim 128 takes 1 GiB), made when the model is, whatever its weights
+MAX_SEQ_LEN = 1 << 21
+
+
 class ModelConfig(StageConfig):
     vocab_size: int = Field(0, ge=0, description="0: taken from the tokenizer at pretraining")
-    max_seq_len: int = Field(0, ge=0, description="0: taken from the packed sequence length")
+    max_seq_len: int = Field(
+        0, ge=0, le=MAX_SEQ_LEN, description="0: taken from the packed sequence length; at most 2,097,152"
+    )
     n_layer: int = Field(4, ge=1)
     d_model: int = Field(128, ge=8)
     n_head: int = Field(4, ge=1)

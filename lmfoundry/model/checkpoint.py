@@ -62,6 +62,13 @@ def load_model_files(
     directory = Path(directory)
     if lora.is_adapter(directory):
         return load_merged_adapter(directory, base_copies).to(device).eval()
+    return load_whole_model(directory).to(device).eval()
+
+
+def load_whole_model(directory: Path) -> Transformer:
+    """The model of a checkpoint that holds all of it, whatever else its directory holds: an
+    adapter's base is read so, never as an adapter itself (which would take the base the
+    adapter was pinned to elsewhere, or back to the adapter)."""
     cfg = ModelConfig.model_validate(json.loads((directory / MODEL_CONFIG).read_text()))
     check_weights_fit(cfg, directory / WEIGHTS)
     model = Transformer(cfg)
@@ -72,7 +79,7 @@ def load_model_files(
             f"checkpoint {directory} does not fit its model config: missing "
             f"{sorted(set(missing) - allowed_missing)}, unexpected {sorted(unexpected)}"
         )
-    return model.to(device).eval()
+    return model
 
 
 def check_weights_fit(cfg: ModelConfig, weights: Path) -> None:
@@ -219,7 +226,9 @@ def load_merged_adapter(directory: Path, base_copies: Mapping[str, str] | None =
     base = ref.base
     with adapter_base(ref, base_copies) as (base_dir, manifest):
         check_adapter_base(directory, ref, manifest)
-        model = load_model_files(base_dir)
+        model = load_whole_model(Path(base_dir))
+    if model.cfg != ModelConfig.model_validate(json.loads((directory / MODEL_CONFIG).read_text())):
+        raise ValueError(f"adapter {directory}: its model config is not its base {base}'s")
     adapter = load_file(str(directory / lora.ADAPTER_WEIGHTS))
     lora.check_adapter_fits(f"{directory} (base {base})", adapter, model, ref.lora)
     lora.apply_lora(model, ref.lora)

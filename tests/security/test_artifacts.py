@@ -461,3 +461,79 @@ def test_a_pack_tokenizer_that_is_a_link_or_not_a_tokenizer_is_refused(tmp_path)
     with pytest.raises(ValueError, match="not a JSON object"):
         pretrain_on(data, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+# --- adapters and their bases -----------------------------------------------------------------
+
+
+def tiny_checkpoints(root: Path, seeds: dict[str, int], **config):
+    """Sealed whole checkpoints of a 1-layer model, by name, each with weights of its seed."""
+    from lmfoundry.model.checkpoint import save_model_files
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=16, max_seq_len=16, n_layer=1, d_model=16, n_head=2, n_kv_head=1, **config)
+    models = {}
+    for name, seed in seeds.items():
+        torch.manual_seed(seed)
+        models[name] = Transformer(cfg)
+        save_model_files(models[name], root / name)
+        checkpoint.seal(root / name, {"step": 0})
+    return models
+
+
+def make_adapter(directory: Path, base: Path, seed: int = 0) -> None:
+    """A sealed LoRA adapter checkpoint over `base`, pinned to its weights' checksum."""
+    from lmfoundry.model import lora
+    from lmfoundry.model.checkpoint import WEIGHTS, load_model_files, save_adapter_files
+
+    torch.manual_seed(seed)
+    model = load_model_files(base)
+    settings = lora.LoraConfig(rank=2, targets=["wq"])
+    lora.apply_lora(model, settings)
+    for name, p in model.named_parameters():
+        if name.endswith("lora_b"):
+            p.data.normal_()
+    sha = json.loads((base / "manifest.json").read_text())["files"][WEIGHTS]["sha256"]
+    save_adapter_files(model, directory, model.state_dict(), lora.AdapterRef(settings, str(base), sha))
+    checkpoint.seal(directory, {"step": 0})
+
+
+def test_an_adapters_base_is_read_as_a_whole_model_whatever_else_its_directory_holds(tmp_path):
+    """An adapter pins its base by the checksum of the base's weights. Files added to the base
+    (an adapter config naming another base) do not make the base an adapter over that one, and a
+    checkpoint that names itself as its base loads once, not forever."""
+    from lmfoundry.model.checkpoint import load_model_files
+
+    models = tiny_checkpoints(tmp_path, {"base": 1, "evil": 666})
+    make_adapter(tmp_path / "adapter", tmp_path / "base")
+    honest = load_model_files(tmp_path / "adapter")
+    make_adapter(tmp_path / "over-evil", tmp_path / "evil", seed=5)
+    for name in ("adapter_config.json", "adapter.safetensors"):  # unlisted in the base's manifest
+        (tmp_path / "base" / name).write_bytes((tmp_path / "over-evil" / name).read_bytes())
+    merged = load_model_files(tmp_path / "adapter")
+    assert torch.equal(merged.embed.weight, models["base"].embed.weight)
+    assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), honest.state_dict().values()))
+    # the base now names itself: read as a whole model, it loads once
+    looped = tmp_path / "loop"
+    tiny_checkpoints(tmp_path, {"loop": 2})
+    make_adapter(tmp_path / "over-loop", looped)
+    for name in ("adapter_config.json", "adapter.safetensors"):
+        (looped / name).write_bytes((tmp_path / "over-loop" / name).read_bytes())
+    (looped / "manifest.json").unlink()
+    checkpoint.seal(looped, {"step": 0})
+    load_model_files(looped)
+
+
+def test_an_adapter_over_a_base_whose_config_changed_is_refused(tmp_path):
+    """The base's weights are pinned by checksum, its config by the adapter's own copy of it."""
+    from lmfoundry.model.checkpoint import load_model_files, load_model_on_meta
+
+    tiny_checkpoints(tmp_path, {"base": 1})
+    make_adapter(tmp_path / "adapter", tmp_path / "base")
+    config = json.loads((tmp_path / "base" / "model_config.json").read_text())
+    (tmp_path / "base" / "model_config.json").write_text(json.dumps({**config, "rope_theta": 1.0}))
+    (tmp_path / "base" / "manifest.json").unlink()
+    checkpoint.seal(tmp_path / "base", {"step": 0})
+    for load in (load_model_files, load_model_on_meta):
+        with pytest.raises(ValueError, match="its model config is not its base"):
+            load(tmp_path / "adapter")

@@ -4,7 +4,8 @@ arguments, a timeout, retries with exponential backoff, and whether it has side 
 Built-in tools, each made from its configuration:
 - `sql_tool`: read-only queries against SQLite (the embedded default) or PostgreSQL (by DSN).
   One statement, parsed by sqlglot: a SELECT (set operations, WITH, EXPLAIN of one) with no write,
-  DDL, command, SELECT INTO, row lock or function that reaches outside the query anywhere in it.
+  DDL, command, SELECT INTO, row lock or function that reaches outside the query anywhere in it
+  (on PostgreSQL, a function not on an allow-list: some run SQL given as text).
   Then the database enforces it too: SQLite opened read-only with an authorizer (reads and
   allow-listed functions only), length limits and a progress-handler deadline; PostgreSQL through
   the extended query protocol (one statement, by the server), a READ ONLY transaction,
@@ -242,6 +243,24 @@ _REFUSED_FUNCTION_PREFIXES = (
     "pg_sleep", "dblink", "lo_", "pg_advisory", "pg_try_advisory", "txid_", "pg_ls_", "pg_read_",
     "pg_logical_", "pg_replication_", "pg_create_", "pg_drop_", "pg_backup", "pg_wal_", "pg_stat_reset",
 )  # fmt: skip
+# PostgreSQL has no authorizer to ask, and thousands of functions, some of which run SQL given as
+# text that the parser never sees (ts_rewrite, the *_to_xml family): a query may call only these,
+# by the name sqlglot gives them (strpos is str_position, string_agg group_concat, to_char
+# time_to_str, date_trunc timestamp_trunc, x->>'k' json_extract_scalar, unnest explode). Not
+# repeat or lpad/rpad: one call can ask the server for a gigabyte.
+POSTGRES_FUNCTIONS = {
+    "count", "sum", "avg", "min", "max", "group_concat", "array_agg", "logical_and", "logical_or",
+    "every", "stddev", "stddev_pop", "stddev_samp", "variance", "variance_pop", "percentile_cont",
+    "percentile_disc", "mode", "corr", "lower", "upper", "length", "octet_length", "substring", "trim",
+    "replace", "str_position", "left", "right", "concat", "concat_ws", "initcap", "split_part",
+    "starts_with", "reverse", "md5", "regexp_replace", "regexp_like", "time_to_str", "str_to_date",
+    "unix_to_time", "to_number", "abs", "round", "ceil", "floor", "trunc", "power", "sqrt", "exp",
+    "ln", "log", "sign", "greatest", "least", "coalesce", "nullif", "rand", "current_timestamp",
+    "current_date", "timestamp_trunc", "extract", "age", "make_date", "make_interval", "justify_days",
+    "cast", "try_cast", "case", "if", "json_extract_scalar", "json_extract", "jsonb_extract_path_text",
+    "json_array_length", "jsonb_array_length", "row_number", "rank", "dense_rank", "lag", "lead",
+    "first_value", "last_value", "array_size", "cardinality", "explode", "exploding_generate_series",
+}  # fmt: skip
 # SQLite's authorizer allows only these functions (an allow-list: an unknown one is refused).
 SQLITE_FUNCTIONS = {
     "abs", "avg", "count", "max", "min", "sum", "total", "group_concat", "length", "lower", "upper",
@@ -318,8 +337,15 @@ def check_sql(query: str, dialect: str, allow_writes: bool = False, _depth: int 
             continue
         if isinstance(node, _REFUSED_NODES):
             raise ToolError(f"{node.key.upper()} is not allowed in a read-only query; allowed: {allowed}")
-        if isinstance(node, sqlglot_exp.Func) and _refused_function(_function_name(node)):
-            raise ToolError(f"function {_function_name(node)}() is not allowed: it reaches outside the query")
+        if isinstance(node, sqlglot_exp.Func):
+            name = _function_name(node)
+            if _refused_function(name):
+                raise ToolError(f"function {name}() is not allowed: it reaches outside the query")
+            if dialect == "postgres" and name not in POSTGRES_FUNCTIONS:
+                raise ToolError(
+                    f"function {name}() is not allowed; allowed: aggregates, window, string, number, date, "
+                    "JSON and conditional functions (tools.POSTGRES_FUNCTIONS)"
+                )
 
 
 def _row_bytes(row) -> int:

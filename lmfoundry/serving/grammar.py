@@ -18,9 +18,10 @@ being written (an escape or a multi-byte UTF-8 character is one, as JSON Schema 
 withholds the tokens that would take it past the bound that the schema gives at that place.
 
 Schemas come from clients, and some small ones compile to huge automata (a string with
-minLength 16, or a pattern of nested repeats). So a schema is first held to static limits
-(`check_schema`), then compiled in a worker thread under a timeout (`Grammars.prepare`), and the
-cache is bounded by count and by approximate size.
+minLength 16, a pattern such as `.*a.{20}`). So a schema is first held to static limits
+(`check_schema`), then compiled in a child process under a memory limit that is killed at its
+deadline (grammar_compile.py; `Grammars.prepare` waits for it off the event loop), and the cache is
+bounded by count and by approximate size.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from lmfoundry.model.tokenizer import SPECIAL_TOKENS
 
 try:
     from outlines_core import Guide, Index, Vocabulary
-    from outlines_core.json_schema import build_regex_from_schema
 except ImportError as e:  # a runtime dependency; named so that a broken install says what to do
     raise ImportError("constrained decoding needs outlines-core: pip install outlines-core") from e
+
+from lmfoundry.serving.grammar_compile import build_index
 
 # One optional space between JSON tokens: a tiny model left free to put newlines and tabs there
 # can wander through whitespace until its token budget is gone.
@@ -138,6 +140,15 @@ def _walk(node, root, depth: int, refs: tuple[str, ...], counts: dict) -> None:
         raise SchemaRefused(f"a subschema is a {type(node).__name__}; subschemas are objects or booleans")
     if depth > MAX_DEPTH:
         raise SchemaRefused(f"the schema nests deeper than {MAX_DEPTH} levels ($refs followed)")
+    for key in _MANY:
+        if key in node and not isinstance(node[key], list):
+            raise SchemaRefused(f"{key} is a {type(node[key]).__name__}; it must be a list of subschemas")
+    for key in (*_NAMED, "$defs", "definitions"):
+        if key in node and not isinstance(node[key], dict):
+            raise SchemaRefused(f"{key} is a {type(node[key]).__name__}; it must be an object of subschemas")
+    for key in ("required", "enum", "type"):
+        if key in node and not isinstance(node[key], (list, str) if key == "type" else list):
+            raise SchemaRefused(f"{key} is a {type(node[key]).__name__}; see JSON Schema for what it holds")
     counts["subschemas"] += 1
     counts["properties"] += len(node.get("properties") or {})
     counts["enum values"] += len(node["enum"]) if isinstance(node.get("enum"), list) else 0
@@ -217,29 +228,29 @@ class Grammars:
         if not self._free.acquire(blocking=False):
             raise GrammarBusy(f"all {COMPILE_THREADS} schema compile threads are busy")
         try:
-            future = self._pool.submit(self._index, schema)
+            future = self._pool.submit(self._index, schema, timeout_s)
         except BaseException:
             self._free.release()
             raise
         future.add_done_callback(lambda _: self._free.release())
+        # the compile's child process is killed at timeout_s, and the thread returns then; the
+        # margin covers starting the fork server on the first compile
         try:
-            await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+            await asyncio.wait_for(asyncio.wrap_future(future), timeout_s + 30)
         except asyncio.TimeoutError:
-            # The thread cannot be stopped; it keeps its slot until it ends, so that a flood of such
-            # schemas meets GrammarBusy instead of piling up threads.
             raise SchemaRefused(f"the schema did not compile within {timeout_s} s (compile timeout)") from None
 
     def cached_bytes(self) -> int:
         with self._lock:
             return sum(size for *_, size in self._cache.values())
 
-    def _index(self, schema: dict) -> tuple[Index, StringBounds]:
+    def _index(self, schema: dict, timeout_s: float = COMPILE_TIMEOUT_S) -> tuple[Index, StringBounds]:
         key = check_schema(schema)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key][:2]
-        index, size = self._build(json.dumps(unbounded_strings(bounded_integers(schema))))
+        index, size = self._build(json.dumps(unbounded_strings(bounded_integers(schema))), timeout_s)
         bounds = StringBounds(schema)
         with self._lock:
             self._cache[key] = (index, bounds, size)
@@ -249,17 +260,11 @@ class Grammars:
                 self._cache.popitem(last=False)
         return index, bounds
 
-    def _build(self, schema_json: str) -> tuple[Index, int]:
-        try:
-            regex = build_regex_from_schema(schema_json, WHITESPACE)
-            index = Index(regex, self.vocabulary)
-        except Exception as e:  # the Rust side raises plain ValueErrors/RuntimeErrors with its reason
-            raise SchemaRefused(f"the JSON schema cannot be compiled for constrained decoding: {e}") from None
-        transitions = sum(len(t) for t in index.get_transitions().values())
-        if transitions > MAX_TRANSITIONS:
-            raise SchemaRefused(
-                f"the schema compiles to an automaton of {transitions} transitions; the limit is {MAX_TRANSITIONS}"
-            )
+    def _build(self, schema_json: str, timeout_s: float) -> tuple[Index, int]:
+        built = build_index(schema_json, WHITESPACE, self.vocabulary, MAX_TRANSITIONS, timeout_s)
+        if isinstance(built, str):
+            raise SchemaRefused(built)
+        index, transitions = built
         return index, transitions * BYTES_PER_TRANSITION
 
     def constraint(self, schema: dict) -> JsonSchemaConstraint:

@@ -562,8 +562,9 @@ def test_the_request_deadline_counts_from_arrival_to_when_the_batcher_produced_t
     """The deadline counts from the request's arrival to when the batcher produced what was
     waited for. A wait that completes without yielding to the event loop (a token already
     produced) can beat `wait_for`'s timer: it is still a 408 when it came late. A reply produced
-    in time is answered however late the event loop gets to it. On a 408 or a failed
-    generation every stream is cancelled and the charge refunded, once."""
+    in time is answered however late the event loop gets to it. On a 408, a failed generation
+    or a client gone every stream is cancelled and the charge refunded, once, but for the tokens
+    the streams had used."""
     import asyncio
     import time
     from types import SimpleNamespace
@@ -574,7 +575,8 @@ def test_the_request_deadline_counts_from_arrival_to_when_the_batcher_produced_t
     cancelled, refunds = [], []
 
     class Stream:
-        produced_at = None
+        produced_at = first_token_at = None
+        generated = 0
 
         def cancel(self):
             cancelled.append(self)
@@ -590,15 +592,15 @@ def test_the_request_deadline_counts_from_arrival_to_when_the_batcher_produced_t
         raise GenerationFailed("generation failed: the batcher stopped")
 
     server = SimpleNamespace(timeout_s=0.05, _refund=lambda tenant, n: refunds.append((tenant, n)))
-    server._abandon = lambda streams, tenant, charged: LLMServer.func_or_class._abandon(
-        server, streams, tenant, charged
+    server._abandon = lambda streams, tenant, charged, prompt: LLMServer.func_or_class._abandon(
+        server, streams, tenant, charged, prompt
     )
     in_time = LLMServer.func_or_class._in_time
 
-    def run(waits, started, produced_at=lambda s: s.produced_at):
+    def run(waits, started, produced_at=lambda s: s.produced_at, streams=None):
         cancelled.clear(), refunds.clear()
-        streams = [Stream(), Stream()]
-        return streams, asyncio.run(in_time(server, waits, streams, "t", 7, "late", started, produced_at))
+        streams = streams or [Stream(), Stream()]
+        return streams, asyncio.run(in_time(server, waits, streams, "t", 7, 2, "late", started, produced_at))
 
     for waits, started in (([ready(), ready()], time.perf_counter() - 0.06), ([blocking()], time.perf_counter())):
         with pytest.raises(ApiError) as err:
@@ -613,3 +615,16 @@ def test_the_request_deadline_counts_from_arrival_to_when_the_batcher_produced_t
     with pytest.raises(GenerationFailed):
         run([failing(), ready()], time.perf_counter())
     assert len(cancelled) == 2 and refunds == [("t", 7)]
+
+    # a client gone (the handler cancelled) after its streams generated 1 and 2 tokens: the
+    # prompt (2, prefilled) and those 3 stay paid for, only the rest of the charge comes back
+    generating = [Stream(), Stream()]
+    for stream, made in zip(generating, (1, 2)):
+        stream.generated, stream.first_token_at = made, time.perf_counter()
+
+    async def cancelled_by_the_client():
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        run([cancelled_by_the_client()], time.perf_counter(), streams=generating)
+    assert len(cancelled) == 2 and refunds == [("t", 7 - 2 - 3)]

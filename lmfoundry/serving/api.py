@@ -300,14 +300,16 @@ class LLMServer:
         if self.limiter is not None and unused > 0:
             self.limiter.refund.remote(tenant, unused)
 
-    async def _in_time(self, waits, streams, tenant: str, charged: int, message: str, started: float, produced_at):
+    async def _in_time(
+        self, waits, streams, tenant: str, charged: int, prompt_tokens: int, message: str, started: float, produced_at
+    ):
         """All of `waits` within the request timeout, counted from `started` (when the request
         arrived), or a 408. The deadline is checked again once the waits are done, against when
         the batcher produced what they waited for (`produced_at(stream)`, now if unknown): a wait
         that finishes without yielding to the event loop can beat `wait_for`'s timer however
         late it is, and a reply produced in time stays in time however late the event loop gets
         to it. On a 408, a failed generation or a client gone, every stream is cancelled (its
-        batch slot freed) and the charge refunded, once."""
+        batch slot freed) and what the charge did not pay for is refunded, once."""
         try:
             remaining = self.timeout_s - (time.perf_counter() - started)
             results = await asyncio.wait_for(asyncio.gather(*waits), max(remaining, 0.0))
@@ -316,17 +318,24 @@ class LLMServer:
         except asyncio.TimeoutError:
             late = True
         except BaseException:
-            self._abandon(streams, tenant, charged)
+            self._abandon(streams, tenant, charged, prompt_tokens)
             raise
         if not late:
             return results
-        self._abandon(streams, tenant, charged)
+        self._abandon(streams, tenant, charged, prompt_tokens)
         raise ApiError(408, message, "timeout_error", code="request_timeout")
 
-    def _abandon(self, streams, tenant: str, charged: int) -> None:
+    def _abandon(self, streams, tenant: str, charged: int, prompt_tokens: int) -> None:
+        """Cancel the streams and refund the charge but what they used: the tokens generated,
+        read or not, and the prompt once its prefill has run. A client that leaves (or a
+        request that times out) after a long generation still pays for it: the whole charge
+        back would let a tenant keep the model busy past its tokens-per-minute limit."""
         for s in streams:
             s.cancel()
-        self._refund(tenant, charged)
+        used = sum(s.generated for s in streams)
+        if any(s.first_token_at is not None for s in streams):
+            used += prompt_tokens
+        self._refund(tenant, charged - used)
 
     @staticmethod
     async def _compile(engine, schema: dict, field: str) -> None:
@@ -545,6 +554,7 @@ class LLMServer:
             streams,
             tenant,
             charged,
+            prompt_tokens,
             f"the request took longer than {self.timeout_s} s (request_timeout_s)",
             started,
             lambda s: s.ended_at or s.last_item_at,  # a stop string ends the reply before the batcher does
@@ -688,6 +698,7 @@ class LLMServer:
             streams,
             tenant,
             charged,
+            prompt_tokens,
             f"no token within {self.timeout_s} s (request_timeout_s)",
             started,
             lambda s: s.first_token_at or s.ended_at,  # a first token that is a stop id is a finish

@@ -181,6 +181,7 @@ class TextStream:
         self.first_token_at: float | None = None  # when the batcher produced it
         self.ended_at: float | None = None  # when the batcher produced the finish (or failed)
         self.last_item_at: float | None = None  # when the batcher produced its latest item
+        self.generated = 0  # tokens the batcher produced, read or not (what a client that left used)
         loop = asyncio.get_running_loop()
         # Items cross from the batcher's thread in a deque; the event loop is woken once per
         # batch of items, not once per token (a wake-up per token cost a replica 1-2 ms of each
@@ -193,6 +194,7 @@ class TextStream:
 
         def emit(item) -> None:  # on the batcher's thread
             self.last_item_at = now = time.perf_counter()
+            self.generated += isinstance(item, int)
             if self.first_token_at is None and isinstance(item, int):
                 self.first_token_at = now
             elif not isinstance(item, int):

@@ -18,8 +18,9 @@ import asyncio
 import json
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,12 +30,15 @@ from lmfoundry.agents.worker import AgentWorker
 from lmfoundry.agents.workflow import load_workflows
 from lmfoundry.platform import gate
 from lmfoundry.platform.keys import ApiKeysConfig, Authenticator
+from lmfoundry.platform.text import TextBody
 from lmfoundry.platform.tracing import TracingConfig
 
 # No /docs or /redoc; the schema only with a key (GET /openapi.json below), as in every app.
 app = FastAPI(title="lmfoundry agents", docs_url=None, redoc_url=None, openapi_url=None)
 app.add_middleware(gate.Gate, name="agents")
 app.add_exception_handler(StarletteHTTPException, gate.http_error)
+app.add_exception_handler(RequestValidationError, gate.invalid_body(422))
+app.add_exception_handler(Exception, gate.unexpected)
 
 
 class AgentServeConfig(ApiKeysConfig):
@@ -59,7 +63,7 @@ class AgentServeConfig(ApiKeysConfig):
     )
 
 
-class StartRun(BaseModel):
+class StartRun(TextBody):
     model_config = ConfigDict(extra="forbid")
     workflow: str
     input: str = Field(..., min_length=1, max_length=20000)

@@ -12,19 +12,23 @@ and Serve ships this class by value, without the module's globals to resolve str
 """
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmfoundry.align.review import ReviewError, ReviewStore
 from lmfoundry.platform import gate
 from lmfoundry.platform.keys import ApiKeysConfig, Authenticator
+from lmfoundry.platform.text import TextBody
 
 # No /docs or /redoc; the schema only with a key (GET /openapi.json below), as in every app.
 app = FastAPI(title="lmfoundry review queue", docs_url=None, redoc_url=None, openapi_url=None)
 app.add_middleware(gate.Gate, name="review")
 app.add_exception_handler(StarletteHTTPException, gate.http_error)
+app.add_exception_handler(RequestValidationError, gate.invalid_body(422))
+app.add_exception_handler(Exception, gate.unexpected)
 
 
 class ReviewServeConfig(ApiKeysConfig):
@@ -34,18 +38,18 @@ class ReviewServeConfig(ApiKeysConfig):
     route_prefix: str = "/review-queue"
 
 
-class Decision(BaseModel):
+class Decision(TextBody):
     model_config = ConfigDict(extra="forbid")
     decision: str
     dimensions: dict[str, str] = {}
 
 
-class Comment(BaseModel):
+class Comment(TextBody):
     model_config = ConfigDict(extra="forbid")
     body: str
 
 
-class Next(BaseModel):
+class Next(TextBody):
     model_config = ConfigDict(extra="forbid")
     kind: str | None = None
 

@@ -49,6 +49,28 @@ def error(
 _KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
+def invalid_body(status: int):
+    """A handler of FastAPI's RequestValidationError: `status` with each field and what is wrong
+    with it, never the value sent (FastAPI's own echoes it, and a value JSON cannot write, such
+    as a lone surrogate, turned the error itself into a 500)."""
+
+    async def handler(request: Request, exc) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        messages = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors
+        )
+        return error(status, f"invalid request: {messages}", param=param)
+
+    return handler
+
+
+async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """Anything else as a JSON error naming only the exception's type (not its text)."""
+    return error(500, f"internal error: {type(exc).__name__}", "api_error")
+
+
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """An HTTPException (403 from require_role, 413 from the body limit, 404) as an error object."""
     return error(exc.status_code, str(exc.detail), _KINDS.get(exc.status_code, "invalid_request_error"))

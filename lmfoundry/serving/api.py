@@ -72,20 +72,8 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     return error(exc.status, exc.message, exc.kind, exc.param, exc.code, exc.headers)
 
 
-@app.exception_handler(RequestValidationError)
-async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    messages = "; ".join(
-        f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
-    )
-    return error(400, f"invalid request: {messages}", param=param)
-
-
-@app.exception_handler(Exception)
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    return error(500, f"internal error: {type(exc).__name__}", "api_error")
+app.add_exception_handler(RequestValidationError, gate.invalid_body(400))
+app.add_exception_handler(Exception, gate.unexpected)
 
 
 @app.exception_handler(StarletteHTTPException)

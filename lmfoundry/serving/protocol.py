@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lmfoundry.platform.text import check_texts
 from lmfoundry.serving.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, PENALTY_RANGE
 
 # As OpenAI: a few short stop strings. The engine looks for each one in the text after every token.
@@ -21,39 +22,6 @@ MAX_NAMED_IGNORED = 16
 _NULL_MEANS_NULL = frozenset({"prompt", "messages"})
 # torch's generators take a 64-bit seed; each choice of a request adds its index to it.
 SEED_RANGE = (-(2**63), 2**63 - 1)
-_UNUSABLE = re.compile("[\x00\ud800-\udfff]")
-
-
-def text_problem(text: str) -> str | None:
-    """What makes a string unusable as model text, or None. JSON lets a client send `\\ud800`
-    (half of a UTF-16 pair, no character) and `\\u0000`; the tokenizer and the stores behind the
-    API cannot take either."""
-    bad = _UNUSABLE.search(text)
-    if bad is None:
-        return None
-    if bad.group() == "\x00":
-        return "contains a NUL character (\\u0000), which is not allowed in text"
-    return f"contains a lone UTF-16 surrogate (\\u{ord(bad.group()):04x}); text must be valid Unicode"
-
-
-def check_texts(data) -> None:
-    """Raise a ValueError naming the first string (value or key) anywhere in a request body that
-    `text_problem` refuses. Iterative: a body may be nested as deep as the JSON parser allows."""
-    stack = [("", data)]
-    while stack:
-        where, item = stack.pop()
-        if isinstance(item, str):
-            problem = text_problem(item)
-            if problem:
-                raise ValueError(f"{where or 'body'}: {problem}")
-        elif isinstance(item, dict):
-            for key, value in item.items():
-                path = f"{where}.{key}" if where else str(key)
-                if isinstance(key, str) and (problem := text_problem(key)):
-                    raise ValueError(f"{where or 'body'}: a key {problem}")
-                stack.append((path, value))
-        elif isinstance(item, list):
-            stack.extend((f"{where}[{i}]", value) for i, value in enumerate(item))
 
 
 class StreamOptions(BaseModel):

@@ -206,6 +206,30 @@ def test_user_key_cannot_approve_or_reject_agent_tool_calls_403(agents_app, keys
         assert c.get(f"/v1/agents/runs/{run_id}", headers=bearer(k["user_b"])).status_code == 404  # tenant scoped
 
 
+def test_text_no_store_can_hold_is_a_json_4xx_naming_the_field_on_the_agents_and_review_apis(
+    agents_app, review_app, keys
+):
+    """JSON carries lone UTF-16 surrogates and NULs; SQLite's driver cannot encode the first,
+    PostgreSQL's text the second. Each API refuses them before its store sees them, in a JSON
+    error that does not echo the value back (echoed, it made the error itself a 500)."""
+    _, k = keys
+    for bad in (b"x\\ud800", b"x\\u0000"):
+        with client(agents_app) as c:
+            body = b'{"workflow": "w", "input": "' + bad + b'"}'
+            r = c.post(
+                "/v1/agents/runs", headers={**bearer(k["user"]), "Content-Type": "application/json"}, content=body
+            )
+            assert r.status_code == 422 and "input" in r.json()["error"]["message"], r.text
+        with client(review_app) as c:
+            body = b'{"body": "' + bad + b'"}'
+            r = c.post(
+                "/v1/review/items/review-1/comments",
+                headers={**bearer(k["reviewer"]), "Content-Type": "application/json"},
+                content=body,
+            )
+            assert r.status_code == 422 and "body" in r.json()["error"]["message"], r.text
+
+
 def test_metrics_need_admin_so_tenant_a_never_sees_tenant_b_series(inference_app, keys):
     _, k = keys
     with client(inference_app) as c:

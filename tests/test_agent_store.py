@@ -61,6 +61,18 @@ def test_tenants_are_isolated_and_limited(store):
     assert store.active_count("acme") == 3
 
 
+def test_concurrent_starts_from_threads_and_replicas_never_pass_the_tenants_limit(store):
+    """40 starts at once from 8 threads over two stores (two replicas' connections): exactly the
+    limit's worth are queued, the rest refused; another tenant is not held up by them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    replicas = [store, AgentStore(store.db.dsn)]
+    with ThreadPoolExecutor(8) as pool:
+        started = list(pool.map(lambda i: replicas[i % 2].create("acme", "orders", f"q{i}", max_active=10), range(40)))
+    assert sum(run is not None for run in started) == 10 and store.active_count("acme") == 10
+    assert store.create("globex", "orders", "q", max_active=10) is not None
+
+
 def test_approvals_and_cancellation(store):
     run = store.create("acme", "refund", "refund 2", created_by="key_caller")
     lease = store.claim("w", 30, 4)

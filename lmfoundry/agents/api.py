@@ -160,14 +160,14 @@ class AgentAPI:
             return _error(400, f"workflow {body.workflow!r} is unknown; known: {sorted(self.workflows)}")
         if not self.workflows[body.workflow].allows(tenant):
             return _error(403, f"tenant {tenant} may not run workflow {body.workflow!r}")
-        if self.store.active_count(tenant) >= self.per_tenant_active:
+        run_id = self.store.create(tenant, body.workflow, body.input, request.state.key_id, self.per_tenant_active)
+        if run_id is None:
             self.metrics.refused(tenant)
             return _error(
                 429,
                 f"tenant {tenant} has {self.per_tenant_active} runs queued or running; retry later",
                 {"Retry-After": "5"},
             )
-        run_id = self.store.create(tenant, body.workflow, body.input, request.state.key_id)
         self.metrics.started(body.workflow, tenant)
         return {"id": run_id, "state": "queued"}
 

@@ -74,15 +74,30 @@ class AgentStore:
             except Exception:  # a store created before the column existed
                 self.db.run(f"ALTER TABLE agent_runs ADD COLUMN {name} {definition}")
 
-    def create(self, tenant: str, workflow: str, text: str, created_by: str | None = None) -> str:
-        """A queued run; `created_by` is the API key that started it (it may not approve it)."""
+    def create(
+        self, tenant: str, workflow: str, text: str, created_by: str | None = None, max_active: int | None = None
+    ) -> str | None:
+        """A queued run; `created_by` is the API key that started it (it may not approve it).
+        With `max_active`, None instead when the tenant already has that many runs queued or
+        running: counted and inserted in one transaction that holds the tenant's lock (SQLite's
+        write lock; a PostgreSQL advisory lock on the tenant), so that concurrent starts, from
+        the threads of one replica or from several, cannot all pass the count."""
         run_id = "run_" + uuid.uuid4().hex[:16]
         now = time.time()
-        self.db.run(
-            "INSERT INTO agent_runs (id, tenant, workflow, input, state, created_at, updated_at, created_by) "
-            "VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)",
-            (run_id, tenant, workflow, text, now, now, created_by),
-        )
+        with self.db.transaction() as tx:
+            if max_active is not None:
+                if self.db.postgres:
+                    tx.run("SELECT pg_advisory_xact_lock(hashtext(?))", (f"agent_runs:{tenant}",))
+                rows, _ = tx.run(
+                    "SELECT COUNT(*) FROM agent_runs WHERE tenant = ? AND state IN ('queued', 'running')", (tenant,)
+                )
+                if rows[0][0] >= max_active:
+                    return None
+            tx.run(
+                "INSERT INTO agent_runs (id, tenant, workflow, input, state, created_at, updated_at, created_by) "
+                "VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)",
+                (run_id, tenant, workflow, text, now, now, created_by),
+            )
         return run_id
 
     def get(self, run_id: str, tenant: str | None = None) -> dict | None:

@@ -56,3 +56,38 @@ def test_a_checkpoint_brings_its_own_template(tmp_path):
     (tmp_path / CHAT_TEMPLATE_FILE).write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
     assert ChatTemplate.from_checkpoint(tmp_path).render([{"role": "user", "content": "hi"}]) == "[user] hi\n"
     assert ChatTemplate.from_checkpoint(tmp_path / "missing").source == ChatTemplate().source
+
+
+def test_a_template_cannot_ask_for_unbounded_memory_or_time_and_a_refusal_is_the_clients_400():
+    """A template is data from a checkpoint. Jinja's sandbox keeps it from Python objects but
+    not from size: `'a' * 2**36` (64 GiB, folded when the template compiles) and nested
+    range(100000) loops (hours of every request) are refused at render, quickly; what a
+    template refuses reaches a client as a 400 naming the messages."""
+    import time
+    from types import SimpleNamespace
+
+    import pytest
+
+    from lmfoundry.model.chat_template import ChatTemplateError
+    from lmfoundry.serving.api import ApiError, render_chat
+
+    hi = [{"role": "user", "content": "hi"}]
+    for source, why in [
+        ("{{ 'a' * 2**36 }}", "repeated a sequence past"),
+        ("{{ 7 ** 10000000 }}", "power above 64"),
+        ("{{ 'a' * 1000000000 }}", "repeated a sequence past"),
+        ("{{ [0] * 100000000 }}", "repeated a sequence past"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "range"),
+        ("{% for m in messages %}{{ raise_exception('roles must alternate') }}{% endfor %}", "roles must alternate"),
+    ]:
+        started = time.perf_counter()
+        template = ChatTemplate(source)
+        with pytest.raises(ChatTemplateError, match=why):
+            template.render(hi)
+        assert time.perf_counter() - started < 1.0, source
+        with pytest.raises(ApiError) as refused:
+            render_chat(SimpleNamespace(chat_template=template), hi)
+        assert refused.value.status == 400 and refused.value.param == "messages"
+    # within the limits, a template renders as before, range and repetition included
+    fine = ChatTemplate("{% for i in range(3) %}{{ '-' * 2 }}{% endfor %}{{ messages[0].content * 2 }}")
+    assert fine.render(hi) == "------hihi"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate
+from lmfoundry.model.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate, ChatTemplateError
 from lmfoundry.model.checkpoint import MODEL_CONFIG, TOKENIZER, WEIGHTS
 from lmfoundry.model.hf_layout import Arch, layout, our_shape
 from lmfoundry.model.hf_layout import join as join_tensors
@@ -256,7 +256,10 @@ def import_hf(
         raise ValueError(f"{src}/tokenizer.json is not a tokenizers JSON file: {str(e)[:200]}") from None
     template = _chat_template(src, tok_config)
     special = _special_tokens(src, tok_config, tok)
-    ChatTemplate(template, special)  # compiles, or says why not, before any weight is read
+    try:  # compiles and renders a one-message chat, or says why not, before any weight is read
+        ChatTemplate(template, special).render([{"role": "user", "content": "Hello"}])
+    except ChatTemplateError as e:
+        raise ValueError(f"{src}: {e} (a chat of one user message)") from None
     weights = SafetensorsDir(src)
     try:
         cfg = model_config_from_hf(hf, weights, max_seq_len)

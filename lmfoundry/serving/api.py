@@ -23,6 +23,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmfoundry.clients.reward import RewardScorer
+from lmfoundry.model.chat_template import ChatTemplateError
 from lmfoundry.platform import gate
 from lmfoundry.platform.gate import error
 from lmfoundry.platform.keys import Authenticator
@@ -90,6 +91,14 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body: say why
         message = f"{message}: {body_problem(exc.__cause__)}"
     return error(exc.status_code, message, kind)
+
+
+def render_chat(engine, messages: list[dict], tools: list[dict] = (), forced: bool = False) -> str:
+    """The chat through the model's template; a chat the template refuses is a 400."""
+    try:
+        return engine.chat_template.render(messages, tools, forced)
+    except ChatTemplateError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
 
 
 def body_problem(cause: BaseException) -> str:
@@ -389,7 +398,7 @@ class LLMServer:
         """As vLLM's: a prompt, or messages through the chat template, to token ids."""
         engine = self.engines[self._version(req)]
         if req.messages is not None:
-            text = engine.chat_template.render([m.model_dump(exclude_none=True) for m in req.messages])
+            text = render_chat(engine, [m.model_dump(exclude_none=True) for m in req.messages])
         else:
             text = req.prompt
         ids = engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens).ids
@@ -436,7 +445,7 @@ class LLMServer:
         schema, field = reply_schema(req)  # the static limits first: before anything is rendered
 
         def prompts(engine) -> list[str]:
-            return [engine.chat_template.render(messages, offered, forced)]
+            return [render_chat(engine, messages, offered, forced)]
 
         return await self._serve("chat", request, req, prompts, tools, schema, field)
 

@@ -73,6 +73,15 @@ def test_concurrent_starts_from_threads_and_replicas_never_pass_the_tenants_limi
     assert store.create("globex", "orders", "q", max_active=10) is not None
 
 
+def test_a_models_output_that_no_store_can_hold_is_kept_with_replacement_characters(store):
+    """A byte-level tokenizer can decode a 0x00 byte, which PostgreSQL's text refuses: the run
+    ends with its answer kept, not with a worker stuck on the write."""
+    store.create("acme", "orders", "q")
+    lease = store.claim("w", 30, per_tenant=4)
+    store.set_state(lease, "succeeded", output="a\x00b\ud800c", error=None)
+    assert store.get(lease.run_id)["output"] == "a\ufffdb\ufffdc"
+
+
 def test_approvals_and_cancellation(store):
     run = store.create("acme", "refund", "refund 2", created_by="key_caller")
     lease = store.claim("w", 30, 4)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from lmfoundry.platform.db import Database, Transaction
 from lmfoundry.platform.log import get_logger
+from lmfoundry.platform.text import storable
 
 logger = get_logger(__name__)
 
@@ -176,7 +177,8 @@ class AgentStore:
             self._put_step(tx, lease.run_id, n, kind, status, payload, key, seconds)
 
     def set_state(self, lease: Lease, state: str, output: str | None = None, error: str | None = None) -> None:
-        """End the leased run (or park it), releasing the lease; `LeaseLost` when it is stale."""
+        """End the leased run (or park it), releasing the lease; `LeaseLost` when it is stale. The
+        output is the model's text: a NUL or lone surrogate in it is kept as U+FFFD."""
         if state not in STATES or state == "running":
             raise ValueError(f"state {state!r}: a worker sets one of {[s for s in STATES if s != 'running']}")
         with self.db.transaction() as tx:
@@ -184,7 +186,7 @@ class AgentStore:
             tx.run(
                 "UPDATE agent_runs SET state = ?, output = COALESCE(?, output), error = COALESCE(?, error), "
                 "updated_at = ?, lease_owner = NULL, lease_until = NULL WHERE id = ? AND lease_token = ?",
-                (state, output, error, time.time(), lease.run_id, lease.token),
+                (state, storable(output), storable(error), time.time(), lease.run_id, lease.token),
             )
 
     def await_approval(self, lease: Lease, n: int, payload: dict) -> None:

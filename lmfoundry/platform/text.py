@@ -54,3 +54,9 @@ class TextBody(BaseModel):
     def _usable_texts(cls, data):
         check_texts(data)
         return data
+
+
+def storable(text: str | None) -> str | None:
+    """`text` with each NUL and lone surrogate replaced by U+FFFD: for text a model wrote (a
+    byte-level tokenizer can decode a 0x00 byte), which a store must keep rather than refuse."""
+    return None if text is None else _UNUSABLE.sub("\ufffd", text)

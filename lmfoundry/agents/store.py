@@ -88,6 +88,9 @@ class AgentStore:
         with self.db.transaction() as tx:
             if max_active is not None:
                 if self.db.postgres:
+                    # read committed whatever the server's default: the count after the lock must
+                    # see the runs the last holder committed, not a snapshot taken before it
+                    tx.run("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
                     tx.run("SELECT pg_advisory_xact_lock(hashtext(?))", (f"agent_runs:{tenant}",))
                 rows, _ = tx.run(
                     "SELECT COUNT(*) FROM agent_runs WHERE tenant = ? AND state IN ('queued', 'running')", (tenant,)

@@ -245,21 +245,48 @@ _REFUSED_FUNCTION_PREFIXES = (
 )  # fmt: skip
 # PostgreSQL has no authorizer to ask, and thousands of functions, some of which run SQL given as
 # text that the parser never sees (ts_rewrite, the *_to_xml family): a query may call only these,
-# by the name sqlglot gives them (strpos is str_position, string_agg group_concat, to_char
-# time_to_str, date_trunc timestamp_trunc, x->>'k' json_extract_scalar, unnest explode). Not
-# repeat or lpad/rpad: one call can ask the server for a gigabyte.
+# by the name sqlglot gives them (strpos is str_position, string_agg group_concat, json_agg
+# j_s_o_n_array_agg, to_char time_to_str, to_timestamp str_to_time, date_trunc timestamp_trunc,
+# x->>'k' json_extract_scalar, x @> y array_contains_all, x ? 'k' j_s_o_n_b_contains_top_key),
+# and the syntax sqlglot parses as functions (EXISTS, ARRAY[...], unnest, CASE, CAST). What a
+# query may compute is bounded by the statement timeout and the server's limits, not this list.
 POSTGRES_FUNCTIONS = {
+    # syntax
+    "exists", "array", "unnest", "explode", "cast", "try_cast", "case", "if",
+    # aggregates
     "count", "sum", "avg", "min", "max", "group_concat", "array_agg", "logical_and", "logical_or",
     "every", "stddev", "stddev_pop", "stddev_samp", "variance", "variance_pop", "percentile_cont",
-    "percentile_disc", "mode", "corr", "lower", "upper", "length", "octet_length", "substring", "trim",
-    "replace", "str_position", "left", "right", "concat", "concat_ws", "initcap", "split_part",
-    "starts_with", "reverse", "md5", "regexp_replace", "regexp_like", "time_to_str", "str_to_date",
-    "unix_to_time", "to_number", "abs", "round", "ceil", "floor", "trunc", "power", "sqrt", "exp",
-    "ln", "log", "sign", "greatest", "least", "coalesce", "nullif", "rand", "current_timestamp",
-    "current_date", "timestamp_trunc", "extract", "age", "make_date", "make_interval", "justify_days",
-    "cast", "try_cast", "case", "if", "json_extract_scalar", "json_extract", "jsonb_extract_path_text",
-    "json_array_length", "jsonb_array_length", "row_number", "rank", "dense_rank", "lag", "lead",
-    "first_value", "last_value", "array_size", "cardinality", "explode", "exploding_generate_series",
+    "percentile_disc", "mode", "corr", "covar_pop", "covar_samp", "regr_slope", "regr_intercept",
+    "regr_r2", "regr_count", "regr_avgx", "regr_avgy", "grouping", "j_s_o_n_array_agg", "jsonb_agg",
+    # window
+    "row_number", "rank", "dense_rank", "percent_rank", "cume_dist", "ntile", "lag", "lead",
+    "first_value", "last_value", "nth_value",
+    # strings
+    "lower", "upper", "length", "octet_length", "substring", "trim", "replace", "str_position", "left",
+    "right", "concat", "concat_ws", "initcap", "split_part", "starts_with", "reverse", "md5",
+    "regexp_replace", "regexp_like", "overlay", "translate", "chr", "ascii", "pad", "repeat",
+    "array_to_string", "string_to_array",
+    # numbers
+    "abs", "round", "ceil", "floor", "trunc", "power", "sqrt", "cbrt", "exp", "ln", "log", "sign",
+    "degrees", "radians", "pi", "width_bucket", "gcd", "lcm", "greatest", "least", "rand",
+    "to_number", "num_nulls", "num_nonnulls",
+    # dates and times
+    "current_timestamp", "current_date", "current_time", "localtimestamp", "localtime", "date",
+    "timestamp_trunc", "extract", "age", "make_date", "make_interval", "justify_days",
+    "time_to_str", "str_to_date", "str_to_time", "unix_to_time",
+    # conditional
+    "coalesce", "nullif",
+    # JSON
+    "json_extract_scalar", "json_extract", "jsonb_extract_scalar", "jsonb_extract",
+    "jsonb_extract_path_text", "json_array_length", "jsonb_array_length", "json_build_object",
+    "jsonb_build_object", "to_json", "to_jsonb", "json_typeof", "jsonb_typeof", "json_array_elements",
+    "jsonb_array_elements", "json_each", "jsonb_each", "json_object_keys", "jsonb_object_keys",
+    "array_contains_all", "j_s_o_n_b_contains_top_key", "j_s_o_n_b_contains_all_top_keys",
+    "j_s_o_n_b_contains_any_top_keys", "jsonb_contains",
+    # operators sqlglot parses as functions
+    "array_contains", "array_contained_by", "array_overlaps", "regexp_i_like", "collate",
+    # arrays and series
+    "array_size", "cardinality", "exploding_generate_series",
 }  # fmt: skip
 # SQLite's authorizer allows only these functions (an allow-list: an unknown one is refused).
 SQLITE_FUNCTIONS = {
@@ -341,7 +368,7 @@ def check_sql(query: str, dialect: str, allow_writes: bool = False, _depth: int 
             name = _function_name(node)
             if _refused_function(name):
                 raise ToolError(f"function {name}() is not allowed: it reaches outside the query")
-            if dialect == "postgres" and name not in POSTGRES_FUNCTIONS:
+            if dialect == "postgres" and name not in POSTGRES_FUNCTIONS and not isinstance(node, sqlglot_exp.Connector):
                 raise ToolError(
                     f"function {name}() is not allowed; allowed: aggregates, window, string, number, date, "
                     "JSON and conditional functions (tools.POSTGRES_FUNCTIONS)"

@@ -105,7 +105,8 @@ def _moe(hf: dict, arch: str) -> MoEConfig | None:
         if hf.get("decoder_sparse_step", 1) != 1:
             raise _refuse("decoder_sparse_step", hf["decoder_sparse_step"], "1 (every layer after the dense ones MoE)")
         dense = hf.get("mlp_only_layers") or []
-        if not isinstance(dense, list) or sorted(dense, key=repr) != list(range(len(dense))):
+        integers = isinstance(dense, list) and all(type(i) is int for i in dense)
+        if not integers or sorted(dense) != list(range(len(dense))):
             raise _refuse("mlp_only_layers", dense, "the leading layers [0, 1, ..., k-1] or []")
         return MoEConfig(
             num_experts=_count(hf, "num_experts" if "num_experts" in hf else "num_local_experts"),

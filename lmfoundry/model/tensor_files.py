@@ -9,8 +9,10 @@ opening a file only for the tensors asked for and closing it again, so no shard 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -45,13 +47,19 @@ def read_source_file(directory: Path, name: str, limit: int = MAX_SOURCE_FILE_BY
     can read, which an import would then seal into its checkpoint), and so is a file that is not
     a regular one or holds more than `limit` bytes (read at most limit + 1)."""
     path = directory / name
-    if path.is_symlink():
-        raise ValueError(f"{directory}: {name} is a symbolic link; a model directory's files must be its own")
-    if not path.exists():
+    try:  # O_NOFOLLOW: a link is refused when opened, not checked first and swapped in after
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
         return None
-    if not path.is_file():
-        raise ValueError(f"{directory}: {name} is not a regular file")
-    with open(path, "rb") as f:
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(
+                f"{directory}: {name} is a symbolic link; a model directory's files must be its own"
+            ) from None
+        raise
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a FIFO or a device would never end
+            raise ValueError(f"{directory}: {name} is not a regular file")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"{directory}: {name} holds more than {limit:,} bytes; at most {limit:,} allowed")

@@ -172,6 +172,7 @@ def read_pack_tokenizer(data: str, pack_manifest: dict) -> str:
     a name leading out of the pack directory, or a link there, would publish whatever it reached."""
     from tokenizers import Tokenizer
 
+    from lmfoundry.model.tensor_files import read_source_file
     from lmfoundry.model.tokenizer import MAX_TOKENIZER_BYTES
 
     named = pack_manifest.get("tokenizer")
@@ -180,12 +181,16 @@ def read_pack_tokenizer(data: str, pack_manifest: dict) -> str:
             f"pack output {data!r}: its manifest names the tokenizer {str(named)[:80]!r}, not {TOKENIZER!r}"
         )
     uri = storage.join(data, TOKENIZER)
-    if not storage.is_remote(uri) and Path(uri).is_symlink():
-        raise ValueError(f"pack output {data!r}: {TOKENIZER} is a link; a pack output holds its own")
     try:
-        text = storage.read_bytes(uri, limit=MAX_TOKENIZER_BYTES).decode("utf-8")
+        if storage.is_remote(uri):
+            raw = storage.read_bytes(uri, limit=MAX_TOKENIZER_BYTES)
+        else:  # opened without following a link (not checked first and swapped in after)
+            raw = read_source_file(Path(uri).parent, TOKENIZER, MAX_TOKENIZER_BYTES)
+            if raw is None:
+                raise FileNotFoundError(uri)
+        text = raw.decode("utf-8")
         tokenizer_vocab = Tokenizer.from_str(text).get_vocab_size()
-    except Exception as e:  # missing, too large, not a file, not UTF-8, not a tokenizer: which, and where
+    except Exception as e:  # missing, a link, too large, not a file, not UTF-8, not a tokenizer: which, and where
         raise ValueError(f"pack output {data!r}: {TOKENIZER} is not a usable tokenizer: {str(e)[:200]}") from None
     vocab, seq_len = pack_manifest.get("vocab_size"), pack_manifest.get("seq_len")
     if type(vocab) is not int or not tokenizer_vocab <= vocab <= MAX_PACK_VOCAB:

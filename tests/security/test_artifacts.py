@@ -448,7 +448,11 @@ def test_a_pack_tokenizer_that_is_a_link_or_not_a_tokenizer_is_refused(tmp_path)
     data = make_pack(tmp_path / "packed")
     (data / "tokenizer.json").unlink()
     (data / "tokenizer.json").symlink_to(tmp_path / "secret.txt")
-    with pytest.raises(ValueError, match="tokenizer.json is a link"):
+    with pytest.raises(ValueError, match="tokenizer.json is a symbolic link"):
+        pretrain_on(data, tmp_path / "run")
+    (data / "tokenizer.json").unlink()
+    os.mkfifo(data / "tokenizer.json")  # a read that would never end
+    with pytest.raises(ValueError, match="not a regular file"):
         pretrain_on(data, tmp_path / "run")
     (data / "tokenizer.json").unlink()
     (data / "tokenizer.json").write_text('{"not": "a tokenizer"}')

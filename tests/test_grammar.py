@@ -177,3 +177,22 @@ def test_literals_are_not_rewritten_and_contradictory_bounds_are_refused(grammar
     assert write(constraint, json.dumps(literal).encode()) == (json.dumps(literal).encode(), True)
     with pytest.raises(SchemaRefused, match="minLength=5 is above maxLength=2"):
         check_schema({"type": "string", "minLength": 5, "maxLength": 2})
+
+
+def test_a_compile_over_its_memory_is_the_schemas_fault_and_a_broken_compiler_the_servers(grammars, monkeypatch):
+    """The child's address space is limited: a schema whose automaton outgrows it is refused
+    (a 400), as one past the timeout is. A child that fails for a reason of the server's (here
+    it cannot even start) is CompilerFailed, a 503, never a 400 blaming the client's schema."""
+    import sys
+
+    from lmfoundry.serving import grammar_compile
+
+    hostile = json.dumps({"type": "string", "pattern": ".*a.{20}"})
+    why = grammar_compile.build_index(hostile, "", grammars.vocabulary, MAX_TRANSITIONS, 60, memory=150 << 20)
+    assert isinstance(why, str) and "took more than 150 MiB" in why
+    plain = json.dumps({"type": "string"})
+    index, transitions = grammar_compile.build_index(plain, "", grammars.vocabulary, MAX_TRANSITIONS, 60)
+    assert transitions > 0 and index.get_transitions()
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(grammar_compile.CompilerFailed, match="exit code 1"):
+        grammar_compile.build_index(plain, "", grammars.vocabulary, MAX_TRANSITIONS, 60)

@@ -37,6 +37,7 @@ from lmfoundry.serving.canary import CanaryConfig, CanaryWatch
 from lmfoundry.serving.engine import InferenceEngine
 from lmfoundry.serving.errors import ApiError, overloaded
 from lmfoundry.serving.grammar import GrammarBusy, SchemaRefused
+from lmfoundry.serving.grammar_compile import CompilerFailed
 from lmfoundry.serving.metrics import ServingMetrics
 from lmfoundry.serving.protocol import (
     ChatCompletionRequest,
@@ -342,7 +343,9 @@ class LLMServer:
             await engine.grammars.prepare(schema)
         except SchemaRefused as e:
             raise ApiError(400, f"{field}: {e}", param=field, code="invalid_schema") from None
-        except GrammarBusy as e:
+        except (GrammarBusy, CompilerFailed) as e:
+            if isinstance(e, CompilerFailed):
+                logger.error("%s", e)
             raise overloaded(str(e), retry_after_s=5) from None
 
     def _start(self, engine, prompts: list[Prompt], req, params, schema, field: str, tenant: str) -> list:

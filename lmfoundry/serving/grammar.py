@@ -234,7 +234,7 @@ class Grammars:
             raise
         future.add_done_callback(lambda _: self._free.release())
         # the compile's child process is killed at timeout_s, and the thread returns then; the
-        # margin covers starting the fork server on the first compile
+        # margin covers starting the child on a busy machine
         try:
             await asyncio.wait_for(asyncio.wrap_future(future), timeout_s + 30)
         except asyncio.TimeoutError:

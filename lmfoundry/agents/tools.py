@@ -364,6 +364,10 @@ def check_sql(query: str, dialect: str, allow_writes: bool = False, _depth: int 
             continue
         if isinstance(node, _REFUSED_NODES):
             raise ToolError(f"{node.key.upper()} is not allowed in a read-only query; allowed: {allowed}")
+        if dialect == "postgres" and isinstance(node, sqlglot_exp.Dot):
+            # PostgreSQL reads `(x).name` as the call name(x) when no field is called so: a way
+            # to call any one-argument function that the function checks never see
+            raise ToolError(f"field selection {node.sql(dialect='postgres')[:80]!r} is not allowed: (x).f calls f(x)")
         if isinstance(node, sqlglot_exp.Func):
             name = _function_name(node)
             if _refused_function(name):

@@ -47,9 +47,11 @@ class RopeScaling(StageConfig):
         return self
 
 
-# The longest context a model is built for: its rotary tables are max_seq_len rows (a table of
-# 2 million positions at head_dim 128 takes 1 GiB), made when the model is, whatever its weights
+# The longest context a model is built for, and the largest rotary tables: max_seq_len rows of
+# head_dim / 2 angles, cos and sin, made when the model is, whatever its weights (2 million
+# positions at head_dim 128 take 1 GiB in fp32)
 MAX_SEQ_LEN = 1 << 21
+MAX_ROTARY_ELEMENTS = MAX_SEQ_LEN * 128
 
 
 class ModelConfig(StageConfig):
@@ -83,6 +85,11 @@ class ModelConfig(StageConfig):
             raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
+        if self.max_seq_len * self.head_dim > MAX_ROTARY_ELEMENTS:
+            raise ValueError(
+                f"max_seq_len={self.max_seq_len} x head dim {self.head_dim} is past {MAX_ROTARY_ELEMENTS:,}, "
+                "the largest rotary tables lmfoundry builds (2,097,152 positions at head dim 128)"
+            )
         if self.reward_head and self.tie_embeddings:
             raise ValueError("reward_head: set tie_embeddings false (a scalar head cannot share the embedding)")
         return self

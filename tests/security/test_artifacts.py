@@ -541,3 +541,19 @@ def test_an_adapter_over_a_base_whose_config_changed_is_refused(tmp_path):
     for load in (load_model_files, load_model_on_meta):
         with pytest.raises(ValueError, match="its model config is not its base"):
             load(tmp_path / "adapter")
+
+
+def test_a_model_config_cannot_claim_rotary_tables_its_weights_do_not_pay_for():
+    """The rotary tables (max_seq_len x head_dim) are made when the model is built and are not
+    in the weights file, so the header check cannot bound them: the config does. A 0.5 MB
+    checkpoint of one 8,192-wide head at 2 million positions asked for 64 GiB."""
+    from pydantic import ValidationError
+
+    from lmfoundry.model.transformer import ModelConfig
+
+    shape = dict(vocab_size=16, n_layer=1, d_model=8, n_head=1, n_kv_head=1, ffn_hidden_size=8)
+    with pytest.raises(ValidationError, match="largest rotary tables"):
+        ModelConfig(max_seq_len=2**21, attention_head_dim=8192, **shape)
+    with pytest.raises(ValidationError, match="less than or equal to 2097152"):
+        ModelConfig(max_seq_len=2**21 + 1, **shape)
+    ModelConfig(max_seq_len=2**20, attention_head_dim=256, **shape)  # a million positions at Gemma's heads

@@ -78,6 +78,9 @@ POSTGRES_ATTACKS = [
     "SELECT table_to_xml('docs', true, true, '')",
     "SELECT current_setting('data_directory')",
     "SELECT inet_server_addr()",
+    # (x).f is the call f(x) to PostgreSQL, and no function call to the parser
+    "SELECT (a).ts_stat FROM (SELECT 'select set_config(''app.tenant'',''acme'',true)::tsvector'::text AS a) v",
+    "SELECT (3.0::float8).pg_sleep",
 ]
 
 SQLITE_ATTACKS = [

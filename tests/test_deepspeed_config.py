@@ -47,8 +47,11 @@ def test_no_warmup_is_refused_for_the_cosine_schedule_that_cannot_take_it_and_al
 def test_too_little_data_for_one_micro_batch_is_refused_before_training(tmp_path):
     import json
 
+    from tokenizers import Tokenizer, models
+
     from lmfoundry.train.pretrain import run_pretrain
 
+    (tmp_path / "tokenizer.json").write_text(Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).to_str())
     (tmp_path / "_MANIFEST.json").write_text(
         json.dumps(
             {
@@ -56,7 +59,9 @@ def test_too_little_data_for_one_micro_batch_is_refused_before_training(tmp_path
                 "seq_len": 128,
                 "vocab_size": 512,
                 "tokenizer": "tokenizer.json",
-                "splits": {"train": {"sequences": 10}},
+                "sequences_per_shard": 16,
+                "rows_per_group": 4,
+                "splits": {"train": {"sequences": 10, "shards": 1}},
             }
         )
     )

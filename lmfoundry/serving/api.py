@@ -336,11 +336,11 @@ class LLMServer:
         self._refund(tenant, charged - used)
 
     @staticmethod
-    async def _compile(engine, schema: dict, field: str) -> None:
+    async def _compile(engine, schema: dict, field: str, tenant: str) -> None:
         """The reply schema's automaton, built off the event loop under limits and a timeout
         (grammar.py), so that a hostile schema is a 400 and never a hung replica."""
         try:
-            await engine.grammars.prepare(schema)
+            await engine.grammars.prepare(schema, tenant=tenant)
         except SchemaRefused as e:
             raise ApiError(400, f"{field}: {e}", param=field, code="invalid_schema") from None
         except (GrammarBusy, CompilerFailed) as e:
@@ -538,7 +538,7 @@ class LLMServer:
         await self._admit(tenant, charged)
         try:
             if schema is not None:
-                await self._compile(engine, schema, field)
+                await self._compile(engine, schema, field, tenant)
             streams = self._start(engine, prepared, req, params, schema, field, tenant)
         except ApiError:
             self._refund(tenant, charged)

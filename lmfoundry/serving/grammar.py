@@ -81,6 +81,7 @@ def token_bytes(tokenizer: Tokenizer) -> dict[int, bytes]:
 # second for vocabularies of tens of thousands of tokens; past them a 400 names the limit.
 MAX_SCHEMA_BYTES = 32 * 1024  # the schema's JSON, all tools together
 MAX_DEPTH = 10  # nested subschemas, $refs followed
+MAX_JSON_DEPTH = 32  # nested objects and arrays of the schema's JSON, keys no subschema names included
 MAX_SUBSCHEMAS = 512  # all subschemas, $refs followed (a ref used twice counts twice)
 MAX_PROPERTIES = 256  # object properties, all objects together
 MAX_ENUM_VALUES = 256  # enum values, all enums together
@@ -128,6 +129,16 @@ def check_schema(schema) -> str:
         raise SchemaRefused(f"the schema is not plain JSON ({e})") from None
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise SchemaRefused(f"the schema is {len(text.encode())} bytes of JSON; the limit is {MAX_SCHEMA_BYTES}")
+    # the whole document, not only the subschemas _walk follows: the steps after it walk it all
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise SchemaRefused(f"the schema's JSON nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
     counts = {"subschemas": 0, "properties": 0, "enum values": 0}
     _walk(schema, schema, 1, (), counts)
     return text
@@ -219,20 +230,37 @@ class Grammars:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="schema-compile")
         self._free = threading.Semaphore(COMPILE_THREADS)  # held until a compile ends, timed out or not
+        self._compiling: set[str | None] = set()  # the tenants holding a slot
 
-    async def prepare(self, schema: dict, timeout_s: float | None = None) -> None:
+    async def prepare(self, schema: dict, timeout_s: float | None = None, tenant: str | None = None) -> None:
         """Check and compile `schema` into the cache without blocking the event loop. Raises
         SchemaRefused (over a limit, uncompilable, or slower than `timeout_s`, by default
-        COMPILE_TIMEOUT_S) or GrammarBusy."""
+        COMPILE_TIMEOUT_S) or GrammarBusy. A schema already cached takes no compile slot, and a
+        `tenant` holds at most one slot at a time: one tenant's slow schemas cannot hold up the
+        others' compiles, nor anyone's cached ones."""
         timeout_s = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
-        if not self._free.acquire(blocking=False):
-            raise GrammarBusy(f"all {COMPILE_THREADS} schema compile threads are busy")
+        key = check_schema(schema)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return
+            if tenant is not None and tenant in self._compiling:
+                raise GrammarBusy(f"a schema of tenant {tenant} is compiling; one at a time")
+            if not self._free.acquire(blocking=False):
+                raise GrammarBusy(f"all {COMPILE_THREADS} schema compile threads are busy")
+            self._compiling.add(tenant)
+
+        def release(_) -> None:
+            with self._lock:
+                self._compiling.discard(tenant)
+            self._free.release()
+
         try:
             future = self._pool.submit(self._index, schema, timeout_s)
         except BaseException:
-            self._free.release()
+            release(None)
             raise
-        future.add_done_callback(lambda _: self._free.release())
+        future.add_done_callback(release)
         # the compile's child process is killed at timeout_s, and the thread returns then; the
         # margin covers starting the child on a busy machine
         try:

@@ -364,6 +364,14 @@ def _nested(depth: int) -> dict:
     return schema
 
 
+def _nested_json(levels: int) -> dict:
+    """{"a": {"a": ...}} under a key no subschema names: only the whole document's depth sees it."""
+    node: dict = {}
+    for _ in range(levels):
+        node = {"a": node}
+    return node
+
+
 def _laughs(levels: int) -> dict:
     """Each definition refers to the one below 8 times: 8**levels subschemas once expanded."""
     defs = {"l0": {"type": "integer"}}
@@ -392,6 +400,7 @@ def _laughs(levels: int) -> dict:
         ({"type": "object", "properties": ["a"]}, "properties is a list; it must be an object"),
         ({"anyOf": 5}, "anyOf is a int; it must be a list"),
         ({"type": "object", "required": "a"}, "required is a str"),
+        ({"type": "object", "x-note": _nested_json(600)}, "nests deeper than 32 levels"),
     ],
 )
 def test_hostile_tool_and_response_schemas_are_a_quick_400_naming_the_limit(api, parameters, limit):
@@ -448,8 +457,9 @@ def test_slow_schemas_are_stopped_at_their_deadline_and_busy_refuses_only_while_
     `.*a.{20}`: the build's time and memory double with the count). Each compiles in a child
     process that is killed at the timeout: the event loop keeps ticking, the callers get
     SchemaRefused at the timeout, a third schema meets GrammarBusy at once while both compile
-    slots are taken, and then the slots are free again: an ordinary schema compiles, not a 503
-    for every tenant until the runaway builds end."""
+    slots are taken (a cached schema meanwhile takes none, and a tenant holds one slot at most),
+    and then the slots are free again: an ordinary schema compiles, not a 503 for every tenant
+    until the runaway builds end."""
     from tokenizers import Tokenizer
 
     from lmfoundry.model.tokenizer import eos_id
@@ -473,13 +483,21 @@ def test_slow_schemas_are_stopped_at_their_deadline_and_busy_refuses_only_while_
                 last = now
 
         beat = asyncio.create_task(heartbeat())
+        cached = {"type": "object", "properties": {"n": {"type": "integer"}}}
+        await grammars.prepare(cached, tenant="c")
         started = time.perf_counter()
-        slow = [asyncio.create_task(grammars.prepare(schema, timeout_s=1.0)) for schema in hostile]
+        slow = [
+            asyncio.create_task(grammars.prepare(schema, timeout_s=1.0, tenant=tenant))
+            for schema, tenant in zip(hostile, "ab")
+        ]
         await asyncio.sleep(0.2)
         asked = time.perf_counter()
-        with pytest.raises(grammar.GrammarBusy):
-            await grammars.prepare({"type": "string", "maxLength": 4}, timeout_s=1.0)
+        with pytest.raises(grammar.GrammarBusy, match="all 2 schema compile threads are busy"):
+            await grammars.prepare({"type": "string", "maxLength": 4}, timeout_s=1.0, tenant="c")
         busy_after = time.perf_counter() - asked
+        await grammars.prepare(cached, tenant="c")  # a cached schema takes no slot
+        with pytest.raises(grammar.GrammarBusy, match="tenant a is compiling"):
+            await grammars.prepare({"type": "string", "maxLength": 5}, tenant="a")
         outcomes = await asyncio.gather(*slow, return_exceptions=True)
         refused_after = time.perf_counter() - started
         await grammars.prepare({"type": "object", "properties": {"city": {"type": "string"}}})

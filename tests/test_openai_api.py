@@ -628,3 +628,83 @@ def test_the_request_deadline_counts_from_arrival_to_when_the_batcher_produced_t
     with pytest.raises(asyncio.CancelledError):
         run([cancelled_by_the_client()], time.perf_counter(), streams=generating)
     assert len(cancelled) == 2 and refunds == [("t", 7 - 2 - 3)]
+
+
+def test_a_reasoning_request_that_times_out_pays_for_the_samples_it_generated():
+    """Majority voting over 64 samples of up to 32,768 tokens each, against a 0.3 s deadline, on
+    an engine that makes a token a millisecond: the 408 refunds the charge but what the samples
+    generated, and no round starts after it (a dropped request refunded everything, so a tenant
+    could keep the model busy past its tokens-per-minute limit)."""
+    import asyncio
+    import functools
+    import time
+    import types
+
+    from lmfoundry.serving import api
+    from lmfoundry.serving.protocol import ChatCompletionRequest
+
+    made = []
+
+    class Stream:
+        def __init__(self, ids, params):
+            self.budget, self.cancelled, self.generated = params.max_tokens, False, 0
+            made.append(self)
+
+        async def collect(self):
+            while self.generated < self.budget and not self.cancelled:
+                await asyncio.sleep(0.001)
+                self.generated += 1
+            return types.SimpleNamespace(text="x" * self.generated, completion_tokens=self.generated)
+
+        def cancel(self):
+            self.cancelled = True
+
+    engine = types.SimpleNamespace(
+        encode=lambda text: [1] * 10,
+        context=100_000,
+        vocab_size=1000,
+        stream=Stream,
+        batcher=types.SimpleNamespace(max_waiting=1000),
+    )
+    ledger = {"charged": 0, "refunded": 0}
+
+    async def admit(tenant, tokens):
+        ledger["charged"] += tokens
+        return 0, ""
+
+    def refund(tenant, tokens):
+        ledger["refunded"] += tokens
+
+    server_class = api.LLMServer.func_or_class
+    server = types.SimpleNamespace(
+        limiter=types.SimpleNamespace(
+            admit=types.SimpleNamespace(remote=admit), refund=types.SimpleNamespace(remote=refund)
+        ),
+        timeout_s=0.3,
+        reward_models={},
+        _tenant=lambda request: "acme",
+    )
+    for name in ("_admit", "_refund"):
+        setattr(server, name, functools.partial(getattr(server_class, name), server))
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "What is 2+2?"}],
+            "reasoning": {"strategy": "majority", "n": 64, "budget_tokens": 32768},
+        }
+    )
+
+    async def ask():
+        with pytest.raises(api.ApiError) as timed_out:
+            await server_class._reason(
+                server, engine, api.Prompt("What is 2+2?", [1] * 10, 512), req, [], time.perf_counter(), "v1", None
+            )
+        assert timed_out.value.status == 408
+        made_then = len(made)
+        await asyncio.sleep(0.2)
+        return made_then
+
+    made_at_the_408 = asyncio.run(ask())
+    generated = sum(s.generated for s in made)
+    assert generated > 0 and all(s.cancelled for s in made) and len(made) == made_at_the_408
+    # the samples and the prompt; a sample may finish the token it was making when cancelled
+    assert generated + 10 - len(made) <= ledger["charged"] - ledger["refunded"] <= generated + 10

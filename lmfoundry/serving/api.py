@@ -646,8 +646,10 @@ class LLMServer:
         sampler = EngineSampler(engine, asyncio.get_running_loop(), params, deadline)
         try:
             answer = await asyncio.to_thread(solve, sampler, spec, scorer, prompt.text, max_tokens, seed)
-        except BaseException as e:  # nothing was answered: the charge goes back, whatever ended it
-            self._refund(tenant, charged)
+        except BaseException as e:  # nothing was answered: the charge goes back, but for what was generated
+            sampler.stop()
+            used = sampler.generated()
+            self._refund(tenant, charged - used - (len(prompt.ids) if used else 0))
             if isinstance(e, ReasoningTimeout):
                 raise ApiError(
                     408,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import threading
 import time
 
 from lmfoundry.reasoning import test_time, verifiers
@@ -24,7 +25,7 @@ VERIFIER = "verifier"
 
 
 class ReasoningTimeout(Exception):
-    pass
+    """The deadline passed, or the request was dropped (`EngineSampler.stop`), before a round."""
 
 
 class EngineSampler:
@@ -35,6 +36,19 @@ class EngineSampler:
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, base: SamplingParams, deadline: float):
         self.engine, self.loop, self.base, self.deadline = engine, loop, base, deadline
+        self.streams: list = []  # every sample asked for, for what the request used
+        self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        """The request is over (dropped, timed out, failed): no further round starts, and the
+        samples in flight give their batch slots back. Call on the event loop's thread."""
+        self.stopped.set()
+        for s in self.streams:
+            s.cancel()
+
+    def generated(self) -> int:
+        """Tokens generated so far over every sample, read or not."""
+        return sum(s.generated for s in self.streams)
 
     def continuations(
         self, prompt: str, n: int, max_tokens: int, temperature: float, seed: int, stop=()
@@ -51,11 +65,15 @@ class EngineSampler:
             for i in range(n)
         ]
 
+        if self.stopped.is_set():
+            raise ReasoningTimeout
+
         async def generate() -> list:
             streams = []
             try:
                 for p in params:
                     streams.append(self.engine.stream(ids, p))
+                    self.streams.append(streams[-1])
                 return await asyncio.gather(*(s.collect() for s in streams))
             finally:  # cancelled (the deadline passed) or failed: free the batch slots
                 for s in streams:

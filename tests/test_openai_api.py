@@ -708,3 +708,60 @@ def test_a_reasoning_request_that_times_out_pays_for_the_samples_it_generated():
     assert generated > 0 and all(s.cancelled for s in made) and len(made) == made_at_the_408
     # the samples and the prompt; a sample may finish the token it was making when cancelled
     assert generated + 10 - len(made) <= ledger["charged"] - ledger["refunded"] <= generated + 10
+
+
+def test_a_stream_its_client_leaves_pays_for_what_was_generated_and_one_that_ends_reports_once():
+    """A streamed reply whose client goes away after the first chunk: the streams are cancelled
+    and `abandoned` refunds the rest of the charge (nothing came back before, so a client that
+    stopped a reply paid its whole max_tokens); a stream read to its end reports `finished` only."""
+    import asyncio
+    import types
+
+    from lmfoundry.serving.engine import Delta
+    from lmfoundry.serving.protocol import ChatCompletionRequest
+    from lmfoundry.serving.streaming import stream_events
+
+    class Stream:
+        def __init__(self):
+            self.generated, self.cancelled = 1, False
+
+        async def next_delta(self):
+            await asyncio.sleep(0.01)
+            self.generated += 1
+            return Delta("b", "stop" if self.generated == 4 else None, 3, self.generated, [])
+
+        def cancel(self):
+            self.cancelled = True
+
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+
+    async def run(chunks_read):
+        streams, said = [Stream()], []
+        events = stream_events(
+            streams,
+            [Delta("a", None, 3, 1, [])],
+            req,
+            True,
+            [],
+            [types.SimpleNamespace(text="hi", ids=[1, 2, 3])],
+            None,
+            "m",
+            "v1",
+            3,
+            lambda: None,
+            lambda gate, text, last: text,
+            lambda finishes, completion, rid: said.append(("finished", completion)),
+            lambda: said.append(("abandoned", streams[0].generated)),
+        )
+        read = []
+        async for chunk in events:
+            read.append(chunk)
+            if len(read) == chunks_read:
+                break
+        await events.aclose()  # the client is gone (or done)
+        return streams[0], said, read
+
+    stream, said, read = asyncio.run(run(1))
+    assert stream.cancelled and len(read) == 1 and said == [("abandoned", stream.generated)]
+    stream, said, read = asyncio.run(run(100))
+    assert read[-1] == "data: [DONE]\n\n" and said == [("finished", 4)]

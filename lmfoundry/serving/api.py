@@ -715,6 +715,9 @@ class LLMServer:
             self.metrics.prompt_tokens.labels(version=version, tenant=tenant).inc(prompt_tokens)
             self._refund(tenant, charged - prompt_tokens - completion)
 
+        def abandoned() -> None:  # the client left mid-stream: it pays for what was generated
+            self._refund(tenant, charged - prompt_tokens - sum(s.generated for s in streams))
+
         events = stream_events(
             streams,
             firsts,
@@ -729,5 +732,6 @@ class LLMServer:
             lambda: self._stream_gate(),
             lambda gate, text, last: self._passed(gate, text, last, version, tenant),
             finished,
+            abandoned,
         )
         return StreamingResponse(events, media_type="text/event-stream")

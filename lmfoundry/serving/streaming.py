@@ -36,10 +36,12 @@ async def stream_events(
     new_gate: Callable,
     passed: Callable,
     finished: Callable[[list[str], int, str], None],
+    abandoned: Callable[[], None],
 ):
     """`prompts[i]` is choice i's prompt (text, ids); `new_gate()` a guardrail gate per choice and
     `passed(gate, text, last)` the text it lets out (None: blocked); `finished(finish reasons,
-    completion tokens, id)` is called once every choice has ended."""
+    completion tokens, id)` is called once every choice has ended, `abandoned()` instead when the
+    stream ends before that (the client went away)."""
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {
         "id": rid,
@@ -103,6 +105,7 @@ async def stream_events(
                 finish = "tool_calls"
             yield choice(index, {"delta": {}}, finish)
 
+    reported = False
     try:
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -158,6 +161,7 @@ async def stream_events(
             done += finish is not None
         await asyncio.gather(*tasks)
         total = sum(completion)
+        reported = True
         finished(finishes, total, rid)
         if include_usage:
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": total, "total_tokens": prompt_tokens + total}
@@ -166,3 +170,5 @@ async def stream_events(
     finally:  # also when the client goes away mid-stream: free the batch slots
         for s in streams:
             s.cancel()
+        if not reported:
+            abandoned()

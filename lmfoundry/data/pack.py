@@ -59,7 +59,8 @@ class PackConfig(StageConfig):
     seq_len: int = Field(256, ge=8, description="tokens per training sequence")
     val_fraction: float = Field(0.05, ge=0, lt=1)
     seed: int = Field(0, ge=0, description="orders the documents before they are joined and cut")
-    sequences_per_shard: int = Field(16_384, ge=1, description="rows per output Parquet shard")
+    # at most what pretraining reads (train/shards.py MAX_SHARD_ROWS)
+    sequences_per_shard: int = Field(16_384, ge=1, le=1 << 24, description="rows per output Parquet shard")
     rows_per_group: int = Field(
         8,
         ge=1,

@@ -34,6 +34,10 @@ from lmfoundry.platform import storage
 # The most shards a split may have: each is a file name held by every worker (at pack's default
 # 16,384 sequences a shard, a million shards of 4,096-token sequences hold 67 trillion tokens)
 MAX_SHARDS = 1_000_000
+# A shard's rows and row groups: each permutation of a shard's order is sized by them (pack's
+# default is 16,384 sequences in groups of 8)
+MAX_SHARD_ROWS = 1 << 24
+MAX_SHARD_GROUPS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,12 @@ class SplitLayout:
             raise ValueError(
                 f"pack output {data!r}: {sequences} {split} sequences do not fill {counts['shards']} "
                 f"shards of {per_shard}"
+            )
+        if per_shard > MAX_SHARD_ROWS or -(-per_shard // counts["rows_per_group"]) > MAX_SHARD_GROUPS:
+            raise ValueError(
+                f"pack output {data!r}: shards of {per_shard:,} sequences in row groups of "
+                f"{counts['rows_per_group']:,}; at most {MAX_SHARD_ROWS:,} sequences and {MAX_SHARD_GROUPS:,} row "
+                "groups a shard (an epoch's order permutes them before any file is opened)"
             )
         if counts["shards"] > MAX_SHARDS:
             raise ValueError(

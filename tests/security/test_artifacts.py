@@ -428,6 +428,14 @@ def pretrain_on(data: Path, out: Path):
         ({"rows_per_group": 0}, "rows_per_group=0 in its manifest; a positive integer"),
         ({"splits": {"train": {"shards": 10**8, "sequences": 64 * 10**8}}}, "at most 1,000,000"),
         ({"splits": {"train": {"shards": 3, "sequences": 64}}}, "do not fill 3 shards of 64"),
+        (
+            {
+                "sequences_per_shard": 10**12,
+                "rows_per_group": 1,
+                "splits": {"train": {"shards": 1, "sequences": 10**12}},
+            },
+            "row groups a shard",
+        ),
         ({"splits": {"train": {"shards": True, "sequences": 64}}}, "shards=True"),
         ({"splits": []}, "no 'train' split"),
     ],

@@ -60,8 +60,9 @@ def test_a_checkpoint_brings_its_own_template(tmp_path):
 
 def test_a_template_cannot_ask_for_unbounded_memory_or_time_and_a_refusal_is_the_clients_400():
     """A template is data from a checkpoint. Jinja's sandbox keeps it from Python objects but
-    not from size: `'a' * 2**36` (64 GiB, folded when the template compiles) and nested
-    range(100000) loops (hours of every request) are refused at render, quickly; what a
+    not from size: each way of asking for gigabytes (`'a' * 2**36`, folded when the template
+    compiles; padding, %-widths, joins, `~` doubling) or hours (loops nested over a message, or
+    over range(100000)) is refused at render, quickly, as is a macro without end; what a
     template refuses reaches a client as a 400 naming the messages."""
     import time
     from types import SimpleNamespace
@@ -72,12 +73,25 @@ def test_a_template_cannot_ask_for_unbounded_memory_or_time_and_a_refusal_is_the
     from lmfoundry.serving.api import ApiError, render_chat
 
     hi = [{"role": "user", "content": "hi"}]
+    loops = "{% for a in messages[0].content %}{% for b in messages[0].content %}{% endfor %}{% endfor %}"
     for source, why in [
         ("{{ 'a' * 2**36 }}", "repeated a sequence past"),
         ("{{ 7 ** 10000000 }}", "power above 64"),
-        ("{{ 'a' * 1000000000 }}", "repeated a sequence past"),
         ("{{ [0] * 100000000 }}", "repeated a sequence past"),
-        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "range"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "over more than"),
+        (loops.replace("messages[0].content", "'x' * 400"), "over more than"),
+        ("{{ 'x'.center(1000000000) }}{{ '1'.zfill(10**9) }}", "padded a string past"),
+        ("{{ 'x'|center(1000000000) }}", "padded a string past"),
+        ("{{ '%1000000000s' % 'x' }}", "formatted a field wider"),
+        ("{{ '{:>1000000000}'.format('x') }}", "formatted a field wider"),
+        ("{{ '%1000000000s'|format('x') }}", "formatted a field wider"),
+        ("{{ ([('a' * 1048576)] * 1024)|join }}", "joined a string past"),
+        ("{{ (['x']|batch(200000000, 'y')|first)|length }}", "padded a string past"),
+        (
+            "{% set ns = namespace(s='a') %}{% for i in range(30) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            "concatenated a string past",
+        ),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
         ("{% for m in messages %}{{ raise_exception('roles must alternate') }}{% endfor %}", "roles must alternate"),
     ]:
         started = time.perf_counter()
@@ -89,5 +103,8 @@ def test_a_template_cannot_ask_for_unbounded_memory_or_time_and_a_refusal_is_the
             render_chat(SimpleNamespace(chat_template=template), hi)
         assert refused.value.status == 400 and refused.value.param == "messages"
     # within the limits, a template renders as before, range and repetition included
-    fine = ChatTemplate("{% for i in range(3) %}{{ '-' * 2 }}{% endfor %}{{ messages[0].content * 2 }}")
-    assert fine.render(hi) == "------hihi"
+    fine = ChatTemplate(
+        "{% for i in range(3) %}{{ '-' * 2 }}{% endfor %}{{ messages[0].content * 2 }}"
+        "{{ ' ' ~ 'x'.center(5) ~ '%3d' % 7 ~ '{:>3}'.format(8) ~ (['a', 'b']|join(',')) }}"
+    )
+    assert fine.render(hi) == "------hihi   x    7  8a,b"

@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
 
+from lmfoundry.model.template_sandbox import RenderBudget, bounded_environment
 from lmfoundry.model.tokenizer import SpecialTokens
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -89,50 +90,6 @@ def _generation_extension():
     return Generation
 
 
-# What a template may ask for in one render: a string or list that `*` builds, an exponent, and
-# the elements of all its range() calls together. Jinja's sandbox blocks Python objects but not
-# size: `'a' * 2**36` asks for 64 GiB (when the template compiles: Jinja folds constants), and
-# nested range(100000) loops for hours of every request.
-MAX_REPEAT_ITEMS = 1 << 20
-MAX_EXPONENT = 64
-MAX_RANGE_ITEMS = 10_000
-_RANGE_LEFT: ContextVar[list[int] | None] = ContextVar("range_left", default=None)
-
-
-def _bounded_environment(**options):
-    """Jinja's immutable sandbox with `*`, `**` and range() held to the limits above."""
-    from jinja2.exceptions import SecurityError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class BoundedSandbox(ImmutableSandboxedEnvironment):
-        # intercepted, these are not folded when the template compiles but called at render
-        intercepted_binops = frozenset({"*", "**"})
-
-        def call_binop(self, context, operator, left, right):
-            if operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_REPEAT_ITEMS:
-                        raise SecurityError(f"a chat template repeated a sequence past {MAX_REPEAT_ITEMS:,} items")
-            elif isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
-                raise SecurityError(f"a chat template raised to a power above {MAX_EXPONENT}")
-            return super().call_binop(context, operator, left, right)
-
-    def bounded_range(*args):
-        items = range(*args)
-        left = _RANGE_LEFT.get()
-        if left is not None:
-            left[0] -= len(items)
-            if left[0] < 0:
-                raise SecurityError(
-                    f"a chat template's range() calls asked for more than {MAX_RANGE_ITEMS:,} items in one render"
-                )
-        return items
-
-    env = BoundedSandbox(**options)
-    env.globals["range"] = bounded_range
-    return env
-
-
 class ChatTemplateError(ValueError):
     """The template refused the chat (its own raise_exception, or a limit of the sandbox): what
     a client sent, not a fault of the server."""
@@ -140,8 +97,8 @@ class ChatTemplateError(ValueError):
 
 class ChatTemplate:
     """Compiled once; `render` is called per request. Sandboxed: a template is data from a
-    checkpoint, and must not reach Python objects, nor ask for unbounded memory or time through
-    `*`, `**` and range() (`_bounded_environment`)."""
+    checkpoint, and must not reach Python objects, nor ask for unbounded memory or time
+    (model/template_sandbox.py)."""
 
     def __init__(self, source: str = DEFAULT_CHAT_TEMPLATE, special: SpecialTokens | None = None):
         from jinja2.exceptions import TemplateError
@@ -150,7 +107,7 @@ class ChatTemplate:
         def raise_exception(message):  # templates of open models call it on a malformed chat
             raise TemplateError(message)
 
-        env = _bounded_environment(
+        env = bounded_environment(
             trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), loopcontrols]
         )
         env.filters["tojson"] = _tojson
@@ -168,17 +125,13 @@ class ChatTemplate:
         return cls(path.read_text(encoding="utf-8"), special) if path.exists() else cls(special=special)
 
     def render(self, messages: list[dict], tools: list[dict] = (), force_tool_call: bool = False) -> str:
-        from jinja2.exceptions import TemplateError
-
-        budget = _RANGE_LEFT.set([MAX_RANGE_ITEMS])
         try:
-            prompt = self.template.render(
-                messages=messages, tools=list(tools) or None, add_generation_prompt=True, **self.variables
-            )
-        except TemplateError as e:
-            raise ChatTemplateError(f"the model's chat template refused the chat: {e}") from None
-        finally:
-            _RANGE_LEFT.reset(budget)
+            with RenderBudget():
+                prompt = self.template.render(
+                    messages=messages, tools=list(tools) or None, add_generation_prompt=True, **self.variables
+                )
+        except Exception as e:  # its raise_exception, a limit, or its own error (a recursion, a bad type)
+            raise ChatTemplateError(f"the model's chat template refused the chat: {type(e).__name__}: {e}") from None
         return prompt + (TOOL_CALL_OPEN if force_tool_call else "")
 
     @property
@@ -190,13 +143,13 @@ class ChatTemplate:
         (start, end) the template marks as generated by the assistant."""
         rendered: list[str] = []
         spans: list[tuple[int, int]] = []
-        token, budget = _TRACKED.set((rendered, spans)), _RANGE_LEFT.set([MAX_RANGE_ITEMS])
+        token = _TRACKED.set((rendered, spans))
         try:  # streamed, so that each span's start is the length of what came before it
-            for block in self.template.generate(
-                messages=messages, tools=list(tools) or None, add_generation_prompt=False, **self.variables
-            ):
-                rendered.append(block)
+            with RenderBudget():
+                for block in self.template.generate(
+                    messages=messages, tools=list(tools) or None, add_generation_prompt=False, **self.variables
+                ):
+                    rendered.append(block)
         finally:
             _TRACKED.reset(token)
-            _RANGE_LEFT.reset(budget)
         return "".join(rendered), spans

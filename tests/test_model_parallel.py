@@ -247,6 +247,33 @@ def _gradient_norms(rank: int, port: int, cases: list[tuple[int, float]], result
         dist.destroy_process_group()
 
 
+def _nan_on_one_rank(rank: int, port: int, results) -> None:
+    from lmfoundry.train.pretrain import build_pretrain_engine
+
+    start_rank(rank, 2, port)
+    try:
+        cfg = small_config(1, 1, 2, zero_stage=0)
+        engine, _, _ = build_pretrain_engine(cfg, 2, SEQ_LEN)
+        tokens = torch.randint(0, cfg.model.vocab_size, (8, SEQ_LEN + 1), generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):  # past the warm-up's learning rate of 0
+            one_step(engine, tokens, cfg.batch.micro_batch_size)
+        weights = [p.detach().clone() for p in engine.module.parameters()]
+        one_step(engine, tokens, cfg.batch.micro_batch_size, poison=rank == 1)
+        skipped = not engine.was_step_applied()
+        unchanged = all(torch.equal(p, w) for p, w in zip(engine.module.parameters(), weights))
+        results[rank] = (skipped, unchanged)
+        engine.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_without_zero_one_ranks_nan_gradient_skips_the_step_on_every_rank(deepspeed_processes):
+    """Data parallel over 2 ranks without ZeRO, rank 1's gradients NaN: the norm is reduced over
+    the ranks, so both skip the step and keep their weights (one rank stepping alone would part
+    the replicas)."""
+    assert spawn_ranks(_nan_on_one_rank, (), 2) == {0: (True, True), 1: (True, True)}
+
+
 def test_a_run_without_zero_keeps_the_gradient_norm_with_clipping_on_and_off(deepspeed_processes):
     """DeepSpeed keeps no gradient norm without ZeRO in fp32 (train/engine.py
     keep_fp32_gradient_norm): the engine's is ZeRO-1's, clipping or not. And, as ZeRO-1 does,

@@ -86,7 +86,7 @@ def test_a_template_cannot_ask_for_unbounded_memory_or_time_and_a_refusal_is_the
         ("{{ '{:>1000000000}'.format('x') }}", "formatted a field wider"),
         ("{{ '%1000000000s'|format('x') }}", "formatted a field wider"),
         ("{{ ([('a' * 1048576)] * 1024)|join }}", "joined a string past"),
-        ("{{ (['x']|batch(200000000, 'y')|first)|length }}", "padded a string past"),
+        ("{{ (['x']|batch(200000000, 'y')|first)|length }}", "asked for rows past"),
         (
             "{% set ns = namespace(s='a') %}{% for i in range(30) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
             "concatenated a string past",

@@ -95,6 +95,11 @@ def _width(value, width) -> None:
         _text_size(width, "padded a string")
 
 
+def _rows(n) -> None:
+    if isinstance(n, int):
+        _text_size(n, "asked for rows")
+
+
 def _join_size(items, sep: str = "") -> None:
     items = list(items)
     _text_size(sum(len(str(i)) for i in items) + len(sep) * max(len(items) - 1, 0), "joined a string")
@@ -210,7 +215,7 @@ def bounded_environment(**options):
         format=checked("format", lambda s, *a, **k: _check_format(str(s))),
         join=checked("join", lambda items, d="", attribute=None: _join_size(items, str(d))),
         replace=checked("replace", lambda s, old, new, count=None: _replaced_size(str(s), old, new, count)),
-        batch=checked("batch", lambda items, linecount, fill_with=None: _width(items, linecount)),
-        slice=checked("slice", lambda items, slices, fill_with=None: _width(items, slices)),
+        batch=checked("batch", lambda items, linecount, fill_with=None: _rows(linecount)),
+        slice=checked("slice", lambda items, slices, fill_with=None: _rows(slices)),
     )
     return env

@@ -188,11 +188,11 @@ def test_a_compile_over_its_memory_is_the_schemas_fault_and_a_broken_compiler_th
     from lmfoundry.serving import grammar_compile
 
     hostile = json.dumps({"type": "string", "pattern": ".*a.{20}"})
-    why = grammar_compile.build_index(hostile, "", grammars.vocabulary, MAX_TRANSITIONS, 60, memory=150 << 20)
+    why = grammar_compile.build_index(hostile, "", grammars._vocabulary_pickle, MAX_TRANSITIONS, 60, memory=150 << 20)
     assert isinstance(why, str) and "took more than 150 MiB" in why
     plain = json.dumps({"type": "string"})
-    index, transitions = grammar_compile.build_index(plain, "", grammars.vocabulary, MAX_TRANSITIONS, 60)
+    index, transitions = grammar_compile.build_index(plain, "", grammars._vocabulary_pickle, MAX_TRANSITIONS, 60)
     assert transitions > 0 and index.get_transitions()
     monkeypatch.setattr(sys, "executable", "/bin/false")
     with pytest.raises(grammar_compile.CompilerFailed, match="exit code 1"):
-        grammar_compile.build_index(plain, "", grammars.vocabulary, MAX_TRANSITIONS, 60)
+        grammar_compile.build_index(plain, "", grammars._vocabulary_pickle, MAX_TRANSITIONS, 60)

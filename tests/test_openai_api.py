@@ -566,6 +566,7 @@ def test_the_request_deadline_counts_from_arrival_to_when_the_batcher_produced_t
     or a client gone every stream is cancelled and the charge refunded, once, but for the tokens
     the streams had used."""
     import asyncio
+    import functools
     import time
     from types import SimpleNamespace
 
@@ -592,9 +593,8 @@ def test_the_request_deadline_counts_from_arrival_to_when_the_batcher_produced_t
         raise GenerationFailed("generation failed: the batcher stopped")
 
     server = SimpleNamespace(timeout_s=0.05, _refund=lambda tenant, n: refunds.append((tenant, n)))
-    server._abandon = lambda streams, tenant, charged, prompt: LLMServer.func_or_class._abandon(
-        server, streams, tenant, charged, prompt
-    )
+    for name in ("_abandon", "_refund_unused"):
+        setattr(server, name, functools.partial(getattr(LLMServer.func_or_class, name), server))
     in_time = LLMServer.func_or_class._in_time
 
     def run(waits, started, produced_at=lambda s: s.produced_at, streams=None):
@@ -684,7 +684,7 @@ def test_a_reasoning_request_that_times_out_pays_for_the_samples_it_generated():
         reward_models={},
         _tenant=lambda request: "acme",
     )
-    for name in ("_admit", "_refund"):
+    for name in ("_admit", "_refund", "_refund_unused"):
         setattr(server, name, functools.partial(getattr(server_class, name), server))
     req = ChatCompletionRequest.model_validate(
         {

@@ -324,16 +324,17 @@ class LLMServer:
         raise ApiError(408, message, "timeout_error", code="request_timeout")
 
     def _abandon(self, streams, tenant: str, charged: int, prompt_tokens: int) -> None:
-        """Cancel the streams and refund the charge but what they used: the tokens generated,
-        read or not, and the prompt once its prefill has run. A client that leaves (or a
-        request that times out) after a long generation still pays for it: the whole charge
-        back would let a tenant keep the model busy past its tokens-per-minute limit."""
         for s in streams:
             s.cancel()
+        self._refund_unused(tenant, charged, prompt_tokens, streams)
+
+    def _refund_unused(self, tenant: str, charged: int, prompt_tokens: int, streams) -> None:
+        """For a request that ended without its answer (timed out, failed, dropped): refund the
+        charge but what its streams used, the tokens they generated, read or not, and the prompt
+        once one of them generated past it. The whole charge back would let a tenant keep the
+        model busy past its tokens-per-minute limit by leaving each request early."""
         used = sum(s.generated for s in streams)
-        if any(s.first_token_at is not None for s in streams):
-            used += prompt_tokens
-        self._refund(tenant, charged - used)
+        self._refund(tenant, charged - used - (prompt_tokens if used else 0))
 
     @staticmethod
     async def _compile(engine, schema: dict, field: str, tenant: str) -> None:
@@ -648,8 +649,7 @@ class LLMServer:
             answer = await asyncio.to_thread(solve, sampler, spec, scorer, prompt.text, max_tokens, seed)
         except BaseException as e:  # nothing was answered: the charge goes back, but for what was generated
             sampler.stop()
-            used = sampler.generated()
-            self._refund(tenant, charged - used - (len(prompt.ids) if used else 0))
+            self._refund_unused(tenant, charged, len(prompt.ids), sampler.streams)
             if isinstance(e, ReasoningTimeout):
                 raise ApiError(
                     408,
@@ -716,7 +716,7 @@ class LLMServer:
             self._refund(tenant, charged - prompt_tokens - completion)
 
         def abandoned() -> None:  # the client left mid-stream: it pays for what was generated
-            self._refund(tenant, charged - prompt_tokens - sum(s.generated for s in streams))
+            self._refund_unused(tenant, charged, prompt_tokens, streams)
 
         events = stream_events(
             streams,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import re
 import threading
 from collections import OrderedDict
@@ -224,6 +225,7 @@ class Grammars:
         for token_id, raw in token_bytes(tokenizer).items():
             by_bytes.setdefault(raw, []).append(token_id)
         self.vocabulary = Vocabulary(eos_id, by_bytes)
+        self._vocabulary_pickle = pickle.dumps(self.vocabulary)  # what each compile's child reads
         self.tokens = TokenTable(token_bytes(tokenizer), tokenizer.get_vocab_size())
         self.cache_size, self.cache_bytes = cache_size, CACHE_BYTES
         self._cache: OrderedDict[str, tuple[Index, StringBounds, int]] = OrderedDict()
@@ -256,7 +258,7 @@ class Grammars:
             self._free.release()
 
         try:
-            future = self._pool.submit(self._index, schema, timeout_s)
+            future = self._pool.submit(self._index, schema, timeout_s, key)
         except BaseException:
             release(None)
             raise
@@ -272,8 +274,11 @@ class Grammars:
         with self._lock:
             return sum(size for *_, size in self._cache.values())
 
-    def _index(self, schema: dict, timeout_s: float = COMPILE_TIMEOUT_S) -> tuple[Index, StringBounds]:
-        key = check_schema(schema)
+    def _index(
+        self, schema: dict, timeout_s: float = COMPILE_TIMEOUT_S, key: str | None = None
+    ) -> tuple[Index, StringBounds]:
+        """`key`: check_schema's, when the caller has it."""
+        key = key or check_schema(schema)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -289,7 +294,7 @@ class Grammars:
         return index, bounds
 
     def _build(self, schema_json: str, timeout_s: float) -> tuple[Index, int]:
-        built = build_index(schema_json, WHITESPACE, self.vocabulary, MAX_TRANSITIONS, timeout_s)
+        built = build_index(schema_json, WHITESPACE, self._vocabulary_pickle, MAX_TRANSITIONS, timeout_s)
         if isinstance(built, str):
             raise SchemaRefused(built)
         index, transitions = built

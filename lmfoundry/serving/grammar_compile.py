@@ -31,13 +31,13 @@ class CompilerFailed(RuntimeError):
 def build_index(
     schema_json: str,
     whitespace: str,
-    vocabulary,
+    vocabulary: bytes,
     max_transitions: int,
     timeout_s: float,
     memory: int = COMPILE_MEMORY_BYTES,
 ):
-    """(index, transitions) of the schema's regular expression over `vocabulary` (outlines-core
-    objects), or the reason it was refused: over the transition limit, uncompilable, over
+    """(index, transitions) of the schema's regular expression over `vocabulary` (an outlines-core
+    Vocabulary, pickled once by the caller), or the reason it was refused: over the transition limit, uncompilable, over
     `memory` (the child killed by its allocator's abort), or not done within `timeout_s` (the
     child is killed then, so its thread, its slot and its memory come back at once).
     CompilerFailed when the child failed otherwise."""
@@ -74,6 +74,7 @@ def _main() -> None:
     answer = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     schema_json, whitespace, vocabulary, max_transitions, memory = pickle.loads(sys.stdin.buffer.read())
+    vocabulary = pickle.loads(vocabulary)
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     from outlines_core import Index
     from outlines_core.json_schema import build_regex_from_schema

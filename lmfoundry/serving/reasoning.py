@@ -46,10 +46,6 @@ class EngineSampler:
         for s in self.streams:
             s.cancel()
 
-    def generated(self) -> int:
-        """Tokens generated so far over every sample, read or not."""
-        return sum(s.generated for s in self.streams)
-
     def continuations(
         self, prompt: str, n: int, max_tokens: int, temperature: float, seed: int, stop=()
     ) -> list[tuple[str, int]]:

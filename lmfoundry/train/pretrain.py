@@ -205,16 +205,16 @@ def read_pack_tokenizer(data: str, pack_manifest: dict) -> str:
     return text
 
 
-def resolve_start(cfg: PretrainConfig, data: str, pack_manifest: dict) -> PretrainConfig:
+def resolve_start(cfg: PretrainConfig, pack_tokenizer_json: str) -> PretrainConfig:
     """Continued pretraining: the model section from the `init_from` checkpoint (verified), whose
-    tokenizer must be the one the data was packed with."""
+    tokenizer must be the one the data was packed with (`pack_tokenizer_json`)."""
     if cfg.model != ModelConfig():  # compared, not looked up in fields_set: a config passed on is dumped whole
         raise ValueError(f"init_from={cfg.init_from!r} takes the model from the checkpoint: remove the model section")
     start = checkpoint.resolve(cfg.init_from)
     with checkpoint.opened(start) as (start_dir, _):  # verified: every file against the manifest
         model = ModelConfig.model_validate_json((Path(start_dir) / MODEL_CONFIG).read_text())
         tokenizer = json.loads((Path(start_dir) / TOKENIZER).read_text())
-    if json.loads(read_pack_tokenizer(data, pack_manifest)) != tokenizer:
+    if json.loads(pack_tokenizer_json) != tokenizer:
         raise ValueError(
             f"pretrain data {cfg.data!r} was not tokenised with the tokenizer of init_from={cfg.init_from!r}: "
             f"pack it with --set tokenizer={cfg.init_from}"
@@ -283,7 +283,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         raise ValueError(f"pretrain data {cfg.data!r} is a {pack.get('stage')!r} output, not a pack output")
     tokenizer_json = read_pack_tokenizer(data, pack)  # checked before anything is written
     if cfg.init_from is not None:
-        cfg = resolve_start(cfg, data, pack)
+        cfg = resolve_start(cfg, tokenizer_json)
     cfg = resolve_model_shape(cfg, pack)
     seq_len = pack["seq_len"]
     check_every_world_size(cfg, seq_len)  # fail now, not inside the workers

@@ -236,30 +236,25 @@ def finish(data: str, run: Path, parallelism: dict, **overrides) -> list[float]:
     in `run`: its losses."""
     from lmfoundry.train.pretrain import run_pretrain
 
-    run_pretrain(tiny_pretrain_config(data, str(run), parallelism=parallelism, checkpointing={"every": 5}, **overrides))
+    checkpointing = {"every": 5, **overrides.pop("checkpointing", {})}
+    run_pretrain(
+        tiny_pretrain_config(data, str(run), parallelism=parallelism, checkpointing=checkpointing, **overrides)
+    )
     return losses(run)
 
 
 @pytest.mark.parametrize(
-    "parallelism, own_files, drilled",
+    "parallelism, own_files",
     [
         # each rank of the tensor-parallel group saves its own shard of the weights (the head and
         # the tied embedding split by vocabulary rows; the sequence split between the layers)
         (
             {"num_workers": 2, "tensor_parallel_size": 2, "sequence_parallel": True, "vocab_parallel": True},
             ("mp_rank_0[01]_model_states.pt", 2),
-            True,
         ),
-        # each stage saves its own layers: the embedding, 2 blocks, the norm (the tied head is the
-        # embedding); 4 micro-batches a step through DeepSpeed's 1F1B schedule. Its kill and
-        # resume is the next case's pipeline engine, drilled there.
-        (
-            {"num_workers": 2, "pipeline_parallel_size": 2, "zero_stage": 1},
-            ("layer_0[0-4]-model_00-model_states.pt", 4),
-            False,
-        ),
-        # ... each layer split over its stage's 2 tensor-parallel ranks, the embedding and the
-        # tied head by vocabulary rows
+        # each stage saves its own layers, each split over its stage's 2 tensor-parallel ranks:
+        # the embedding, 2 blocks, the norm (the tied head is the embedding, split by vocabulary
+        # rows); 4 micro-batches a step through DeepSpeed's 1F1B schedule
         (
             {
                 "num_workers": 4,
@@ -269,17 +264,16 @@ def finish(data: str, run: Path, parallelism: dict, **overrides) -> list[float]:
                 "vocab_parallel": True,
             },
             ("layer_0[0-4]-model_0[01]-model_states.pt", 8),
-            True,
         ),
     ],
-    ids=["tensor-parallel", "pipelined", "tensor-parallel-pipelined"],
+    ids=["tensor-parallel", "tensor-parallel-pipelined"],
 )
 def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_layouts(
-    parallelism, own_files, drilled, deepspeed_workers, packed, pretrained, tmp_path
+    parallelism, own_files, deepspeed_workers, packed, pretrained, tmp_path
 ):
     """The reference run (2 workers, data parallel) stopped after step 30 and finished at TP 2
-    (with sequence parallelism and a vocabulary-parallel head), in 2 pipeline stages, or at TP 2
-    in each of 2 stages (the end stages' tied table split by vocabulary): its losses, up to the rounding of the
+    (with sequence parallelism and a vocabulary-parallel head) or at TP 2 in each of 2 pipeline
+    stages (the end stages' tied table split by vocabulary): its losses, up to the rounding of the
     other summation order. That run stopped after step 35 and finished again in its layout with
     the second worker killed after step 38: bitwise its own losses. The TP 2 run, stopped after
     step 35, also finishes as plain TP 2 (its head whole, no sequence split): its losses, up to
@@ -294,11 +288,10 @@ def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_lay
     assert len(list(moved.glob(f"checkpoints/step-00000040/**/{pattern}"))) == count
     assert from_dp[:30] == reference[:30]
     assert from_dp[30:] == pytest.approx(reference[30:], abs=1e-4)
-    if drilled:
-        killed = stopped_at(moved, 35, tmp_path / "killed")
-        drills = [FaultDrill(at_step=38, rank=1)]
-        assert finish(packed[0], killed, parallelism, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
-        assert len(list((killed / "_drills").iterdir())) == 1  # the drill fired
+    killed = stopped_at(moved, 35, tmp_path / "killed")
+    drills = [FaultDrill(at_step=38, rank=1)]
+    assert finish(packed[0], killed, parallelism, drills=drills, health={"max_failures": 1}) == from_dp  # bitwise
+    assert len(list((killed / "_drills").iterdir())) == 1  # the drill fired
     # the same layout, plain: the head whole, through the universal checkpoint (a pipeline's
     # split tables go through the same conversion into and out of it above and below)
     if parallelism.get("vocab_parallel") and "pipeline_parallel_size" not in parallelism:
@@ -310,6 +303,39 @@ def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_lay
     final = tmp_path / "to-dp" / json.loads((tmp_path / "to-dp" / "_MANIFEST.json").read_text())["final_checkpoint"]
     state = json.loads((final / "train_state.json").read_text())
     assert (state["tensor_parallel_size"], state["pipeline_parallel_size"]) == (1, 1)
+
+
+def test_an_interleaved_pipeline_resumes_exactly_after_a_kill_and_moves_to_and_from_one_worker(
+    deepspeed_workers, packed, tmp_path
+):
+    """A 4-block model trained 20 steps by one worker, stopped after step 10 and finished in 2
+    pipeline stages of 2 virtual stages each (stage 0 holds blocks 0 and 2, stage 1 blocks 1 and
+    3; 4 micro-batches a step on the interleaved schedule): the one worker's losses, up to the
+    rounding of the other summation order. That run, stopped after step 15 and finished again
+    with its second worker killed after step 18: bitwise its own losses; and finished by one
+    worker again: its losses, up to rounding. Each move goes through a universal checkpoint."""
+    from lmfoundry.model.transformer import ModelConfig
+
+    sized = {
+        "model": ModelConfig(n_layer=4, d_model=64, n_head=4, n_kv_head=2),
+        "schedule": {"max_steps": 20},
+        "checkpointing": {"keep_every": 5},
+    }
+    interleaved = {"num_workers": 2, "pipeline_parallel_size": 2, "virtual_stages": 2, "zero_stage": 1}
+    one = tmp_path / "one"
+    reference = finish(packed[0], one, {"num_workers": 1}, **sized)
+    moved = tmp_path / "to-interleaved"
+    from_one = finish(packed[0], stopped_at(one, 10, moved), interleaved, **sized)
+    # the embedding, 4 blocks and the norm, each in the file of its index in the model
+    assert len(list(moved.glob("checkpoints/step-00000020/**/layer_0[0-5]-model_00-model_states.pt"))) == 6
+    assert from_one[:10] == reference[:10]
+    assert from_one[10:] == pytest.approx(reference[10:], abs=1e-4)
+    killed = stopped_at(moved, 15, tmp_path / "killed")
+    drills = [FaultDrill(at_step=18, rank=1)]
+    assert finish(packed[0], killed, interleaved, drills=drills, health={"max_failures": 1}, **sized) == from_one
+    assert len(list((killed / "_drills").iterdir())) == 1  # the drill fired
+    back = finish(packed[0], stopped_at(moved, 15, tmp_path / "back"), {"num_workers": 1}, **sized)
+    assert back == pytest.approx(from_one, abs=1e-4)
 
 
 def test_an_untied_vocabulary_parallel_run_moves_to_one_worker(deepspeed_workers, packed, tmp_path):
@@ -373,6 +399,9 @@ def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_retur
         {"world_size": 2, "pipeline_parallel_size": "2"},
         {"world_size": 3, "tensor_parallel_size": 2},
         {"world_size": True},
+        {"world_size": 2, "pipeline_parallel_size": 2, "virtual_stages": 0},
+        {"world_size": 2, "virtual_stages": 2},  # virtual stages without a pipeline
+        {"world_size": 2, "pipeline_parallel_size": 2, "virtual_stages": 2.0},
         {},
     ],
 )
@@ -386,8 +415,9 @@ def test_a_training_state_with_an_impossible_layout_is_refused_before_any_arithm
 def test_older_training_states_name_only_their_workers():
     from lmfoundry.train.checkpointing import _written_layout
 
-    assert _written_layout({"world_size": 2}, "uri") == (2, 1, 1)
-    assert _written_layout({"world_size": 4, "tensor_parallel_size": 2}, "uri") == (4, 2, 1)
+    assert _written_layout({"world_size": 2}, "uri") == (2, 1, 1, 1)
+    assert _written_layout({"world_size": 4, "tensor_parallel_size": 2}, "uri") == (4, 2, 1, 1)
+    assert _written_layout({"world_size": 4, "pipeline_parallel_size": 2}, "uri") == (4, 1, 2, 1)
 
 
 def test_older_training_states_say_which_vocabulary_tables_were_split():

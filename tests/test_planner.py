@@ -1,5 +1,5 @@
-"""The planner's formulas checked against DeepSpeed's own estimators, a simulated pipeline
-schedule, and the instantiated model."""
+"""The planner's formulas checked against DeepSpeed's own estimators, the pipeline engine's
+order of work simulated (train/pipeline_schedule.py), and the instantiated model."""
 
 import pytest
 
@@ -14,6 +14,7 @@ from lmfoundry.planner.search import (
     plan,
     search,
 )
+from lmfoundry.train.pipeline_schedule import simulate
 
 
 def shape(total: int, largest: int = 0) -> ModelShape:
@@ -54,42 +55,10 @@ def test_model_state_memory_agrees_with_deepspeed_estimators(total, gpus_per_nod
 
 
 def simulate_pipeline(p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a simulated 1F1B schedule (interleaved when v > 1, Megatron's order):
-    every device runs its fixed order of forward (1 unit per chunk) and backward (2 units) ops,
-    each starting when the device is free and its input has arrived."""
-    f, b = 1.0 / v, 2.0 / v
-    stages = p * v  # virtual stage j runs on device j % p
-
-    def chunk_order(device: int) -> list[tuple[str, int, int]]:
-        fwd = [(("F", (k // p) % v * p + device, (k // (p * v)) * p + k % p)) for k in range(m * v)]
-        bwd = [(("B", (v - 1 - (k // p) % v) * p + device, (k // (p * v)) * p + k % p)) for k in range(m * v)]
-        warmup = min(m * v, (p - device - 1) * 2 + (v - 1) * p) if v > 1 else min(m, p - device - 1)
-        order, fi, bi = fwd[:warmup], warmup, 0
-        while fi < len(fwd):
-            order += [fwd[fi], bwd[bi]]
-            fi, bi = fi + 1, bi + 1
-        return order + bwd[bi:]
-
-    orders = [chunk_order(d) for d in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    pos, free = [0] * p, [0.0] * p
-    while any(pos[d] < len(orders[d]) for d in range(p)):
-        progressed = False
-        for d in range(p):
-            if pos[d] == len(orders[d]):
-                continue
-            kind, j, i = orders[d][pos[d]]
-            deps = [("F", j - 1, i)] if kind == "F" and j > 0 else []
-            if kind == "B":
-                deps = [("F", j, i)] + ([("B", j + 1, i)] if j < stages - 1 else [])
-            if all(x in done for x in deps):
-                start = max([free[d]] + [done[x] for x in deps])
-                free[d] = done[(kind, j, i)] = start + (f if kind == "F" else b)
-                pos[d] += 1
-                progressed = True
-        assert progressed, "schedule deadlocked"
-    total = max(free)
-    return 1 - m * (1.0 + 2.0) / total
+    """Idle fraction of the order of work the interleaved pipeline engine runs (Megatron's; at
+    v = 1, 1F1B with a longer warm-up, whose bubble is 1F1B's), each stage's forward of a chunk
+    1 unit and its backward 2, each starting when the stage is free and its input has arrived."""
+    return simulate(p, v, m)["bubble"]
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16), (8, 8), (8, 32)])

@@ -35,9 +35,11 @@ def vocabulary_table(name: str, n_layer: int) -> bool:
 
 
 # name: (tensor parallel, pipeline stages, workers, options of small_config); a layout with an
-# untied head is held to the one-worker run of the untied model
+# untied head is held to the one-worker run of the untied model, one of 4 layers to that of the
+# 4-layer model
 LAYOUTS = {
     "one worker": (1, 1, 1, {}),
+    "one worker, 4 layers": (1, 1, 1, {"n_layer": 4}),
     # without ZeRO, where DeepSpeed's own clip keeps no norm (train/engine.py: keep_fp32_gradient_norm)
     "one worker, untied": (1, 1, 1, {"tied": False, "zero_stage": 0}),
     "TP 2 x DP 2, vocab parallel": (2, 1, 4, {"vocab_parallel": True}),
@@ -65,7 +67,22 @@ LAYOUTS = {
     # without sequence parallelism, the split head's input gradient is all-reduced by the head
     "TP 2 x PP 2, vocab parallel, untied": (2, 2, 4, {"vocab_parallel": True, "tied": False}),
     "TP 2 x PP 2, vocab + sequence parallel": (2, 2, 4, {"vocab_parallel": True, "sequence_parallel": True}),
+    # interleaved: each stage holds 2 chunks of one block (train/interleaved_pipeline.py)
+    "PP 2 x 2 virtual stages": (1, 2, 2, {"n_layer": 4, "virtual_stages": 2}),
+    "TP 2 x PP 2 x 2 virtual stages, vocab + sequence parallel, recompute": (
+        2,
+        2,
+        4,
+        {"n_layer": 4, "virtual_stages": 2, "vocab_parallel": True, "sequence_parallel": True, "recompute": True},
+    ),
 }
+
+
+def reference_layout(options: dict) -> str:
+    """The one-worker run a layout's losses are held to: of the same model."""
+    if options.get("n_layer", 2) == 4:
+        return "one worker, 4 layers"
+    return "one worker" if options.get("tied", True) else "one worker, untied"
 
 
 def small_config(
@@ -77,20 +94,22 @@ def small_config(
     vocab_parallel: bool = False,
     tied: bool = True,
     zero_stage: int = 1,
+    n_layer: int = 2,
+    virtual_stages: int = 1,
 ) -> PretrainConfig:
-    """A 2-layer model with grouped-query attention, per-head query/key norms and q/k/v biases
+    """A model of `n_layer` blocks with grouped-query attention, per-head query/key norms and q/k/v biases
     (Qwen2/3), so that each of the split or summed parts is exercised, and a tied head (on the
     last stage, the first stage's embedding) unless `tied` is false; 8 sequences a step, in
     micro-batches of 2 (4 per step through a pipeline of one replica). `recompute`: activation
     checkpointing; `sequence_parallel`: Megatron's sequence parallelism over the tensor-parallel
     group; `vocab_parallel`: the head and the embedding split by vocabulary rows; `zero_stage`: 0
-    or 1."""
+    or 1; `virtual_stages`: chunks of the blocks each pipeline stage holds."""
     from lmfoundry.model.transformer import ModelConfig
 
     model = ModelConfig(
         vocab_size=96,
         max_seq_len=SEQ_LEN,
-        n_layer=2,
+        n_layer=n_layer,
         d_model=64,
         n_head=4,
         n_kv_head=2,
@@ -107,6 +126,7 @@ def small_config(
             "num_workers": workers,
             "tensor_parallel_size": tp,
             "pipeline_parallel_size": pp,
+            "virtual_stages": virtual_stages,
             "zero_stage": zero_stage,
             "sequence_parallel": sequence_parallel,
             "vocab_parallel": vocab_parallel,
@@ -136,7 +156,7 @@ def compare_layouts(out: str) -> dict:
     for name, (tp, pp, workers, options) in LAYOUTS.items():
         with torch.no_grad():
             reloaded = load_model_files(directories[name])(probe_batch(configs[name]))[0]
-        reference = "one worker" if options.get("tied", True) else "one worker, untied"
+        reference = reference_layout(options)
         rows[name] = {
             "name": name,
             "tensor_parallel": tp,

@@ -6,7 +6,8 @@
 The model is counted from the recipe's model config (built on PyTorch's meta device, so a 70B
 model costs no memory); vocab_size and seq_len come from the flags when the recipe leaves them
 to the data. Prints the ranked layouts; --write-config writes the best layout that lmfoundry
-pretrain runs (tensor, pipeline, data and expert parallelism) as a recipe.
+pretrain runs (tensor, pipeline with or without virtual stages, data and expert parallelism) as
+a recipe.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def recipe_for(cfg: PretrainConfig, plan) -> dict:
         num_workers=plan.layout.tp * plan.layout.pp * plan.layout.dp,
         tensor_parallel_size=plan.layout.tp,
         pipeline_parallel_size=plan.layout.pp,
+        virtual_stages=plan.layout.virtual_stages,
         expert_parallel_size=plan.layout.ep,
         use_gpu=True,
         precision="bf16",
@@ -51,16 +53,15 @@ def recipe_for(cfg: PretrainConfig, plan) -> dict:
 
 
 def runnable_recipe(cfg: PretrainConfig, plan, seq_len: int) -> dict | None:
-    """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits, has no virtual
-    pipeline stages (DeepSpeed's pipeline engine has no interleaved schedule), and the config
+    """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits and the config
     accepts it (tensor parallelism needs a dense model whose key/value heads and MLP split evenly
-    and ZeRO stages 0-2; pipeline stages a dense model and ZeRO stage 1). With sequence
-    parallelism the planned `seq_len` must split evenly over the tensor-parallel group."""
+    and ZeRO stages 0-2; pipeline stages, virtual or not, a dense model and ZeRO stage 1). With
+    sequence parallelism the planned `seq_len` must split evenly over the tensor-parallel group."""
     from pydantic import ValidationError
 
     from lmfoundry.train.config import PretrainConfig
 
-    if not plan.fits or plan.layout.virtual_stages > 1:
+    if not plan.fits:
         return None
     if cfg.parallelism.sequence_parallel and seq_len % plan.layout.tp:
         return None  # sequence parallelism needs the planned sequences to split evenly over the group
@@ -235,7 +236,8 @@ def main(argv=None) -> int:
             )
         lo = best_runnable.layout
         print(
-            f"wrote {args.write_config} (tp={lo.tp}, pp={lo.pp}, dp={lo.dp}, ep={lo.ep}, micro batch "
+            f"wrote {args.write_config} (tp={lo.tp}, pp={lo.pp}, virtual stages={lo.virtual_stages}, dp={lo.dp}, "
+            f"ep={lo.ep}, micro batch "
             f"{best_runnable.micro_batch_size}) and {ds_path}"
         )
     return 0

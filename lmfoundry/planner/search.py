@@ -319,6 +319,11 @@ def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) ->
             f"micro-batches ({tokens_per_micro} tokens) per data-parallel replica (dp={layout.dp})"
         )
     m = int(per_replica // tokens_per_micro)
+    if layout.virtual_stages > 1 and m % layout.pp:
+        raise ValueError(  # the interleaved schedule's groups of pp micro-batches (train/pipeline_schedule.py)
+            f"virtual stages run a step's micro-batches in groups of pp={layout.pp}: {m} micro-batches "
+            f"per replica are not a multiple of {layout.pp}"
+        )
     result = Plan(layout=layout, micro_batches=m, micro_batch_size=recipe.micro_batch_size)
 
     mem = training_memory_bytes(shape, layout, recipe, m)

@@ -247,13 +247,15 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     state = checkpoint.load_json_state(local / "train_state.json")
-    written_by, written_tp, written_pp = _written_layout(state, uri)
+    written_by, written_tp, written_pp, written_virtual = _written_layout(state, uri)
     tp, pp = tensor_parallel_size(engine), engine.num_stages if _pipelined(engine) else 1
+    virtual = getattr(engine.module, "virtual_stages", 1) if pp > 1 else 1
     # a vocabulary-parallel head's files hold its rows' shard, a whole head's the whole table:
     # switching it at the same layout goes through the universal checkpoint too
     tied = getattr(getattr(engine.module, "cfg", None), "tie_embeddings", False)
-    written = (written_by, written_tp, written_pp, *written_vocabulary_split(state, tied))
-    relayout = written != (world, tp, pp, splits_vocabulary(engine), splits_embedding_vocabulary(engine))
+    # a stage's optimizer partition holds its chunks' parameters: other virtual stages, other files
+    written = (written_by, written_tp, written_pp, written_virtual, *written_vocabulary_split(state, tied))
+    relayout = written != (world, tp, pp, virtual, splits_vocabulary(engine), splits_embedding_vocabulary(engine))
     load_dir = local / "deepspeed"
     if relayout:
         if _expert_parallel(engine):
@@ -298,23 +300,30 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
             state["step"],
             state["epoch"],
             state["batches_in_epoch"],
-            f" (written by {written_by} workers at tensor parallel {written_tp} and {written_pp} pipeline stages, "
-            f"now {world} at {tp} and {pp})"
+            f" (written by {written_by} workers at tensor parallel {written_tp} and {written_pp} pipeline stages "
+            f"x {written_virtual} virtual, now {world} at {tp} and {pp} x {virtual})"
             if relayout
             else "",
         )
     return state
 
 
-def _written_layout(state: dict, uri: str) -> tuple[int, int, int]:
-    """The workers, tensor-parallel size and pipeline stages that wrote the checkpoint (older
-    checkpoints name only the workers), checked before any arithmetic is done with them."""
-    layout = (state.get("world_size"), state.get("tensor_parallel_size", 1), state.get("pipeline_parallel_size", 1))
-    world, tp, pp = layout
-    if not all(type(n) is int and n >= 1 for n in layout) or world % (tp * pp):
+def _written_layout(state: dict, uri: str) -> tuple[int, int, int, int]:
+    """The workers, tensor-parallel size, pipeline stages and virtual stages that wrote the
+    checkpoint (older checkpoints name only the workers), checked before any arithmetic is done
+    with them."""
+    layout = (
+        state.get("world_size"),
+        state.get("tensor_parallel_size", 1),
+        state.get("pipeline_parallel_size", 1),
+        state.get("virtual_stages", 1),
+    )
+    world, tp, pp, virtual = layout
+    if not all(type(n) is int and n >= 1 for n in layout) or world % (tp * pp) or (pp == 1 and virtual != 1):
         raise ValueError(
             f"checkpoint {uri}: train_state.json names world_size={world!r}, tensor_parallel_size={tp!r}, "
-            f"pipeline_parallel_size={pp!r}; each must be a positive integer, tensor x pipeline dividing world_size"
+            f"pipeline_parallel_size={pp!r}, virtual_stages={virtual!r}; each must be a positive integer, "
+            "tensor x pipeline dividing world_size, and virtual stages 1 without a pipeline"
         )
     return layout
 

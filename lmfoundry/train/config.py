@@ -94,9 +94,19 @@ class ParallelismConfig(StageConfig):
     pipeline_parallel_size: int = Field(
         1,
         ge=1,
-        description="stages the model's blocks are spread over (DeepSpeed's pipeline engine, 1F1B; "
+        description="stages the model's blocks are spread over (DeepSpeed's pipeline engine, 1F1B, or "
+        "interleaved with virtual_stages; "
         "pretraining, dense models, ZeRO stage 1); a step's micro-batches (its gradient accumulation) "
         "flow through them",
+    )
+    virtual_stages: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="with pipeline_parallel_size > 1: chunks of the blocks each stage holds, run on the "
+        "interleaved 1F1B schedule (Megatron's), which cuts the pipeline's idle time this many times for "
+        "as many times the transfers between stages; a step's micro-batches must be a multiple of "
+        "pipeline_parallel_size",
     )
     sequence_parallel: bool = Field(
         False,
@@ -167,6 +177,11 @@ class ParallelismConfig(StageConfig):
                     "tensor-parallel group; use a fixed num_workers (a checkpoint still resumes at "
                     "another layout)"
                 )
+        if self.virtual_stages > 1 and pp == 1:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs pipeline_parallel_size > 1: virtual stages "
+                "are chunks of a pipeline stage"
+            )
         if self.num_workers % (tp * pp):
             raise ValueError(
                 f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} must divide num_workers={self.num_workers}"
@@ -476,9 +491,11 @@ class PretrainConfig(TrainStageConfig):
                     f"pipeline_parallel_size={pp} with an MoE model: pipeline stages run dense models; "
                     "split an MoE model's experts with expert_parallel_size and no pipeline"
                 )
-            if self.model.n_layer < pp:
+            chunks = pp * self.parallelism.virtual_stages
+            if self.model.n_layer < chunks:
                 raise ValueError(
-                    f"pipeline_parallel_size={pp} needs at least one block a stage (n_layer={self.model.n_layer})"
+                    f"pipeline_parallel_size={pp} x virtual_stages={self.parallelism.virtual_stages} needs at "
+                    f"least one block a virtual stage ({chunks}); the model has n_layer={self.model.n_layer}"
                 )
         if self.parallelism.tensor_parallel_size > 1:
             check_tensor_parallel(self.model, self.parallelism.tensor_parallel_size)

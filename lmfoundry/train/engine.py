@@ -228,9 +228,14 @@ def build_engine(
     built, model_name, groups = model, None, None
     if pp > 1:
         from lmfoundry.train.pipeline_parallel import pipeline_module, share_groups_with_tensor_parallelism
+        from lmfoundry.train.pipeline_schedule import check_micro_batches
 
         deepspeed.init_distributed()  # the pipeline's groups are made before the engine: over torch's process group
-        model = pipeline_module(model, pp, tp, values, vocab_parallel=cfg.parallelism.splits_vocabulary)
+        virtual = cfg.parallelism.virtual_stages
+        check_micro_batches(pp, virtual, ds_config["gradient_accumulation_steps"])
+        model = pipeline_module(
+            model, pp, tp, values, vocab_parallel=cfg.parallelism.splits_vocabulary, virtual_stages=virtual
+        )
         model_name = model.names_in_model.__getitem__
         if tp > 1:
             share_groups_with_tensor_parallelism(model._grid)
@@ -265,6 +270,10 @@ def build_engine(
         from lmfoundry.train.pipeline_parallel import finish_tensor_parallel_pipeline
 
         finish_tensor_parallel_pipeline(engine)
+    if pp > 1 and cfg.parallelism.virtual_stages > 1:
+        from lmfoundry.train.interleaved_pipeline import make_interleaved
+
+        make_interleaved(engine)
     if cfg.parallelism.splits_sequences:
         make_sequence_parallel(engine)
     elif tp > 1:

@@ -29,15 +29,23 @@ given the grid back afterwards (`share_groups_with_tensor_parallelism`,
 activations (DeepSpeed's partitioned pipeline transfers), and the next stage's group gathers
 them.
 
+With `virtual_stages` v > 1 each rank holds v chunks of the blocks instead of one run of them
+(chunk c of stage s is virtual stage c * stages + s of the model's layers cut stages * v ways),
+built into the one stage module, whose forward runs the chunk the engine names; its layers keep
+their names and checkpoint files by their index in the model, so a checkpoint's layer files are
+the same at any v. DeepSpeed's engine runs one stage a rank on 1F1B, so the interleaved schedule
+is lmfoundry's (train/interleaved_pipeline.py, train/pipeline_schedule.py).
+
 DeepSpeed's pipeline engine rather than torch.distributed.pipelining, because the loop already
 runs on DeepSpeed's engine: its ZeRO-1 partitions the optimizer within each stage's data-parallel
-group and its checkpoints hold each layer's file. It has no interleaved (virtual-stage)
-schedule, which is why lmfoundry has none either.
+group and its checkpoints hold each layer's file.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
+import os
 
 import torch
 import torch.nn as nn
@@ -151,6 +159,7 @@ def pipeline_module(
     tensor_parallel: int = 1,
     values: dict | None = None,
     vocab_parallel: bool = False,
+    virtual_stages: int = 1,
 ):
     """`model` (the same on every rank) as a DeepSpeed PipelineModule over `stages` stages, each
     stage's layers split over `tensor_parallel` consecutive ranks (with `vocab_parallel`, the
@@ -165,8 +174,11 @@ def pipeline_module(
 
     if model.cfg.moe is not None:
         raise ValueError("pipeline parallelism runs dense models: split an MoE model's experts with expert parallelism")
-    if model.cfg.n_layer < stages:
-        raise ValueError(f"{stages} pipeline stages need at least one block each; the model has {model.cfg.n_layer}")
+    if model.cfg.n_layer < stages * virtual_stages:
+        raise ValueError(
+            f"{stages} pipeline stages x {virtual_stages} virtual stages need at least one block each; "
+            f"the model has {model.cfg.n_layer}"
+        )
 
     class TransformerPipe(PipelineModule):
         cfg = model.cfg
@@ -177,6 +189,61 @@ def pipeline_module(
 
         def moe_layers(self) -> list:
             return []
+
+        def _partition_layers(self, method: str = "uniform") -> None:
+            # DeepSpeed's split of the layers, over stages x virtual stages: `parts` bounds the
+            # virtual stages, of which this rank holds chunk c's, virtual stage c * stages + stage
+            pipe = self.num_stages
+            self.num_stages = pipe * virtual_stages
+            try:
+                super()._partition_layers(method)
+            finally:
+                self.num_stages = pipe
+
+        def _build(self) -> None:
+            """This rank's layers, chunk by chunk (each chunk one virtual stage's contiguous
+            layers); `chunk_layers` bounds each chunk's in `forward_funcs`, and `layer_indices`
+            gives each local layer's index in the whole model, which names its parameters and
+            its checkpoint file as in a pipeline without virtual stages."""
+            stage, self.chunk_layers, self.layer_indices = self.stage_id, [], []
+            for chunk in range(virtual_stages):
+                start, stop = (
+                    self.parts[chunk * self.num_stages + stage],
+                    self.parts[chunk * self.num_stages + stage + 1],
+                )
+                self._set_bounds(start, stop)
+                first = len(self.forward_funcs)
+                super()._build()
+                self.chunk_layers.append((first, len(self.forward_funcs)))
+                self.layer_indices += range(start, stop)
+            self._set_bounds(self.layer_indices[0], self.layer_indices[-1] + 1)  # DeepSpeed logs the span
+            self.chunk = 0
+
+        def forward(self, x):
+            if virtual_stages == 1:
+                return super().forward(x)
+            start, stop = self.chunk_layers[self.chunk]  # the chunk the interleaved engine runs
+            for layer in self.forward_funcs[start:stop]:
+                x = layer(x)
+            return x
+
+        def sequence_shards(self) -> int:
+            """How many slices each sequence's activations are cut into between the blocks."""
+            return next(layer.sequence_shards for layer in self.forward_funcs if isinstance(layer, BlockLayer))
+
+        def stage_owner(self, layer_idx: int) -> int:
+            virtual = next(s for s in range(len(self.parts) - 1) if self.parts[s] <= layer_idx < self.parts[s + 1])
+            return virtual % self.num_stages
+
+        def ckpt_layer_path(self, ckpt_dir, local_layer_idx: int) -> str:
+            # DeepSpeed's file name, by the layer's index in the whole model (not the span's)
+            path = os.path.join(ckpt_dir, f"layer_{self.layer_indices[local_layer_idx]:02d}")
+            rank = self._grid._topo.get_rank_repr(rank=self.global_rank)
+            return path + (f"-{rank}" if rank else "") + "-model_states.pt"
+
+        def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx: int) -> list[str]:
+            index = self.layer_indices[local_layer_idx]
+            return sorted(glob.glob(os.path.join(ckpt_dir, f"layer_{index:02d}-") + "*model_states.pt"))
 
         def split_vocabulary(self) -> None:
             """The stage's embedding (the first stage's, and a tied head's table on the last) and
@@ -230,6 +297,7 @@ def pipeline_module(
 
             return self._apply(move)
 
+    TransformerPipe.virtual_stages = virtual_stages  # each rank's chunks (train/pipeline_schedule.py)
     tied = model.cfg.tie_embeddings
     weight = model.embed.weight
     if tied:
@@ -408,7 +476,7 @@ def write_servable_weights(engine, path) -> None:
     def local_layers():
         """(index, tensors) of each of this rank's layers, whole while it is read."""
         for offset, layer in enumerate(module.forward_funcs):
-            index = module._local_start + offset
+            index = module.layer_indices[offset]  # in the model's order: a rank's chunks are ascending
             if isinstance(layer, nn.Module) and not (tied and index == last):
                 with gathered(layer) if split else contextlib.nullcontext():
                     yield index, _layer_state(layer, module.state_prefixes[index])

@@ -496,6 +496,7 @@ class Trainer:
             "world_size": self.world,
             "tensor_parallel_size": self.cfg.parallelism.tensor_parallel_size,
             "pipeline_parallel_size": self.cfg.parallelism.pipeline_parallel_size,
+            "virtual_stages": self.cfg.parallelism.virtual_stages,  # which layers each stage's files hold
             "vocab_parallel": splits_vocabulary(self.engine),  # as the engine split it: what a resume compares
             "vocab_parallel_embedding": splits_embedding_vocabulary(self.engine),
             **objective.train_state(pos.step),

@@ -6,8 +6,9 @@ workers, activation checkpointing), and with sequence parallelism TP 2 x PP 2 (4
 stage split over 2, 4 micro-batches a step: the head whole; the tied table split by vocabulary
 on both end stages; an untied head and embedding split by vocabulary, with checkpointing), TP 2
 x PP 2 with an untied head and embedding split by vocabulary and no sequence split, and
-TP 2 with a vocabulary-parallel head and embedding (tied, with checkpointing; untied) are those
-of one worker holding the whole model, each rank
+TP 2 with a vocabulary-parallel head and embedding (tied, with checkpointing; untied), and with
+4 blocks PP 2 and TP 2 x PP 2 (sequence and vocabulary parallel, with checkpointing) with 2
+virtual stages on the interleaved schedule are those of one worker holding the whole model, each rank
 holding its half of every vocabulary table it holds, and the weights each run writes (piece
 by piece, or layer by layer from each stage, gathered over its tensor-parallel group) are whole:
 loaded into the single-device model they give the engines' logits (a vocabulary-parallel

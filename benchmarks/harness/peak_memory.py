@@ -142,7 +142,7 @@ def measure_peak_bytes(configs: list[PretrainConfig], seq_len: int, world_size: 
 
 def reference_cases() -> dict[str, PretrainConfig]:
     """Dense and MoE models under ZeRO 0-2, with and without checkpointing and accumulation, and
-    expert and tensor parallelism."""
+    expert, tensor and pipeline parallelism (with virtual stages too)."""
     dense = ModelConfig(vocab_size=4096, max_seq_len=SEQ_LEN, n_layer=4, d_model=256, n_head=4, n_kv_head=2)
     wide = dense.model_copy(update={"d_model": 512, "n_head": 8, "n_kv_head": 4, "vocab_size": 8192})
     # the planner models GPUs, where `dispatch: auto` runs grouped_mm; the fused dispatch, which
@@ -160,6 +160,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
         pp: int = 1,
         sequence_parallel: bool = False,
         vocab_parallel: bool = False,
+        virtual_stages: int = 1,
     ) -> PretrainConfig:
         replicas = WORLD // (tp * pp)
         return PretrainConfig(
@@ -171,6 +172,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
                 "expert_parallel_size": ep,
                 "tensor_parallel_size": tp,
                 "pipeline_parallel_size": pp,
+                "virtual_stages": virtual_stages,
                 "sequence_parallel": sequence_parallel,
                 "vocab_parallel": vocab_parallel,
             },
@@ -193,6 +195,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
             wide, 2, micro=4, tp=2, sequence_parallel=True, vocab_parallel=True
         ),
         "dense 512-wide, PP 2, 4 micro": cfg(wide, 1, micro=4, accumulate=4, pp=2),
+        "dense 512-wide, PP 2 x 2 virtual stages, 4 micro": cfg(wide, 1, micro=4, accumulate=4, pp=2, virtual_stages=2),
     }
 
 
@@ -246,6 +249,8 @@ def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> 
         overlap_comm=par.use_gpu,
     )
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    layout = Layout(tp=tp, pp=pp, dp=world_size // (tp * pp), ep=par.expert_parallel_size)
+    layout = Layout(
+        tp=tp, pp=pp, dp=world_size // (tp * pp), ep=par.expert_parallel_size, virtual_stages=par.virtual_stages
+    )
     micro_batches = gradient_accumulation(cfg, world_size, seq_len)
     return training_memory_bytes(model_shape(cfg.model), layout, recipe, micro_batches)

@@ -30,7 +30,10 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   engine keeps: the busier of the two counts. tests/test_planner_memory.py checks the sum
   against the measured peak of real DeepSpeed runs.
 - pipeline bubble, as a fraction of the step: (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) with v
-  virtual stages per GPU (tests check both against a simulated schedule).
+  virtual stages per GPU (tests check both against the interleaved engine's order, simulated).
+  Pipeline transfers: each micro-batch's activations cross each of a stage's v chunk boundaries
+  forward and their gradients backward, 1/t of them a rank (whole, on the interleaved engine
+  without sequence parallelism), so virtual stages multiply the bytes by v.
 - communication, ring algorithms: all-reduce moves 2(n-1)/n of the buffer per GPU, reduce-
   scatter and all-gather (n-1)/n, all-to-all (n-1)/n. Tensor parallelism costs 4 all-reduces of
   the activations a layer (2 forward, 2 backward); sequence parallelism turns each into a
@@ -360,7 +363,11 @@ def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) ->
     tp_gb = 4 * layers_local * m * BYTES_BF16 * s * b * h * _ring("all_reduce", layout.tp) / 1e9
     if recipe.sequence_parallel:  # backward gathers each of the 2 norms' outputs a layer again
         tp_gb *= 1.25
-    pp_gb = 2 * m * BYTES_BF16 * s * b * h / layout.tp / 1e9 if layout.pp > 1 else 0.0
+    # each micro-batch crosses each of a stage's v chunk boundaries forward and backward; a rank
+    # sends 1/t of the activations (DeepSpeed's partitioned transfers; its own slice under
+    # sequence parallelism), or, on the interleaved engine without it, the whole
+    shard = layout.tp if layout.virtual_stages == 1 or recipe.sequence_parallel else 1
+    pp_gb = 2 * layout.virtual_stages * m * BYTES_BF16 * s * b * h / shard / 1e9 if layout.pp > 1 else 0.0
     a2a_gb = (
         4 * layers_local * m * BYTES_BF16 * s * b * h * shape.top_k * _ring("all_to_all", layout.ep) / 1e9
         if shape.num_experts

@@ -33,6 +33,7 @@ from lmfoundry.model.transformer import build_on_meta
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import tensor_parallel
+from lmfoundry.train.config import MAX_VIRTUAL_STAGES
 from lmfoundry.train.expert_parallel import full_state
 from lmfoundry.train.pipeline_parallel import pipeline_parameter_names
 from lmfoundry.train.pipeline_parallel import write_servable_weights as write_pipeline_weights
@@ -319,11 +320,17 @@ def _written_layout(state: dict, uri: str) -> tuple[int, int, int, int]:
         state.get("virtual_stages", 1),
     )
     world, tp, pp, virtual = layout
-    if not all(type(n) is int and n >= 1 for n in layout) or world % (tp * pp) or (pp == 1 and virtual != 1):
+    if (
+        not all(type(n) is int and n >= 1 for n in layout)
+        or world % (tp * pp)
+        or (pp == 1 and virtual != 1)
+        or virtual > MAX_VIRTUAL_STAGES
+    ):
         raise ValueError(
             f"checkpoint {uri}: train_state.json names world_size={world!r}, tensor_parallel_size={tp!r}, "
             f"pipeline_parallel_size={pp!r}, virtual_stages={virtual!r}; each must be a positive integer, "
-            "tensor x pipeline dividing world_size, and virtual stages 1 without a pipeline"
+            "tensor x pipeline dividing world_size, and virtual stages 1 without a pipeline, at most "
+            f"{MAX_VIRTUAL_STAGES} with one"
         )
     return layout
 

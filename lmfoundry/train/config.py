@@ -24,6 +24,9 @@ from lmfoundry.platform.tracking import MlflowConfig
 logger = get_logger(__name__)
 
 
+MAX_VIRTUAL_STAGES = 64  # chunks of a pipeline stage: far beyond any layout the planner ranks
+
+
 class FaultDrill(StageConfig):
     """A real failure injected on purpose, to prove recovery: the worker of `rank` kills its own
     process with SIGKILL after optimizer step `at_step` (or, with `during_save`, while that
@@ -102,7 +105,7 @@ class ParallelismConfig(StageConfig):
     virtual_stages: int = Field(
         1,
         ge=1,
-        le=64,
+        le=MAX_VIRTUAL_STAGES,
         description="with pipeline_parallel_size > 1: chunks of the blocks each stage holds, run on the "
         "interleaved 1F1B schedule (Megatron's), which cuts the pipeline's idle time this many times for "
         "as many times the transfers between stages; a step's micro-batches must be a multiple of "

@@ -24,8 +24,13 @@ def gradient_accumulation(cfg: TrainStageConfig, world_size: int, seq_len: int) 
 def check_every_world_size(cfg: TrainStageConfig, seq_len: int) -> None:
     """Fail on the driver, not inside the workers, when a world size the run may train at cannot
     share the global batch evenly."""
-    for world in world_sizes(cfg.parallelism):
-        gradient_accumulation(cfg, world, seq_len)
+    from lmfoundry.train.pipeline_schedule import check_micro_batches
+
+    par = cfg.parallelism
+    for world in world_sizes(par):
+        accumulation = gradient_accumulation(cfg, world, seq_len)
+        if par.pipeline_parallel_size > 1:  # the interleaved schedule's groups of micro-batches
+            check_micro_batches(par.pipeline_parallel_size, par.virtual_stages, accumulation)
 
 
 def reduce_bucket_elements(cfg: TrainStageConfig, num_params: int | None) -> int:

@@ -6,9 +6,14 @@ replicas, the tied embedding's gradient sum between the end stages, gradient cli
 whole model, the optimizer step, loss scaling, checkpoints) is DeepSpeed's own, called as its
 1F1B schedule calls it.
 
-Activations and their gradients travel by asynchronous sends and blocking receives, each kind in
-a process group of its own, so that the two kinds between the same pair of ranks (at two stages,
-both go both ways) never match each other's messages.
+Activations and their gradients travel by asynchronous sends and blocking receives, in a process
+group for each kind and direction (pipeline_schedule.channel: at two stages both kinds go both
+ways between the same two ranks, and NCCL matches a pair's transfers in one queue a group). A
+send's buffer is let go as soon as a later message from its receiver proves it arrived
+(pipeline_schedule.release_points): gloo reports no send complete before it is waited on, and
+keeping every send to the end of the step would hold m x v activations. The tests run the
+orders through a model of each transport (gloo's blocking receives, NCCL's matching queues);
+the engine itself has run on gloo only.
 """
 
 from __future__ import annotations
@@ -20,19 +25,33 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from lmfoundry.train.pipeline_schedule import FORWARD, interleaved_order
+from lmfoundry.train.pipeline_schedule import (
+    ACTIVATION,
+    FORWARD,
+    GRADIENT,
+    channel,
+    interleaved_order,
+    messages,
+    receiving_stage,
+    release_points,
+)
 
 
 def make_interleaved(engine) -> None:
     """A DeepSpeed PipelineEngine over a module built with virtual stages
     (pipeline_parallel.pipeline_module), made to run its steps on the interleaved schedule. Its
     class is swapped because `deepspeed.initialize` builds the engine and takes no class to build;
-    the subclass adds no state of its own beyond what is set here. Collective."""
+    the subclass adds no state of its own beyond what is set here. Collective: every rank makes
+    the transfers' process groups (pipeline_schedule.channel), over the whole world."""
     engine.__class__ = InterleavedPipelineEngine
     world = range(dist.get_world_size())
-    engine.activation_group = dist.new_group(ranks=world)
-    engine.gradient_group = dist.new_group(ranks=world)
+    engine.transfer_groups = {
+        (kind, direction): dist.new_group(ranks=world)
+        for kind in (ACTIVATION, GRADIENT)
+        for direction in ("later", "earlier")
+    }
     engine.receive_wait_s = 0.0
+    engine.release_plans = {}  # micro-batches a step -> this stage's release points
 
 
 def _peer(engine, stage: int) -> int:
@@ -57,10 +76,15 @@ class InterleavedPipelineEngine(PipelineEngine):
         reduced, the optimizer stepped. Returns the step's mean loss, as DeepSpeed's does."""
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() needs gradients enabled")
+        if data_iter is None:
+            raise ValueError("train_batch() needs the step's micro-batches: an iterator of (inputs, targets)")
         batches = [next(data_iter) for _ in range(self.micro_batches)]
         self.module.train()
         self.total_loss, self.total_additional_losses, self.fwd_outputs = None, None, []
-        self._run_step(batches)
+        try:
+            self._run_step(batches)
+        finally:
+            self.module.chunk = 0
         self._exec_reduce_tied_grads()
         self._exec_reduce_grads()
         self._exec_optimizer_step()
@@ -69,59 +93,59 @@ class InterleavedPipelineEngine(PipelineEngine):
         return self.agg_train_loss
 
     def _run_step(self, batches: list) -> None:
-        stages, chunks = self.num_stages, self.module.virtual_stages
+        stages, chunks, stage = self.num_stages, self.module.virtual_stages, self.stage_id
         last = stages * chunks - 1
+        order = interleaved_order(stages, chunks, len(batches), stage)
+        if len(batches) not in self.release_plans:
+            self.release_plans[len(batches)] = release_points(stages, chunks, len(batches), stage)
+        release = self.release_plans[len(batches)]
         held: dict[tuple[int, int], tuple] = {}  # (chunk, micro-batch) -> its input and output
-        sends: list = []  # asynchronous sends, kept (with their tensors) until they complete
+        sending: dict[int, tuple] = {}  # op index -> its asynchronous send and the tensor it sends
         inputs = batches[0][0]
         shape = (inputs.shape[0], inputs.shape[1] // self.module.sequence_shards(), self.module.cfg.d_model)
         dtype = next(self.module.parameters()).dtype
 
-        def send(tensor: torch.Tensor, virtual: int, group) -> None:
-            tensor = tensor.contiguous()
-            sends.append((dist.isend(tensor, _peer(self, virtual % stages), group=group), tensor))
-            sends[:] = [(work, t) for work, t in sends if not work.is_completed()]
-
-        def receive(virtual: int, group) -> torch.Tensor:
+        def receive(message: tuple) -> torch.Tensor:
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             started = time.perf_counter()
-            dist.recv(buffer, _peer(self, virtual % stages), group=group)
+            dist.recv(buffer, _peer(self, message[1] % stages), group=self.transfer_groups[channel(message, stages)])
             self.receive_wait_s += time.perf_counter() - started
             return buffer
 
-        for kind, chunk, micro in interleaved_order(stages, chunks, len(batches), self.stage_id):
-            virtual = chunk * stages + self.stage_id
+        for index, (kind, chunk, micro) in enumerate(order):
+            virtual = chunk * stages + stage
+            received, sent = messages(stages, chunks, (kind, chunk, micro), stage)
             self.module.chunk = chunk
             if kind == FORWARD:
-                if virtual == 0:
-                    x = batches[micro][0].to(self.device)
-                else:
-                    x = receive(virtual - 1, self.activation_group).requires_grad_()
+                x = batches[micro][0].to(self.device) if received is None else receive(received).requires_grad_()
                 out = DeepSpeedEngine.forward(self, x)
                 if virtual == last:
                     out = self.module.loss_fn(out, batches[micro][1].to(self.device))
                     self.fwd_outputs.append(out.detach())
                     self.total_loss = out.detach() + (0 if self.total_loss is None else self.total_loss)
-                else:
-                    send(out.detach(), virtual + 1, self.activation_group)
                 held[(chunk, micro)] = (x, out)
-                continue
-            x, out = held.pop((chunk, micro))
-            if virtual == last:
-                DeepSpeedEngine.backward(self, out)  # the loss, divided by the accumulation
+                outgoing = out
             else:
-                grad = receive(virtual + 1, self.gradient_group)
-                if self.using_bf16_optimizer:
-                    self.optimizer.clear_lp_grads()
-                self._running_engine_backward = True  # as DeepSpeed's own 1F1B backward
-                try:
-                    out.backward(gradient=grad)
-                finally:
-                    self._running_engine_backward = False
-                if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
-                    self.optimizer.update_hp_grads(clear_lp_grads=False)
-            if virtual > 0:
-                send(x.grad, virtual - 1, self.gradient_group)
-        for work, _ in sends:
+                x, out = held.pop((chunk, micro))
+                if received is None:  # the last virtual stage: the loss, divided by the accumulation
+                    DeepSpeedEngine.backward(self, out)
+                else:
+                    grad = receive(received)
+                    if self.using_bf16_optimizer:
+                        self.optimizer.clear_lp_grads()
+                    self._running_engine_backward = True  # as DeepSpeed's own 1F1B backward
+                    try:
+                        out.backward(gradient=grad)
+                    finally:
+                        self._running_engine_backward = False
+                    if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+                        self.optimizer.update_hp_grads(clear_lp_grads=False)
+                outgoing = x.grad
+            for done in release[index]:  # received by now (pipeline_schedule.release_points)
+                sending.pop(done)[0].wait()
+            if sent is not None:
+                tensor = outgoing.detach().contiguous()
+                peer = _peer(self, receiving_stage(stages, sent))
+                sending[index] = (dist.isend(tensor, peer, group=self.transfer_groups[channel(sent, stages)]), tensor)
+        for work, _ in sending.values():
             work.wait()
-        self.module.chunk = 0

@@ -27,7 +27,8 @@ pipeline grid's groups are handed to AutoTP before the engine is built, and the 
 given the grid back afterwards (`share_groups_with_tensor_parallelism`,
 `finish_tensor_parallel_pipeline`). Between stages each rank of a group sends a 1/T part of the
 activations (DeepSpeed's partitioned pipeline transfers), and the next stage's group gathers
-them.
+them; with virtual stages each sends its whole activations (its own slice under sequence
+parallelism).
 
 With `virtual_stages` v > 1 each rank holds v chunks of the blocks instead of one run of them
 (chunk c of stage s is virtual stage c * stages + s of the model's layers cut stages * v ways),
@@ -232,8 +233,10 @@ def pipeline_module(
             return next(layer.sequence_shards for layer in self.forward_funcs if isinstance(layer, BlockLayer))
 
         def stage_owner(self, layer_idx: int) -> int:
-            virtual = next(s for s in range(len(self.parts) - 1) if self.parts[s] <= layer_idx < self.parts[s + 1])
-            return virtual % self.num_stages
+            for virtual in range(len(self.parts) - 1):
+                if self.parts[virtual] <= layer_idx < self.parts[virtual + 1]:
+                    return virtual % self.num_stages
+            raise RuntimeError(f"layer {layer_idx} is in no stage: the stages' bounds are {self.parts}")
 
         def ckpt_layer_path(self, ckpt_dir, local_layer_idx: int) -> str:
             # DeepSpeed's file name, by the layer's index in the whole model (not the span's)

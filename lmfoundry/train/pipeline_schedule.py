@@ -11,7 +11,8 @@ stage runs chunk (k mod p * v) div p on micro-batch (k div p * v) * p + k mod p,
 backward the chunks in the reverse order, so the micro-batches go through the chunks in groups
 of p and a step needs m to be a multiple of p. The engine (train/interleaved_pipeline.py) runs
 it with asynchronous sends and blocking receives; that every stage's order then runs to the end,
-whatever p, v and m, is what `simulate` checks.
+whatever p, v and m, is what `simulate` checks, and `check_nccl_matching` that it does so too
+where NCCL matches the transfers between two ranks in one queue for each process group.
 
 Pure Python, without DeepSpeed, so that a config can be checked without importing it.
 """
@@ -81,3 +82,112 @@ def simulate(stages: int, virtual_stages: int, micro_batches: int) -> dict:
         most_held[s] = max(most_held[s], held[s])
     step = max(free_at)
     return {"time": step, "most_held": most_held, "bubble": 1 - micro_batches * virtual_stages * 3 / step}
+
+
+ACTIVATION, GRADIENT = "activation", "gradient"
+
+
+def messages(stages: int, virtual_stages: int, op: tuple[str, int, int], stage: int) -> tuple:
+    """What `op` on `stage` receives before it runs and sends after, each None or (kind, the
+    sending virtual stage, micro-batch): a forward takes the previous virtual stage's activations
+    and passes its own on, a backward takes the next one's gradient and passes its input's back."""
+    kind, chunk, micro = op
+    virtual, last = chunk * stages + stage, stages * virtual_stages - 1
+    if kind == FORWARD:
+        return (
+            None if virtual == 0 else (ACTIVATION, virtual - 1, micro),
+            None if virtual == last else (ACTIVATION, virtual, micro),
+        )
+    return (
+        None if virtual == last else (GRADIENT, virtual + 1, micro),
+        None if virtual == 0 else (GRADIENT, virtual, micro),
+    )
+
+
+def receiving_stage(stages: int, message: tuple) -> int:
+    kind, sender, _ = message
+    return (sender + (1 if kind == ACTIVATION else -1)) % stages
+
+
+def channel(message: tuple, stages: int) -> tuple[str, str]:
+    """The process group a message travels in: one for each kind and direction (towards a later
+    or an earlier stage). NCCL matches the sends and receives between two ranks of a group in the
+    order each rank issues them, one communicator a pair; at two stages activations (within a
+    chunk, and from the last stage back to the first between chunks) and gradients both go both
+    ways, and with one group a kind the two ranks' sends would each wait on a receive queued
+    behind the other's send."""
+    kind, sender, _ = message
+    return kind, "later" if sender % stages < receiving_stage(stages, message) else "earlier"
+
+
+def release_points(stages: int, virtual_stages: int, micro_batches: int, stage: int) -> list[list[int]]:
+    """For each op of `stage`'s order, the earlier ops whose sends have certainly been received
+    once this op's own message has arrived: their buffers can be let go. The peer that received
+    send S at its op k had, by then, finished its ops before k (its receives block), so any message
+    it sent `stage` from an op after k proves S arrived. Sends no such message covers are waited
+    on at the end of the step."""
+    orders = [interleaved_order(stages, virtual_stages, micro_batches, s) for s in range(stages)]
+    flows = [[messages(stages, virtual_stages, op, s) for op in orders[s]] for s in range(stages)]
+    received_at = {flows[s][i][0]: (s, i) for s in range(stages) for i in range(len(orders[s])) if flows[s][i][0]}
+    # for each peer: the first op of this stage that receives a message the peer sent from its op k or later
+    first_after = {}
+    for peer in range(stages):
+        first, suffix = len(orders[stage]), []
+        for i in reversed(range(len(orders[peer]))):
+            sent = flows[peer][i][1]
+            if sent is not None and receiving_stage(stages, sent) == stage:
+                first = min(first, received_at[sent][1])
+            suffix.append(first)
+        first_after[peer] = suffix[::-1] + [len(orders[stage])]
+    release: list[list[int]] = [[] for _ in orders[stage]]
+    for i, (_, sent) in enumerate(flows[stage]):
+        if sent is not None:
+            peer, k = received_at[sent]
+            j = first_after[peer][k + 1]
+            if j < len(orders[stage]):
+                release[j].append(i)
+    return release
+
+
+def check_nccl_matching(stages: int, virtual_stages: int, micro_batches: int, route=channel) -> None:
+    """Every stage's order run as NCCL runs the engine's transfers: each rank issues all its
+    sends and receives at once, in its order, and each (group, pair of ranks) is one queue that
+    matches the head of one rank's with the head of the other's; a send leaves once its op has
+    run, and an op runs once its message has arrived. Raises if two ranks would wait on each
+    other for ever, or if a receive would take another message than its own."""
+    orders = [interleaved_order(stages, virtual_stages, micro_batches, s) for s in range(stages)]
+    flows = [[messages(stages, virtual_stages, op, s) for op in orders[s]] for s in range(stages)]
+    queues: dict[tuple, tuple[list, list]] = {}  # (group, low rank, high rank) -> each rank's transfers
+    for s in range(stages):
+        for received, sent in flows[s]:
+            for message, sending in ((received, False), (sent, True)):
+                if message is not None:
+                    peer = receiving_stage(stages, message) if sending else message[1] % stages
+                    key = (route(message, stages), min(s, peer), max(s, peer))
+                    queues.setdefault(key, ([], []))[0 if s < peer else 1].append((sending, message))
+    arrived, ready, position = set(), set(), [0] * stages
+    while any(position[s] < len(orders[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):  # each rank runs its ops in order, each once its message is in
+            while position[s] < len(orders[s]) and flows[s][position[s]][0] in arrived | {None}:
+                ready.add(flows[s][position[s]][1])  # what it sends can leave
+                position[s] += 1
+                progressed = True
+        for low, high in queues.values():
+            while low and high:
+                (low_sends, low_message), (high_sends, high_message) = low[0], high[0]
+                if low_sends == high_sends:
+                    break  # both send, or both receive: each waits on the other's head
+                if low_message != high_message:
+                    raise RuntimeError(f"at p={stages} a receive would take {low_message} for {high_message}")
+                if low_message not in ready:
+                    break
+                arrived.add(low_message)
+                low.pop(0)
+                high.pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError(
+                f"the transfers deadlock at p={stages} v={virtual_stages} m={micro_batches}: "
+                f"stages stopped at ops {position}"
+            )

@@ -10,7 +10,7 @@ vocabulary rows and no sequence split, TP 2 on 2 with an untied head and embeddi
 vocabulary rows (an untied layout is held to a one-worker run of the untied model), and, with 4
 blocks against a one-worker run of the 4-block model, PP 2 with 2 virtual stages on 2 and TP 2 x
 PP 2 with 2 virtual stages on 4 (sequence and vocabulary parallel, activation checkpointing),
-on the interleaved schedule. The figures: the largest loss difference from the one-worker run, the
+and with 8 blocks PP 4 with 2 virtual stages on 4, on the interleaved schedule. The figures: the largest loss difference from the one-worker run, the
 largest relative difference of the gradient norm (clipping's), and the largest logit difference
 between the weights each run wrote, loaded into the single-device model, and the one-worker
 engine (and the run's own engine, where it sees the logits). For the layouts without a pipeline, the

@@ -35,11 +35,12 @@ def vocabulary_table(name: str, n_layer: int) -> bool:
 
 
 # name: (tensor parallel, pipeline stages, workers, options of small_config); a layout with an
-# untied head is held to the one-worker run of the untied model, one of 4 layers to that of the
-# 4-layer model
+# untied head is held to the one-worker run of the untied model, one of 4 or 8 layers to that of
+# the model of as many layers
 LAYOUTS = {
     "one worker": (1, 1, 1, {}),
     "one worker, 4 layers": (1, 1, 1, {"n_layer": 4}),
+    "one worker, 8 layers": (1, 1, 1, {"n_layer": 8}),
     # without ZeRO, where DeepSpeed's own clip keeps no norm (train/engine.py: keep_fp32_gradient_norm)
     "one worker, untied": (1, 1, 1, {"tied": False, "zero_stage": 0}),
     "TP 2 x DP 2, vocab parallel": (2, 1, 4, {"vocab_parallel": True}),
@@ -69,6 +70,8 @@ LAYOUTS = {
     "TP 2 x PP 2, vocab + sequence parallel": (2, 2, 4, {"vocab_parallel": True, "sequence_parallel": True}),
     # interleaved: each stage holds 2 chunks of one block (train/interleaved_pipeline.py)
     "PP 2 x 2 virtual stages": (1, 2, 2, {"n_layer": 4, "virtual_stages": 2}),
+    # activations from the last stage back to the first between chunks, past two stages between
+    "PP 4 x 2 virtual stages": (1, 4, 4, {"n_layer": 8, "virtual_stages": 2}),
     "TP 2 x PP 2 x 2 virtual stages, vocab + sequence parallel, recompute": (
         2,
         2,
@@ -80,8 +83,8 @@ LAYOUTS = {
 
 def reference_layout(options: dict) -> str:
     """The one-worker run a layout's losses are held to: of the same model."""
-    if options.get("n_layer", 2) == 4:
-        return "one worker, 4 layers"
+    if options.get("n_layer", 2) > 2:
+        return f"one worker, {options['n_layer']} layers"
     return "one worker" if options.get("tied", True) else "one worker, untied"
 
 

@@ -84,6 +84,8 @@ LAYOUTS = {
 def reference_layout(options: dict) -> str:
     """The one-worker run a layout's losses are held to: of the same model."""
     if options.get("n_layer", 2) > 2:
+        if not options.get("tied", True):
+            raise ValueError("LAYOUTS has no one-worker run of an untied model of more than 2 layers")
         return f"one worker, {options['n_layer']} layers"
     return "one worker" if options.get("tied", True) else "one worker, untied"
 

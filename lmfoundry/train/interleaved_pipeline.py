@@ -34,6 +34,7 @@ from lmfoundry.train.pipeline_schedule import (
     messages,
     receiving_stage,
     release_points,
+    transfer_pairs,
 )
 
 
@@ -52,6 +53,24 @@ def make_interleaved(engine) -> None:
     }
     engine.receive_wait_s = 0.0
     engine.release_plans = {}  # micro-batches a step -> this stage's release points
+    connect_transfer_pairs(engine)
+
+
+def connect_transfer_pairs(engine) -> None:
+    """One small transfer on every (group, pair of stages) the steps use, in one order on every
+    rank of the pipeline, the lower stage sending: NCCL makes a pair's communicator at its first
+    transfer (a blocking rendezvous of the two), which must not first happen mid-step while other
+    transfers wait on the GPU. In that order each pair's transfer is the next of both its ranks,
+    so every one completes."""
+    stages, stage = engine.num_stages, engine.stage_id
+    token = torch.zeros(1, device=engine.device)
+    for route, low, high in transfer_pairs(stages, engine.module.virtual_stages):
+        if stage == low:
+            dist.send(token, _peer(engine, high), group=engine.transfer_groups[route])
+        elif stage == high:
+            dist.recv(token, _peer(engine, low), group=engine.transfer_groups[route])
+    if torch.cuda.is_available() and token.is_cuda:
+        torch.cuda.synchronize()
 
 
 def _peer(engine, stage: int) -> int:
@@ -105,6 +124,11 @@ class InterleavedPipelineEngine(PipelineEngine):
         shape = (inputs.shape[0], inputs.shape[1] // self.module.sequence_shards(), self.module.cfg.d_model)
         dtype = next(self.module.parameters()).dtype
 
+        def release_sends(index: int) -> None:
+            """The sends op `index`'s message proves received (pipeline_schedule.release_points)."""
+            for done in release[index]:
+                sending.pop(done)[0].wait()
+
         def receive(message: tuple) -> torch.Tensor:
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             started = time.perf_counter()
@@ -118,6 +142,7 @@ class InterleavedPipelineEngine(PipelineEngine):
             self.module.chunk = chunk
             if kind == FORWARD:
                 x = batches[micro][0].to(self.device) if received is None else receive(received).requires_grad_()
+                release_sends(index)
                 out = DeepSpeedEngine.forward(self, x)
                 if virtual == last:
                     out = self.module.loss_fn(out, batches[micro][1].to(self.device))
@@ -127,10 +152,11 @@ class InterleavedPipelineEngine(PipelineEngine):
                 outgoing = out
             else:
                 x, out = held.pop((chunk, micro))
-                if received is None:  # the last virtual stage: the loss, divided by the accumulation
+                grad = None if received is None else receive(received)
+                release_sends(index)
+                if grad is None:  # the last virtual stage: the loss, divided by the accumulation
                     DeepSpeedEngine.backward(self, out)
                 else:
-                    grad = receive(received)
                     if self.using_bf16_optimizer:
                         self.optimizer.clear_lp_grads()
                     self._running_engine_backward = True  # as DeepSpeed's own 1F1B backward
@@ -141,8 +167,6 @@ class InterleavedPipelineEngine(PipelineEngine):
                     if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
                         self.optimizer.update_hp_grads(clear_lp_grads=False)
                 outgoing = x.grad
-            for done in release[index]:  # received by now (pipeline_schedule.release_points)
-                sending.pop(done)[0].wait()
             if sent is not None:
                 tensor = outgoing.detach().contiguous()
                 peer = _peer(self, receiving_stage(stages, sent))

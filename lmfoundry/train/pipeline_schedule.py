@@ -109,6 +109,19 @@ def receiving_stage(stages: int, message: tuple) -> int:
     return (sender + (1 if kind == ACTIVATION else -1)) % stages
 
 
+def transfer_pairs(stages: int, virtual_stages: int) -> list[tuple]:
+    """Every (channel, lower stage, higher stage) a step's transfers use, in one order for every rank."""
+    pairs = set()
+    for stage in range(stages):
+        for op in interleaved_order(stages, virtual_stages, stages, stage):
+            for message in messages(stages, virtual_stages, op, stage):
+                if message is not None:
+                    peer = receiving_stage(stages, message)
+                    sender = message[1] % stages
+                    pairs.add((channel(message, stages), min(sender, peer), max(sender, peer)))
+    return sorted(pairs)
+
+
 def channel(message: tuple, stages: int) -> tuple[str, str]:
     """The process group a message travels in: one for each kind and direction (towards a later
     or an earlier stage). NCCL matches the sends and receives between two ranks of a group in the
@@ -152,9 +165,11 @@ def release_points(stages: int, virtual_stages: int, micro_batches: int, stage: 
 def check_nccl_matching(stages: int, virtual_stages: int, micro_batches: int, route=channel) -> None:
     """Every stage's order run as NCCL runs the engine's transfers: each rank issues all its
     sends and receives at once, in its order, and each (group, pair of ranks) is one queue that
-    matches the head of one rank's with the head of the other's; a send leaves once its op has
-    run, and an op runs once its message has arrived. Raises if two ranks would wait on each
-    other for ever, or if a receive would take another message than its own."""
+    matches the head of one rank's with the head of the other's (PyTorch's point-to-point
+    without a bound device: a communicator a pair, made at the pair's first transfer, which
+    the engine makes before its first step); a send leaves once its op has run, and an op runs
+    once its message has arrived. Raises if two ranks would wait on each other for ever, or if a
+    receive would take another message than its own."""
     orders = [interleaved_order(stages, virtual_stages, micro_batches, s) for s in range(stages)]
     flows = [[messages(stages, virtual_stages, op, s) for op in orders[s]] for s in range(stages)]
     queues: dict[tuple, tuple[list, list]] = {}  # (group, low rank, high rank) -> each rank's transfers
@@ -169,7 +184,9 @@ def check_nccl_matching(stages: int, virtual_stages: int, micro_batches: int, ro
     while any(position[s] < len(orders[s]) for s in range(stages)):
         progressed = False
         for s in range(stages):  # each rank runs its ops in order, each once its message is in
-            while position[s] < len(orders[s]) and flows[s][position[s]][0] in arrived | {None}:
+            while position[s] < len(orders[s]) and (
+                flows[s][position[s]][0] is None or flows[s][position[s]][0] in arrived
+            ):
                 ready.add(flows[s][position[s]][1])  # what it sends can leave
                 position[s] += 1
                 progressed = True

@@ -134,3 +134,29 @@ def test_a_step_whose_micro_batches_do_not_fill_the_groups_is_refused_before_the
         check_every_world_size(three, seq_len=16)
     four = PretrainConfig.model_validate({**raw, "batch": {"micro_batch_size": 2, "global_batch_tokens": 4 * 2 * 16}})
     check_every_world_size(four, seq_len=16)
+
+
+@pytest.mark.parametrize("stages, virtual, groups", [(2, 2, 2), (3, 2, 1), (4, 3, 2), (8, 2, 1)])
+def test_a_released_send_was_received_before_its_release_whatever_the_ops_cost(stages, virtual, groups):
+    """Run the orders with each op's cost drawn at random: the receive of every send a stage lets
+    go started no later than the op whose message lets it go (the engine waits after that
+    message's receive)."""
+    import random
+
+    micro = stages * groups
+    orders = [interleaved_order(stages, virtual, micro, s) for s in range(stages)]
+    received_at = {}
+    for s in range(stages):
+        for i, op in enumerate(orders[s]):
+            received, _ = messages(stages, virtual, op, s)
+            if received is not None:
+                received_at[received] = (s, i)
+    for seed in range(20):
+        costs = random.Random(seed)
+        drawn = {(s, i): costs.uniform(0.1, 3.0) for s in range(stages) for i in range(len(orders[s]))}
+        starts = simulate(stages, virtual, micro, cost=lambda s, i: drawn[(s, i)])["starts"]
+        for s in range(stages):
+            for j, sends in enumerate(release_points(stages, virtual, micro, s)):
+                for i in sends:
+                    peer, k = received_at[messages(stages, virtual, orders[s][i], s)[1]]
+                    assert starts[peer][k] <= starts[s][j], (seed, s, i, j)

@@ -49,17 +49,19 @@ def interleaved_order(stages: int, virtual_stages: int, micro_batches: int, stag
     return order + [backward(k) for k in range(total - warmup, total)]
 
 
-def simulate(stages: int, virtual_stages: int, micro_batches: int) -> dict:
+def simulate(stages: int, virtual_stages: int, micro_batches: int, cost=None) -> dict:
     """Every stage's order run as the engine runs it (a forward waits for the previous virtual
     stage's forward of its micro-batch, a backward for the next one's backward; sends never
-    wait), one unit of work at a time on each stage (a backward costing two): raises if the
-    stages would wait on each other for ever; else the number of time units the step takes and
-    the most micro-batch chunks whose activations a stage holds at once, and the bubble: the
-    share of the step each stage is idle."""
+    wait), one op at a time on each stage, an op costing `cost(stage, index)` (default: a
+    forward one unit, a backward two): raises if the stages would wait on each other for ever;
+    else the time the step takes, when each op started (`starts`, by stage), the most
+    micro-batch chunks whose activations a stage holds at once, and the bubble: the share of the
+    step each stage is idle (with the default costs)."""
     orders = [interleaved_order(stages, virtual_stages, micro_batches, s) for s in range(stages)]
     last = stages * virtual_stages - 1
     done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro-batch) -> time it ended
     position, free_at, held, most_held = [0] * stages, [0] * stages, [0] * stages, [0] * stages
+    starts: list[list] = [[] for _ in range(stages)]
     while any(position[s] < len(orders[s]) for s in range(stages)):
         ready = []
         for s in range(stages):
@@ -76,12 +78,15 @@ def simulate(stages: int, virtual_stages: int, micro_batches: int) -> dict:
         if not ready:
             raise RuntimeError(f"the interleaved order deadlocks at p={stages} v={virtual_stages} m={micro_batches}")
         start, s, kind, virtual, micro = min(ready)
-        free_at[s] = done[(kind, virtual, micro)] = start + (1 if kind == FORWARD else 2)
+        took = (1 if kind == FORWARD else 2) if cost is None else cost(s, position[s])
+        free_at[s] = done[(kind, virtual, micro)] = start + took
+        starts[s].append(start)
         position[s] += 1
         held[s] += 1 if kind == FORWARD else -1
         most_held[s] = max(most_held[s], held[s])
     step = max(free_at)
-    return {"time": step, "most_held": most_held, "bubble": 1 - micro_batches * virtual_stages * 3 / step}
+    bubble = 1 - micro_batches * virtual_stages * 3 / step
+    return {"time": step, "starts": starts, "most_held": most_held, "bubble": bubble}
 
 
 ACTIVATION, GRADIENT = "activation", "gradient"

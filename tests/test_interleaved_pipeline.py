@@ -154,7 +154,7 @@ def test_a_released_send_was_received_before_its_release_whatever_the_ops_cost(s
     for seed in range(20):
         costs = random.Random(seed)
         drawn = {(s, i): costs.uniform(0.1, 3.0) for s in range(stages) for i in range(len(orders[s]))}
-        starts = simulate(stages, virtual, micro, cost=lambda s, i: drawn[(s, i)])["starts"]
+        starts = simulate(stages, virtual, micro, cost=lambda s, i, drawn=drawn: drawn[(s, i)])["starts"]
         for s in range(stages):
             for j, sends in enumerate(release_points(stages, virtual, micro, s)):
                 for i in sends:

@@ -89,6 +89,7 @@ def test_the_transfers_match_in_order_where_nccl_queues_each_pair_of_ranks_and_b
 ):
     micro = stages * groups
     check_nccl_matching(stages, virtual, micro)  # raises on a deadlock or a mismatched receive
+    check_nccl_matching(stages, virtual, micro, bound_device=True)
     orders = [interleaved_order(stages, virtual, micro, s) for s in range(stages)]
     received_at = {}  # message -> (stage, op index) that receives it
     for s in range(stages):
@@ -117,12 +118,16 @@ def test_the_transfers_match_in_order_where_nccl_queues_each_pair_of_ranks_and_b
         assert left <= (stages - 1) * 2 + (virtual - 1) * stages + 1
 
 
-def test_one_process_group_a_kind_deadlocks_nccl_at_two_stages():
+def test_one_process_group_a_kind_deadlocks_nccl():
     """What the kind-and-direction groups are for: with one group a kind, two stages' ranks each
-    send first and wait on a receive queued behind the other's send."""
+    send first and wait on a receive queued behind the other's send; with the group's own
+    communicator (a bound device), so do more stages, around the ring."""
+    one_a_kind = lambda message, stages: message[0]  # noqa: E731
     with pytest.raises(RuntimeError, match="the transfers deadlock at p=2"):
-        check_nccl_matching(2, 2, 4, route=lambda message, stages: message[0])
-    check_nccl_matching(3, 2, 6, route=lambda message, stages: message[0])  # one way a pair from 3 on
+        check_nccl_matching(2, 2, 4, route=one_a_kind)
+    check_nccl_matching(3, 2, 6, route=one_a_kind)  # a pair's queue carries one way from 3 stages on
+    with pytest.raises(RuntimeError, match="the transfers deadlock at p=3"):
+        check_nccl_matching(3, 2, 6, route=one_a_kind, bound_device=True)
 
 
 def test_a_step_whose_micro_batches_do_not_fill_the_groups_is_refused_before_the_workers_start():

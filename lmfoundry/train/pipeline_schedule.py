@@ -167,24 +167,28 @@ def release_points(stages: int, virtual_stages: int, micro_batches: int, stage: 
     return release
 
 
-def check_nccl_matching(stages: int, virtual_stages: int, micro_batches: int, route=channel) -> None:
+def check_nccl_matching(
+    stages: int, virtual_stages: int, micro_batches: int, route=channel, bound_device: bool = False
+) -> None:
     """Every stage's order run as NCCL runs the engine's transfers: each rank issues all its
-    sends and receives at once, in its order, and each (group, pair of ranks) is one queue that
-    matches the head of one rank's with the head of the other's (PyTorch's point-to-point
-    without a bound device: a communicator a pair, made at the pair's first transfer, which
-    the engine makes before its first step); a send leaves once its op has run, and an op runs
-    once its message has arrived. Raises if two ranks would wait on each other for ever, or if a
-    receive would take another message than its own."""
+    sends and receives at once, in its order, into queues that each run one transfer at a time;
+    a transfer runs when it heads its queue on both its ranks, a send once its op has run, and an
+    op runs once its message has arrived. PyTorch without a bound device keeps a queue for each
+    (group, pair of ranks), a communicator it makes at the pair's first transfer (which the
+    engine makes before its first step); with one (`bound_device`), a queue for each (group,
+    rank), the group's own communicator. Raises if ranks would wait on each other for ever, or
+    if a receive would take another message than its own."""
     orders = [interleaved_order(stages, virtual_stages, micro_batches, s) for s in range(stages)]
     flows = [[messages(stages, virtual_stages, op, s) for op in orders[s]] for s in range(stages)]
-    queues: dict[tuple, tuple[list, list]] = {}  # (group, low rank, high rank) -> each rank's transfers
+    queues: dict[tuple, dict[int, list]] = {}  # queue -> each rank's transfers in it: (sends, message, peer)
     for s in range(stages):
         for received, sent in flows[s]:
             for message, sending in ((received, False), (sent, True)):
                 if message is not None:
                     peer = receiving_stage(stages, message) if sending else message[1] % stages
-                    key = (route(message, stages), min(s, peer), max(s, peer))
-                    queues.setdefault(key, ([], []))[0 if s < peer else 1].append((sending, message))
+                    group = route(message, stages)
+                    key = (group,) if bound_device else (group, min(s, peer), max(s, peer))
+                    queues.setdefault(key, {}).setdefault(s, []).append((sending, message, peer))
     arrived, ready, position = set(), set(), [0] * stages
     while any(position[s] < len(orders[s]) for s in range(stages)):
         progressed = False
@@ -195,19 +199,22 @@ def check_nccl_matching(stages: int, virtual_stages: int, micro_batches: int, ro
                 ready.add(flows[s][position[s]][1])  # what it sends can leave
                 position[s] += 1
                 progressed = True
-        for low, high in queues.values():
-            while low and high:
-                (low_sends, low_message), (high_sends, high_message) = low[0], high[0]
-                if low_sends == high_sends:
-                    break  # both send, or both receive: each waits on the other's head
-                if low_message != high_message:
-                    raise RuntimeError(f"at p={stages} a receive would take {low_message} for {high_message}")
-                if low_message not in ready:
-                    break
-                arrived.add(low_message)
-                low.pop(0)
-                high.pop(0)
-                progressed = True
+        for ranks in queues.values():
+            for sender, transfers in ranks.items():
+                while transfers and transfers[0][0]:  # a send heads the sender's queue
+                    _, message, peer = transfers[0]
+                    theirs = ranks.get(peer) or [(True, None, None)]
+                    receives, expected, source = not theirs[0][0], theirs[0][1], theirs[0][2]
+                    if not receives or source != sender:
+                        break  # the peer's queue is headed by its own send, or a receive from another
+                    if expected != message:
+                        raise RuntimeError(f"at p={stages} a receive would take {message} for {expected}")
+                    if message not in ready:
+                        break
+                    arrived.add(message)
+                    transfers.pop(0)
+                    theirs.pop(0)
+                    progressed = True
         if not progressed:
             raise RuntimeError(
                 f"the transfers deadlock at p={stages} v={virtual_stages} m={micro_batches}: "

@@ -494,11 +494,15 @@ class PretrainConfig(TrainStageConfig):
                     f"pipeline_parallel_size={pp} with an MoE model: pipeline stages run dense models; "
                     "split an MoE model's experts with expert_parallel_size and no pipeline"
                 )
-            chunks = pp * self.parallelism.virtual_stages
-            if self.model.n_layer < chunks:
+            virtual = self.parallelism.virtual_stages
+            if self.model.n_layer < pp * virtual and virtual == 1:
                 raise ValueError(
-                    f"pipeline_parallel_size={pp} x virtual_stages={self.parallelism.virtual_stages} needs at "
-                    f"least one block a virtual stage ({chunks}); the model has n_layer={self.model.n_layer}"
+                    f"pipeline_parallel_size={pp} needs at least one block a stage (n_layer={self.model.n_layer})"
+                )
+            if self.model.n_layer < pp * virtual:
+                raise ValueError(
+                    f"pipeline_parallel_size={pp} x virtual_stages={virtual} needs at least one block a "
+                    f"virtual stage ({pp * virtual}); the model has n_layer={self.model.n_layer}"
                 )
         if self.parallelism.tensor_parallel_size > 1:
             check_tensor_parallel(self.model, self.parallelism.tensor_parallel_size)

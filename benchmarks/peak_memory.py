@@ -6,8 +6,7 @@ optimizer, on random tokens); the measured figure is the largest per-rank rise o
 set during training. The prediction is `planner.training_memory_bytes` for the same layout (dp=2, fp32, no GPU
 workspace allowance). Three more cases, tensor and pipeline parallelism together without and with
 sequence parallelism, and with the end stages' vocabulary tables split as well, run on four
-processes (one TP 2 x PP 2 replica); and one on two, the pipeline case with 2 virtual stages a
-stage.
+processes (one TP 2 x PP 2 replica).
 
     python benchmarks/peak_memory.py
 
@@ -26,7 +25,6 @@ from harness.peak_memory import (
     SEQ_LEN,
     WORLD,
     composed_cases,
-    interleaved_cases,
     measure_peak_bytes,
     predicted_peak_bytes,
     reference_cases,
@@ -57,7 +55,7 @@ def compare(selected: dict[str, PretrainConfig], world: int) -> list[dict]:
 
 def main() -> None:
     start = time.time()
-    rows = compare({**reference_cases(), **interleaved_cases()}, WORLD) + compare(composed_cases(), 4)
+    rows = compare(reference_cases(), WORLD) + compare(composed_cases(), 4)
     print(f"{'case':<56} {'measured MiB':>12} {'predicted MiB':>13} {'ratio':>6}   predicted parts, MiB")
     for r in rows:
         parts = r["predicted_parts_mib"]

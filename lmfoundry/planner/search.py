@@ -26,8 +26,8 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   more, or with activation checkpointing (which keeps only each block's input) one block's
   recomputed activations. 1F1B keeps up to p micro-batches in flight on the first stage
   (interleaving adds (p-1)/(p*v) of that) and one on the last ((v-1)p + 1 chunks of 1/v of
-  one, interleaved), which also holds the output layer and the logits DeepSpeed's pipeline
-  engine keeps: the busier of the two counts. tests/test_planner_memory.py checks the sum
+  one, interleaved), which also holds the output layer and the logits DeepSpeed's 1F1B engine
+  keeps (the interleaved engine keeps none): the busier of the two counts. tests/test_planner_memory.py checks the sum
   against the measured peak of real DeepSpeed runs.
 - pipeline bubble, as a fraction of the step: (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) with v
   virtual stages per GPU (tests check both against the interleaved engine's order, simulated).
@@ -257,7 +257,9 @@ def activation_bytes(shape: ModelShape, layout: Layout, recipe: Recipe, micro_ba
     # would give 6-13% above)
     first = (kept / p * in_flight, biggest_layer if recipe.activation_checkpointing else 0.0)
     last_chunks = min(micro_batches * v, (v - 1) * p + 1)  # Megatron's interleaved warm-up; 1 at v = 1
-    last = (kept / (p * v) * last_chunks + output + vocab, backward)
+    # the interleaved engine (v > 1) keeps no copy of the logits beside autograd's
+    engine_logits = vocab if v == 1 else 0.0
+    last = (kept / (p * v) * last_chunks + output + engine_logits, backward)
     kept_now, transient = max(first, last, key=sum) if p > 1 else (kept + output, backward)
     return {"activations": kept_now * tokens * e, "backward_transient": transient * tokens * e}
 

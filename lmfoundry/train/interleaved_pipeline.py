@@ -52,7 +52,7 @@ def make_interleaved(engine) -> None:
         for direction in ("later", "earlier")
     }
     engine.receive_wait_s = 0.0
-    engine.release_plans = {}  # micro-batches a step -> this stage's release points
+    engine.step_plans = {}  # micro-batches a step -> this stage's order and its release points
     connect_transfer_pairs(engine)
 
 
@@ -114,10 +114,12 @@ class InterleavedPipelineEngine(PipelineEngine):
     def _run_step(self, batches: list) -> None:
         stages, chunks, stage = self.num_stages, self.module.virtual_stages, self.stage_id
         last = stages * chunks - 1
-        order = interleaved_order(stages, chunks, len(batches), stage)
-        if len(batches) not in self.release_plans:
-            self.release_plans[len(batches)] = release_points(stages, chunks, len(batches), stage)
-        release = self.release_plans[len(batches)]
+        if len(batches) not in self.step_plans:
+            self.step_plans[len(batches)] = (
+                interleaved_order(stages, chunks, len(batches), stage),
+                release_points(stages, chunks, len(batches), stage),
+            )
+        order, release = self.step_plans[len(batches)]
         held: dict[tuple[int, int], tuple] = {}  # (chunk, micro-batch) -> its input and output
         sending: dict[int, tuple] = {}  # op index -> its asynchronous send and the tensor it sends
         inputs = batches[0][0]

@@ -231,6 +231,15 @@ def losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows]
 
 
+def final_weights(run: Path, names: list[str]) -> list[list[float]]:
+    """The named tensors of the run's final checkpoint's servable weights."""
+    from safetensors import safe_open
+
+    final = run / json.loads((run / "_MANIFEST.json").read_text())["final_checkpoint"]
+    with safe_open(str(final / "model.safetensors"), "pt") as weights:
+        return [weights.get_tensor(name).tolist() for name in names]
+
+
 def finish(data: str, run: Path, parallelism: dict, **overrides) -> list[float]:
     """The reference run's config at `parallelism`, a checkpoint every 5 steps, run (or resumed)
     in `run`: its losses."""
@@ -308,19 +317,31 @@ def test_a_model_parallel_run_resumes_exactly_after_a_kill_and_moves_between_lay
 def test_an_interleaved_pipeline_resumes_exactly_after_a_kill_and_moves_between_layouts(
     deepspeed_workers, packed, tmp_path
 ):
-    """A 4-block model trained 20 steps by one worker, stopped after step 10 and finished in 2
-    pipeline stages of 2 virtual stages each (stage 0 holds blocks 0 and 2, stage 1 blocks 1 and
-    3; 4 micro-batches a step on the interleaved schedule): the one worker's losses, up to the
-    rounding of the other summation order. That run, stopped after step 15 and finished again
+    """A 4-block model, its last 3 blocks MoE layers with aux-free balancing, trained 20 steps by
+    one worker, stopped after step 10 and finished in 2 pipeline stages of 2 virtual stages each
+    (stage 0 holds blocks 0 and 2, stage 1 blocks 1 and 3; 4 micro-batches a step on the
+    interleaved schedule): the one worker's losses, up to the rounding of the other summation
+    order, and the routing biases (buffers, which DeepSpeed's universal load leaves as built)
+    those of the one worker's last step. That run, stopped after step 15 and finished again
     with its second worker killed after step 18: bitwise its own losses; and finished by the same
     2 workers in 2 stages without virtual stages, where only which blocks a stage holds changed:
     its losses, up to rounding (DeepSpeed would load each stage's optimizer state by position, so
     stage 0's blocks 0 and 2 into blocks 0 and 1, were the change not seen). Each move goes
     through a universal checkpoint."""
+    from lmfoundry.model.moe import MoEConfig
     from lmfoundry.model.transformer import ModelConfig
 
+    routed = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        expert_hidden=32,
+        first_dense_layers=1,
+        score_func="sigmoid",
+        balance="aux_free",
+        bias_update_rate=0.02,  # enough to change the routing within the steps
+    )
     sized = {
-        "model": ModelConfig(n_layer=4, d_model=64, n_head=4, n_kv_head=2),
+        "model": ModelConfig(n_layer=4, d_model=64, n_head=4, n_kv_head=2, moe=routed),
         "schedule": {"max_steps": 20},
         "checkpointing": {"keep_every": 5},
     }
@@ -333,6 +354,8 @@ def test_an_interleaved_pipeline_resumes_exactly_after_a_kill_and_moves_between_
     assert len(list(moved.glob("checkpoints/step-00000020/**/layer_0[0-5]-model_00-model_states.pt"))) == 6
     assert from_one[:10] == reference[:10]
     assert from_one[10:] == pytest.approx(reference[10:], abs=1e-4)
+    biases = [final_weights(run, [f"blocks.{i}.mlp.expert_bias" for i in (1, 2, 3)]) for run in (one, moved)]
+    assert biases[0] == biases[1] and biases[0] != [[0.0] * 4] * 3
     killed = stopped_at(moved, 15, tmp_path / "killed")
     drills = [FaultDrill(at_step=18, rank=1)]
     assert finish(packed[0], killed, interleaved, drills=drills, health={"max_failures": 1}, **sized) == from_one

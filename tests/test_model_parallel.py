@@ -8,7 +8,9 @@ on both end stages; an untied head and embedding split by vocabulary, with check
 x PP 2 with an untied head and embedding split by vocabulary and no sequence split, and
 TP 2 with a vocabulary-parallel head and embedding (tied, with checkpointing; untied), and with
 4 blocks PP 2 and TP 2 x PP 2 (sequence and vocabulary parallel, with checkpointing), with 8 PP 4,
-each with 2 virtual stages on the interleaved schedule, are those of one worker holding the whole model, each rank
+each with 2 virtual stages on the interleaved schedule, and with 4 blocks of which 3 are MoE layers
+PP 2 (the load-balancing loss), PP 2 x DP 2 (aux-free balancing, with checkpointing) and PP 2 x
+2 virtual stages (with checkpointing), are those of one worker holding the whole model, each rank
 holding its half of every vocabulary table it holds, and the weights each run writes (piece
 by piece, or layer by layer from each stage, gathered over its tensor-parallel group) are whole:
 loaded into the single-device model they give the engines' logits (a vocabulary-parallel
@@ -16,7 +18,9 @@ engine's: rank 0's half of the vocabulary). The untied one-worker run is without
 gradient norm DeepSpeed does not keep by itself; its norms are held to the untied runs' too. The
 tensor-parallel runs without a pipeline move the
 activation traffic the planner counts (4 all-reduces a block; 1.25 times that with sequence
-parallelism)."""
+parallelism). An MoE run's experts see the same tokens, step by step, as the one worker's: each
+layer's load, which the aux-free bias follows, is summed over the ranks that hold the layer and
+known on every rank."""
 
 import math
 
@@ -45,6 +49,11 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
         ends = [rank // per_stage in (0, stages - 1) for rank in range(row["workers"])]
         assert [set(tables) for tables in held] == [{table_rows} if end else set() for end in ends], (name, held)
     assert rows["one worker, untied"]["losses"] != reference  # the untied rows have a reference of their own
+    moe = [row for row in rows.values() if row.get("moe")]
+    assert len(moe) == 5
+    for row in moe:
+        assert len(row["tokens_per_expert"]) == 20 and len(row["tokens_per_expert"][0]) == 3, row["name"]
+        assert row["tokens_per_expert"] == rows[row["reference"]]["tokens_per_expert"], row["name"]
 
     # tensor-parallel traffic of a micro-batch, in all-reduces of one activation, forward and
     # backward. Each of the 2 blocks all-reduces twice forward and twice backward (once per input

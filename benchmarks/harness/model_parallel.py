@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from harness.peak_memory import release_deepspeed_groups, spawn_ranks, start_rank
 from lmfoundry.train.config import PretrainConfig, data_parallel
+from lmfoundry.train.expert_load import ExpertLoad
 
 SEQ_LEN, STEPS = 32, 20
 
@@ -78,11 +79,25 @@ LAYOUTS = {
         4,
         {"n_layer": 4, "virtual_stages": 2, "vocab_parallel": True, "sequence_parallel": True, "recompute": True},
     ),
+    # MoE blocks in the stages: the load-balancing loss of a layer on the first stage, and the
+    # aux-free routing bias updated from each stage's loads
+    "one worker, MoE": (1, 1, 1, {"n_layer": 4, "moe": "aux_loss"}),
+    "one worker, MoE aux-free": (1, 1, 1, {"n_layer": 4, "moe": "aux_free"}),
+    "PP 2, MoE": (1, 2, 2, {"n_layer": 4, "moe": "aux_loss"}),
+    "PP 2 x DP 2, MoE aux-free, recompute": (1, 2, 4, {"n_layer": 4, "moe": "aux_free", "recompute": True}),
+    "PP 2 x 2 virtual stages, MoE, recompute": (
+        1,
+        2,
+        2,
+        {"n_layer": 4, "virtual_stages": 2, "moe": "aux_loss", "recompute": True},
+    ),
 }
 
 
 def reference_layout(options: dict) -> str:
     """The one-worker run a layout's losses are held to: of the same model."""
+    if options.get("moe"):
+        return "one worker, MoE" + (" aux-free" if options["moe"] == "aux_free" else "")
     if options.get("n_layer", 2) > 2:
         if not options.get("tied", True):
             raise ValueError("LAYOUTS has no one-worker run of an untied model of more than 2 layers")
@@ -101,6 +116,7 @@ def small_config(
     zero_stage: int = 1,
     n_layer: int = 2,
     virtual_stages: int = 1,
+    moe: str | None = None,
 ) -> PretrainConfig:
     """A model of `n_layer` blocks with grouped-query attention, per-head query/key norms and q/k/v biases
     (Qwen2/3), so that each of the split or summed parts is exercised, and a tied head (on the
@@ -108,8 +124,24 @@ def small_config(
     micro-batches of 2 (4 per step through a pipeline of one replica). `recompute`: activation
     checkpointing; `sequence_parallel`: Megatron's sequence parallelism over the tensor-parallel
     group; `vocab_parallel`: the head and the embedding split by vocabulary rows; `zero_stage`: 0
-    or 1; `virtual_stages`: chunks of the blocks each pipeline stage holds."""
+    or 1; `virtual_stages`: chunks of the blocks each pipeline stage holds; `moe`: every block
+    but the first an MoE layer (4 experts, top 2, one shared), balanced by `moe` (aux_loss or
+    aux_free)."""
+    from lmfoundry.model.moe import MoEConfig
     from lmfoundry.model.transformer import ModelConfig
+
+    routed = None
+    if moe is not None:  # a coefficient large enough that the balance loss moves the router
+        routed = MoEConfig(
+            num_experts=4,
+            top_k=2,
+            expert_hidden=32,
+            first_dense_layers=1,
+            balance=moe,
+            score_func="sigmoid" if moe == "aux_free" else "softmax",  # aux-free balancing's scores
+            aux_loss_coef=0.1,
+            bias_update_rate=0.01,
+        )
 
     model = ModelConfig(
         vocab_size=96,
@@ -122,6 +154,7 @@ def small_config(
         attention_bias=True,
         activation_checkpointing=recompute,
         tie_embeddings=tied,
+        moe=routed,
     )
     return PretrainConfig(
         data="-",
@@ -276,7 +309,8 @@ def _train_layout(rank: int, world: int, cfg: PretrainConfig, seq_len: int, step
     dp_rank, dp_world = data_parallel(rank, world, cfg.parallelism)
     micro, accum = cfg.batch.micro_batch_size, ds_config["gradient_accumulation_steps"]
     pipelined = cfg.parallelism.pipeline_parallel_size > 1
-    losses, grad_norms, traffic = [], [], None
+    losses, grad_norms, traffic, loads = [], [], None, []
+    expert_load = ExpertLoad(engine.module)  # as the training loop counts and balances the experts' load
     for batch in global_batches(cfg, seq_len, steps):
         # micro-batch i of the step is rows [i * dp_world + dp_rank] * micro: the rows a
         # data-parallel rank reads interleave, as the training loop's do
@@ -284,6 +318,9 @@ def _train_layout(rank: int, world: int, cfg: PretrainConfig, seq_len: int, step
         if pipelined:  # the step's mean over every micro-batch and replica, on every rank
             losses.append(float(engine.train_batch(iter([(r[:, :-1], r[:, 1:]) for r in rows]))))
             grad_norms.append(float(engine.get_global_grad_norm()))
+            if expert_load:
+                expert_load.end_step()
+                loads.append(expert_load.last_step)
             continue
         step_loss = torch.zeros(())
         for tokens in rows:
@@ -296,8 +333,13 @@ def _train_layout(rank: int, world: int, cfg: PretrainConfig, seq_len: int, step
                 counts["phase"] = "backward"
                 engine.backward(loss)
             traffic = counts if record else traffic
+            if expert_load:
+                expert_load.add_micro_batch()
             engine.step()
             step_loss += loss.detach() / accum
+        if expert_load:
+            expert_load.end_step()
+            loads.append(expert_load.last_step)
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world)  # every rank holds its replica's mean
         grad_norms.append(float(engine.get_global_grad_norm()))  # the whole model's, before clipping
@@ -320,6 +362,7 @@ def _train_layout(rank: int, world: int, cfg: PretrainConfig, seq_len: int, step
     return {
         "losses": losses,
         "grad_norms": grad_norms,
+        "tokens_per_expert": loads,  # each step's, per MoE layer (every layer's on every rank)
         "logits": logits if rank == 0 else None,
         # the rows of each vocabulary table this rank holds (a pipeline's first stage holds
         # the embedding, its last the head: untied, or the embedding's weight again, tied)

@@ -289,6 +289,16 @@ def _normal(shape: tuple[int, ...], std: float, seed: int, out: torch.Tensor | N
     return out.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
 
 
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers of `module` that its state holds (a checkpoint writes them): each MoE layer's
+    aux-free routing bias; not the rotary tables, which are rebuilt."""
+    return {
+        name: b
+        for name, b in module.named_buffers()
+        if name.rpartition(".")[2] not in module.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
+    }
+
+
 def _filled(shape: tuple[int, ...], value: float, out: torch.Tensor | None = None) -> torch.Tensor:
     return torch.full(shape, value) if out is None else out.fill_(value)
 
@@ -378,13 +388,14 @@ class Transformer(nn.Module):
         tensor in its parameter's shape."""
         weights = self.start_weights
         params = dict(self.named_parameters())
+        expected = {**params, **persistent_buffers(self)}
         stored = set(weights.keys())
-        missing, unexpected = sorted(set(params) - stored), sorted(stored - set(params))
+        missing, unexpected = sorted(set(expected) - stored), sorted(stored - set(expected))
         if missing or unexpected:
             raise ValueError(
                 f"the checkpoint's weights do not fit its model config: missing {missing}, unexpected {unexpected}"
             )
-        for name, p in params.items():
+        for name, p in expected.items():
             shape = tuple(weights.get_slice(name).get_shape())
             if shape != tuple(p.shape):
                 raise ValueError(f"the checkpoint's {name} has shape {shape}; its model config makes {tuple(p.shape)}")
@@ -394,6 +405,19 @@ class Transformer(nn.Module):
             return value if out is None else out.copy_(value)
 
         return {name: functools.partial(read, name) for name in params}
+
+    def initial_buffers(self) -> dict[str, Callable[[], torch.Tensor]]:
+        """For a model built on the meta device, each persistent buffer's value (fp32, on the
+        CPU): the start checkpoint's, else its initial zeros."""
+        weights = self.start_weights
+        return {
+            name: (
+                functools.partial(lambda n: weights.get_tensor(n).float(), name)
+                if weights is not None
+                else functools.partial(_filled, tuple(b.shape), 0.0)
+            )
+            for name, b in persistent_buffers(self).items()
+        }
 
     def reset_buffers(self) -> None:
         """The rotary tables, built again on the CPU: what a model built on the meta device needs

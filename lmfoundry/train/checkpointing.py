@@ -29,7 +29,7 @@ from lmfoundry.model.checkpoint import (
 from lmfoundry.model.lora import AdapterRef, LoRALinear, adapter_state
 from lmfoundry.model.tensor_files import DTYPE_NAMES, write_safetensors
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
-from lmfoundry.model.transformer import build_on_meta
+from lmfoundry.model.transformer import build_on_meta, persistent_buffers
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import tensor_parallel
@@ -283,6 +283,7 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
         engine._config.load_universal_checkpoint = False
     if relayout:
         _mend_universal_load(engine, own_settings)
+        _load_universal_buffers(engine, load_dir / "state" / "zero", uri)
         dist.barrier()  # every rank of the node has loaded it: the converted copy can go
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             shutil.rmtree(load_dir, ignore_errors=True)
@@ -348,6 +349,40 @@ def _mend_universal_load(engine, own_settings: list[dict]) -> None:
     for state in inner.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
+
+
+def _load_universal_buffers(engine, zero_dir: Path, uri: str) -> None:
+    """DeepSpeed's universal load gives the parameters their values through the optimizer, and
+    leaves the module's persistent buffers (an MoE layer's aux-free routing bias) as they were
+    built, though its conversion writes them beside the parameters: each is read from there."""
+    from deepspeed.checkpoint.constants import PARAM
+
+    for name, buffer in persistent_buffers(engine.module).items():
+        path = zero_dir / name / "fp32.pt"
+        if not path.is_file():
+            raise ValueError(f"checkpoint {uri}: its universal copy holds no value for the buffer {name}")
+        value = torch.load(path, map_location="cpu", weights_only=True)[PARAM]
+        if value.numel() != buffer.numel():
+            raise ValueError(
+                f"checkpoint {uri}: the buffer {name} holds {value.numel()} values; the model's has {buffer.numel()}"
+            )
+        buffer.copy_(value.reshape(buffer.shape))
+
+
+def _extract_pipeline_buffers(state_dir: Path, zero_dir: Path, model_cfg) -> None:
+    """DeepSpeed's conversion writes the persistent buffers it finds in a run's model-state file;
+    a pipeline keeps its layers' in their own files, which the conversion does not read. Each is
+    written here as the conversion writes a parameter (`<name in the pipeline>/fp32.pt`)."""
+    from deepspeed.checkpoint.constants import PARAM
+
+    names = pipeline_parameter_names(model_cfg)
+    for model_name in persistent_buffers(build_on_meta(model_cfg)):
+        name = names[model_name]
+        layer, key = name.split(".", 1)
+        # the first tensor-parallel rank's file: a buffer is whole on every rank
+        state = torch.load(state_dir / f"layer_{int(layer):02d}-model_00-model_states.pt", weights_only=True)
+        (zero_dir / name).mkdir(exist_ok=True)
+        torch.save({PARAM: state[key].float()}, zero_dir / name / "fp32.pt")
 
 
 def _rename_parameters(zero_dir: Path, pipeline_names: dict[str, str], to_pipeline: bool) -> None:
@@ -424,6 +459,8 @@ def universal_copy(
             raise RuntimeError(
                 f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
             )
+        if from_pipeline:
+            _extract_pipeline_buffers(deepspeed_dir / "state", scratch / "state" / "zero", model_cfg)
         if from_pipeline != to_pipeline:
             _rename_parameters(scratch / "state" / "zero", pipeline_parameter_names(model_cfg), to_pipeline)
         (scratch / "latest_universal").write_text("state")

@@ -202,7 +202,8 @@ class ParallelismConfig(StageConfig):
             if self.expert_parallel_size > 1 or self.min_workers is not None:
                 raise ValueError(
                     f"pipeline_parallel_size={pp} runs without expert parallelism and without elastic "
-                    "min_workers; use a fixed num_workers"
+                    "min_workers (an MoE model's stages hold all of their layers' experts); use "
+                    "expert_parallel_size=1 and a fixed num_workers"
                 )
         if self.num_workers % self.expert_parallel_size:
             raise ValueError(
@@ -488,12 +489,7 @@ class PretrainConfig(TrainStageConfig):
         if self.parallelism.zero_stage == 3 and moe is not None:
             raise ValueError("zero_stage=3 with an MoE model: DeepSpeed's MoE layers support ZeRO stages 0-2")
         pp = self.parallelism.pipeline_parallel_size
-        if pp > 1:  # first: its advice (expert parallelism) is not refused with tensor parallelism
-            if moe is not None:
-                raise ValueError(
-                    f"pipeline_parallel_size={pp} with an MoE model: pipeline stages run dense models; "
-                    "split an MoE model's experts with expert_parallel_size and no pipeline"
-                )
+        if pp > 1:
             virtual = self.parallelism.virtual_stages
             if self.model.n_layer < pp * virtual and virtual == 1:
                 raise ValueError(

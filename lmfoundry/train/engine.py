@@ -279,6 +279,10 @@ def build_engine(
         from lmfoundry.train.interleaved_pipeline import make_interleaved
 
         make_interleaved(engine)
+    if pp > 1 and built.cfg.moe is not None:
+        from lmfoundry.train.pipeline_parallel import count_router_losses
+
+        count_router_losses(engine)
     if cfg.parallelism.splits_sequences:
         make_sequence_parallel(engine)
     elif tp > 1:

@@ -53,8 +53,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lmfoundry.model.checkpoint import TIED_HEAD
+from lmfoundry.model.moe import MoE
 from lmfoundry.model.tensor_files import write_safetensors
-from lmfoundry.model.transformer import RMSNorm, Transformer, build_on_meta, rope_tables
+from lmfoundry.model.transformer import RMSNorm, Transformer, build_on_meta, persistent_buffers, rope_tables
 from lmfoundry.train import meta_init
 from lmfoundry.train.tensor_parallel import IntoTensorParallel, autotp_splits, vocab_parallel_embedding
 
@@ -90,24 +91,63 @@ def tied_head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, table.weight)
 
 
+class RouterLossGradient(torch.autograd.Function):
+    """The activations unchanged forward; backward, their gradient and the gradient of an MoE
+    layer's load-balancing loss, `scale` times d(loss)/d(loss) (Megatron's MoEAuxLossAutoScaler):
+    the loss of a layer on an early stage gets its gradient when backward reaches the layer,
+    instead of travelling to the last stage's loss and back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, router_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(router_loss)
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (router_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(router_loss, ctx.scale), None
+
+
 class BlockLayer(nn.Module):
     """One block, positions 0..T-1 (pretraining's rows hold one stream each); with the model's
-    activation checkpointing, recomputed in backward as the model recomputes it."""
+    activation checkpointing, recomputed in backward as the model recomputes it.
+
+    A block with an MoE layer adds the layer's load-balancing loss to the step's objective as
+    the single-device model adds it to its loss: its gradient joins the block's in backward
+    (RouterLossGradient), divided by the step's micro-batches as DeepSpeed divides the loss
+    (`router_loss_scale`, set when the engine is built), and its value is kept for the step's
+    reported loss (`router_loss_sum`, over the step's forwards)."""
 
     def __init__(self, model: Transformer, index: int):
         super().__init__()
         self.block = model.blocks[index]
+        self.index = index  # in the model's blocks
         self.recompute = model.cfg.activation_checkpointing
         self.sequence_shards = 1  # under sequence parallelism x holds 1/shards of each sequence
         self.register_buffer("cos", model.rope_cos, persistent=False)
         self.register_buffer("sin", model.rope_sin, persistent=False)
+        self.router_loss_scale = 1.0
+        self.router_loss_sum = torch.zeros((), dtype=torch.float64)
+
+    @property
+    def moe(self) -> MoE | None:
+        return self.block.mlp if isinstance(self.block.mlp, MoE) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[1] * self.sequence_shards  # the attention sees the whole sequence
         cos, sin = self.cos[None, :T], self.sin[None, :T]
         if self.recompute and self.training:
-            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
-        return self.block(x, cos, sin)
+            out = torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
+        else:
+            out = self.block(x, cos, sin)
+        if self.moe is not None and self.training:
+            # read here, after the forward: a recomputation in backward sets the layer's loss again
+            router_loss = self.moe.aux_loss
+            self.router_loss_sum += router_loss.detach().double().cpu()
+            if router_loss.requires_grad and torch.is_grad_enabled():
+                out = RouterLossGradient.apply(out, router_loss, self.router_loss_scale)
+        return out
 
 
 class Wrapped(nn.Module):
@@ -173,8 +213,7 @@ def pipeline_module(
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    if model.cfg.moe is not None:
-        raise ValueError("pipeline parallelism runs dense models: split an MoE model's experts with expert parallelism")
+    buffers = model.initial_buffers() if values is not None else {}
     if model.cfg.n_layer < stages * virtual_stages:
         raise ValueError(
             f"{stages} pipeline stages x {virtual_stages} virtual stages need at least one block each; "
@@ -188,8 +227,17 @@ def pipeline_module(
         # each parameter's name in the stage -> its name in the model
         names_in_model = {pipe: name for name, pipe in pipeline_parameter_names(model.cfg).items()}
 
-        def moe_layers(self) -> list:
-            return []
+        def moe_blocks(self) -> list[BlockLayer]:
+            """This rank's blocks with an MoE layer, in the model's order."""
+            return [layer for layer in self.forward_funcs if isinstance(layer, BlockLayer) and layer.moe is not None]
+
+        def moe_layers(self) -> list[MoE]:
+            return [layer.moe for layer in self.moe_blocks()]
+
+        def moe_layer_positions(self) -> list[int]:
+            """Where each of this rank's MoE layers stands among the whole model's MoE layers."""
+            # the model's MoE layers are its blocks past the dense ones
+            return [b.index - self.cfg.moe.first_dense_layers for b in self.moe_blocks()]
 
         def _partition_layers(self, method: str = "uniform") -> None:
             # DeepSpeed's split of the layers, over stages x virtual stages: `parts` bounds the
@@ -281,6 +329,9 @@ def pipeline_module(
                 cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
                 for layer in blocks:
                     layer.cos, layer.sin = cos, sin
+            for layer in blocks:  # an MoE layer's routing bias: the start checkpoint's, or zeros
+                if layer.moe is not None and layer.moe.expert_bias.is_meta:
+                    layer.moe.expert_bias = buffers[f"blocks.{layer.index}.mlp.expert_bias"]()
             if values is not None and meta_init.has_meta_parameters(self):
                 split = (lambda name: autotp_splits(name, vocab_parallel=False)) if tensor_parallel > 1 else None
                 meta_init.materialize(self, values, leave=split, model_name=self.names_in_model.__getitem__)
@@ -424,12 +475,43 @@ def finish_tensor_parallel_pipeline(engine) -> None:
     share_universal_checkpoint_info(engine.module)
 
 
+def count_router_losses(engine) -> None:
+    """After the engine of a pipeline over an MoE model: each MoE layer's load-balancing loss
+    joins the step's objective as in the single-device model. Its gradient is divided by the
+    step's micro-batches, as DeepSpeed divides the loss's, and the step's reported loss
+    (DeepSpeed's: the last stage's next-token loss) gets the layers' losses added: summed over
+    the layers of every stage, averaged over the step's micro-batches and the data-parallel
+    replicas, as the data-parallel run reports them. Each step adds one all-reduce of a scalar
+    over the world (every rank takes part, a stage without MoE layers with zero)."""
+    import torch.distributed as dist
+
+    module = engine.module
+    blocks = module.moe_blocks()
+    for block in blocks:
+        block.router_loss_scale = 1.0 / engine.gradient_accumulation_steps()
+    aggregate = engine._aggregate_total_loss  # the step's loss, at the end of train_batch
+    replicas = dist.get_world_size() // module.num_stages
+
+    def with_router_losses() -> torch.Tensor:
+        loss = aggregate()
+        total = sum((b.router_loss_sum for b in blocks), torch.zeros((), dtype=torch.float64))
+        for block in blocks:
+            block.router_loss_sum.zero_()
+        total = total.to(engine.device)
+        dist.all_reduce(total)
+        return loss + (total / (replicas * engine.gradient_accumulation_steps())).to(loss.dtype)
+
+    engine._aggregate_total_loss = with_router_losses
+
+
 def pipeline_parameter_names(cfg) -> dict[str, str]:
     """Each parameter's name in the model (as the single-device model names it) -> its name in
     the pipeline module: the layers are numbered embedding 0, blocks 1..n, norm n+1, head n+2,
     and a tied embedding is DeepSpeed's `tied_modules.embed`. A universal checkpoint's parameter
     folders are renamed with it, to move optimizer state between pipelined and other layouts."""
-    params = [name for name, _ in build_on_meta(cfg).named_parameters()]  # a tied head is the embedding
+    model = build_on_meta(cfg)
+    # a tied head is the embedding; the persistent buffers (MoE routing biases) are renamed alike
+    params = [name for name, _ in model.named_parameters()] + list(persistent_buffers(model))
     n, names = cfg.n_layer, {}
     for name in params:
         top, rest = name.split(".", 1)

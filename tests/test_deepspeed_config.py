@@ -214,10 +214,11 @@ def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_ou
         ),
         ({"num_workers": 4, "pipeline_parallel_size": 4, "zero_stage": 1}, {"n_layer": 2}, "one block a stage"),
         (
-            {"num_workers": 4, "pipeline_parallel_size": 2, "expert_parallel_size": 2, "zero_stage": 1},
+            {"num_workers": 4, "pipeline_parallel_size": 2, "expert_parallel_size": 4, "zero_stage": 1},
             {"moe": {"num_experts": 4, "top_k": 1}},
-            "runs without expert parallelism",
+            "must divide the 2 workers of each pipeline stage",
         ),
+        ({"num_workers": 4, "pipeline_parallel_size": 2, "min_workers": 2, "zero_stage": 1}, {}, "without elastic"),
     ],
 )
 def test_model_parallel_layouts_the_trainer_cannot_run_are_refused_with_the_reason(parallelism, model, refused):

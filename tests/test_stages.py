@@ -149,10 +149,11 @@ def test_evaluate_perplexity_beats_uniform_and_logs_to_mlflow(pretrained, packed
 
 
 def test_pretrain_moe_with_expert_parallelism_matches_without(deepspeed_workers, packed, tmp_path):
-    """The same MoE run twice on 2 DeepSpeed workers: experts replicated (data parallel) and
-    experts split across the workers (expert_parallel_size=2, all-to-all; its worker of rank 1
-    is killed after step 8 and the run resumes from step 6). Same losses and gradient norms
-    within 1e-4 relative, step by step."""
+    """The same MoE run on 2 DeepSpeed workers with the experts replicated (data parallel), on 2
+    with the experts split across them (expert_parallel_size=2, all-to-all), and on 4 in 2
+    pipeline stages whose 2 replicas each split their block's experts (ZeRO-1); in the last two
+    the worker of rank 1 is killed after step 8 and the run resumes from step 6. Same losses and
+    gradient norms within 1e-4 relative, step by step, and the same routing decisions."""
     import torch
 
     from lmfoundry.model.checkpoint import load_model_files
@@ -165,38 +166,47 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(deepspeed_workers,
 
     moe = MoEConfig(num_experts=4, top_k=2, score_func="sigmoid", balance="aux_free", bias_update_rate=0.01)
     runs = {}
-    for ep in (1, 2):
+    layouts = {
+        "ep1": {"num_workers": 2, "zero_stage": 2},
+        "ep2": {"num_workers": 2, "zero_stage": 2, "expert_parallel_size": 2},
+        "pp2-ep2": {"num_workers": 4, "zero_stage": 1, "pipeline_parallel_size": 2, "expert_parallel_size": 2},
+    }
+    for name, parallelism in layouts.items():
         cfg = PretrainConfig(
             data=packed[0],
-            output=str(tmp_path / f"ep{ep}"),
+            output=str(tmp_path / name),
             model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, moe=moe),
-            parallelism={"num_workers": 2, "zero_stage": 2, "expert_parallel_size": ep},
+            parallelism=parallelism,
             batch={"micro_batch_size": 4, "global_batch_tokens": 2 * 4 * 64},
             schedule={"max_steps": 12, "warmup_steps": 2, "kind": "wsd", "decay_fraction": 0.25},
             optimizer={"lr": 5e-3},
             checkpointing={"every": 6},
             logging={"every": 1},
-            drills=[FaultDrill(at_step=8, rank=1)] if ep == 2 else [],
+            drills=[FaultDrill(at_step=8, rank=1)] if name != "ep1" else [],
         )
-        runs[ep] = run_pretrain(cfg)
-        assert runs[ep]["final_loss"] < runs[ep]["first_loss"]
-    metrics = {ep: [json.loads(line) for line in open(tmp_path / f"ep{ep}" / "metrics.jsonl")] for ep in runs}
-    for a, b in zip(metrics[1], metrics[2], strict=True):
-        assert a["tokens_per_expert"] == b["tokens_per_expert"]  # the same routing decisions
-        assert sum(a["tokens_per_expert"][0]) == 2 * 4 * 64 * 2  # every token's top-2, both workers
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (a, b)
+        runs[name] = run_pretrain(cfg)
+        assert runs[name]["final_loss"] < runs[name]["first_loss"]
+        assert len(list((tmp_path / name / "_drills").glob("*"))) == (name != "ep1")  # the drill fired
+    metrics = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in runs}
+    for split in ("ep2", "pp2-ep2"):
+        for a, b in zip(metrics["ep1"], metrics[split], strict=True):
+            assert a["tokens_per_expert"] == b["tokens_per_expert"], split  # the same routing decisions
+            assert sum(a["tokens_per_expert"][0]) == 2 * 4 * 64 * 2  # every token's top-2, both replicas
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (split, a, b)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (split, a, b)
     # warmup-stable-decay, resumed with the rest of the state after the kill: warmup over steps 1-2,
     # the peak held, then a 1 - sqrt decay over the last 3 of 12 steps
     schedule = wsd_schedule(cfg)
-    assert [r["lr"] for r in metrics[2]] == pytest.approx([5e-3 * schedule(r["step"]) for r in metrics[2]])
-    assert metrics[2][4]["lr"] == pytest.approx(5e-3) and metrics[2][-1]["lr"] < 5e-3 * 0.5
-    # the expert-parallel checkpoint holds every expert, gathered from both workers
-    dense_run, ep_run = (load_model_files(checkpoint.resolve(str(tmp_path / f"ep{ep}"))) for ep in (1, 2))
-    for layer in ep_run.moe_layers():
-        assert layer.w_gate_up.shape[0] == 4 and float(layer.expert_bias.abs().sum()) > 0
-    tokens = torch.randint(0, ep_run.cfg.vocab_size, (1, 16))
-    torch.testing.assert_close(ep_run(tokens)[0], dense_run(tokens)[0], atol=1e-3, rtol=1e-3)
+    assert [r["lr"] for r in metrics["ep2"]] == pytest.approx([5e-3 * schedule(r["step"]) for r in metrics["ep2"]])
+    assert metrics["ep2"][4]["lr"] == pytest.approx(5e-3) and metrics["ep2"][-1]["lr"] < 5e-3 * 0.5
+    # the expert-parallel checkpoints hold every expert, gathered from both workers (of each stage)
+    dense_run = load_model_files(checkpoint.resolve(str(tmp_path / "ep1")))
+    tokens = torch.randint(0, dense_run.cfg.vocab_size, (1, 16))
+    for split in ("ep2", "pp2-ep2"):
+        ep_run = load_model_files(checkpoint.resolve(str(tmp_path / split)))
+        for layer in ep_run.moe_layers():
+            assert layer.w_gate_up.shape[0] == 4 and float(layer.expert_bias.abs().sum()) > 0
+        torch.testing.assert_close(ep_run(tokens)[0], dense_run(tokens)[0], atol=1e-3, rtol=1e-3)
 
 
 def test_continued_pretraining_refuses_a_model_section_and_data_of_another_tokenizer(pretrained, packed, tmp_path):

@@ -85,6 +85,8 @@ LAYOUTS = {
     "one worker, MoE aux-free": (1, 1, 1, {"n_layer": 4, "moe": "aux_free"}),
     "PP 2, MoE": (1, 2, 2, {"n_layer": 4, "moe": "aux_loss"}),
     "PP 2 x DP 2, MoE aux-free, recompute": (1, 2, 4, {"n_layer": 4, "moe": "aux_free", "recompute": True}),
+    # each stage's 2 replicas split its layers' experts, tokens exchanged within the stage
+    "PP 2 x EP 2, MoE": (1, 2, 4, {"n_layer": 4, "moe": "aux_loss", "expert_parallel": 2}),
     "PP 2 x 2 virtual stages, MoE, recompute": (
         1,
         2,
@@ -117,6 +119,7 @@ def small_config(
     n_layer: int = 2,
     virtual_stages: int = 1,
     moe: str | None = None,
+    expert_parallel: int = 1,
 ) -> PretrainConfig:
     """A model of `n_layer` blocks with grouped-query attention, per-head query/key norms and q/k/v biases
     (Qwen2/3), so that each of the split or summed parts is exercised, and a tied head (on the
@@ -126,7 +129,7 @@ def small_config(
     group; `vocab_parallel`: the head and the embedding split by vocabulary rows; `zero_stage`: 0
     or 1; `virtual_stages`: chunks of the blocks each pipeline stage holds; `moe`: every block
     but the first an MoE layer (4 experts, top 2, one shared), balanced by `moe` (aux_loss or
-    aux_free)."""
+    aux_free); `expert_parallel`: workers that split each MoE layer's experts."""
     from lmfoundry.model.moe import MoEConfig
     from lmfoundry.model.transformer import ModelConfig
 
@@ -165,6 +168,7 @@ def small_config(
             "tensor_parallel_size": tp,
             "pipeline_parallel_size": pp,
             "virtual_stages": virtual_stages,
+            "expert_parallel_size": expert_parallel,
             "zero_stage": zero_stage,
             "sequence_parallel": sequence_parallel,
             "vocab_parallel": vocab_parallel,

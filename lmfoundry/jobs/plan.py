@@ -55,7 +55,8 @@ def recipe_for(cfg: PretrainConfig, plan) -> dict:
 def runnable_recipe(cfg: PretrainConfig, plan, seq_len: int) -> dict | None:
     """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits and the config
     accepts it (tensor parallelism needs a dense model whose key/value heads and MLP split evenly
-    and ZeRO stages 0-2; pipeline stages, virtual or not, a dense model and ZeRO stage 1). With
+    and ZeRO stages 0-2; pipeline stages, virtual or not, ZeRO stage 1, and expert parallelism
+    that divides a stage's workers). With
     sequence parallelism the planned `seq_len` must split evenly over the tensor-parallel group."""
     from pydantic import ValidationError
 

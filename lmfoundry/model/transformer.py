@@ -289,6 +289,11 @@ def _normal(shape: tuple[int, ...], std: float, seed: int, out: torch.Tensor | N
     return out.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
 
 
+def _rows_of(value: Callable[[], torch.Tensor], rows: slice, out: torch.Tensor | None = None) -> torch.Tensor:
+    part = value()[rows]
+    return part if out is None else out.copy_(part)
+
+
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers of `module` that its state holds (a checkpoint writes them): each MoE layer's
     aux-free routing bias; not the rotary tables, which are rebuilt."""
@@ -353,7 +358,8 @@ class Transformer(nn.Module):
         CPU, or written into `out=`): normal with `init_std` for linear, embedding and expert
         weights, GPT-2's scaled std for the projections that write into the residual stream,
         zeros for biases, ones for norms. Read the shapes from the model before anything splits
-        it. Each normal value draws from a generator of its own, seeded by a hash of the model's
+        it, except an MoE layer's experts split by expert parallelism: each of its routed-expert
+        tensors is the whole layer's value cut to the experts this model holds. Each normal value draws from a generator of its own, seeded by a hash of the model's
         `init_seed` and the parameter's name; torch's CPU generator keeps 32 bits of a seed, so
         the few names whose 32 bits collide get the next free seed, in name order (the same in
         every build of one config)."""
@@ -377,7 +383,12 @@ class Transformer(nn.Module):
                 while seed in seeds:
                     seed = (seed + 1) % 2**32
                 seeds.add(seed)
-                values[name] = functools.partial(_normal, shape, std, seed)
+                rows = self._own_experts(name)
+                if rows is None:
+                    values[name] = functools.partial(_normal, shape, std, seed)
+                else:  # the whole layer's value, drawn as one, cut to the experts this model holds
+                    whole = (self.cfg.moe.num_experts, *shape[1:])
+                    values[name] = functools.partial(_rows_of, functools.partial(_normal, whole, std, seed), rows)
             else:
                 raise ValueError(f"no initial value is defined for parameter {name!r} of {type(module).__name__}")
         return values
@@ -397,14 +408,29 @@ class Transformer(nn.Module):
             )
         for name, p in expected.items():
             shape = tuple(weights.get_slice(name).get_shape())
-            if shape != tuple(p.shape):
-                raise ValueError(f"the checkpoint's {name} has shape {shape}; its model config makes {tuple(p.shape)}")
+            expected_shape = tuple(p.shape)
+            rows = self._own_experts(name)
+            if rows is not None:  # the checkpoint holds every expert; this model some of them
+                expected_shape = (self.cfg.moe.num_experts, *expected_shape[1:])
+            if shape != expected_shape:
+                raise ValueError(f"the checkpoint's {name} has shape {shape}; its model config makes {expected_shape}")
 
         def read(name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-            value = weights.get_tensor(name).float()
+            rows = self._own_experts(name)
+            value = (weights.get_tensor(name) if rows is None else weights.get_slice(name)[rows]).float()
             return value if out is None else out.copy_(value)
 
         return {name: functools.partial(read, name) for name in params}
+
+    def _own_experts(self, name: str) -> slice | None:
+        """For a routed-expert tensor of an MoE layer whose experts were split from outside
+        (train/expert_parallel.py), the rows of the whole layer's this model holds; else None."""
+        owner, _, attr = name.rpartition(".")
+        module = self.get_submodule(owner) if owner else self
+        if not isinstance(module, MoE) or attr not in ("w_gate_up", "w_down") or module.ep_size == 1:
+            return None
+        local = module.cfg.num_experts // module.ep_size
+        return slice(module.ep_rank * local, (module.ep_rank + 1) * local)
 
     def initial_buffers(self) -> dict[str, Callable[[], torch.Tensor]]:
         """For a model built on the meta device, each persistent buffer's value (fp32, on the

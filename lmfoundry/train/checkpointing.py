@@ -155,9 +155,13 @@ def stage_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f"lmfoundry-{checkpoint.step_name(step)}-rank{rank}-", dir=root))
     pool = engine.checkpoint_engine.pool
-    engine.save_checkpoint(
-        str(staged / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=adapter is not None
-    )
+    # DeepSpeed's MoE save would write a pipeline stage's whole module into its data-parallel
+    # rank 0's one file, and no layer files: a pipeline saves as a dense one, its ranks' experts
+    # in files of their own (below)
+    with _without_deepspeed_moe(engine) if _pipelined(engine) else contextlib.nullcontext():
+        engine.save_checkpoint(
+            str(staged / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=adapter is not None
+        )
     rng = checkpoint.capture_rng_state()
     # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
     own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
@@ -166,7 +170,8 @@ def stage_checkpoint(
     pipelined = _pipelined(engine)
     streamed = (engine.zero_optimization_stage() == 3 or split or pipelined) and adapter is None
     if streamed:  # written now, piece by piece: the weights are never whole in one process
-        assert not _expert_parallel(engine)  # the config refuses ZeRO-3 and model parallelism with MoE
+        # the config refuses ZeRO-3 and tensor parallelism with MoE: experts split only in a pipeline
+        assert not _expert_parallel(engine) or (pipelined and not split)
         path = staged / WEIGHTS if rank == 0 else None
         if pipelined:
             write_pipeline_weights(engine, path)
@@ -272,14 +277,13 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
         own_settings = [{k: g[k] for k in ("weight_decay", "name") if k in g} for g in engine.optimizer.param_groups]
     # DeepSpeed's MoE loader wants per-expert files that it writes only for its own MoE layers;
     # lmfoundry's experts come back from each rank's module file instead
-    has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
     try:
-        # a LoRA run's files leave out the frozen base, which every worker loaded from the base
-        # checkpoint; any other run's (`freeze` included) hold every parameter, and load strictly
-        adapted = any(isinstance(m, LoRALinear) for m in engine.module.modules())
-        engine.load_checkpoint(str(load_dir), tag="state", load_module_strict=not adapted)
+        with _without_deepspeed_moe(engine):
+            # a LoRA run's files leave out the frozen base, which every worker loaded from the base
+            # checkpoint; any other run's (`freeze` included) hold every parameter, and load strictly
+            adapted = any(isinstance(m, LoRALinear) for m in engine.module.modules())
+            engine.load_checkpoint(str(load_dir), tag="state", load_module_strict=not adapted)
     finally:
-        engine.has_moe_layers = has_moe_layers
         engine._config.load_universal_checkpoint = False
     if relayout:
         _mend_universal_load(engine, own_settings)
@@ -308,6 +312,17 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
             else "",
         )
     return state
+
+
+@contextlib.contextmanager
+def _without_deepspeed_moe(engine):
+    """DeepSpeed's checkpoints with its MoE handling off: the engine saves and loads as for a
+    dense model (lmfoundry keeps each rank's experts in a file of its own)."""
+    has_moe_layers, engine.has_moe_layers = engine.has_moe_layers, False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = has_moe_layers
 
 
 def _written_layout(state: dict, uri: str) -> tuple[int, int, int, int]:

@@ -199,11 +199,15 @@ class ParallelismConfig(StageConfig):
                     "with zero_stage=1 (DeepSpeed's pipeline engine refuses 2-3, and clips by a wrong "
                     "gradient norm at 0)"
                 )
-            if self.expert_parallel_size > 1 or self.min_workers is not None:
+            if self.min_workers is not None:
                 raise ValueError(
-                    f"pipeline_parallel_size={pp} runs without expert parallelism and without elastic "
-                    "min_workers (an MoE model's stages hold all of their layers' experts); use "
-                    "expert_parallel_size=1 and a fixed num_workers"
+                    f"pipeline_parallel_size={pp} runs without elastic min_workers; use a fixed num_workers"
+                )
+            if (self.num_workers // pp) % self.expert_parallel_size:
+                raise ValueError(
+                    f"expert_parallel_size={self.expert_parallel_size} must divide the {self.num_workers // pp} "
+                    f"workers of each pipeline stage (num_workers={self.num_workers} / pipeline_parallel_size={pp}): "
+                    "a stage's replicas split its layers' experts"
                 )
         if self.num_workers % self.expert_parallel_size:
             raise ValueError(

@@ -44,9 +44,13 @@ def group_name(ep_size: int) -> str:
     return f"ep_size_{ep_size}"
 
 
-def shard_model(model: Transformer, ep_size: int) -> None:
+def shard_model(model: Transformer, ep_size: int, pipeline_stages: int = 1) -> None:
     """Split every MoE layer's experts over the expert-parallel groups. Call on every rank,
-    after torch.distributed is up and before deepspeed.initialize builds the optimizer."""
+    after torch.distributed is up and before deepspeed.initialize builds the optimizer. With
+    pipeline stages the groups lie within each stage's ranks (consecutive: a stage's ranks are
+    `world / pipeline_stages` consecutive ones), whose replicas hold the same layers. A model on
+    the meta device is cut as it is; its initial values are cut alike when they are made
+    (Transformer.initial_values)."""
     import deepspeed
 
     from lmfoundry.train.engine import prepare_deepspeed
@@ -55,7 +59,7 @@ def shard_model(model: Transformer, ep_size: int) -> None:
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
     name = group_name(ep_size)
     if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep_size)
+        groups._create_expert_and_data_parallel(ep_size, pp_size=pipeline_stages)
     group = groups._get_expert_parallel_group(name)
     ep_rank = dist.get_rank(group=group)
     for block in model.blocks:
@@ -108,6 +112,18 @@ def exchange_tokens(moe: MoE, xs: torch.Tensor, counts: torch.Tensor, row_weight
     return all_to_all_single(xs.new_empty(xs.shape), back, send_splits, recv_splits, group=moe.ep_group)
 
 
+def gathered_experts(moe: MoE) -> dict[str, torch.Tensor]:
+    """The layer's routed-expert tensors, every expert's, gathered from its expert-parallel group
+    (a collective of the group: each of its ranks calls it)."""
+    whole = {}
+    for name in ("w_gate_up", "w_down"):
+        local = getattr(moe, name).detach().contiguous()
+        parts = [torch.empty_like(local) for _ in range(moe.ep_size)]
+        dist.all_gather(parts, local, group=moe.ep_group)
+        whole[name] = torch.cat(parts, dim=0)
+    return whole
+
+
 def full_state(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's state with every MoE layer's experts gathered from its expert-parallel group.
     A collective: every rank calls it; the result is complete on every rank."""
@@ -116,9 +132,6 @@ def full_state(model: Transformer) -> dict[str, torch.Tensor]:
         moe = block.mlp
         if moe not in model.moe_layers() or moe.ep_group is None:
             continue
-        for name in ("w_gate_up", "w_down"):
-            local = getattr(moe, name).detach().contiguous()
-            parts = [torch.empty_like(local) for _ in range(moe.ep_size)]
-            dist.all_gather(parts, local, group=moe.ep_group)
-            state[f"blocks.{i}.mlp.{name}"] = torch.cat(parts, dim=0)
+        for name, whole in gathered_experts(moe).items():
+            state[f"blocks.{i}.mlp.{name}"] = whole
     return state

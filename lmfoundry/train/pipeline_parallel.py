@@ -526,9 +526,15 @@ def pipeline_parameter_names(cfg) -> dict[str, str]:
 
 
 def _layer_state(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-    """A pipeline layer's tensors under the model's names."""
+    """A pipeline layer's tensors under the model's names, an MoE block's experts gathered from
+    its expert-parallel group (a collective of the group)."""
+    from lmfoundry.train.expert_parallel import gathered_experts
+
     own = {Wrapped: "module.", BlockLayer: "block.", Embedding: "embed."}[type(layer)]
-    return {prefix + k.removeprefix(own): v for k, v in layer.state_dict().items()}
+    state = {prefix + k.removeprefix(own): v for k, v in layer.state_dict().items()}
+    if isinstance(layer, BlockLayer) and layer.moe is not None and layer.moe.ep_group is not None:
+        state.update({f"{prefix}mlp.{name}": whole for name, whole in gathered_experts(layer.moe).items()})
+    return state
 
 
 def write_servable_weights(engine, path) -> None:
@@ -536,8 +542,9 @@ def write_servable_weights(engine, path) -> None:
     (stage 0, data-parallel rank 0, tensor-parallel rank 0) to `path` layer by layer; each layer
     that another stage holds is sent by that stage's first rank of data-parallel replica 0 while
     it is written. Under tensor parallelism a stage's layers are gathered one at a time over its
-    group (a collective of the group) while they are read. Rank 0 holds one layer of another
-    stage at a time. If rank 0's write fails, it still receives what the other stages send and
+    group (a collective of the group) while they are read, and an MoE layer's experts over the
+    stage's expert-parallel group (each replica of the stage takes part). Rank 0 holds one layer
+    of another stage at a time. If rank 0's write fails, it still receives what the other stages send and
     takes part in its group's gathers, so none is left waiting, and then raises."""
     import contextlib
 
@@ -598,3 +605,6 @@ def write_servable_weights(engine, path) -> None:
             for name, _, _ in specs:
                 if sends and layer_of[name] == index:
                     dist.send(state[name].contiguous(), dst=0)
+    elif any(layer.ep_group is not None for layer in module.moe_layers()):
+        for _ in local_layers():  # the gathers of the experts this replica holds
+            pass

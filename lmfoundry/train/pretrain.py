@@ -53,7 +53,7 @@ def build_model(cfg: PretrainConfig, start_dir: str | None = None) -> Transforme
     # does not: seeded again, what draws from it next sees the same stream in every layout
     torch.manual_seed(cfg.seed)
     if cfg.parallelism.expert_parallel_size > 1:
-        shard_model(model, cfg.parallelism.expert_parallel_size)
+        shard_model(model, cfg.parallelism.expert_parallel_size, cfg.parallelism.pipeline_parallel_size)
     return model
 
 

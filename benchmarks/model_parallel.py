@@ -10,7 +10,12 @@ vocabulary rows and no sequence split, TP 2 on 2 with an untied head and embeddi
 vocabulary rows (an untied layout is held to a one-worker run of the untied model), and, with 4
 blocks against a one-worker run of the 4-block model, PP 2 with 2 virtual stages on 2 and TP 2 x
 PP 2 with 2 virtual stages on 4 (sequence and vocabulary parallel, activation checkpointing),
-and with 8 blocks PP 4 with 2 virtual stages on 4, on the interleaved schedule. The figures: the largest loss difference from the one-worker run, the
+and with 8 blocks PP 4 with 2 virtual stages on 4, on the interleaved schedule; with 4 blocks of
+which the last 3 are MoE layers, against one worker holding that model, PP 2 on 2 (the
+load-balancing loss), PP 2 x DP 2 on 4 (aux-free balancing, activation checkpointing), PP 2 x DP
+2 on 4 with each stage's experts split over its 2 replicas, and PP 2 with 2 virtual stages on 2
+(activation checkpointing), each also held to the one worker's load of every expert, step by
+step. The figures: the largest loss difference from the one-worker run, the
 largest relative difference of the gradient norm (clipping's), and the largest logit difference
 between the weights each run wrote, loaded into the single-device model, and the one-worker
 engine (and the run's own engine, where it sees the logits). For the layouts without a pipeline, the
@@ -47,7 +52,7 @@ def main() -> None:
         rows = compare_layouts(scratch)
     print(
         f"{'layout':<58} {'workers':>7} {'first loss':>10} {'last loss':>9} {'max |d loss|':>12} {'grad norm':>9} "
-        f"{'written vs 1 worker':>19} {'written vs own':>14} {'TP all-reduces':>14}"
+        f"{'written vs 1 worker':>19} {'written vs own':>14} {'TP all-reduces':>14} {'expert loads':>12}"
     )
     for name, r in rows.items():
         own = r["reloaded_vs_own_engine_logits"]
@@ -55,7 +60,8 @@ def main() -> None:
             f"{name:<58} {r['workers']:>7} {r['losses'][0]:>10.4f} {r['losses'][-1]:>9.4f} "
             f"{r['loss_max_abs_diff']:>12.2e} {r['grad_norm_max_rel_diff']:>9.1e} "
             f"{r['reloaded_vs_one_worker_logits']:>19.2e} "
-            f"{'-' if own is None else f'{own:.2e}':>14} {traffic(r.get('tensor_parallel_all_reduces')):>14}"
+            f"{'-' if own is None else f'{own:.2e}':>14} {traffic(r.get('tensor_parallel_all_reduces')):>14} "
+            f"{ ({None: '-', True: 'same'}.get(r['expert_loads_equal'], 'differ')):>12}"
         )
     RESULTS.mkdir(exist_ok=True)
     out = {

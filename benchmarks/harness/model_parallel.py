@@ -213,6 +213,10 @@ def compare_layouts(out: str) -> dict:
         reference = rows[row["reference"]]
         row["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(row["losses"], reference["losses"]))
         row["grad_norm_max_rel_diff"] = max(abs(a / b - 1) for a, b in zip(row["grad_norms"], reference["grad_norms"]))
+        # every step's load of every expert of every layer, as the one worker's
+        row["expert_loads_equal"] = (
+            row["tokens_per_expert"] == reference["tokens_per_expert"] if row["tokens_per_expert"] else None
+        )
     logits = {name: row.pop("logits") for name, row in rows.items()}
     for row in rows.values():
         reloaded, own = row.pop("reloaded"), logits[row["name"]]

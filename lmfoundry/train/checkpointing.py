@@ -395,9 +395,13 @@ def _extract_pipeline_buffers(state_dir: Path, zero_dir: Path, model_cfg) -> Non
         name = names[model_name]
         layer, key = name.split(".", 1)
         # the first tensor-parallel rank's file: a buffer is whole on every rank
-        state = torch.load(state_dir / f"layer_{int(layer):02d}-model_00-model_states.pt", weights_only=True)
+        path = state_dir / f"layer_{int(layer):02d}-model_00-model_states.pt"
+        state = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+        value = state.get(key) if isinstance(state, dict) else None
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"the checkpoint's layer file {path.name} holds no tensor {key}; the model has it")
         (zero_dir / name).mkdir(exist_ok=True)
-        torch.save({PARAM: state[key].float()}, zero_dir / name / "fp32.pt")
+        torch.save({PARAM: value.float()}, zero_dir / name / "fp32.pt")
 
 
 def _rename_parameters(zero_dir: Path, pipeline_names: dict[str, str], to_pipeline: bool) -> None:

@@ -142,7 +142,7 @@ def measure_peak_bytes(configs: list[PretrainConfig], seq_len: int, world_size: 
 
 def reference_cases() -> dict[str, PretrainConfig]:
     """Dense and MoE models under ZeRO 0-2, with and without checkpointing and accumulation, and
-    expert, tensor and pipeline parallelism (with virtual stages too)."""
+    expert, tensor and pipeline parallelism (with virtual stages too; MoE layers in a pipeline)."""
     dense = ModelConfig(vocab_size=4096, max_seq_len=SEQ_LEN, n_layer=4, d_model=256, n_head=4, n_kv_head=2)
     wide = dense.model_copy(update={"d_model": 512, "n_head": 8, "n_kv_head": 4, "vocab_size": 8192})
     # the planner models GPUs, where `dispatch: auto` runs grouped_mm; the fused dispatch, which
@@ -189,6 +189,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
         "dense 512-wide ZeRO-2, micro 4": cfg(wide, 2, micro=4),
         "MoE 8 experts top-2 ZeRO-2": cfg(moe, 2),
         "MoE, expert parallel 2, ZeRO-2": cfg(moe, 2, ep=2),
+        "MoE, PP 2, 4 micro": cfg(moe, 1, micro=4, accumulate=4, pp=2),
         "dense 512-wide, TP 2, ZeRO-2": cfg(wide, 2, micro=4, tp=2),
         "dense 512-wide, TP 2, sequence parallel, ZeRO-2": cfg(wide, 2, micro=4, tp=2, sequence_parallel=True),
         "dense 512-wide, TP 2, sequence + vocab parallel, ZeRO-2": cfg(

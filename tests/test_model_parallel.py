@@ -9,8 +9,9 @@ x PP 2 with an untied head and embedding split by vocabulary and no sequence spl
 TP 2 with a vocabulary-parallel head and embedding (tied, with checkpointing; untied), and with
 4 blocks PP 2 and TP 2 x PP 2 (sequence and vocabulary parallel, with checkpointing), with 8 PP 4,
 each with 2 virtual stages on the interleaved schedule, and with 4 blocks of which 3 are MoE layers
-PP 2 (the load-balancing loss), PP 2 x DP 2 (aux-free balancing, with checkpointing) and PP 2 x
-2 virtual stages (with checkpointing), are those of one worker holding the whole model, each rank
+PP 2 (the load-balancing loss), PP 2 x DP 2 (aux-free balancing, with checkpointing), PP 2 x DP 2
+with each stage's experts split over its 2 replicas, and PP 2 x 2 virtual stages (with
+checkpointing), are those of one worker holding the whole model, each rank
 holding its half of every vocabulary table it holds, and the weights each run writes (piece
 by piece, or layer by layer from each stage, gathered over its tensor-parallel group) are whole:
 loaded into the single-device model they give the engines' logits (a vocabulary-parallel
@@ -50,7 +51,14 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
         assert [set(tables) for tables in held] == [{table_rows} if end else set() for end in ends], (name, held)
     assert rows["one worker, untied"]["losses"] != reference  # the untied rows have a reference of their own
     moe = [row for row in rows.values() if row.get("moe")]
-    assert len(moe) == 5
+    assert {row["name"] for row in moe} == {
+        "one worker, MoE",
+        "one worker, MoE aux-free",
+        "PP 2, MoE",
+        "PP 2 x DP 2, MoE aux-free, recompute",
+        "PP 2 x EP 2, MoE",
+        "PP 2 x 2 virtual stages, MoE, recompute",
+    }
     for row in moe:
         assert len(row["tokens_per_expert"]) == 20 and len(row["tokens_per_expert"][0]) == 3, row["name"]
         assert row["expert_loads_equal"], row["name"]
@@ -101,6 +109,68 @@ def test_a_universal_checkpoints_parameters_are_renamed_between_the_model_and_it
         _rename_parameters(zero, names, to_pipeline=True)
     tied = pipeline_parameter_names(cfg.model_copy(update={"tie_embeddings": True}))
     assert tied["embed.weight"] == "tied_modules.embed.embed.weight" and "lm_head.weight" not in tied
+
+
+def test_a_blocks_router_loss_gradient_is_the_gradient_of_adding_its_scaled_loss():
+    """RouterLossGradient: the activations unchanged, and backward the gradient the loss would
+    get were `scale` times it added to the objective, without the loss travelling on."""
+    from lmfoundry.train.pipeline_parallel import RouterLossGradient
+
+    torch.manual_seed(0)
+    x, w, router = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4), torch.randn(5, requires_grad=True)
+    attached = RouterLossGradient.apply(x * 2, (router**2).sum(), 0.25)
+    assert torch.equal(attached, x * 2)
+    (attached * w).sum().backward()
+    grads = x.grad.clone(), router.grad.clone()
+    x.grad, router.grad = None, None
+    ((x * 2 * w).sum() + 0.25 * (router**2).sum()).backward()
+    assert torch.allclose(grads[0], x.grad) and torch.allclose(grads[1], router.grad)
+
+
+def test_a_pipelines_buffers_are_read_from_its_layer_files_and_bad_ones_are_refused_by_name(tmp_path):
+    """The routing biases a universal move carries: written from a pipeline's layer files beside
+    the parameters' folders, read back into the model; a missing or malformed one is named."""
+    from types import SimpleNamespace
+
+    from lmfoundry.model.moe import MoEConfig
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.checkpointing import (
+        _extract_pipeline_buffers,
+        _load_universal_buffers,
+        _written_expert_parallel,
+    )
+
+    cfg = ModelConfig(vocab_size=32, max_seq_len=8, n_layer=2, d_model=16, n_head=2, n_kv_head=1)
+    cfg = cfg.model_copy(update={"moe": MoEConfig(num_experts=4, top_k=2, first_dense_layers=1)})
+    state, zero = tmp_path / "state", tmp_path / "zero"
+    state.mkdir()
+    zero.mkdir()
+    bias = torch.tensor([0.5, -0.5, 0.25, 0.0])
+    with pytest.raises(ValueError, match="layer_02-model_00-model_states.pt holds no tensor block.mlp.expert_bias"):
+        _extract_pipeline_buffers(state, zero, cfg)
+    torch.save({"block.mlp.router.weight": torch.zeros(4, 16)}, state / "layer_02-model_00-model_states.pt")
+    with pytest.raises(ValueError, match="holds no tensor block.mlp.expert_bias"):
+        _extract_pipeline_buffers(state, zero, cfg)
+    torch.save({"block.mlp.expert_bias": bias}, state / "layer_02-model_00-model_states.pt")
+    _extract_pipeline_buffers(state, zero, cfg)
+    # read back into a model of the same layout, by the pipeline's names (here the model's own)
+    model = Transformer(cfg)
+    (zero / "2.block.mlp.expert_bias").rename(zero / "blocks.1.mlp.expert_bias")
+    _load_universal_buffers(SimpleNamespace(module=model), zero, "ckpt")
+    assert torch.equal(model.blocks[1].mlp.expert_bias, bias)
+    torch.save({"param": torch.zeros(3)}, zero / "blocks.1.mlp.expert_bias" / "fp32.pt")
+    with pytest.raises(ValueError, match="holds 3 values; the model's has 4"):
+        _load_universal_buffers(SimpleNamespace(module=model), zero, "ckpt")
+    torch.save(["not", "a", "dict"], zero / "blocks.1.mlp.expert_bias" / "fp32.pt")
+    with pytest.raises(ValueError, match="blocks.1.mlp.expert_bias holds no tensor"):
+        _load_universal_buffers(SimpleNamespace(module=model), zero, "ckpt")
+    (zero / "blocks.1.mlp.expert_bias" / "fp32.pt").unlink()
+    with pytest.raises(ValueError, match="holds no value for the buffer blocks.1.mlp.expert_bias"):
+        _load_universal_buffers(SimpleNamespace(module=model), zero, "ckpt")
+    for bad in (0, "2", 2.0, None):
+        with pytest.raises(ValueError, match="expert_parallel_size"):
+            _written_expert_parallel({"config": {"parallelism": {"expert_parallel_size": bad}}}, "ckpt")
+    assert _written_expert_parallel({}, "ckpt") == 1
 
 
 def test_a_sequence_that_does_not_split_evenly_over_the_group_is_refused_by_name():

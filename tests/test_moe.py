@@ -232,3 +232,47 @@ def test_an_unknown_dispatch_is_refused_naming_the_allowed_ones():
 
     with pytest.raises(ValidationError, match="'auto', 'grouped_mm', 'fused' or 'sliced'"):
         MoEConfig(dispatch="../fused")
+
+
+def test_a_model_whose_experts_were_split_gets_its_rows_of_the_whole_layers_initial_values(tmp_path):
+    """Expert parallelism cuts a meta-built model's layers from outside (train/expert_parallel.py):
+    its initial values, random or read from a start checkpoint, are the whole layer's cut to the
+    experts it holds, so every layout starts from the single-device model's weights."""
+    import torch.nn as nn
+
+    from lmfoundry.model.checkpoint import load_model_on_meta, save_model_files
+    from lmfoundry.model.transformer import build_on_meta
+
+    cfg = ModelConfig(
+        vocab_size=32,
+        max_seq_len=8,
+        n_layer=2,
+        d_model=16,
+        n_head=2,
+        n_kv_head=1,
+        moe=MoEConfig(num_experts=4, top_k=2),
+    )
+
+    def split(model: Transformer, rank: int) -> Transformer:
+        for moe in model.moe_layers():
+            moe.w_gate_up = nn.Parameter(moe.w_gate_up.data[2 * rank : 2 * rank + 2])
+            moe.w_down = nn.Parameter(moe.w_down.data[2 * rank : 2 * rank + 2])
+            moe.ep_size, moe.ep_rank = 2, rank
+        return model
+
+    torch.manual_seed(0)  # a build draws its init seed from torch's generator: the same for both
+    whole = Transformer(cfg)
+    save_model_files(whole, tmp_path)
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        for model in (split(build_on_meta(cfg), rank), split(load_model_on_meta(str(tmp_path)), rank)):
+            values = model.initial_values()
+            for name in ("blocks.1.mlp.w_gate_up", "blocks.0.mlp.w_down"):
+                expected = dict(whole.named_parameters())[name].detach()[2 * rank : 2 * rank + 2]
+                assert torch.equal(values[name](), expected), (rank, name)
+            assert torch.equal(values["blocks.0.mlp.router.weight"](), whole.blocks[0].mlp.router.weight.detach())
+        bad = split(build_on_meta(cfg), rank)
+        bad.blocks[0].mlp.w_down = nn.Parameter(torch.empty(2, 3, 16, device="meta"))
+        bad.start_weights = load_model_on_meta(str(tmp_path)).start_weights
+        with pytest.raises(ValueError, match="blocks.0.mlp.w_down has shape"):
+            bad.initial_values()

@@ -289,6 +289,10 @@ def _normal(shape: tuple[int, ...], std: float, seed: int, out: torch.Tensor | N
     return out.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
 
 
+def _read_float(weights, name: str) -> torch.Tensor:
+    return weights.get_tensor(name).float()
+
+
 def _rows_of(value: Callable[[], torch.Tensor], rows: slice, out: torch.Tensor | None = None) -> torch.Tensor:
     part = value()[rows]
     return part if out is None else out.copy_(part)
@@ -416,8 +420,11 @@ class Transformer(nn.Module):
                 raise ValueError(f"the checkpoint's {name} has shape {shape}; its model config makes {expected_shape}")
 
         def read(name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+            # a split layer's experts read whole and cut, as its random initial values are drawn
+            # (an adapter checkpoint's weights read only whole: its merge is by whole tensors)
             rows = self._own_experts(name)
-            value = (weights.get_tensor(name) if rows is None else weights.get_slice(name)[rows]).float()
+            value = weights.get_tensor(name).float()
+            value = value if rows is None else value[rows]
             return value if out is None else out.copy_(value)
 
         return {name: functools.partial(read, name) for name in params}
@@ -438,7 +445,7 @@ class Transformer(nn.Module):
         weights = self.start_weights
         return {
             name: (
-                functools.partial(lambda n: weights.get_tensor(n).float(), name)
+                functools.partial(_read_float, weights, name)
                 if weights is not None
                 else functools.partial(_filled, tuple(b.shape), 0.0)
             )
@@ -446,11 +453,17 @@ class Transformer(nn.Module):
         }
 
     def reset_buffers(self) -> None:
-        """The rotary tables, built again on the CPU: what a model built on the meta device needs
-        before it can run (its only buffers: MoE models are not built there)."""
+        """The buffers a model built on the meta device needs before it can run, made on the CPU:
+        the rotary tables built again, and each persistent buffer still on the meta device (an
+        MoE layer's routing bias) given its initial value (initial_buffers)."""
         self.rope_cos, self.rope_sin = rope_tables(
             self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg.rope_scaling
         )
+        values = self.initial_buffers()
+        for name, buffer in persistent_buffers(self).items():
+            if buffer.is_meta:
+                owner, _, attr = name.rpartition(".")
+                setattr(self.get_submodule(owner), attr, values[name]())
 
     def untie_head(self) -> None:
         """Give a tied model's output head a weight of its own, starting as the embedding's values

@@ -260,15 +260,30 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     # switching it at the same layout goes through the universal checkpoint too
     tied = getattr(getattr(engine.module, "cfg", None), "tie_embeddings", False)
     # a stage's optimizer partition holds its chunks' parameters: other virtual stages, other files
-    written = (written_by, written_tp, written_pp, written_virtual, *written_vocabulary_split(state, tied))
-    relayout = written != (world, tp, pp, virtual, splits_vocabulary(engine), splits_embedding_vocabulary(engine))
+    written_ep = _written_expert_parallel(state, uri)
+    ep = (
+        max((layer.ep_size for layer in engine.module.moe_layers()), default=1)
+        if hasattr(engine.module, "moe_layers")
+        else 1
+    )
+    written = (
+        written_by,
+        written_tp,
+        written_pp,
+        written_virtual,
+        written_ep,
+        *written_vocabulary_split(state, tied),
+    )
+    relayout = written != (world, tp, pp, virtual, ep, splits_vocabulary(engine), splits_embedding_vocabulary(engine))
     load_dir = local / "deepspeed"
     if relayout:
-        if _expert_parallel(engine):
+        if ep > 1 or written_ep > 1:
             raise ValueError(
-                f"checkpoint {uri} was written by {written_by} workers and this run has {world}: "
-                f"a change of world size is supported without expert parallelism only (each rank's "
-                f"experts are its own files); resume with {written_by} workers"
+                f"checkpoint {uri} was written by {written_by} workers (tensor parallel {written_tp}, "
+                f"{written_pp} pipeline stages, experts split {written_ep} ways) and this run has {world} "
+                f"({tp}, {pp}, {ep}): a checkpoint whose experts are split, or a run that splits them, "
+                "resumes at the layout that wrote it only (each rank's experts are its own files); resume "
+                "with that layout"
             )
         load_dir = universal_copy(
             local, uri, from_pipeline=written_pp > 1, to_pipeline=pp > 1, model_cfg=engine.module.cfg
@@ -325,6 +340,19 @@ def _without_deepspeed_moe(engine):
         engine.has_moe_layers = has_moe_layers
 
 
+def _written_expert_parallel(state: dict, uri: str) -> int:
+    """The expert-parallel size of the run that wrote the checkpoint (its recorded config's; 1
+    where none is recorded), checked before it is compared."""
+    config = state.get("config")
+    parallelism = config.get("parallelism") if isinstance(config, dict) else None
+    ep = parallelism.get("expert_parallel_size", 1) if isinstance(parallelism, dict) else 1
+    if type(ep) is not int or ep < 1:
+        raise ValueError(
+            f"checkpoint {uri}: train_state.json names expert_parallel_size={ep!r}; it must be a positive integer"
+        )
+    return ep
+
+
 def _written_layout(state: dict, uri: str) -> tuple[int, int, int, int]:
     """The workers, tensor-parallel size, pipeline stages and virtual stages that wrote the
     checkpoint (older checkpoints name only the workers), checked before any arithmetic is done
@@ -376,7 +404,10 @@ def _load_universal_buffers(engine, zero_dir: Path, uri: str) -> None:
         path = zero_dir / name / "fp32.pt"
         if not path.is_file():
             raise ValueError(f"checkpoint {uri}: its universal copy holds no value for the buffer {name}")
-        value = torch.load(path, map_location="cpu", weights_only=True)[PARAM]
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        value = saved.get(PARAM) if isinstance(saved, dict) else None
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"checkpoint {uri}: its universal copy's {name} holds no tensor")
         if value.numel() != buffer.numel():
             raise ValueError(
                 f"checkpoint {uri}: the buffer {name} holds {value.numel()} values; the model's has {buffer.numel()}"
@@ -396,7 +427,7 @@ def _extract_pipeline_buffers(state_dir: Path, zero_dir: Path, model_cfg) -> Non
         layer, key = name.split(".", 1)
         # the first tensor-parallel rank's file: a buffer is whole on every rank
         path = state_dir / f"layer_{int(layer):02d}-model_00-model_states.pt"
-        state = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path.is_file() else None
         value = state.get(key) if isinstance(state, dict) else None
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"the checkpoint's layer file {path.name} holds no tensor {key}; the model has it")

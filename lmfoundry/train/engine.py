@@ -279,7 +279,7 @@ def build_engine(
         from lmfoundry.train.interleaved_pipeline import make_interleaved
 
         make_interleaved(engine)
-    if pp > 1 and built.cfg.moe is not None:
+    if pp > 1 and built.cfg.moe is not None and built.cfg.moe.balance == "aux_loss":
         from lmfoundry.train.pipeline_parallel import count_router_losses
 
         count_router_losses(engine)

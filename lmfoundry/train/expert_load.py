@@ -20,9 +20,10 @@ class ExpertLoad:
         self.positions = positions() if positions is not None else list(range(len(self.layers)))
         self.counts = [torch.zeros(m.cfg.num_experts) for m in self.layers]  # summed over one optimizer step
         self.last_step: list[list[int]] = []  # the last applied step's tokens per expert, per layer
-        if hasattr(model, "moe_blocks"):
-            # a pipeline runs a step's micro-batches inside its engine: each block's forward counts
-            # (the block's, not the layer's: a recomputation in backward runs the layer again)
+        # a pipeline runs a step's micro-batches inside its engine: each block's forward counts
+        # (the block's, not the layer's: a recomputation in backward runs the layer again)
+        self.pipelined = hasattr(model, "moe_blocks")
+        if self.pipelined:
             for i, block in enumerate(model.moe_blocks()):
                 block.register_forward_hook(functools.partial(self._counted, i))
 
@@ -34,6 +35,11 @@ class ExpertLoad:
             self.counts[i] += self.layers[i].stats.tokens_per_expert
 
     def add_micro_batch(self) -> None:
+        """The last forward's load (a pipeline's blocks count their own)."""
+        if self.pipelined:
+            raise RuntimeError(
+                "a pipeline's blocks count their load in their forward: add_micro_batch would count twice"
+            )
         for count, layer in zip(self.counts, self.layers):
             count += layer.stats.tokens_per_expert
 

@@ -141,7 +141,7 @@ class BlockLayer(nn.Module):
             out = torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
         else:
             out = self.block(x, cos, sin)
-        if self.moe is not None and self.training:
+        if self.moe is not None and self.training and self.moe.cfg.balance == "aux_loss":
             # read here, after the forward: a recomputation in backward sets the layer's loss again
             router_loss = self.moe.aux_loss
             self.router_loss_sum += router_loss.detach().double().cpu()
@@ -224,7 +224,7 @@ def pipeline_module(
         cfg = model.cfg
         splits_vocabulary = False
         state_prefixes = ["embed.", *(f"blocks.{i}." for i in range(model.cfg.n_layer)), "norm.", "lm_head."]
-        # each parameter's name in the stage -> its name in the model
+        # each parameter's (and buffer's) name in the stage -> its name in the model
         names_in_model = {pipe: name for name, pipe in pipeline_parameter_names(model.cfg).items()}
 
         def moe_blocks(self) -> list[BlockLayer]:
@@ -489,7 +489,14 @@ def count_router_losses(engine) -> None:
     blocks = module.moe_blocks()
     for block in blocks:
         block.router_loss_scale = 1.0 / engine.gradient_accumulation_steps()
-    aggregate = engine._aggregate_total_loss  # the step's loss, at the end of train_batch
+    aggregate = getattr(engine, "_aggregate_total_loss", None)  # the step's loss, at the end of train_batch
+    if aggregate is None:
+        raise RuntimeError(
+            "DeepSpeed's pipeline engine has no _aggregate_total_loss: MoE layers in a pipeline need the "
+            "DeepSpeed release pyproject.toml names"
+        )
+    # every rank of a stage holds a copy of its layers' losses (a replica's, or under tensor
+    # parallelism its group's same value): the world's sum over the ranks of a stage
     replicas = dist.get_world_size() // module.num_stages
 
     def with_router_losses() -> torch.Tensor:
@@ -505,10 +512,11 @@ def count_router_losses(engine) -> None:
 
 
 def pipeline_parameter_names(cfg) -> dict[str, str]:
-    """Each parameter's name in the model (as the single-device model names it) -> its name in
-    the pipeline module: the layers are numbered embedding 0, blocks 1..n, norm n+1, head n+2,
-    and a tied embedding is DeepSpeed's `tied_modules.embed`. A universal checkpoint's parameter
-    folders are renamed with it, to move optimizer state between pipelined and other layouts."""
+    """Each parameter's (and persistent buffer's) name in the model (as the single-device model
+    names it) -> its name in the pipeline module: the layers are numbered embedding 0, blocks
+    1..n, norm n+1, head n+2, and a tied embedding is DeepSpeed's `tied_modules.embed`. A
+    universal checkpoint's folders are renamed with it, to move optimizer state (and buffers)
+    between pipelined and other layouts."""
     model = build_on_meta(cfg)
     # a tied head is the embedding; the persistent buffers (MoE routing biases) are renamed alike
     params = [name for name, _ in model.named_parameters()] + list(persistent_buffers(model))

@@ -411,6 +411,7 @@ class Trainer:
         self.rollbacks += 1
         self.micro, self.pending = 0, []
         self.sums.clear()
+        self.expert_load.discard()  # a rolled-back step's load moves no routing bias
         self.health.reset()
         self.t_last, self.step_last = time.time(), self.position.step
 

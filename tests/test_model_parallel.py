@@ -173,6 +173,29 @@ def test_a_pipelines_buffers_are_read_from_its_layer_files_and_bad_ones_are_refu
     assert _written_expert_parallel({}, "ckpt") == 1
 
 
+@pytest.mark.parametrize("written_ep, run_ep", [(2, 1), (1, 2), (2, 2)])
+def test_a_layout_move_with_split_experts_on_either_side_is_refused_before_anything_loads(tmp_path, written_ep, run_ep):
+    """A checkpoint whose experts are split keeps each rank's experts in a file of its own, which
+    no other layout can read: written at 4 workers, resumed at 2, refused by name, whichever
+    side splits them (the same 2 on both sides: at the same world size, still a move)."""
+    import json
+    from types import SimpleNamespace
+
+    from lmfoundry.model.moe import MoEConfig
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.checkpointing import _load
+
+    cfg = ModelConfig(vocab_size=32, max_seq_len=8, n_layer=2, d_model=16, n_head=2, n_kv_head=1)
+    model = Transformer(cfg.model_copy(update={"moe": MoEConfig(num_experts=4, top_k=2)}))
+    for layer in model.moe_layers():
+        layer.ep_size = run_ep
+    state = {"world_size": 4, "config": {"parallelism": {"expert_parallel_size": written_ep}}}
+    (tmp_path / "train_state.json").write_text(json.dumps(state))
+    engine = SimpleNamespace(module=model, autotp_size=lambda: 1)
+    with pytest.raises(ValueError, match="resumes at the layout that wrote it only"):
+        _load(engine, tmp_path, "ckpt", rank=0, world=2)
+
+
 def test_a_sequence_that_does_not_split_evenly_over_the_group_is_refused_by_name():
     import pytest
 

@@ -199,7 +199,17 @@ def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_ou
         ({"tensor_parallel_size": 2, "zero_stage": 3}, {}, "runs tensor parallelism with ZeRO stages 0-2"),
         ({"tensor_parallel_size": 2, "min_workers": 1}, {}, "breaks its whole tensor-parallel group"),
         ({"tensor_parallel_size": 2}, {"n_head": 4, "n_kv_head": 1}, "must divide the model's n_kv_head=1"),
-        ({"tensor_parallel_size": 2}, {"moe": {"num_experts": 4, "top_k": 1}}, "with an MoE model"),
+        ({"tensor_parallel_size": 2}, {"moe": {"num_experts": 4, "top_k": 1}}, "with an MoE model needs sequence"),
+        (
+            {"tensor_parallel_size": 2, "sequence_parallel": True},
+            {"moe": {"num_experts": 4, "top_k": 1}},
+            "and expert_parallel_size=2: each rank routes its slice",
+        ),
+        (
+            {"num_workers": 4, "tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 4},
+            {"moe": {"num_experts": 4, "top_k": 1}},
+            "experts are split over each tensor-parallel group; set expert_parallel_size=2",
+        ),
         (
             {"num_workers": 6, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1},
             {},
@@ -342,3 +352,27 @@ def test_a_frozen_model_beside_a_bf16_engine_takes_its_parameter_dtype_and_keeps
         SimpleNamespace(device=torch.device("cpu"), bfloat16_enabled=lambda: False, zero_optimization_stage=lambda: 1),
     )
     assert {p.dtype for p in fp32.parameters()} == {torch.float32}
+
+
+def test_an_moe_model_under_tensor_parallelism_sums_its_routers_gradients_over_the_group():
+    """With sequence parallelism each rank routes its own slice of the tokens: the routers' and
+    shared experts' gradients, like the norms', are summed over the tensor-parallel group; the
+    routed experts are split over it (expert_parallel_size = tensor_parallel_size) and are not."""
+    import re
+
+    moe = cfg(
+        parallelism={"num_workers": 2, "tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2},
+        model={"n_layer": 2, "vocab_size": 32, "max_seq_len": 8, "moe": {"num_experts": 4, "top_k": 2}},
+    )
+    summed = deepspeed_config(moe, 2, 128)["tensor_parallel"]["partition_config"]["layer_specs"][-1]["patterns"]
+    names = [name for name, _ in build_model_for(moe).named_parameters()]
+    matched = {name for name in names if any(re.match(p, name) for p in summed)}
+    assert "blocks.1.mlp.router.weight" in matched and "blocks.1.mlp.shared_down.weight" in matched
+    assert "blocks.1.mlp_norm.weight" in matched and "norm.weight" in matched
+    assert not {name for name in matched if name.endswith(("mlp.w_gate_up", "mlp.w_down"))}
+
+
+def build_model_for(c: PretrainConfig):
+    from lmfoundry.model.transformer import build_on_meta
+
+    return build_on_meta(c.model)

@@ -150,10 +150,12 @@ def test_evaluate_perplexity_beats_uniform_and_logs_to_mlflow(pretrained, packed
 
 def test_pretrain_moe_with_expert_parallelism_matches_without(deepspeed_workers, packed, tmp_path):
     """The same MoE run on 2 DeepSpeed workers with the experts replicated (data parallel), on 2
-    with the experts split across them (expert_parallel_size=2, all-to-all), and on 4 in 2
-    pipeline stages whose 2 replicas each split their block's experts (ZeRO-1); in the last two
-    the worker of rank 1 is killed after step 8 and the run resumes from step 6. Same losses and
-    gradient norms within 1e-4 relative, step by step, and the same routing decisions."""
+    with the experts split across them (expert_parallel_size=2, all-to-all), on 4 in 2 pipeline
+    stages whose 2 replicas each split their block's experts (ZeRO-1), and on 2 in one
+    tensor-parallel group with sequence parallelism, each rank routing its half of every sequence
+    to the experts the group splits; in the last two the worker of rank 1 is killed after step 8
+    and the run resumes from step 6. Same losses and gradient norms within 1e-4 relative, step by
+    step, and the same routing decisions."""
     import torch
 
     from lmfoundry.model.checkpoint import load_model_files
@@ -170,7 +172,9 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(deepspeed_workers,
         "ep1": {"num_workers": 2, "zero_stage": 2},
         "ep2": {"num_workers": 2, "zero_stage": 2, "expert_parallel_size": 2},
         "pp2-ep2": {"num_workers": 4, "zero_stage": 1, "pipeline_parallel_size": 2, "expert_parallel_size": 2},
+        "tp2-ep2": {"num_workers": 2, "tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2},
     }
+    killed = ("pp2-ep2", "tp2-ep2")
     for name, parallelism in layouts.items():
         cfg = PretrainConfig(
             data=packed[0],
@@ -182,13 +186,13 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(deepspeed_workers,
             optimizer={"lr": 5e-3},
             checkpointing={"every": 6},
             logging={"every": 1},
-            drills=[FaultDrill(at_step=8, rank=1)] if name != "ep1" else [],
+            drills=[FaultDrill(at_step=8, rank=1)] if name in killed else [],
         )
         runs[name] = run_pretrain(cfg)
         assert runs[name]["final_loss"] < runs[name]["first_loss"]
-        assert len(list((tmp_path / name / "_drills").glob("*"))) == (name != "ep1")  # the drill fired
+        assert len(list((tmp_path / name / "_drills").glob("*"))) == (name in killed)  # the drill fired
     metrics = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in runs}
-    for split in ("ep2", "pp2-ep2"):
+    for split in ("ep2", "pp2-ep2", "tp2-ep2"):
         for a, b in zip(metrics["ep1"], metrics[split], strict=True):
             assert a["tokens_per_expert"] == b["tokens_per_expert"], split  # the same routing decisions
             assert sum(a["tokens_per_expert"][0]) == 2 * 4 * 64 * 2  # every token's top-2, both replicas
@@ -197,12 +201,14 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(deepspeed_workers,
     # warmup-stable-decay, resumed with the rest of the state after the kill: warmup over steps 1-2,
     # the peak held, then a 1 - sqrt decay over the last 3 of 12 steps
     schedule = wsd_schedule(cfg)
-    assert [r["lr"] for r in metrics["ep2"]] == pytest.approx([5e-3 * schedule(r["step"]) for r in metrics["ep2"]])
-    assert metrics["ep2"][4]["lr"] == pytest.approx(5e-3) and metrics["ep2"][-1]["lr"] < 5e-3 * 0.5
-    # the expert-parallel checkpoints hold every expert, gathered from both workers (of each stage)
+    for run in killed:
+        assert [r["lr"] for r in metrics[run]] == pytest.approx([5e-3 * schedule(r["step"]) for r in metrics[run]])
+        assert metrics[run][4]["lr"] == pytest.approx(5e-3) and metrics[run][-1]["lr"] < 5e-3 * 0.5
+    # the expert-parallel checkpoints hold every expert, gathered from both workers (of each stage
+    # or tensor-parallel group)
     dense_run = load_model_files(checkpoint.resolve(str(tmp_path / "ep1")))
     tokens = torch.randint(0, dense_run.cfg.vocab_size, (1, 16))
-    for split in ("ep2", "pp2-ep2"):
+    for split in ("ep2", "pp2-ep2", "tp2-ep2"):
         ep_run = load_model_files(checkpoint.resolve(str(tmp_path / split)))
         for layer in ep_run.moe_layers():
             assert layer.w_gate_up.shape[0] == 4 and float(layer.expert_bias.abs().sum()) > 0

@@ -87,6 +87,19 @@ LAYOUTS = {
     "PP 2 x DP 2, MoE aux-free, recompute": (1, 2, 4, {"n_layer": 4, "moe": "aux_free", "recompute": True}),
     # each stage's 2 replicas split its layers' experts, tokens exchanged within the stage
     "PP 2 x EP 2, MoE": (1, 2, 4, {"n_layer": 4, "moe": "aux_loss", "expert_parallel": 2}),
+    # each rank routes its slice of the sequence to experts split over the tensor-parallel group
+    "TP 2, sequence parallel, MoE": (
+        2,
+        1,
+        2,
+        {"n_layer": 4, "moe": "aux_loss", "expert_parallel": 2, "sequence_parallel": True},
+    ),
+    "TP 2 x PP 2, sequence parallel, MoE aux-free": (
+        2,
+        2,
+        4,
+        {"n_layer": 4, "moe": "aux_free", "expert_parallel": 2, "sequence_parallel": True},
+    ),
     "PP 2 x 2 virtual stages, MoE, recompute": (
         1,
         2,

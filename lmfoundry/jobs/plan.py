@@ -35,14 +35,17 @@ def recipe_model(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelCon
 
 
 def recipe_for(cfg: PretrainConfig, plan) -> dict:
-    """The recipe (in the current keys) with the chosen tensor/data/expert-parallel layout filled in."""
+    """The recipe (in the current keys) with the chosen tensor/data/expert-parallel layout filled in.
+    The planner splits an MoE model's experts over the tensor-parallel group and then `ep` ways
+    over the data-parallel replicas; the trainer's expert-parallel size counts both."""
     out = cfg.model_dump(mode="json", exclude_unset=True)
+    experts_over_tp = plan.layout.tp if cfg.model.moe is not None else 1
     out.setdefault("parallelism", {}).update(
         num_workers=plan.layout.tp * plan.layout.pp * plan.layout.dp,
         tensor_parallel_size=plan.layout.tp,
         pipeline_parallel_size=plan.layout.pp,
         virtual_stages=plan.layout.virtual_stages,
-        expert_parallel_size=plan.layout.ep,
+        expert_parallel_size=plan.layout.ep * experts_over_tp,
         use_gpu=True,
         precision="bf16",
     )
@@ -54,9 +57,10 @@ def recipe_for(cfg: PretrainConfig, plan) -> dict:
 
 def runnable_recipe(cfg: PretrainConfig, plan, seq_len: int) -> dict | None:
     """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits and the config
-    accepts it (tensor parallelism needs a dense model whose key/value heads and MLP split evenly
-    and ZeRO stages 0-2; pipeline stages, virtual or not, ZeRO stage 1, and expert parallelism
-    that divides a stage's workers). With
+    accepts it (tensor parallelism needs key/value heads and an MLP that split evenly and ZeRO
+    stages 0-2, and of an MoE model sequence parallelism and its experts over the group alone;
+    pipeline stages, virtual or not, ZeRO stage 1, and expert parallelism that divides a stage's
+    workers). With
     sequence parallelism the planned `seq_len` must split evenly over the tensor-parallel group."""
     from pydantic import ValidationError
 

@@ -287,6 +287,10 @@ class MoE(nn.Module):
         self.ep_group = None
         self.ep_size, self.ep_rank = 1, 0
         self.exchange = None
+        # sequence parallelism, set from outside (train/tensor_parallel.py): this rank routes a
+        # slice of the batch's tokens, and `balance_over` sums the balance loss's per-expert
+        # assignment counts, score sums and token count over the ranks that hold the others
+        self.balance_over = None
         self._grouped_mm_support: dict[tuple[str, torch.dtype], bool] = {}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,8 +307,13 @@ class MoE(nn.Module):
     def _balance_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         # Switch/DeepSeek: E * sum_e f_e * P_e, f_e the share of assignments to e, P_e its mean score
         E = self.cfg.num_experts
-        f = torch.bincount(ids.flatten(), minlength=E).float() / ids.numel()
-        P = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        counts = torch.bincount(ids.flatten(), minlength=E).float()
+        score_sums = (scores / scores.sum(-1, keepdim=True)).sum(0)
+        tokens = torch.tensor(float(ids.shape[0]), device=ids.device)
+        if self.balance_over is not None:  # the batch's other tokens are on other ranks
+            counts, score_sums, tokens = self.balance_over(counts, score_sums, tokens)
+        f = counts / (tokens * ids.shape[1])
+        P = score_sums / tokens
         return self.cfg.aux_loss_coef * E * (f * P).sum()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

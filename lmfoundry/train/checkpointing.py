@@ -34,7 +34,7 @@ from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import tensor_parallel
 from lmfoundry.train.config import MAX_VIRTUAL_STAGES
-from lmfoundry.train.expert_parallel import full_state
+from lmfoundry.train.expert_parallel import full_state, gathered_experts
 from lmfoundry.train.pipeline_parallel import pipeline_parameter_names
 from lmfoundry.train.pipeline_parallel import write_servable_weights as write_pipeline_weights
 from lmfoundry.train.tensor_parallel import splits_embedding_vocabulary, splits_vocabulary, tensor_parallel_size
@@ -124,7 +124,11 @@ def stream_servable_weights(
             if not state:
                 continue  # the tied head: nothing of its own to gather
             with gathered(piece):
-                yield from (value for name, value in piece.state_dict().items() if prefix + name in state)
+                values = piece.state_dict()
+                mlp = getattr(piece, "mlp", None)
+                if getattr(mlp, "ep_group", None) is not None:  # experts split over the group too
+                    values.update({f"mlp.{name}": whole for name, whole in gathered_experts(mlp).items()})
+                yield from (value for name, value in values.items() if prefix + name in state)
 
     tensors = gathered_tensors()
     try:
@@ -170,8 +174,9 @@ def stage_checkpoint(
     pipelined = _pipelined(engine)
     streamed = (engine.zero_optimization_stage() == 3 or split or pipelined) and adapter is None
     if streamed:  # written now, piece by piece: the weights are never whole in one process
-        # the config refuses ZeRO-3 and tensor parallelism with MoE: experts split only in a pipeline
-        assert not _expert_parallel(engine) or (pipelined and not split)
+        # the config refuses ZeRO-3 with MoE: experts are split in a pipeline stage or over a
+        # tensor-parallel group, and gathered with the layer that holds them
+        assert not _expert_parallel(engine) or pipelined or split
         path = staged / WEIGHTS if rank == 0 else None
         if pipelined:
             write_pipeline_weights(engine, path)

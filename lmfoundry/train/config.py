@@ -91,15 +91,16 @@ class ParallelismConfig(StageConfig):
         1,
         ge=1,
         description="workers that split each block's attention heads and MLP columns (DeepSpeed AutoTP; "
-        "pretraining, dense models, ZeRO stages 0-2); each group of this many consecutive ranks trains on "
-        "the same batch",
+        "pretraining, ZeRO stages 0-2; an MoE model's experts are split over the group instead, with "
+        "sequence_parallel and expert_parallel_size equal to this); each group of this many consecutive "
+        "ranks trains on the same batch",
     )
     pipeline_parallel_size: int = Field(
         1,
         ge=1,
         description="stages the model's blocks are spread over (DeepSpeed's pipeline engine, 1F1B, or "
         "interleaved with virtual_stages; "
-        "pretraining, dense models, ZeRO stage 1); a step's micro-batches (its gradient accumulation) "
+        "pretraining, ZeRO stage 1); a step's micro-batches (its gradient accumulation) "
         "flow through them",
     )
     virtual_stages: int = Field(
@@ -169,10 +170,11 @@ class ParallelismConfig(StageConfig):
                     "stages 0-2 (its checkpoint writer gathers tensor-parallel shards or ZeRO-3 partitions, "
                     "not both)"
                 )
-            if self.expert_parallel_size > 1:
+            if self.expert_parallel_size not in (1, tp):
                 raise ValueError(
-                    f"tensor_parallel_size={tp} with expert_parallel_size={self.expert_parallel_size}: "
-                    "tensor and expert parallelism do not compose yet; choose one"
+                    f"tensor_parallel_size={tp} with expert_parallel_size={self.expert_parallel_size}: with tensor "
+                    "parallelism an MoE model's experts are split over each tensor-parallel group; set "
+                    f"expert_parallel_size={tp}"
                 )
             if self.min_workers is not None:
                 raise ValueError(
@@ -505,16 +507,20 @@ class PretrainConfig(TrainStageConfig):
                     f"virtual stage ({pp * virtual}); the model has n_layer={self.model.n_layer}"
                 )
         if self.parallelism.tensor_parallel_size > 1:
-            check_tensor_parallel(self.model, self.parallelism.tensor_parallel_size)
+            check_tensor_parallel(self.model, self.parallelism)
         return self
 
 
-def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
-    """That `model` splits evenly over `tp` ranks: whole key/value heads (so whole query groups)
-    and whole MLP columns on each."""
-    if model.moe is not None:
+def check_tensor_parallel(model: ModelConfig, parallelism: ParallelismConfig) -> None:
+    """That `model` splits evenly over the tensor-parallel ranks: whole key/value heads (so whole
+    query groups) and whole MLP columns on each. An MoE model's layers are not split: each rank
+    routes its slice of the tokens (sequence parallelism) to experts split over the group."""
+    tp = parallelism.tensor_parallel_size
+    if model.moe is not None and (not parallelism.splits_sequences or parallelism.expert_parallel_size != tp):
         raise ValueError(
-            f"tensor_parallel_size={tp} with an MoE model: split its experts with expert_parallel_size instead"
+            f"tensor_parallel_size={tp} with an MoE model needs sequence_parallel: true and "
+            f"expert_parallel_size={tp}: each rank routes its slice of the sequence to the experts, which "
+            "the tensor-parallel group splits between its ranks"
         )
     if model.n_kv_head % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's n_kv_head={model.n_kv_head}")

@@ -44,7 +44,9 @@ def norms_on_sequence_slices(cfg: TrainStageConfig) -> list[str] | None:
     sequence parallelism needs tensor parallelism, which only pretraining's model runs."""
     if not cfg.parallelism.splits_sequences:
         return None
-    return tensor_parallel.sequence_parallel_norms(cfg.model.n_layer, cfg.parallelism.pipeline_parallel_size > 1)
+    return tensor_parallel.sequence_parallel_norms(
+        cfg.model.n_layer, cfg.parallelism.pipeline_parallel_size > 1, moe=cfg.model.moe is not None
+    )
 
 
 def deepspeed_config(cfg: TrainStageConfig, world_size: int, seq_len: int, num_params: int | None = None) -> dict:
@@ -396,3 +398,10 @@ def make_sequence_parallel(engine) -> None:
         head = module.lm_head if tensor_parallel.splits_vocabulary(engine) else None
     split_head = tensor_parallel.splits_vocabulary(engine)
     tensor_parallel.apply_sequence_parallelism(module, embeddings, norms, group, head, split_head)
+    for moe in module.moe_layers():
+        # each rank routes its slice of the tokens: the balance loss counts the group's, and the
+        # experts, split over the group (each rank's its own), count towards the gradient norm
+        # on every rank of it, as tensor-parallel shards do
+        moe.balance_over = tensor_parallel.balance_over(group)
+        if moe.ep_group is not None:
+            moe.w_gate_up.model_parallel = moe.w_down.model_parallel = True

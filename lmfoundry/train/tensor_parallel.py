@@ -65,14 +65,53 @@ def autotp_splits(name: str, vocab_parallel: bool) -> bool:
     return any(re.match(pattern, name) for spec in specs for pattern in spec["patterns"])
 
 
-def sequence_parallel_norms(n_layer: int, pipelined: bool) -> list[str]:
-    """Patterns of the names of the norms' weights a sequence-parallel model applies to a slice
-    of the sequence (every block's two and the final one), in the model or in its pipeline
-    module (train/pipeline_parallel.py numbers the blocks from 1, the final norm n_layer + 1,
-    and the untied head, which must not match, n_layer + 2)."""
+def sequence_parallel_norms(n_layer: int, pipelined: bool, moe: bool = False) -> list[str]:
+    """Patterns of the names of the replicated weights a sequence-parallel model applies to a
+    slice of the sequence (every block's two norms and the final one; with `moe`, each MoE
+    layer's router and shared experts, which route and run the rank's own tokens), in the model
+    or in its pipeline module (train/pipeline_parallel.py numbers the blocks from 1, the final
+    norm n_layer + 1, and the untied head, which must not match, n_layer + 2). Their gradients
+    are summed over the group. An MoE layer's routed experts are split over the group instead."""
+    routers = [r".*\.mlp\.(router|shared_gate_up|shared_down)\.weight$"] if moe else []
     if pipelined:
-        return [r"^\d+\.block\.(attn|mlp)_norm\.weight$", rf"^{n_layer + 1}\.module\.weight$"]
-    return [r"^blocks\.\d+\.(attn|mlp)_norm\.weight$", r"^norm\.weight$"]
+        return [r"^\d+\.block\.(attn|mlp)_norm\.weight$", rf"^{n_layer + 1}\.module\.weight$", *routers]
+    return [r"^blocks\.\d+\.(attn|mlp)_norm\.weight$", r"^norm\.weight$", *routers]
+
+
+class SumForward(torch.autograd.Function):
+    """The sum over `group` forward; backward, this rank's gradient as it is. For a quantity
+    every rank computes from the group's sum and backpropagates: each rank's backward then
+    gives its own inputs' part of one gradient (the parameters' sum over the group, as for the
+    norms, makes it whole), not the group's size times it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def balance_over(group):
+    """An MoE layer's `balance_over` under sequence parallelism: the balance loss's assignment
+    counts, score sums (differentiably) and tokens summed over the ranks of `group`, so every
+    rank's loss is the whole batch's, as the single-device model's."""
+    import functools
+
+    return functools.partial(_balance_over, group=group)
+
+
+def _balance_over(counts: torch.Tensor, score_sums: torch.Tensor, tokens: torch.Tensor, group):
+    import torch.distributed as dist
+
+    totals = torch.cat([counts, tokens.reshape(1)])
+    dist.all_reduce(totals, group=group)
+    return totals[:-1], SumForward.apply(score_sums, group), totals[-1]
 
 
 def tensor_parallel_size(engine) -> int:

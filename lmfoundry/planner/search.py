@@ -38,7 +38,11 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   scatter and all-gather (n-1)/n, all-to-all (n-1)/n. Tensor parallelism costs 4 all-reduces of
   the activations a layer (2 forward, 2 backward); sequence parallelism turns each into a
   reduce-scatter and an all-gather and adds one all-gather a norm in backward (the gathered
-  input is recomputed rather than held): 1.25 times the bytes.
+  input is recomputed rather than held): 1.25 times the bytes. An MoE block costs its
+  attention's half of that: its experts are split over the tp x ep ranks (the trainer runs
+  tensor parallelism of an MoE model with sequence parallelism, each rank routing its 1/t of
+  the tokens), and each routed row goes to its expert and back by all-to-all within them,
+  forward and backward.
 - reliability: Young-Daly checkpoint interval sqrt(2*delta*MTBF), expected time lost
   delta/tau + (tau/2 + restart)/MTBF.
 """
@@ -361,8 +365,10 @@ def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) ->
     if recipe.zero_stage >= 2:  # updated weights gathered back (stage 2), or gathered per use (stage 3)
         gathers = 1 if recipe.zero_stage == 2 else 2
         dp_gb += gathers * BYTES_BF16 * dense_local * _ring("all_gather", layout.dp) / 1e9
-    layers_local = shape.n_layer / layout.pp
-    tp_gb = 4 * layers_local * m * BYTES_BF16 * s * b * h * _ring("all_reduce", layout.tp) / 1e9
+    layers_local, moe_local = shape.n_layer / layout.pp, shape.moe_layers / layout.pp
+    # a dense block all-reduces its activations 4 times (2 forward, 2 backward); an MoE block 2,
+    # its attention's: its MoE layer routes the rank's own slice of the tokens
+    tp_gb = (4 * layers_local - 2 * moe_local) * m * BYTES_BF16 * s * b * h * _ring("all_reduce", layout.tp) / 1e9
     if recipe.sequence_parallel:  # backward gathers each of the 2 norms' outputs a layer again
         tp_gb *= 1.25
     # each micro-batch crosses each of a stage's v chunk boundaries forward and backward; a rank
@@ -370,8 +376,20 @@ def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) ->
     # sequence parallelism), or, on the interleaved engine without it, the whole
     shard = layout.tp if layout.virtual_stages == 1 or recipe.sequence_parallel else 1
     pp_gb = 2 * layout.virtual_stages * m * BYTES_BF16 * s * b * h / shard / 1e9 if layout.pp > 1 else 0.0
+    # each MoE layer's routed rows go to their experts and back, forward and backward, within the
+    # tp x ep ranks that split the experts; under tensor parallelism a rank routes 1/tp of the tokens
     a2a_gb = (
-        4 * layers_local * m * BYTES_BF16 * s * b * h * shape.top_k * _ring("all_to_all", layout.ep) / 1e9
+        4
+        * moe_local
+        * m
+        * BYTES_BF16
+        * s
+        * b
+        * h
+        * shape.top_k
+        / layout.tp
+        * _ring("all_to_all", layout.tp * layout.ep)
+        / 1e9
         if shape.num_experts
         else 0.0
     )

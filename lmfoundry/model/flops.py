@@ -54,6 +54,9 @@ def model_shape(model_cfg: ModelConfig) -> ModelShape:
     if not model_cfg.tie_embeddings:
         whole.append(model.lm_head)
     replicated = sum(p.numel() for p in {p for m in whole for p in m.parameters(recurse=False)})
+    # an MoE layer's router and shared experts: whole on every tensor-parallel rank, which routes
+    # and runs its own slice of the tokens (its routed experts are split over the group instead)
+    replicated += sum(p.numel() for layer in moe_layers for n, p in layer.named_parameters() if not n.startswith("w_"))
     return ModelShape(
         total_params=model.num_params(),
         expert_params=experts,

@@ -25,7 +25,7 @@ class ModelShape:
     shared_hidden: int = 0  # all shared experts' width together
     # whole on every tensor-parallel rank (train/tensor_parallel.py splits the blocks' linear
     # layers only, and the vocabulary tables with `vocab_parallel`): the embedding, an untied
-    # output head, the norms
+    # output head, the norms, the MoE layers' routers and shared experts
     replicated_params: int = 0
     # Under pipeline parallelism the first stage holds the input embedding and the last the
     # output head: an untied head's own parameters, or (0 here) the tied embedding again

@@ -190,6 +190,7 @@ def reference_cases() -> dict[str, PretrainConfig]:
         "MoE 8 experts top-2 ZeRO-2": cfg(moe, 2),
         "MoE, expert parallel 2, ZeRO-2": cfg(moe, 2, ep=2),
         "MoE, PP 2, 4 micro": cfg(moe, 1, micro=4, accumulate=4, pp=2),
+        "MoE, TP 2, sequence parallel, ZeRO-2": cfg(moe, 2, tp=2, ep=2, sequence_parallel=True),
         "dense 512-wide, TP 2, ZeRO-2": cfg(wide, 2, micro=4, tp=2),
         "dense 512-wide, TP 2, sequence parallel, ZeRO-2": cfg(wide, 2, micro=4, tp=2, sequence_parallel=True),
         "dense 512-wide, TP 2, sequence + vocab parallel, ZeRO-2": cfg(

@@ -13,9 +13,10 @@ PP 2 with 2 virtual stages on 4 (sequence and vocabulary parallel, activation ch
 and with 8 blocks PP 4 with 2 virtual stages on 4, on the interleaved schedule; with 4 blocks of
 which the last 3 are MoE layers, against one worker holding that model, PP 2 on 2 (the
 load-balancing loss), PP 2 x DP 2 on 4 (aux-free balancing, activation checkpointing), PP 2 x DP
-2 on 4 with each stage's experts split over its 2 replicas, and PP 2 with 2 virtual stages on 2
-(activation checkpointing), each also held to the one worker's load of every expert, step by
-step. The figures: the largest loss difference from the one-worker run, the
+2 on 4 with each stage's experts split over its 2 replicas, PP 2 with 2 virtual stages on 2
+(activation checkpointing), and with sequence parallelism TP 2 on 2 and TP 2 x PP 2 on 4
+(aux-free balancing), each rank routing its slice of the tokens to experts split over its
+tensor-parallel group, each also held to the one worker's load of every expert, step by step. The figures: the largest loss difference from the one-worker run, the
 largest relative difference of the gradient norm (clipping's), and the largest logit difference
 between the weights each run wrote, loaded into the single-device model, and the one-worker
 engine (and the run's own engine, where it sees the logits). For the layouts without a pipeline, the

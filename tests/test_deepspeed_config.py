@@ -229,6 +229,11 @@ def test_tensor_and_pipeline_parallel_replicas_share_the_global_batch_and_lay_ou
             "must divide the 2 workers of each pipeline stage",
         ),
         ({"num_workers": 4, "pipeline_parallel_size": 2, "min_workers": 2, "zero_stage": 1}, {}, "without elastic"),
+        (
+            {"num_workers": 2, "expert_parallel_size": 2, "zero_stage": 0},
+            {"moe": {"num_experts": 4, "top_k": 1}},
+            "only rank 0's experts' optimizer state",
+        ),
     ],
 )
 def test_model_parallel_layouts_the_trainer_cannot_run_are_refused_with_the_reason(parallelism, model, refused):

@@ -10,8 +10,10 @@ TP 2 with a vocabulary-parallel head and embedding (tied, with checkpointing; un
 4 blocks PP 2 and TP 2 x PP 2 (sequence and vocabulary parallel, with checkpointing), with 8 PP 4,
 each with 2 virtual stages on the interleaved schedule, and with 4 blocks of which 3 are MoE layers
 PP 2 (the load-balancing loss), PP 2 x DP 2 (aux-free balancing, with checkpointing), PP 2 x DP 2
-with each stage's experts split over its 2 replicas, and PP 2 x 2 virtual stages (with
-checkpointing), are those of one worker holding the whole model, each rank
+with each stage's experts split over its 2 replicas, PP 2 x 2 virtual stages (with
+checkpointing), and with sequence parallelism and the experts split over each tensor-parallel
+group TP 2, TP 2 x DP 2 (with checkpointing) and TP 2 x PP 2 (aux-free balancing), are those of
+one worker holding the whole model, each rank
 holding its half of every vocabulary table it holds, and the weights each run writes (piece
 by piece, or layer by layer from each stage, gathered over its tensor-parallel group) are whole:
 loaded into the single-device model they give the engines' logits (a vocabulary-parallel
@@ -58,6 +60,9 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
         "PP 2 x DP 2, MoE aux-free, recompute",
         "PP 2 x EP 2, MoE",
         "PP 2 x 2 virtual stages, MoE, recompute",
+        "TP 2, sequence parallel, MoE",
+        "TP 2 x DP 2, sequence parallel, MoE, recompute",
+        "TP 2 x PP 2, sequence parallel, MoE aux-free",
     }
     for row in moe:
         assert len(row["tokens_per_expert"]) == 20 and len(row["tokens_per_expert"][0]) == 3, row["name"]

@@ -276,3 +276,30 @@ def test_a_model_whose_experts_were_split_gets_its_rows_of_the_whole_layers_init
         bad.start_weights = load_model_on_meta(str(tmp_path)).start_weights
         with pytest.raises(ValueError, match="blocks.0.mlp.w_down has shape"):
             bad.initial_values()
+
+
+def test_the_balance_loss_over_ranks_slices_is_the_whole_batchs_and_so_are_its_summed_gradients():
+    """Under sequence parallelism each rank routes half the tokens and `balance_over` adds the
+    other half's counts, score sums (their gradient stays on the rank that computed them) and
+    tokens: each half's loss is the whole batch's, and the two halves' router gradients sum to
+    the whole batch's, as the group's gradient sum makes them."""
+    torch.manual_seed(0)
+    moe = MoE(16, 32, MoEConfig(num_experts=4, top_k=2, aux_loss_coef=0.1, dispatch="sliced")).train()
+    x = torch.randn(12, 16)
+    moe(x)
+    whole = moe.aux_loss.detach()
+    whole_grad = torch.autograd.grad(moe.aux_loss, moe.router.weight)[0]
+
+    def stats(part: torch.Tensor):
+        ids, _, scores = moe.route(part)
+        counts = torch.bincount(ids.flatten(), minlength=4).float()
+        return counts, (scores / scores.sum(-1, keepdim=True)).sum(0).detach(), torch.tensor(float(len(part)))
+
+    grads = []
+    for mine, other in ((x[:6], x[6:]), (x[6:], x[:6])):
+        theirs = stats(other)
+        moe.balance_over = lambda c, s, n, theirs=theirs: (c + theirs[0], s + theirs[1], n + theirs[2])
+        moe(mine)
+        assert torch.allclose(moe.aux_loss, whole, atol=1e-6)
+        grads.append(torch.autograd.grad(moe.aux_loss, moe.router.weight)[0])
+    assert torch.allclose(grads[0] + grads[1], whole_grad, atol=1e-6)

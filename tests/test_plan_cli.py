@@ -2,6 +2,7 @@
 
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,28 @@ def test_a_layout_whose_sequences_do_not_split_over_its_group_is_not_written(mon
     plan = Plan(layout=Layout(tp=4, pp=1, dp=256), micro_batches=2, micro_batch_size=2, fits=True)
     assert runnable_recipe(cfg, plan, 4096)["parallelism"]["tensor_parallel_size"] == 4
     assert runnable_recipe(cfg, plan, 4098) is None
+
+
+def test_an_moe_models_tensor_parallel_layouts_are_planned_as_the_trainer_runs_them(monkeypatch):
+    """The trainer splits an MoE model over a tensor-parallel group only with sequence
+    parallelism and its experts over the group alone: without it no such layout is ranked, with
+    it each has ep 1, and the recipe written for it validates with expert_parallel_size = tp."""
+    from lmfoundry.jobs.plan import recipe_model, runnable_recipe
+    from lmfoundry.model.flops import model_shape
+    from lmfoundry.planner.search import Cluster, Recipe, gpu, search
+    from lmfoundry.platform.config import load_config
+    from lmfoundry.train.config import PretrainConfig
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(PretrainConfig, "configs/pretrain_moe_16b_gpu.yaml")
+    shape, cluster = model_shape(recipe_model(cfg, 102400, 4096)), Cluster(gpu("H100"), 8, 1)
+    recipe = Recipe(seq_len=4096, global_batch_tokens=cfg.batch.global_batch_tokens, token_budget=1e12, zero_stage=2)
+    assert not [p for p in search(shape, recipe, cluster) if p.layout.tp > 1]
+    split = [p for p in search(shape, replace(recipe, sequence_parallel=True), cluster) if p.layout.tp > 1]
+    assert split and {p.layout.ep for p in split} == {1}
+    sequence_parallel = cfg.model_copy(
+        update={"parallelism": cfg.parallelism.model_copy(update={"sequence_parallel": True})}
+    )
+    fitting = next(p for p in split if p.fits and p.layout.pp == 1)
+    written = PretrainConfig.model_validate(runnable_recipe(sequence_parallel, fitting, 4096))
+    assert written.parallelism.expert_parallel_size == written.parallelism.tensor_parallel_size == fitting.layout.tp

@@ -94,6 +94,13 @@ LAYOUTS = {
         2,
         {"n_layer": 4, "moe": "aux_loss", "expert_parallel": 2, "sequence_parallel": True},
     ),
+    # the expert-data-parallel groups (the same experts' ranks) across the replicas
+    "TP 2 x DP 2, sequence parallel, MoE, recompute": (
+        2,
+        1,
+        4,
+        {"n_layer": 4, "moe": "aux_loss", "expert_parallel": 2, "sequence_parallel": True, "recompute": True},
+    ),
     "TP 2 x PP 2, sequence parallel, MoE aux-free": (
         2,
         2,

@@ -36,8 +36,8 @@ def recipe_model(cfg: PretrainConfig, vocab_size: int, seq_len: int) -> ModelCon
 
 def recipe_for(cfg: PretrainConfig, plan) -> dict:
     """The recipe (in the current keys) with the chosen tensor/data/expert-parallel layout filled in.
-    The planner splits an MoE model's experts over the tensor-parallel group and then `ep` ways
-    over the data-parallel replicas; the trainer's expert-parallel size counts both."""
+    Under tensor parallelism the planner splits an MoE model's experts over the tensor-parallel
+    group (its `ep` is then 1): the trainer's expert-parallel size counts the group."""
     out = cfg.model_dump(mode="json", exclude_unset=True)
     experts_over_tp = plan.layout.tp if cfg.model.moe is not None else 1
     out.setdefault("parallelism", {}).update(

@@ -39,10 +39,11 @@ the caller), so the planner depends on nothing above `platform/`. Formulas, with
   the activations a layer (2 forward, 2 backward); sequence parallelism turns each into a
   reduce-scatter and an all-gather and adds one all-gather a norm in backward (the gathered
   input is recomputed rather than held): 1.25 times the bytes. An MoE block costs its
-  attention's half of that: its experts are split over the tp x ep ranks (the trainer runs
-  tensor parallelism of an MoE model with sequence parallelism, each rank routing its 1/t of
-  the tokens), and each routed row goes to its expert and back by all-to-all within them,
-  forward and backward.
+  attention's half of that, and its router's and shared experts' gradients summed over the
+  group each micro-batch: its experts are split over the tp x ep ranks (the trainer runs tensor
+  parallelism of an MoE model only with sequence parallelism and ep 1, each rank routing its
+  1/t of the tokens to experts split over its group), and each routed row goes to its expert
+  and back by all-to-all within them, forward and backward.
 - reliability: Young-Daly checkpoint interval sqrt(2*delta*MTBF), expected time lost
   delta/tau + (tau/2 + restart)/MTBF.
 """
@@ -371,6 +372,9 @@ def plan(shape: ModelShape, recipe: Recipe, cluster: Cluster, layout: Layout) ->
     tp_gb = (4 * layers_local - 2 * moe_local) * m * BYTES_BF16 * s * b * h * _ring("all_reduce", layout.tp) / 1e9
     if recipe.sequence_parallel:  # backward gathers each of the 2 norms' outputs a layer again
         tp_gb *= 1.25
+    if shape.num_experts:  # the routers' and shared experts' gradients, summed over the group each micro-batch
+        routers = moe_local * shape.d_model * (shape.num_experts + 3 * shape.shared_hidden)
+        tp_gb += m * BYTES_BF16 * routers * _ring("all_reduce", layout.tp) / 1e9
     # each micro-batch crosses each of a stage's v chunk boundaries forward and backward; a rank
     # sends 1/t of the activations (DeepSpeed's partitioned transfers; its own slice under
     # sequence parallelism), or, on the interleaved engine without it, the whole
@@ -450,7 +454,7 @@ def search(
     model of step time does not see that bigger matmuls run closer to the peak; kernels do)."""
     plans = []
     # whole heads, whole key/value heads and whole MLP columns on each rank (the trainer refuses
-    # other sizes, and any TP of an MoE model: `plan --write-config` checks the config for that)
+    # other sizes: `plan --write-config` checks the config for that)
     tps = [
         t
         for t in _divisors(cluster.gpus_per_node)
@@ -461,6 +465,12 @@ def search(
             continue
         dp = cluster.gpus // (tp * pp)
         eps = [e for e in _divisors(dp) if shape.num_experts % e == 0] if shape.num_experts else [1]
+        if shape.num_experts and tp > 1:
+            # the trainer splits an MoE model's experts over the tensor-parallel group alone, each
+            # rank routing its slice of the sequence: with sequence parallelism only
+            if not recipe.sequence_parallel:
+                continue
+            eps = [1]
         vs = [v for v in range(1, max_virtual_stages + 1) if shape.n_layer % (pp * v) == 0] if pp > 1 else [1]
         for ep, v, mbs in itertools.product(eps, vs, micro_batch_sizes):
             try:

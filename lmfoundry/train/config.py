@@ -215,6 +215,13 @@ class ParallelismConfig(StageConfig):
             raise ValueError(
                 f"expert_parallel_size={self.expert_parallel_size} must divide num_workers={self.num_workers}"
             )
+        if self.expert_parallel_size > 1 and self.zero_stage == 0 and tp == 1:
+            # DeepSpeed keeps a ZeRO-0 run's optimizer state in the file of its model-parallel
+            # rank, here rank 0's: the other ranks would resume with rank 0's experts' moments
+            raise ValueError(
+                f"zero_stage=0 with expert_parallel_size={self.expert_parallel_size}: a checkpoint would hold "
+                "only rank 0's experts' optimizer state; use zero_stage 1 or 2"
+            )
         return self
 
 

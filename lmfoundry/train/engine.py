@@ -398,10 +398,15 @@ def make_sequence_parallel(engine) -> None:
         head = module.lm_head if tensor_parallel.splits_vocabulary(engine) else None
     split_head = tensor_parallel.splits_vocabulary(engine)
     tensor_parallel.apply_sequence_parallelism(module, embeddings, norms, group, head, split_head)
+    import torch.distributed as dist
+
     for moe in module.moe_layers():
         # each rank routes its slice of the tokens: the balance loss counts the group's, and the
         # experts, split over the group (each rank's its own), count towards the gradient norm
         # on every rank of it, as tensor-parallel shards do
+        if moe.ep_group is None or dist.get_process_group_ranks(moe.ep_group) != dist.get_process_group_ranks(group):
+            raise RuntimeError(
+                "an MoE layer under tensor parallelism must split its experts over the tensor-parallel group"
+            )
         moe.balance_over = tensor_parallel.balance_over(group)
-        if moe.ep_group is not None:
-            moe.w_gate_up.model_parallel = moe.w_down.model_parallel = True
+        moe.w_gate_up.model_parallel = moe.w_down.model_parallel = True

@@ -26,6 +26,7 @@ layer's load, which the aux-free bias follows, is summed over the ranks that hol
 known on every rank."""
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -132,6 +133,16 @@ def test_a_blocks_router_loss_gradient_is_the_gradient_of_adding_its_scaled_loss
     assert torch.allclose(grads[0], x.grad) and torch.allclose(grads[1], router.grad)
 
 
+class RunsCode:
+    """Pickled, it asks the loader to call a function of its choosing: here, to create `path`."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
 def test_a_pipelines_buffers_are_read_from_its_layer_files_and_bad_ones_are_refused_by_name(tmp_path):
     """The routing biases a universal move carries: written from a pipeline's layer files beside
     the parameters' folders, read back into the model; a missing or malformed one is named."""
@@ -156,6 +167,12 @@ def test_a_pipelines_buffers_are_read_from_its_layer_files_and_bad_ones_are_refu
     torch.save({"block.mlp.router.weight": torch.zeros(4, 16)}, state / "layer_02-model_00-model_states.pt")
     with pytest.raises(ValueError, match="holds no tensor block.mlp.expert_bias"):
         _extract_pipeline_buffers(state, zero, cfg)
+    # a layer file from storage that would run code when unpickled: refused, the code never runs
+    ran = tmp_path / "ran"
+    torch.save({"block.mlp.expert_bias": RunsCode(ran)}, state / "layer_02-model_00-model_states.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        _extract_pipeline_buffers(state, zero, cfg)
+    assert not ran.exists()
     torch.save({"block.mlp.expert_bias": bias}, state / "layer_02-model_00-model_states.pt")
     _extract_pipeline_buffers(state, zero, cfg)
     # read back into a model of the same layout, by the pipeline's names (here the model's own)

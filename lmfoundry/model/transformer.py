@@ -301,11 +301,12 @@ def _rows_of(value: Callable[[], torch.Tensor], rows: slice, out: torch.Tensor |
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers of `module` that its state holds (a checkpoint writes them): each MoE layer's
     aux-free routing bias; not the rotary tables, which are rebuilt."""
-    return {
-        name: b
-        for name, b in module.named_buffers()
-        if name.rpartition(".")[2] not in module.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
-    }
+    kept = {}
+    for name, buffer in module.named_buffers():
+        owner, _, attr = name.rpartition(".")
+        if attr not in module.get_submodule(owner)._non_persistent_buffers_set:
+            kept[name] = buffer
+    return kept
 
 
 def _filled(shape: tuple[int, ...], value: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -363,8 +364,9 @@ class Transformer(nn.Module):
         weights, GPT-2's scaled std for the projections that write into the residual stream,
         zeros for biases, ones for norms. Read the shapes from the model before anything splits
         it, except an MoE layer's experts split by expert parallelism: each of its routed-expert
-        tensors is the whole layer's value cut to the experts this model holds. Each normal value draws from a generator of its own, seeded by a hash of the model's
-        `init_seed` and the parameter's name; torch's CPU generator keeps 32 bits of a seed, so
+        tensors is the whole layer's value cut to the experts this model holds. Each normal value
+        draws from a generator of its own, seeded by a hash of the model's `init_seed` and the
+        parameter's name; torch's CPU generator keeps 32 bits of a seed, so
         the few names whose 32 bits collide get the next free seed, in name order (the same in
         every build of one config)."""
         if self.start_weights is not None:

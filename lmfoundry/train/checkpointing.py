@@ -50,8 +50,13 @@ def stage_root(stage_dir: str | None) -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def _expert_parallel_size(engine) -> int:
+    """How many ways the engine's MoE layers split their experts (1: not split, or no MoE)."""
+    return max((layer.ep_size for layer in engine.module.moe_layers()), default=1)
+
+
 def _expert_parallel(engine) -> bool:
-    return any(layer.ep_group is not None for layer in engine.module.moe_layers())
+    return _expert_parallel_size(engine) > 1
 
 
 def _pipelined(engine) -> bool:
@@ -266,11 +271,7 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     tied = getattr(getattr(engine.module, "cfg", None), "tie_embeddings", False)
     # a stage's optimizer partition holds its chunks' parameters: other virtual stages, other files
     written_ep = _written_expert_parallel(state, uri)
-    ep = (
-        max((layer.ep_size for layer in engine.module.moe_layers()), default=1)
-        if hasattr(engine.module, "moe_layers")
-        else 1
-    )
+    ep = _expert_parallel_size(engine)
     written = (
         written_by,
         written_tp,

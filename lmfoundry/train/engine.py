@@ -381,6 +381,7 @@ def place_frozen(model: torch.nn.Module, engine, values: dict | None = None):
 def make_sequence_parallel(engine) -> None:
     """The engine's model (or pipeline stage), its blocks split by AutoTP, made
     sequence-parallel over its tensor-parallel group (train/tensor_parallel.py)."""
+    import torch.distributed as dist
     from deepspeed.utils import groups
 
     module, group = engine.module, groups.get_tensor_model_parallel_group()
@@ -398,8 +399,6 @@ def make_sequence_parallel(engine) -> None:
         head = module.lm_head if tensor_parallel.splits_vocabulary(engine) else None
     split_head = tensor_parallel.splits_vocabulary(engine)
     tensor_parallel.apply_sequence_parallelism(module, embeddings, norms, group, head, split_head)
-    import torch.distributed as dist
-
     for moe in module.moe_layers():
         # each rank routes its slice of the tokens: the balance loss counts the group's, and the
         # experts, split over the group (each rank's its own), count towards the gradient norm

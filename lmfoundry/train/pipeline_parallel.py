@@ -144,7 +144,8 @@ class BlockLayer(nn.Module):
         if self.moe is not None and self.training and self.moe.cfg.balance == "aux_loss":
             # read here, after the forward: a recomputation in backward sets the layer's loss again
             router_loss = self.moe.aux_loss
-            self.router_loss_sum += router_loss.detach().double().cpu()
+            # kept where the loss is: no device-to-host copy a forward
+            self.router_loss_sum = self.router_loss_sum.to(router_loss.device) + router_loss.detach().double()
             if router_loss.requires_grad and torch.is_grad_enabled():
                 out = RouterLossGradient.apply(out, router_loss, self.router_loss_scale)
         return out
@@ -501,10 +502,10 @@ def count_router_losses(engine) -> None:
 
     def with_router_losses() -> torch.Tensor:
         loss = aggregate()
-        total = sum((b.router_loss_sum for b in blocks), torch.zeros((), dtype=torch.float64))
+        total = torch.zeros((), dtype=torch.float64, device=engine.device)
         for block in blocks:
-            block.router_loss_sum.zero_()
-        total = total.to(engine.device)
+            total += block.router_loss_sum.to(engine.device)
+            block.router_loss_sum = torch.zeros_like(block.router_loss_sum)
         dist.all_reduce(total)
         return loss + (total / (replicas * engine.gradient_accumulation_steps())).to(loss.dtype)
 

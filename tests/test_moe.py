@@ -33,6 +33,23 @@ def test_dispatch_matches_the_token_by_token_reference_forward_and_backward(disp
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_grouped_experts_take_rows_sliced_from_a_wider_tensor(rows):
+    """An expert-parallel rank's received rows carry their routing weight as one extra column,
+    sliced off before the experts: a slice of one row counts as contiguous but keeps the wide
+    row's stride (65 floats, not a multiple of 16 bytes), which torch._grouped_mm refuses. The
+    product falls back to one product per expert and gives the same rows."""
+    from lmfoundry.model.moe import expert_matmul
+
+    torch.manual_seed(0)
+    received = torch.randn(rows, 65)
+    x, w = received[:, :-1], torch.randn(2, 64, 32)
+    counts = [rows - 1, 1]
+    offsets = torch.tensor([rows - 1, rows], dtype=torch.int32)
+    expected = torch.cat([x[: rows - 1] @ w[0], x[rows - 1 :] @ w[1]])
+    torch.testing.assert_close(expert_matmul(x, w, offsets, counts, "grouped_mm"), expected)
+
+
 def skewed_input(n: int) -> torch.Tensor:
     x = torch.randn(n, 16)
     x[:, 0] = 1.0  # a constant feature the router can key on

@@ -86,8 +86,9 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def _aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
     # torch._grouped_mm needs 16-byte aligned data and row strides, and rejects an empty input
     # (which an expert-parallel rank receives when no token picked its experts); a weight that is
-    # a view into an optimizer's flat buffer can start at any 4-byte offset
-    strides = (x.shape[-1] * x.element_size(), *(s * w.element_size() for s in w.stride()[:-1]))
+    # a view into an optimizer's flat buffer can start at any 4-byte offset. The strides are the
+    # tensors' own: a one-row slice of a wider tensor counts as contiguous and keeps its stride
+    strides = (x.stride(0) * x.element_size(), *(s * w.element_size() for s in w.stride()[:-1]))
     return (
         x.shape[0] > 0
         and w.shape[-1] * w.element_size() % 16 == 0

@@ -194,6 +194,23 @@ def tiny_pretrain_config(data: str, output: str, **overrides):
     return PretrainConfig(**settings)
 
 
+def stopped_at(run: Path, step: int, copy: Path) -> Path:
+    """A copy of `run` as if it had stopped after `step`'s checkpoint: the later checkpoints and
+    the run manifest removed (a run killed there resumes the same way: test_fault_tolerance's
+    test_killed_workers_...)."""
+    import shutil
+
+    from lmfoundry.platform import checkpoint
+
+    shutil.copytree(run, copy)
+    (copy / "_MANIFEST.json").unlink()
+    for later, uri in checkpoint.committed_checkpoints(str(copy)):
+        if later > step:
+            shutil.rmtree(uri)
+    assert checkpoint.committed_checkpoints(str(copy))[-1][0] == step
+    return copy
+
+
 @pytest.fixture(scope="session")
 def mlflow_store(tmp_path_factory):
     """A local MLflow tracking store (a folder) that the session's runs log to."""

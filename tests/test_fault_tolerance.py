@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tiny_pretrain_config
+from conftest import stopped_at, tiny_pretrain_config
 
 from lmfoundry.platform import checkpoint
 from lmfoundry.train.config import FaultDrill
@@ -211,18 +210,6 @@ def test_zero3_and_offload_train_checkpoint_whole_weights_and_resume_at_another_
     )
     offload = [json.loads(line)["loss"] for line in open(tmp_path / "offload" / "metrics.jsonl")]
     assert offload == pytest.approx([r["loss"] for r in rows["clean"]], rel=1e-4)
-
-
-def stopped_at(run: Path, step: int, copy: Path) -> Path:
-    """A copy of `run` as if it had stopped after `step`'s checkpoint: the later checkpoints and
-    the run manifest removed (a run killed there resumes the same way: test_killed_workers_...)."""
-    shutil.copytree(run, copy)
-    (copy / "_MANIFEST.json").unlink()
-    for later, uri in checkpoint.committed_checkpoints(str(copy)):
-        if later > step:
-            shutil.rmtree(uri)
-    assert checkpoint.committed_checkpoints(str(copy))[-1][0] == step
-    return copy
 
 
 def losses(run: Path) -> list[float]:

@@ -195,27 +195,176 @@ def test_a_pipelines_buffers_are_read_from_its_layer_files_and_bad_ones_are_refu
     assert _written_expert_parallel({}, "ckpt") == 1
 
 
-@pytest.mark.parametrize("written_ep, run_ep", [(2, 1), (1, 2), (2, 2)])
-def test_a_layout_move_with_split_experts_on_either_side_is_refused_before_anything_loads(tmp_path, written_ep, run_ep):
-    """A checkpoint whose experts are split keeps each rank's experts in a file of its own, which
-    no other layout can read: written at 4 workers, resumed at 2, refused by name, whichever
-    side splits them (the same 2 on both sides: at the same world size, still a move)."""
-    import json
-    from types import SimpleNamespace
+def test_split_experts_are_made_whole_for_a_universal_checkpoint_and_bad_files_are_refused(tmp_path):
+    """What train/expert_checkpoint.py does around DeepSpeed's conversion, on files shaped as a
+    2-rank expert-parallel run writes them (tests/test_stages.py moves real runs): each rank's
+    expert fragments renamed by its expert-parallel rank (ranks 0 and 2 of 4 are rank 0), the
+    shapes named once per rank, the tensor-parallel description no longer calling the experts
+    replicated, and after the conversion the ranks' folders joined in rank order and marked as
+    expert parameters. A file that is not what a checkpoint holds, a rank missing, a wrong
+    number of experts and a file that would run code when unpickled are each refused by name."""
+    from collections import OrderedDict
+
+    from deepspeed.checkpoint.constants import EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
+    from deepspeed.utils.tensor_fragment import fragment_address
 
     from lmfoundry.model.moe import MoEConfig
-    from lmfoundry.model.transformer import ModelConfig, Transformer
-    from lmfoundry.train.checkpointing import _load
+    from lmfoundry.model.transformer import ModelConfig
+    from lmfoundry.train.expert_checkpoint import (
+        join_experts,
+        pad_parameter_groups,
+        prepare_for_conversion,
+        routed_expert_names,
+    )
 
     cfg = ModelConfig(vocab_size=32, max_seq_len=8, n_layer=2, d_model=16, n_head=2, n_kv_head=1)
-    model = Transformer(cfg.model_copy(update={"moe": MoEConfig(num_experts=4, top_k=2)}))
-    for layer in model.moe_layers():
-        layer.ep_size = run_ep
-    state = {"world_size": 4, "config": {"parallelism": {"expert_parallel_size": written_ep}}}
-    (tmp_path / "train_state.json").write_text(json.dumps(state))
-    engine = SimpleNamespace(module=model, autotp_size=lambda: 1)
-    with pytest.raises(ValueError, match="resumes at the layout that wrote it only"):
-        _load(engine, tmp_path, "ckpt", rank=0, world=2)
+    cfg = cfg.model_copy(update={"moe": MoEConfig(num_experts=4, top_k=2, first_dense_layers=1)})
+    experts = routed_expert_names(cfg, pipelined=False)
+    assert experts == ["blocks.1.mlp.w_gate_up", "blocks.1.mlp.w_down"]
+    assert routed_expert_names(cfg, pipelined=True) == ["2.block.mlp.w_gate_up", "2.block.mlp.w_down"]
+    state = tmp_path / "state"
+    state.mkdir()
+    for dp in range(4):
+        mapping = OrderedDict([("norm.weight", fragment_address(0, 16)), (experts[0], fragment_address(16, 8))])
+        torch.save(
+            {"optimizer_state_dict": {"param_slice_mappings": [mapping]}},
+            state / f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt",
+        )
+    shapes = [OrderedDict([("norm.weight", torch.Size([16])), (experts[0], torch.Size([2, 16, 64]))])]
+    torch.save({"param_shapes": shapes}, state / "mp_rank_00_model_states.pt")
+    torch.save({"embed.weight": torch.zeros(1)}, state / "layer_00-model_00-model_states.pt")
+    prepared = prepare_for_conversion(state, tmp_path / "input", experts, ep=2, tp=1)
+    assert (prepared / "layer_00-model_00-model_states.pt").is_symlink()
+    for dp, rank in ((0, 0), (1, 1), (2, 0), (3, 1)):
+        saved = torch.load(prepared / f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt", weights_only=False)
+        assert list(saved["optimizer_state_dict"]["param_slice_mappings"][0]) == [
+            "norm.weight",
+            f"{experts[0]}@expert-rank-{rank}",
+        ]
+    saved = torch.load(prepared / "mp_rank_00_model_states.pt", weights_only=False)
+    assert list(saved["param_shapes"][0]) == [
+        "norm.weight",
+        f"{experts[0]}@expert-rank-0",
+        f"{experts[0]}@expert-rank-1",
+    ]
+
+    # under tensor parallelism: the experts out of the replicated patterns and the affine maps
+    tp_state = tmp_path / "tp-state"
+    tp_state.mkdir()
+    info = {
+        "tp_replicated_parameter_patterns": [r"^norm\.weight$", r"^blocks\.1\.mlp\.w_gate_up$"],
+        "affine_map": {"version": 1, "params": {r"^blocks\.1\.mlp\.w_down$": {}, r"^norm\.weight$": {}}},
+    }
+    torch.save({"universal_checkpoint_info": info}, tp_state / "mp_rank_01_model_states.pt")
+    prepare_for_conversion(tp_state, tmp_path / "tp-input", experts, ep=2, tp=2)
+    saved = torch.load(tmp_path / "tp-input" / "mp_rank_01_model_states.pt", weights_only=False)[
+        "universal_checkpoint_info"
+    ]
+    assert saved["tp_replicated_parameter_patterns"] == [r"^norm\.weight$"]
+    assert list(saved["affine_map"]["params"]) == [r"^norm\.weight$"]
+
+    # after the conversion: each rank's folder joined in rank order, the step kept, marked
+    zero = tmp_path / "zero"
+    rows = {rank: torch.full((2, 3), float(rank)) for rank in range(2)}
+    for name in experts:
+        for rank, value in rows.items():
+            folder = zero / f"{name}@expert-rank-{rank}"
+            folder.mkdir(parents=True)
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                torch.save({PARAM: value, "cat_dim": 0}, folder / f"{key}.pt")
+            torch.save(torch.tensor(6.0), folder / "step.pt")
+    (zero / experts[0]).mkdir()  # the conversion's copy of rank 0's module value, replaced
+    torch.save({PARAM: rows[0]}, zero / experts[0] / "fp32.pt")
+    join_experts(zero, experts, ep=2, tp=1, num_experts=4)
+    for name in experts:
+        assert sorted(p.name for p in (zero / name).iterdir()) == ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
+        joined = torch.load(zero / name / "exp_avg.pt", weights_only=False)
+        assert torch.equal(joined[PARAM], torch.cat([rows[0], rows[1]]))
+        assert joined[EP_IS_EXPERT_PARAM] is True and joined[EP_NUM_EXPERTS] == 4
+    assert not list(zero.glob("*@expert-rank-*"))
+    # the same folders marked again (a tensor-parallel run's, joined by the conversion): unchanged
+    join_experts(zero, experts, ep=2, tp=2, num_experts=4)
+    with pytest.raises(
+        ValueError, match=r"blocks.1.mlp.w_gate_up \(exp_avg\) has shape \(4, 3\); the model's 8 experts"
+    ):
+        join_experts(zero, experts, ep=2, tp=2, num_experts=8)
+    with pytest.raises(
+        ValueError, match=r"no state for blocks.1.mlp.w_gate_up@expert-rank-0: its experts are not split 2 ways"
+    ):
+        join_experts(zero, experts, ep=2, tp=1, num_experts=4)
+    torch.save(["not", "a", "dict"], zero / experts[1] / "fp32.pt")
+    with pytest.raises(ValueError, match="fp32.pt holds list, not a dict"):
+        join_experts(zero, experts, ep=1, tp=1, num_experts=4)
+
+    # the optimizer's groups padded so that a run with expert groups restores all of its groups
+    groups = [{"name": "decay", "weight_decay": 0.1}, {"name": "no_decay", "weight_decay": 0.0}]
+    torch.save({"param_groups": groups, "zero_stage": 2}, zero / "optimizer_state.pt")
+    pad_parameter_groups(zero)
+    padded = torch.load(zero / "optimizer_state.pt", weights_only=False)
+    assert padded["param_groups"] == [*groups, groups[1], groups[1]] and padded["zero_stage"] == 2
+    torch.save({"param_groups": []}, zero / "optimizer_state.pt")
+    with pytest.raises(ValueError, match="optimizer_state.pt holds no parameter groups"):
+        pad_parameter_groups(zero)
+
+    # bad files in the checkpoint's folder, refused before the conversion runs
+    torch.save({"optimizer_state_dict": {}}, state / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(ValueError, match="has no parameter slice map"):
+        prepare_for_conversion(state, tmp_path / "input-2", experts, ep=2, tp=1)
+    torch.save(
+        {"optimizer_state_dict": {"param_slice_mappings": []}}, state / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    )
+    torch.save({"param_shapes": "no"}, state / "mp_rank_00_model_states.pt")
+    with pytest.raises(ValueError, match="mp_rank_00_model_states.pt has no parameter shapes"):
+        prepare_for_conversion(state, tmp_path / "input-3", experts, ep=2, tp=1)
+    ran = tmp_path / "ran"
+    torch.save({"param_shapes": [RunsCode(ran)]}, state / "mp_rank_00_model_states.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        prepare_for_conversion(state, tmp_path / "input-4", experts, ep=2, tp=1)
+    assert not ran.exists()
+
+
+def test_a_universal_load_into_other_parameter_groups_keeps_each_groups_settings_and_the_schedule():
+    """DeepSpeed's universal load copies the checkpoint's group settings onto the engine's by
+    position, and its scheduler state: from a run without expert groups into one with them (and
+    back), each group keeps its own name, decay and MoE flag, every group trains at the rate the
+    checkpoint's last step set, and the schedule goes on over all of them."""
+    from types import SimpleNamespace
+
+    from lmfoundry.train.checkpointing import OWN_GROUP_SETTINGS, _mend_universal_load, _scheduler_fitted_to_groups
+    from lmfoundry.train.engine import WSDSchedule
+
+    def engine(groups: list[dict]):
+        params = [{"params": [torch.nn.Parameter(torch.zeros(2))], **g} for g in groups]
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, WSDSchedule(10, 2, 0.5, 0.1, "linear"))
+        return SimpleNamespace(optimizer=optimizer, lr_scheduler=schedule)
+
+    dense = [{"name": "decay", "weight_decay": 0.1}, {"name": "no_decay", "weight_decay": 0.0}]
+    expert = [*dense, {"name": "ep_size_2", "weight_decay": 0.1, "moe": True}]
+    for written, resumed in ((dense, expert), (expert, dense)):
+        source, target = engine(written), engine(resumed)
+        for _ in range(7):  # into the decay: a rate of its own
+            source.optimizer.step()
+            source.lr_scheduler.step()
+        own = [{k: g.get(k) for k in OWN_GROUP_SETTINGS} for g in target.optimizer.param_groups]
+        # what the load does: the checkpoint's groups' settings by position, its scheduler's state
+        for group, loaded in zip(target.optimizer.param_groups, source.optimizer.param_groups):
+            group.update({k: v for k, v in loaded.items() if k != "params"})
+        with _scheduler_fitted_to_groups(target):
+            target.lr_scheduler.load_state_dict(source.lr_scheduler.state_dict())
+        _mend_universal_load(target, own)
+        assert len(target.lr_scheduler.base_lrs) == len(resumed)
+        rate = source.optimizer.param_groups[0]["lr"]
+        assert rate < 1e-3
+        for group, settings in zip(target.optimizer.param_groups, resumed, strict=True):
+            assert group["lr"] == rate and group["name"] == settings["name"]
+            assert group["weight_decay"] == settings["weight_decay"] and group.get("moe") == settings.get("moe")
+        target.optimizer.step()
+        target.lr_scheduler.step()
+        source.optimizer.step()
+        source.lr_scheduler.step()
+        expected = source.optimizer.param_groups[0]["lr"]
+        assert [g["lr"] for g in target.optimizer.param_groups] == [expected] * len(resumed)
 
 
 def test_a_sequence_that_does_not_split_evenly_over_the_group_is_refused_by_name():

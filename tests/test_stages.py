@@ -148,15 +148,22 @@ def test_evaluate_perplexity_beats_uniform_and_logs_to_mlflow(pretrained, packed
     assert local["perplexity"] == pytest.approx(report["perplexity"], rel=1e-6)
 
 
-def test_pretrain_moe_with_expert_parallelism_matches_without(deepspeed_workers, packed, tmp_path):
-    """The same MoE run on 2 DeepSpeed workers with the experts replicated (data parallel), on 2
-    with the experts split across them (expert_parallel_size=2, all-to-all), on 4 in 2 pipeline
-    stages whose 2 replicas each split their block's experts (ZeRO-1), and on 2 in one
-    tensor-parallel group with sequence parallelism, each rank routing its half of every sequence
-    to the experts the group splits; in the last two the worker of rank 1 is killed after step 8
-    and the run resumes from step 6. Same losses and gradient norms within 1e-4 relative, step by
-    step, and the same routing decisions."""
+def test_pretrain_moe_with_expert_parallelism_matches_without_and_moves_between_layouts(
+    deepspeed_workers, packed, tmp_path
+):
+    """The same MoE run on 2 DeepSpeed workers with the experts replicated (data parallel), on 4
+    in 2 pipeline stages whose 2 replicas each split their block's experts (ZeRO-1), and on 2 in
+    one tensor-parallel group with sequence parallelism, each rank routing its half of every
+    sequence to the experts the group splits; in the last two the worker of rank 1 is killed
+    after step 8 and the run resumes from step 6. Same losses and gradient norms within 1e-4
+    relative, step by step, and the same routing decisions.
+    And the same again across layout moves through a universal checkpoint, each side's experts
+    split its own way: the replicated run's step 6 finished by 2 workers splitting the experts
+    (expert_parallel_size=2); that run's step 9 finished by one worker; the pipeline's step 6
+    finished in the tensor-parallel layout; the tensor-parallel run's step 6 finished in the
+    pipeline's layout."""
     import torch
+    from conftest import stopped_at
 
     from lmfoundry.model.checkpoint import load_model_files
     from lmfoundry.model.moe import MoEConfig
@@ -167,15 +174,13 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(deepspeed_workers,
     from lmfoundry.train.pretrain import run_pretrain
 
     moe = MoEConfig(num_experts=4, top_k=2, score_func="sigmoid", balance="aux_free", bias_update_rate=0.01)
-    runs = {}
-    layouts = {
-        "ep1": {"num_workers": 2, "zero_stage": 2},
-        "ep2": {"num_workers": 2, "zero_stage": 2, "expert_parallel_size": 2},
-        "pp2-ep2": {"num_workers": 4, "zero_stage": 1, "pipeline_parallel_size": 2, "expert_parallel_size": 2},
-        "tp2-ep2": {"num_workers": 2, "tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2},
-    }
+    ep1 = {"num_workers": 2, "zero_stage": 2}
+    ep2 = {"num_workers": 2, "zero_stage": 2, "expert_parallel_size": 2}
+    pp2_ep2 = {"num_workers": 4, "zero_stage": 1, "pipeline_parallel_size": 2, "expert_parallel_size": 2}
+    tp2_ep2 = {"num_workers": 2, "tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2}
     killed = ("pp2-ep2", "tp2-ep2")
-    for name, parallelism in layouts.items():
+
+    def run(name: str, parallelism: dict, every: int = 6) -> dict:
         cfg = PretrainConfig(
             data=packed[0],
             output=str(tmp_path / name),
@@ -184,35 +189,52 @@ def test_pretrain_moe_with_expert_parallelism_matches_without(deepspeed_workers,
             batch={"micro_batch_size": 4, "global_batch_tokens": 2 * 4 * 64},
             schedule={"max_steps": 12, "warmup_steps": 2, "kind": "wsd", "decay_fraction": 0.25},
             optimizer={"lr": 5e-3},
-            checkpointing={"every": 6},
+            checkpointing={"every": every},
             logging={"every": 1},
             drills=[FaultDrill(at_step=8, rank=1)] if name in killed else [],
         )
-        runs[name] = run_pretrain(cfg)
-        assert runs[name]["final_loss"] < runs[name]["first_loss"]
-        assert len(list((tmp_path / name / "_drills").glob("*"))) == (name in killed)  # the drill fired
-    metrics = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in runs}
-    for split in ("ep2", "pp2-ep2", "tp2-ep2"):
-        for a, b in zip(metrics["ep1"], metrics[split], strict=True):
-            assert a["tokens_per_expert"] == b["tokens_per_expert"], split  # the same routing decisions
+        result = run_pretrain(cfg)
+        assert result["final_loss"] < result["first_loss"]
+        if name in killed:
+            assert len(list((tmp_path / name / "_drills").glob("*"))) == 1  # the drill fired
+        return cfg
+
+    cfg = run("ep1", ep1)
+    run("pp2-ep2", pp2_ep2)
+    run("tp2-ep2", tp2_ep2)
+    stopped_at(tmp_path / "ep1", 6, tmp_path / "ep1-to-ep2")
+    run("ep1-to-ep2", ep2, every=3)
+    stopped_at(tmp_path / "ep1-to-ep2", 9, tmp_path / "ep2-to-one")
+    run("ep2-to-one", {"num_workers": 1})
+    stopped_at(tmp_path / "pp2-ep2", 6, tmp_path / "pp2-to-tp2")
+    run("pp2-to-tp2", tp2_ep2)
+    stopped_at(tmp_path / "tp2-ep2", 6, tmp_path / "tp2-to-pp2")
+    run("tp2-to-pp2", pp2_ep2)
+    names = [p.name for p in tmp_path.iterdir() if (p / "metrics.jsonl").is_file()]
+    metrics = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in names}
+    assert len(metrics) == 7
+    for other in set(metrics) - {"ep1"}:
+        for a, b in zip(metrics["ep1"], metrics[other], strict=True):
+            assert a["step"] == b["step"]
+            assert a["tokens_per_expert"] == b["tokens_per_expert"], (other, a["step"])  # the same routing decisions
             assert sum(a["tokens_per_expert"][0]) == 2 * 4 * 64 * 2  # every token's top-2, both replicas
-            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (split, a, b)
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (split, a, b)
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (other, a, b)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (other, a, b)
     # warmup-stable-decay, resumed with the rest of the state after the kill: warmup over steps 1-2,
     # the peak held, then a 1 - sqrt decay over the last 3 of 12 steps
     schedule = wsd_schedule(cfg)
-    for run in killed:
-        assert [r["lr"] for r in metrics[run]] == pytest.approx([5e-3 * schedule(r["step"]) for r in metrics[run]])
-        assert metrics[run][4]["lr"] == pytest.approx(5e-3) and metrics[run][-1]["lr"] < 5e-3 * 0.5
+    for name in killed:
+        assert [r["lr"] for r in metrics[name]] == pytest.approx([5e-3 * schedule(r["step"]) for r in metrics[name]])
+        assert metrics[name][4]["lr"] == pytest.approx(5e-3) and metrics[name][-1]["lr"] < 5e-3 * 0.5
     # the expert-parallel checkpoints hold every expert, gathered from both workers (of each stage
-    # or tensor-parallel group)
+    # or tensor-parallel group), and a moved run ends with the weights of the run it came from
     dense_run = load_model_files(checkpoint.resolve(str(tmp_path / "ep1")))
     tokens = torch.randint(0, dense_run.cfg.vocab_size, (1, 16))
-    for split in ("ep2", "pp2-ep2", "tp2-ep2"):
-        ep_run = load_model_files(checkpoint.resolve(str(tmp_path / split)))
-        for layer in ep_run.moe_layers():
+    for name in set(metrics) - {"ep1"}:
+        other = load_model_files(checkpoint.resolve(str(tmp_path / name)))
+        for layer in other.moe_layers():
             assert layer.w_gate_up.shape[0] == 4 and float(layer.expert_bias.abs().sum()) > 0
-        torch.testing.assert_close(ep_run(tokens)[0], dense_run(tokens)[0], atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(other(tokens)[0], dense_run(tokens)[0], atol=1e-3, rtol=1e-3)
 
 
 def test_continued_pretraining_refuses_a_model_section_and_data_of_another_tokenizer(pretrained, packed, tmp_path):

@@ -34,6 +34,12 @@ from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import tensor_parallel
 from lmfoundry.train.config import MAX_VIRTUAL_STAGES
+from lmfoundry.train.expert_checkpoint import (
+    join_experts,
+    pad_parameter_groups,
+    prepare_for_conversion,
+    routed_expert_names,
+)
 from lmfoundry.train.expert_parallel import full_state, gathered_experts
 from lmfoundry.train.pipeline_parallel import pipeline_parameter_names
 from lmfoundry.train.pipeline_parallel import write_servable_weights as write_pipeline_weights
@@ -283,23 +289,23 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     relayout = written != (world, tp, pp, virtual, ep, splits_vocabulary(engine), splits_embedding_vocabulary(engine))
     load_dir = local / "deepspeed"
     if relayout:
-        if ep > 1 or written_ep > 1:
-            raise ValueError(
-                f"checkpoint {uri} was written by {written_by} workers (tensor parallel {written_tp}, "
-                f"{written_pp} pipeline stages, experts split {written_ep} ways) and this run has {world} "
-                f"({tp}, {pp}, {ep}): a checkpoint whose experts are split, or a run that splits them, "
-                "resumes at the layout that wrote it only (each rank's experts are its own files); resume "
-                "with that layout"
-            )
         load_dir = universal_copy(
-            local, uri, from_pipeline=written_pp > 1, to_pipeline=pp > 1, model_cfg=engine.module.cfg
+            local,
+            uri,
+            from_pipeline=written_pp > 1,
+            to_pipeline=pp > 1,
+            model_cfg=engine.module.cfg,
+            written_split=(written_ep, written_tp),
         )
         engine._config.load_universal_checkpoint = True  # read per load: this load only
-        own_settings = [{k: g[k] for k in ("weight_decay", "name") if k in g} for g in engine.optimizer.param_groups]
+        own_settings = [{k: g.get(k) for k in OWN_GROUP_SETTINGS} for g in engine.optimizer.param_groups]
     # DeepSpeed's MoE loader wants per-expert files that it writes only for its own MoE layers;
     # lmfoundry's experts come back from each rank's module file instead
     try:
-        with _without_deepspeed_moe(engine):
+        with (
+            _without_deepspeed_moe(engine),
+            _scheduler_fitted_to_groups(engine) if relayout else contextlib.nullcontext(),
+        ):
             # a LoRA run's files leave out the frozen base, which every worker loaded from the base
             # checkpoint; any other run's (`freeze` included) hold every parameter, and load strictly
             adapted = any(isinstance(m, LoRALinear) for m in engine.module.modules())
@@ -312,7 +318,7 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
         dist.barrier()  # every rank of the node has loaded it: the converted copy can go
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             shutil.rmtree(load_dir, ignore_errors=True)
-    if _expert_parallel(engine):
+    if _expert_parallel(engine) and not relayout:  # a move's universal load gave each rank its experts
         engine.module.load_state_dict(checkpoint.torch_load_weights(local / "deepspeed" / f"module-rank-{rank}.pt"))
     checkpoint.load_rng_state(local / "deepspeed", suffix=f"-rank-{rank % written_by}")
     if relayout:
@@ -385,19 +391,63 @@ def _written_layout(state: dict, uri: str) -> tuple[int, int, int, int]:
     return layout
 
 
+# a parameter group's settings of its own, which a universal load would overwrite by position
+OWN_GROUP_SETTINGS = ("weight_decay", "name", "moe")
+
+
 def _mend_universal_load(engine, own_settings: list[dict]) -> None:
-    """Undo two slips of DeepSpeed's ZeRO-3 universal load (0.19,
-    stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), harmless for stages 1 and 2:
-    every parameter group is given the first group's settings (weight decay on the norms and
-    embeddings), and every group's optimizer state is given one shared `step` tensor, which
-    AdamW then advances once per group per step (the wrong bias correction from the next step
-    on). Each group gets its own settings and its own step counter back."""
-    for group, own in zip(engine.optimizer.param_groups, own_settings):
-        group.update(own)
+    """Undo the slips of DeepSpeed's universal load (0.19). The checkpoint's parameter groups'
+    settings are copied onto the engine's by position, though the groups may differ (an MoE
+    run's expert groups exist only with expert parallelism): each group gets its own weight
+    decay, name and MoE flag back, and every group the rate the checkpoint's first group trained
+    its last step with (lmfoundry's groups share one schedule), where a group the checkpoint
+    lacked would keep the rate it was built with. Under ZeRO-3
+    (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3) every group is given the first
+    group's settings, and every group's optimizer state one shared `step` tensor, which AdamW
+    then advances once per group per step (the wrong bias correction from the next step on):
+    each group gets its own step counter back."""
+    groups = engine.optimizer.param_groups
+    for group, own in zip(groups, own_settings):
+        for key, value in own.items():
+            if value is None:
+                group.pop(key, None)
+            else:
+                group[key] = value
+    for group in groups[1:]:
+        group["lr"] = groups[0]["lr"]
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     for state in inner.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
+
+
+# a torch scheduler's state entries that hold one value per parameter group
+SCHEDULER_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
+
+
+@contextlib.contextmanager
+def _scheduler_fitted_to_groups(engine):
+    """A context in which the engine's torch scheduler loads a state written for another number
+    of parameter groups (a layout with or without expert groups): each per-group entry becomes
+    the first group's, once per group of this engine, as lmfoundry's groups share one schedule.
+    Torch's own load would fail, or leave the groups it lacked unscheduled."""
+    scheduler = engine.lr_scheduler
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        yield
+        return
+    load, groups = scheduler.load_state_dict, len(scheduler.optimizer.param_groups)
+
+    def fitted(state: dict) -> None:
+        for key in SCHEDULER_PER_GROUP:
+            if isinstance(state.get(key), list) and state[key] and len(state[key]) != groups:
+                state = {**state, key: [state[key][0]] * groups}
+        load(state)
+
+    scheduler.load_state_dict = fitted
+    try:
+        yield
+    finally:
+        del scheduler.load_state_dict
 
 
 def _load_universal_buffers(engine, zero_dir: Path, uri: str) -> None:
@@ -470,13 +520,20 @@ runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__")
 
 
 def universal_copy(
-    local: Path, uri: str, from_pipeline: bool = False, to_pipeline: bool = False, model_cfg=None
+    local: Path,
+    uri: str,
+    from_pipeline: bool = False,
+    to_pipeline: bool = False,
+    model_cfg=None,
+    written_split: tuple[int, int] = (1, 1),
 ) -> Path:
     """The checkpoint's ZeRO state as a DeepSpeed universal checkpoint (whole parameters and
     optimizer moments, no partitioning, one folder per parameter), which loads at any world size.
     A pipelined run names its parameters by pipeline layer: the folders are renamed from the
     layout that wrote them to the one that loads them (`from_pipeline`, `to_pipeline`; the
-    model's config gives the names). The first rank of each node converts it into a node-local
+    model's config gives the names). An MoE model's routed experts are made whole from the ways
+    the run that wrote them split them (`written_split`: its expert- and tensor-parallel sizes;
+    train/expert_checkpoint.py). The first rank of each node converts it into a node-local
     folder named by the checkpoint's manifest (its checksums) and the naming, so another
     checkpoint at the same path never reuses it; the node's other ranks wait for it."""
     import hashlib
@@ -491,13 +548,17 @@ def universal_copy(
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (out / "latest_universal").exists():
         shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
         scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
+        experts = routed_expert_names(model_cfg, from_pipeline) if getattr(model_cfg, "moe", None) else []
+        source = deepspeed_dir / "state"
+        if experts:
+            source = prepare_for_conversion(source, scratch / "input", experts, *written_split)
         done = subprocess.run(
             [
                 sys.executable,
                 "-c",
                 WEIGHTS_ONLY_UNIVERSAL_CONVERSION,
                 "--input_folder",
-                str(deepspeed_dir / "state"),
+                str(source),
                 "--output_folder",
                 str(scratch / "state"),
                 "--num_extract_workers",
@@ -515,6 +576,13 @@ def universal_copy(
             raise RuntimeError(
                 f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
             )
+        if experts:
+            shutil.rmtree(scratch / "input")
+            try:
+                join_experts(scratch / "state" / "zero", experts, *written_split, model_cfg.moe.num_experts)
+                pad_parameter_groups(scratch / "state" / "zero")
+            except ValueError as e:
+                raise ValueError(f"checkpoint {uri}: {e}") from None
         if from_pipeline:
             _extract_pipeline_buffers(deepspeed_dir / "state", scratch / "state" / "zero", model_cfg)
         if from_pipeline != to_pipeline:

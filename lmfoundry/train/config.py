@@ -155,9 +155,9 @@ class ParallelismConfig(StageConfig):
                 raise ValueError(f"min_workers={self.min_workers} must not exceed num_workers={self.num_workers}")
             if self.expert_parallel_size > 1:
                 raise ValueError(
-                    f"min_workers (elastic) with expert_parallel_size={self.expert_parallel_size}: a change "
-                    "of world size needs every expert's state in one checkpoint format, which expert "
-                    "parallelism does not write; use a fixed num_workers"
+                    f"min_workers (elastic) with expert_parallel_size={self.expert_parallel_size}: an elastic "
+                    "run resumes at any number of workers from min_workers to num_workers, and the experts "
+                    "split only over a multiple of expert_parallel_size; use a fixed num_workers"
                 )
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):

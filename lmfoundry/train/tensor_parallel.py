@@ -107,11 +107,11 @@ def balance_over(group):
 
 
 def _balance_over(counts: torch.Tensor, score_sums: torch.Tensor, tokens: torch.Tensor, group):
-    import torch.distributed as dist
-
-    totals = torch.cat([counts, tokens.reshape(1)])
-    dist.all_reduce(totals, group=group)
-    return totals[:-1], SumForward.apply(score_sums, group), totals[-1]
+    # one all-reduce a layer: the counts and tokens travel with the score sums, in fp32 (bf16
+    # counts past 256 would round), and only the score sums' part carries a gradient back
+    experts = score_sums.numel()
+    totals = SumForward.apply(torch.cat([score_sums.float(), counts.float(), tokens.float().reshape(1)]), group)
+    return totals[experts:-1], totals[:experts].to(score_sums.dtype), totals[-1]
 
 
 def tensor_parallel_size(engine) -> int:

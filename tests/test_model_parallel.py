@@ -228,7 +228,7 @@ def test_split_experts_are_made_whole_for_a_universal_checkpoint_and_bad_files_a
         mapping = OrderedDict([("norm.weight", fragment_address(0, 16)), (experts[0], fragment_address(16, 8))])
         torch.save(
             {"optimizer_state_dict": {"param_slice_mappings": [mapping]}},
-            state / f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt",
+            state / f"{'bf16_' if dp == 3 else ''}zero_pp_rank_{dp}_mp_rank_00_optim_states.pt",  # a bf16 run's name
         )
     shapes = [OrderedDict([("norm.weight", torch.Size([16])), (experts[0], torch.Size([2, 16, 64]))])]
     torch.save({"param_shapes": shapes}, state / "mp_rank_00_model_states.pt")
@@ -236,7 +236,9 @@ def test_split_experts_are_made_whole_for_a_universal_checkpoint_and_bad_files_a
     prepared = prepare_for_conversion(state, tmp_path / "input", experts, ep=2, tp=1)
     assert (prepared / "layer_00-model_00-model_states.pt").is_symlink()
     for dp, rank in ((0, 0), (1, 1), (2, 0), (3, 1)):
-        saved = torch.load(prepared / f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt", weights_only=False)
+        name = f"{'bf16_' if dp == 3 else ''}zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"
+        assert not (prepared / name).is_symlink()
+        saved = torch.load(prepared / name, weights_only=False)
         assert list(saved["optimizer_state_dict"]["param_slice_mappings"][0]) == [
             "norm.weight",
             f"{experts[0]}@expert-rank-{rank}",
@@ -306,7 +308,29 @@ def test_split_experts_are_made_whole_for_a_universal_checkpoint_and_bad_files_a
     with pytest.raises(ValueError, match="optimizer_state.pt holds no parameter groups"):
         pad_parameter_groups(zero)
 
-    # bad files in the checkpoint's folder, refused before the conversion runs
+    # bad files in the checkpoint's folder, refused before the conversion runs: a name that
+    # would lead out of the conversion's folder (dense checkpoints' too), or a rank short of experts
+    for bad in ("../../outside", "/tmp/outside", "blocks..1", ""):
+        torch.save({"param_shapes": [{bad: torch.Size([2])}]}, state / "mp_rank_00_model_states.pt")
+        with pytest.raises(ValueError, match="names a parameter .*dot-separated letters"):
+            prepare_for_conversion(state, tmp_path / f"input-{len(bad)}", [], ep=1, tp=1)
+    torch.save({"param_shapes": shapes}, state / "mp_rank_00_model_states.pt")
+    mapping = {"../outside": fragment_address(0, 4)}
+    torch.save(
+        {"optimizer_state_dict": {"param_slice_mappings": [mapping]}},
+        state / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt",
+    )
+    with pytest.raises(
+        ValueError, match="bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt names a parameter '../outside'"
+    ):
+        prepare_for_conversion(state, tmp_path / "input-5", [], ep=1, tp=1)
+    (state / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt").unlink()
+    uneven = tmp_path / "uneven"
+    for rank, rows in ((0, 3), (1, 1)):
+        (uneven / f"{experts[0]}@expert-rank-{rank}").mkdir(parents=True)
+        torch.save({PARAM: torch.zeros(rows, 3)}, uneven / f"{experts[0]}@expert-rank-{rank}" / "fp32.pt")
+    with pytest.raises(ValueError, match="each of its 2 expert-parallel ranks must hold 2 of the 4 experts"):
+        join_experts(uneven, experts[:1], ep=2, tp=1, num_experts=4)
     torch.save({"optimizer_state_dict": {}}, state / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     with pytest.raises(ValueError, match="has no parameter slice map"):
         prepare_for_conversion(state, tmp_path / "input-2", experts, ep=2, tp=1)
@@ -321,6 +345,64 @@ def test_split_experts_are_made_whole_for_a_universal_checkpoint_and_bad_files_a
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         prepare_for_conversion(state, tmp_path / "input-4", experts, ep=2, tp=1)
     assert not ran.exists()
+
+
+def test_a_ranks_expert_file_holds_its_experts_only_and_bad_ones_are_refused_by_name(tmp_path):
+    """Under expert parallelism each rank writes its own experts beside DeepSpeed's files, which
+    hold the rest: the file holds the routed-expert tensors only, and reads back into them; a
+    file written when it held the whole module still reads; a missing tensor, a wrong shape, a
+    non-dict and a pickle that would run code are refused."""
+    from lmfoundry.model.moe import MoEConfig
+    from lmfoundry.model.transformer import ModelConfig, Transformer
+    from lmfoundry.train.checkpointing import _load_own_experts, _own_experts
+
+    cfg = ModelConfig(vocab_size=32, max_seq_len=8, n_layer=2, d_model=16, n_head=2, n_kv_head=1)
+    cfg = cfg.model_copy(update={"moe": MoEConfig(num_experts=4, top_k=2, first_dense_layers=1)})
+    written, resumed = Transformer(cfg), Transformer(cfg)
+    own = _own_experts(written)
+    assert sorted(own) == ["blocks.1.mlp.w_down", "blocks.1.mlp.w_gate_up"]
+    path = tmp_path / "module-rank-1.pt"
+    torch.save(own, path)
+    _load_own_experts(resumed, path, "ckpt")
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in own.items())
+    assert not torch.equal(resumed.embed.weight, written.embed.weight)  # the rest is DeepSpeed's to load
+    torch.save(written.state_dict(), path)  # an older file: the whole module
+    _load_own_experts(resumed, path, "ckpt")
+    torch.save({"blocks.1.mlp.w_down": own["blocks.1.mlp.w_down"]}, path)
+    with pytest.raises(ValueError, match=r"holds blocks.1.mlp.w_gate_up of shape None; this rank's is \(4, 16, "):
+        _load_own_experts(resumed, path, "ckpt")
+    torch.save({**own, "blocks.1.mlp.w_down": torch.zeros(2, 3)}, path)
+    with pytest.raises(ValueError, match=r"holds blocks.1.mlp.w_down of shape \(2, 3\)"):
+        _load_own_experts(resumed, path, "ckpt")
+    torch.save([own], path)
+    with pytest.raises(ValueError, match="module-rank-1.pt holds list, not a dict"):
+        _load_own_experts(resumed, path, "ckpt")
+    ran = tmp_path / "ran"
+    torch.save({"blocks.1.mlp.w_down": RunsCode(ran)}, path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        _load_own_experts(resumed, path, "ckpt")
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize(
+    "ep, world, tp, pp, experts",
+    [(2, 2, 1, 1, None), (3, 6, 1, 1, 4), (4, 4, 1, 2, 4), (4, 4, 2, 1, 4), (10**12, 2, 1, 1, 4)],
+    ids=["dense model", "experts not divisible", "more than a stage's ranks", "not the TP size", "huge"],
+)
+def test_a_written_expert_split_that_its_layout_or_model_cannot_have_is_refused(ep, world, tp, pp, experts):
+    """train_state.json comes from storage: the expert-parallel size a move would read the files
+    by must be one the config could have run (a huge one would have the move build that many
+    names); the layouts the tests run pass."""
+    from lmfoundry.model.moe import MoEConfig
+    from lmfoundry.model.transformer import ModelConfig
+    from lmfoundry.train.checkpointing import _check_expert_split
+
+    cfg = ModelConfig(vocab_size=32, max_seq_len=8, n_layer=2, d_model=16, n_head=2, n_kv_head=1)
+    moe = cfg.model_copy(update={"moe": MoEConfig(num_experts=4, top_k=2)})
+    for layout in ((2, 2, 1, 1), (2, 4, 1, 2), (2, 2, 2, 1), (2, 4, 2, 1), (1, 3, 3, 1)):
+        _check_expert_split(*layout, moe, "ckpt")
+    with pytest.raises(ValueError, match="it must divide the experts and a stage's data-parallel workers"):
+        _check_expert_split(ep, world, tp, pp, moe if experts else cfg, "ckpt")
 
 
 def test_a_universal_load_into_other_parameter_groups_keeps_each_groups_settings_and_the_schedule():

@@ -27,6 +27,7 @@ from lmfoundry.model.checkpoint import (
     save_model_files,
 )
 from lmfoundry.model.lora import AdapterRef, LoRALinear, adapter_state
+from lmfoundry.model.moe import MoE
 from lmfoundry.model.tensor_files import DTYPE_NAMES, write_safetensors
 from lmfoundry.model.tokenizer import SPECIAL_TOKENS_FILE
 from lmfoundry.model.transformer import build_on_meta, persistent_buffers
@@ -35,6 +36,7 @@ from lmfoundry.platform.log import get_logger
 from lmfoundry.train import tensor_parallel
 from lmfoundry.train.config import MAX_VIRTUAL_STAGES
 from lmfoundry.train.expert_checkpoint import (
+    ROUTED_EXPERT_TENSORS,
     join_experts,
     pad_parameter_groups,
     prepare_for_conversion,
@@ -179,7 +181,7 @@ def stage_checkpoint(
         )
     rng = checkpoint.capture_rng_state()
     # DeepSpeed keeps one module file, rank 0's: each rank's own experts go in a file of its own
-    own_experts = pool.snapshot(engine.module.state_dict(), ("own",)) if _expert_parallel(engine) else None
+    own_experts = pool.snapshot(_own_experts(engine.module), ("own",)) if _expert_parallel(engine) else None
     weights = None
     split = tensor_parallel_size(engine) > 1
     pipelined = _pipelined(engine)
@@ -277,6 +279,7 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     tied = getattr(getattr(engine.module, "cfg", None), "tie_embeddings", False)
     # a stage's optimizer partition holds its chunks' parameters: other virtual stages, other files
     written_ep = _written_expert_parallel(state, uri)
+    _check_expert_split(written_ep, written_by, written_tp, written_pp, getattr(engine.module, "cfg", None), uri)
     ep = _expert_parallel_size(engine)
     written = (
         written_by,
@@ -319,7 +322,7 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             shutil.rmtree(load_dir, ignore_errors=True)
     if _expert_parallel(engine) and not relayout:  # a move's universal load gave each rank its experts
-        engine.module.load_state_dict(checkpoint.torch_load_weights(local / "deepspeed" / f"module-rank-{rank}.pt"))
+        _load_own_experts(engine.module, local / "deepspeed" / f"module-rank-{rank}.pt", uri)
     checkpoint.load_rng_state(local / "deepspeed", suffix=f"-rank-{rank % written_by}")
     if relayout:
         # the position counts global micro-batches of micro_batch_size x data-parallel size rows;
@@ -339,6 +342,36 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
             else "",
         )
     return state
+
+
+def _own_experts(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The routed-expert tensors this rank holds (its share of each MoE layer's experts), by
+    their names in `module` (a model or a pipeline stage): all a rank's file needs, as
+    DeepSpeed's files hold the rest."""
+    return {
+        f"{name}.{tensor}": getattr(layer, tensor).detach()
+        for name, layer in module.named_modules()
+        if isinstance(layer, MoE)
+        for tensor in ROUTED_EXPERT_TENSORS
+    }
+
+
+def _load_own_experts(module: torch.nn.Module, path: Path, uri: str) -> None:
+    """This rank's experts from its file (weights-only), each checked against the tensor it
+    fills. Files written before they held only the experts hold the whole module: the rest of
+    it is what DeepSpeed's files restored, and is left as loaded."""
+    saved = checkpoint.torch_load_weights(path)
+    if not isinstance(saved, dict):
+        raise ValueError(f"checkpoint {uri}: {path.name} holds {type(saved).__name__}, not a dict of tensors")
+    for name, tensor in _own_experts(module).items():
+        value = saved.get(name)
+        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
+            found = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            raise ValueError(
+                f"checkpoint {uri}: {path.name} holds {name} of shape {found}; this rank's is {tuple(tensor.shape)}"
+            )
+        with torch.no_grad():
+            tensor.copy_(value)
 
 
 @contextlib.contextmanager
@@ -363,6 +396,21 @@ def _written_expert_parallel(state: dict, uri: str) -> int:
             f"checkpoint {uri}: train_state.json names expert_parallel_size={ep!r}; it must be a positive integer"
         )
     return ep
+
+
+def _check_expert_split(ep: int, world: int, tp: int, pp: int, model_cfg, uri: str) -> None:
+    """The written expert-parallel size, checked against the layout and the model that wrote the
+    checkpoint as the config checks a run's, before a move reads the files by it."""
+    if ep == 1:
+        return
+    experts = model_cfg.moe.num_experts if getattr(model_cfg, "moe", None) else None
+    stage_ranks = world // (tp * pp)  # a stage's data-parallel ranks
+    if experts is None or experts % ep or (ep != tp if tp > 1 else stage_ranks % ep):
+        raise ValueError(
+            f"checkpoint {uri}: train_state.json names expert_parallel_size={ep} for {world} workers at tensor "
+            f"parallel {tp} and {pp} pipeline stages, with {experts} experts; it must divide the experts and "
+            "a stage's data-parallel workers, or equal the tensor-parallel size"
+        )
 
 
 def _written_layout(state: dict, uri: str) -> tuple[int, int, int, int]:
@@ -549,9 +597,10 @@ def universal_copy(
         shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
         scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
         experts = routed_expert_names(model_cfg, from_pipeline) if getattr(model_cfg, "moe", None) else []
-        source = deepspeed_dir / "state"
-        if experts:
-            source = prepare_for_conversion(source, scratch / "input", experts, *written_split)
+        try:
+            source = prepare_for_conversion(deepspeed_dir / "state", scratch / "input", experts, *written_split)
+        except Exception as e:  # a crafted or damaged file: named, with the checkpoint it is in
+            raise ValueError(f"checkpoint {uri}: {e}") from e
         done = subprocess.run(
             [
                 sys.executable,
@@ -576,13 +625,13 @@ def universal_copy(
             raise RuntimeError(
                 f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
             )
+        shutil.rmtree(scratch / "input")
         if experts:
-            shutil.rmtree(scratch / "input")
             try:
                 join_experts(scratch / "state" / "zero", experts, *written_split, model_cfg.moe.num_experts)
                 pad_parameter_groups(scratch / "state" / "zero")
-            except ValueError as e:
-                raise ValueError(f"checkpoint {uri}: {e}") from None
+            except Exception as e:
+                raise ValueError(f"checkpoint {uri}: {e}") from e
         if from_pipeline:
             _extract_pipeline_buffers(deepspeed_dir / "state", scratch / "state" / "zero", model_cfg)
         if from_pipeline != to_pipeline:

@@ -35,8 +35,12 @@ from lmfoundry.train.pipeline_parallel import pipeline_parameter_names
 
 RANK_TAG = "@expert-rank-"  # never in a parameter's name: torch names hold no '@'
 ROUTED_EXPERT_TENSORS = ("w_gate_up", "w_down")
-_OPTIMIZER_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+(?:_\d+)?_optim_states\.pt")
-_MODEL_STATE_FILE = re.compile(r"mp_rank_\d+(?:_\d+)?_model_states\.pt")
+# DeepSpeed names a bf16 (fp16) run's ZeRO files with the prefix bf16_ (fp16_)
+_OPTIMIZER_FILE = re.compile(r"(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_\d+(?:_\d+)?_optim_states\.pt")
+# (ZeRO-3 writes one per data-parallel rank, zero_pp_rank_<dp>_mp_rank_<tp>_model_states.pt)
+_MODEL_STATE_FILE = re.compile(r"(?:zero_pp_rank_\d+_)?mp_rank_\d+(?:_\d+)?_model_states\.pt")
+# a parameter's name as torch writes it; the conversion makes a folder of each name it reads
+_PARAMETER_NAME = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
 
 
 def routed_expert_names(model_cfg, pipelined: bool) -> list[str]:
@@ -67,21 +71,46 @@ def _load(path: Path) -> dict:
 
 def prepare_for_conversion(state_dir: Path, out: Path, expert_names: list[str], ep: int, tp: int) -> Path:
     """`out`: the files of the checkpoint's DeepSpeed folder `state_dir` as the conversion is
-    to read them (written by a run with `ep` expert-parallel and `tp` tensor-parallel ranks);
-    the files that need no change are links to the checkpoint's."""
+    to read them (written by a run with `ep` expert-parallel and `tp` tensor-parallel ranks;
+    `expert_names`: the model's routed-expert tensors, none for a dense model); the files that
+    need no change are links to the checkpoint's. Every parameter name the conversion will make a
+    folder of is checked first: a crafted one could lead out of the conversion's folder."""
     out.mkdir(parents=True)
+    split = bool(expert_names) and (tp > 1 or ep > 1)
     for path in sorted(state_dir.iterdir()):
-        optimizer_file = _OPTIMIZER_FILE.fullmatch(path.name)
-        if tp == 1 and ep > 1 and optimizer_file:
+        optimizer_file, model_state_file = _OPTIMIZER_FILE.fullmatch(path.name), _MODEL_STATE_FILE.fullmatch(path.name)
+        state = _load(path) if optimizer_file or model_state_file else None
+        if state is not None:
+            _check_names(state, path.name)
+        if split and tp == 1 and optimizer_file:
             # the expert-parallel groups are ep consecutive data-parallel ranks (of a stage)
-            torch.save(_renamed_fragments(_load(path), expert_names, int(optimizer_file[1]) % ep), out / path.name)
-        elif tp == 1 and ep > 1 and _MODEL_STATE_FILE.fullmatch(path.name):
-            torch.save(_shapes_by_rank(_load(path), expert_names, ep, path.name), out / path.name)
-        elif tp > 1 and _MODEL_STATE_FILE.fullmatch(path.name):
-            torch.save(_experts_not_replicated(_load(path), expert_names), out / path.name)
+            torch.save(_renamed_fragments(state, expert_names, int(optimizer_file[1]) % ep), out / path.name)
+        elif split and tp == 1 and model_state_file:
+            torch.save(_shapes_by_rank(state, expert_names, ep, path.name), out / path.name)
+        elif split and model_state_file:
+            torch.save(_experts_not_replicated(state, expert_names), out / path.name)
         else:
             (out / path.name).symlink_to(path.resolve())
     return out
+
+
+def _check_names(state: dict, file_name: str) -> None:
+    """Refuses a file whose parameter names (its ZeRO slice map's, its shapes', its module's)
+    are not torch's dotted names."""
+    optimizer = state.get("optimizer_state_dict")
+    names = []
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("param_slice_mappings"), list):
+        names += [n for group in optimizer["param_slice_mappings"] if isinstance(group, dict) for n in group]
+    if isinstance(state.get("param_shapes"), list):
+        names += [n for group in state["param_shapes"] if isinstance(group, dict) for n in group]
+    if isinstance(state.get("module"), dict):
+        names += list(state["module"])
+    for name in names:
+        if not isinstance(name, str) or not _PARAMETER_NAME.fullmatch(name):
+            raise ValueError(
+                f"the checkpoint file {file_name} names a parameter {name!r}; a parameter's name is "
+                "dot-separated letters, digits and underscores"
+            )
 
 
 def _renamed_fragments(state: dict, expert_names: list[str], rank: int) -> dict:
@@ -169,8 +198,14 @@ def join_experts(zero_dir: Path, expert_names: list[str], ep: int, tp: int, num_
                     shutil.copy2(parts[0] / state_file, folder / state_file)
                     continue
                 pieces = [_load(part / state_file).get(PARAM) for part in parts]
-                if not all(isinstance(piece, torch.Tensor) for piece in pieces):
-                    raise ValueError(f"the converted checkpoint's {name} {state_file} holds no tensor")
+                rows = num_experts // ep
+                if not all(
+                    isinstance(piece, torch.Tensor) and piece.dim() >= 1 and len(piece) == rows for piece in pieces
+                ):
+                    raise ValueError(
+                        f"the converted checkpoint's {name} {state_file}: each of its {ep} expert-parallel "
+                        f"ranks must hold {rows} of the {num_experts} experts"
+                    )
                 torch.save({PARAM: torch.cat(pieces, dim=0), CAT_DIM: 0}, folder / state_file)
             for part in parts:
                 shutil.rmtree(part)

@@ -313,9 +313,9 @@ def test_an_interleaved_pipeline_resumes_exactly_after_a_kill_and_moves_between_
     with its second worker killed after step 18: bitwise its own losses; and finished by the same
     2 workers in 2 stages without virtual stages, where only which blocks a stage holds changed:
     its losses, up to rounding (DeepSpeed would load each stage's optimizer state by position, so
-    stage 0's blocks 0 and 2 into blocks 0 and 1, were the change not seen); and finished by one
-    worker: its losses, up to rounding. Each move goes through a universal checkpoint, and each
-    moved run ends with the routing biases of the run it came from."""
+    stage 0's blocks 0 and 2 into blocks 0 and 1, were the change not seen). Each move goes
+    through a universal checkpoint, and each moved run ends with the routing biases of the run it
+    came from."""
     from lmfoundry.model.moe import MoEConfig
     from lmfoundry.model.transformer import ModelConfig
 
@@ -352,11 +352,10 @@ def test_an_interleaved_pipeline_resumes_exactly_after_a_kill_and_moves_between_
     assert finish(packed[0], stopped_at(moved, 15, tmp_path / "plain"), plain, **sized) == pytest.approx(
         from_one, abs=1e-4
     )
-    # and back to one worker from the pipeline's checkpoint (its biases read from its layer files)
-    whole = finish(packed[0], stopped_at(moved, 15, tmp_path / "whole"), {"num_workers": 1}, **sized)
-    assert whole == pytest.approx(from_one, abs=1e-4)
+    # (a pipeline's checkpoint back to a model without stages, its biases read from its layer
+    # files: tests/test_stages.py moves an MoE pipeline to tensor parallelism)
     names = [f"blocks.{i}.mlp.expert_bias" for i in (1, 2, 3)]
-    assert final_weights(tmp_path / "plain", names) == biases[1] == final_weights(tmp_path / "whole", names)
+    assert final_weights(tmp_path / "plain", names) == biases[1]
 
 
 def test_an_untied_vocabulary_parallel_run_moves_to_one_worker(deepspeed_workers, packed, tmp_path):

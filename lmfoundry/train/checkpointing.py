@@ -567,6 +567,62 @@ runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__")
 """
 
 
+def _convert(
+    state_dir: Path,
+    scratch: Path,
+    uri: str,
+    from_pipeline: bool,
+    to_pipeline: bool,
+    model_cfg,
+    written_split: tuple[int, int],
+) -> None:
+    """DeepSpeed's conversion of the checkpoint's `state_dir` into `scratch / "state"`, with
+    lmfoundry's steps before and after it (universal_copy)."""
+    import subprocess
+    import sys
+
+    experts = routed_expert_names(model_cfg, from_pipeline) if getattr(model_cfg, "moe", None) else []
+    try:
+        source = prepare_for_conversion(state_dir, scratch / "input", experts, *written_split)
+    except Exception as e:  # a crafted or damaged file: named, with the checkpoint it is in
+        raise ValueError(f"checkpoint {uri}: {e}") from e
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WEIGHTS_ONLY_UNIVERSAL_CONVERSION,
+            "--input_folder",
+            str(source),
+            "--output_folder",
+            str(scratch / "state"),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+            "--inject_missing_state",
+        ],
+        capture_output=True,
+        text=True,
+        # torch then loads weights-only even where DeepSpeed's converter asks for pickles
+        env={**os.environ, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"},
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    shutil.rmtree(scratch / "input")
+    if experts:
+        try:
+            join_experts(scratch / "state" / "zero", experts, *written_split, model_cfg.moe.num_experts)
+            pad_parameter_groups(scratch / "state" / "zero")
+        except Exception as e:
+            raise ValueError(f"checkpoint {uri}: {e}") from e
+    if from_pipeline:
+        _extract_pipeline_buffers(state_dir, scratch / "state" / "zero", model_cfg)
+    if from_pipeline != to_pipeline:
+        _rename_parameters(scratch / "state" / "zero", pipeline_parameter_names(model_cfg), to_pipeline)
+
+
 def universal_copy(
     local: Path,
     uri: str,
@@ -585,8 +641,6 @@ def universal_copy(
     folder named by the checkpoint's manifest (its checksums) and the naming, so another
     checkpoint at the same path never reuses it; the node's other ranks wait for it."""
     import hashlib
-    import subprocess
-    import sys
 
     import torch.distributed as dist
 
@@ -596,46 +650,11 @@ def universal_copy(
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (out / "latest_universal").exists():
         shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
         scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
-        experts = routed_expert_names(model_cfg, from_pipeline) if getattr(model_cfg, "moe", None) else []
         try:
-            source = prepare_for_conversion(deepspeed_dir / "state", scratch / "input", experts, *written_split)
-        except Exception as e:  # a crafted or damaged file: named, with the checkpoint it is in
-            raise ValueError(f"checkpoint {uri}: {e}") from e
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                WEIGHTS_ONLY_UNIVERSAL_CONVERSION,
-                "--input_folder",
-                str(source),
-                "--output_folder",
-                str(scratch / "state"),
-                "--num_extract_workers",
-                "1",
-                "--num_merge_workers",
-                "1",
-                "--inject_missing_state",
-            ],
-            capture_output=True,
-            text=True,
-            # torch then loads weights-only even where DeepSpeed's converter asks for pickles
-            env={**os.environ, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"},
-        )
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"converting {uri} to a universal checkpoint failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
-            )
-        shutil.rmtree(scratch / "input")
-        if experts:
-            try:
-                join_experts(scratch / "state" / "zero", experts, *written_split, model_cfg.moe.num_experts)
-                pad_parameter_groups(scratch / "state" / "zero")
-            except Exception as e:
-                raise ValueError(f"checkpoint {uri}: {e}") from e
-        if from_pipeline:
-            _extract_pipeline_buffers(deepspeed_dir / "state", scratch / "state" / "zero", model_cfg)
-        if from_pipeline != to_pipeline:
-            _rename_parameters(scratch / "state" / "zero", pipeline_parameter_names(model_cfg), to_pipeline)
+            _convert(deepspeed_dir / "state", scratch, uri, from_pipeline, to_pipeline, model_cfg, written_split)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)  # a retry converts afresh, under another name
+            raise
         (scratch / "latest_universal").write_text("state")
         try:
             os.replace(scratch, out)

@@ -60,10 +60,9 @@ def routed_expert_names(model_cfg, pipelined: bool) -> list[str]:
 
 
 def _load(path: Path) -> dict:
-    from lmfoundry.train.snapshot import deepspeed_checkpoint_classes
+    from lmfoundry.train.snapshot import load_deepspeed_file
 
-    with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_deepspeed_file(path, "cpu")
     if not isinstance(state, dict):
         raise ValueError(f"the checkpoint file {path.name} holds {type(state).__name__}, not a dict")
     return state
@@ -179,48 +178,54 @@ def join_experts(zero_dir: Path, expert_names: list[str], ep: int, tp: int, num_
     step) holds all `num_experts` experts, marked as expert parameters. Under expert parallelism
     without tensor parallelism the conversion wrote one folder per expert-parallel rank; they are
     joined here in rank order."""
-    from deepspeed.checkpoint.constants import CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
+    from deepspeed.checkpoint.constants import CAT_DIM, PARAM
 
     for name in expert_names:
         folder = zero_dir / name
-        if tp == 1 and ep > 1:
-            parts = [zero_dir / f"{name}{RANK_TAG}{rank}" for rank in range(ep)]
-            missing = [part.name for part in parts if not part.is_dir()]
-            if missing:
-                raise ValueError(
-                    f"the checkpoint's optimizer files hold no state for {missing[0]}: its experts are not "
-                    f"split {ep} ways as its train_state.json says"
-                )
-            shutil.rmtree(folder, ignore_errors=True)  # the conversion's copy of one rank's module value
-            folder.mkdir()
-            for state_file in sorted(p.name for p in parts[0].glob("*.pt")):
-                if state_file == "step.pt":
-                    shutil.copy2(parts[0] / state_file, folder / state_file)
-                    continue
-                pieces = [_load(part / state_file).get(PARAM) for part in parts]
-                rows = num_experts // ep
-                if not all(
-                    isinstance(piece, torch.Tensor) and piece.dim() >= 1 and len(piece) == rows for piece in pieces
-                ):
-                    raise ValueError(
-                        f"the converted checkpoint's {name} {state_file}: each of its {ep} expert-parallel "
-                        f"ranks must hold {rows} of the {num_experts} experts"
-                    )
-                torch.save({PARAM: torch.cat(pieces, dim=0), CAT_DIM: 0}, folder / state_file)
-            for part in parts:
-                shutil.rmtree(part)
-        for path in sorted(folder.glob("*.pt")):
-            if path.name == "step.pt":
+        if not (tp == 1 and ep > 1):
+            for path in sorted(folder.glob("*.pt")):
+                if path.name != "step.pt":
+                    saved = _load(path)
+                    torch.save(_marked(saved, saved.get(PARAM), name, path.stem, num_experts), path)
+            continue
+        parts = [zero_dir / f"{name}{RANK_TAG}{rank}" for rank in range(ep)]
+        missing = [part.name for part in parts if not part.is_dir()]
+        if missing:
+            raise ValueError(
+                f"the checkpoint's optimizer files hold no state for {missing[0]}: its experts are not "
+                f"split {ep} ways as its train_state.json says"
+            )
+        shutil.rmtree(folder, ignore_errors=True)  # the conversion's copy of one rank's module value
+        folder.mkdir()
+        for state_file in sorted(p.name for p in parts[0].glob("*.pt")):
+            if state_file == "step.pt":
+                shutil.copy2(parts[0] / state_file, folder / state_file)
                 continue
-            saved = _load(path)
-            value = saved.get(PARAM)
-            if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] != num_experts:
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            pieces = [_load(part / state_file).get(PARAM) for part in parts]
+            rows = num_experts // ep
+            if not all(isinstance(piece, torch.Tensor) and piece.dim() >= 1 and len(piece) == rows for piece in pieces):
                 raise ValueError(
-                    f"the converted checkpoint's {name} ({path.stem}) has shape {shape}; the model's "
-                    f"{num_experts} experts need {num_experts} rows on dim 0"
+                    f"the converted checkpoint's {name} {state_file}: each of its {ep} expert-parallel "
+                    f"ranks must hold {rows} of the {num_experts} experts"
                 )
-            torch.save({**saved, EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: num_experts}, path)
+            joined = torch.cat(pieces, dim=0)
+            torch.save(_marked({CAT_DIM: 0}, joined, name, Path(state_file).stem, num_experts), folder / state_file)
+        for part in parts:
+            shutil.rmtree(part)
+
+
+def _marked(saved: dict, value, name: str, state: str, num_experts: int) -> dict:
+    """A converted expert tensor's file contents with `value` as the tensor, marked as an expert
+    parameter of `num_experts` experts (checked: one row per expert on dim 0)."""
+    from deepspeed.checkpoint.constants import EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
+
+    if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] != num_experts:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        raise ValueError(
+            f"the converted checkpoint's {name} ({state}) has shape {shape}; the model's "
+            f"{num_experts} experts need {num_experts} rows on dim 0"
+        )
+    return {**saved, PARAM: value, EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: num_experts}
 
 
 def pad_parameter_groups(zero_dir: Path) -> None:

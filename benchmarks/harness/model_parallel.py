@@ -199,8 +199,9 @@ def small_config(
     )
 
 
-def compare_layouts(out: str) -> dict:
-    """Each of LAYOUTS trained STEPS steps (train_losses, model files under out/NAME): its
+def compare_layouts(out: str, steps: int = STEPS) -> dict:
+    """Each of LAYOUTS trained `steps` steps of its schedule of STEPS (train_losses, model files
+    under out/NAME): its
     losses and gradient norms (the whole model's, which clipping uses) and their largest
     differences from the one-worker run's, and the largest difference of
     the logits of its written weights, loaded into the single-device model, from those of the
@@ -212,7 +213,7 @@ def compare_layouts(out: str) -> dict:
     runs = {}
     for world in sorted({workers for _, _, workers, _ in LAYOUTS.values()}):
         names = [name for name, (_, _, workers, _) in LAYOUTS.items() if workers == world]
-        trained = train_losses([configs[n] for n in names], world, SEQ_LEN, STEPS, [directories[n] for n in names])
+        trained = train_losses([configs[n] for n in names], world, SEQ_LEN, steps, [directories[n] for n in names])
         runs.update(zip(names, trained))
     rows = {}
     for name, (tp, pp, workers, options) in LAYOUTS.items():

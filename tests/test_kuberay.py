@@ -280,7 +280,7 @@ def test_rayjob_entrypoints_for_curate_then_pack_run_unchanged_on_a_local_cluste
         )
         r = submit_when_up(["bash", "-c", command], {**env, **submitter_env(jobs[stage]), "LMFOUNDRY_DATA": str(data)})
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        # `ray job submit` waits for the job's end, says how it ended and exits 1 unless it succeeded
+        # `ray job submit` waits for the job's end, says how it ended, and exits 1 if it failed
         plain = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
         assert f"Job '{job_id}' succeeded" in plain, plain[-3000:]
     assert (data / "curated" / "_MANIFEST.json").exists() and any((data / "curated" / "kept").glob("*.parquet"))

@@ -117,26 +117,5 @@ def test_evaluate_command_writes_the_report_and_the_gate_catches_a_regression(pr
     assert "exactly one of checkpoint" in capsys.readouterr().err
 
 
-def test_pretraining_evaluates_each_checkpoint_as_it_is_committed(deepspeed_workers, packed, tmp_path):
-    from conftest import tiny_pretrain_config
-
-    from lmfoundry.eval.suite import EvalSuites
-    from lmfoundry.jobs.pretrain import PretrainJobConfig, run_pretrain_job
-
-    run = tmp_path / "run"
-    base = tiny_pretrain_config(
-        packed[0], str(run), schedule={"max_steps": 20}, checkpointing={"every": 10, "keep_last": 3}
-    )
-    suites = EvalSuites(data=packed[0], max_sequences=32, tasks=["builtin"], task_limit=10)
-    manifest = run_pretrain_job(PretrainJobConfig(**base.model_dump(), eval=suites, eval_cpus=0.5))
-    evaluations = manifest["evaluations"]
-    assert [e["step"] for e in evaluations] == [10, 20]
-    assert all("error" not in e for e in evaluations)
-    ppl = [e["metrics"]["lm.perplexity"] for e in evaluations]
-    assert ppl[-1] < ppl[0]  # it learns, and the per-checkpoint evaluation sees it
-    for step in (10, 20):  # beside the checkpoint, and in metrics.jsonl at the checkpoint's step
-        record = json.loads((run / "evals" / f"step-{step:08d}.json").read_text())
-        assert record["metrics"]["task.lmfoundry_arithmetic_mc.acc"] >= 0
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    with_eval = {r["step"]: r["eval"]["metrics"]["lm.perplexity"] for r in rows if "eval" in r}
-    assert with_eval == {10: ppl[0], 20: ppl[1]}
+# Pretraining evaluates each checkpoint as it is committed, a restart's included: test_fault_tolerance's
+# test_killed_workers_resume_to_bitwise_equal_losses (run_pretrain_job with an eval section).

@@ -99,13 +99,20 @@ def test_stragglers_are_named_by_rank_and_host():
 def test_killed_workers_resume_to_bitwise_equal_losses(deepspeed_workers, packed, pretrained, tmp_path):
     """The session's reference run again, with rank 0 killed while step 30's checkpoint is being
     written: the half-written checkpoint is passed over and the run resumes from step 20. (A
-    worker killed between checkpoints is drilled in the SFT, DPO, GRPO and quickstart tests.)"""
+    worker killed between checkpoints is drilled in the SFT, DPO, GRPO and quickstart tests.)
+    The run is a job with an eval section: each checkpoint is evaluated in the background as it
+    is committed, step 30's once, after the restart wrote it again."""
+    from lmfoundry.eval.suite import EvalSuites
+    from lmfoundry.jobs.pretrain import PretrainJobConfig, run_pretrain_job
     from lmfoundry.train.config import FaultDrill
-    from lmfoundry.train.pretrain import run_pretrain
 
     out = tmp_path / "drilled"
     drills = [FaultDrill(at_step=30, rank=0, during_save=True)]
-    manifest = run_pretrain(tiny_pretrain_config(packed[0], str(out), drills=drills, health={"max_failures": 1}))
+    cfg = tiny_pretrain_config(
+        packed[0], str(out), drills=drills, health={"max_failures": 1}, checkpointing={"keep_last": 4}
+    )
+    suites = EvalSuites(data=packed[0], max_sequences=32, tasks=["builtin"], task_limit=10)
+    manifest = run_pretrain_job(PretrainJobConfig(**cfg.model_dump(), eval=suites, eval_cpus=0.5))
     assert len(list((out / "_drills").iterdir())) == 1  # the drill fired
     reference = [json.loads(line) for line in open(Path(pretrained[0]) / "metrics.jsonl")]
     drilled = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -115,6 +122,17 @@ def test_killed_workers_resume_to_bitwise_equal_losses(deepspeed_workers, packed
     assert manifest["final_loss"] == pretrained[1]["final_loss"]
     state = json.loads((out / manifest["final_checkpoint"] / "train_state.json").read_text())
     assert state["step"] == 40 and state["tokens_seen"] == 40 * 2 * 4 * 64 * 2
+    # every committed checkpoint evaluated once, beside it and in metrics.jsonl at its step
+    evaluations = manifest["evaluations"]
+    assert [e["step"] for e in evaluations] == [10, 20, 30, 40]
+    assert all("error" not in e for e in evaluations)
+    ppl = [e["metrics"]["lm.perplexity"] for e in evaluations]
+    assert ppl[-1] < ppl[0]  # it learns, and the per-checkpoint evaluation sees it
+    for step in (10, 20, 30, 40):
+        record = json.loads((out / "evals" / f"step-{step:08d}.json").read_text())
+        assert record["metrics"]["task.lmfoundry_arithmetic_mc.acc"] >= 0
+    with_eval = {r["step"]: r["eval"]["metrics"]["lm.perplexity"] for r in drilled if "eval" in r}
+    assert with_eval == dict(zip((10, 20, 30, 40), ppl))
 
 
 def test_a_crash_loop_ends_failed_after_max_failures(deepspeed_workers, packed, tmp_path):

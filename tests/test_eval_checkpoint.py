@@ -1,5 +1,7 @@
 """Evaluation of the session's trained checkpoint: agreement with lm-evaluation-harness run on the
-Hugging Face export, and the `lmfoundry evaluate` command with its regression gate."""
+Hugging Face export, and the `lmfoundry evaluate` command with its regression gate. (Pretraining's
+evaluation of each checkpoint as it is committed, a restart's included, is checked on the run of
+test_fault_tolerance's test_killed_workers_resume_to_bitwise_equal_losses.)"""
 
 import json
 import os
@@ -115,7 +117,3 @@ def test_evaluate_command_writes_the_report_and_the_gate_catches_a_regression(pr
     assert evaluate_cli([str(config), "--set", "hhh.limit=0"]) == 2
     assert evaluate_cli([str(config), "--set", "endpoint.url=http://x", "--set", "endpoint.model=m"]) == 2
     assert "exactly one of checkpoint" in capsys.readouterr().err
-
-
-# Pretraining evaluates each checkpoint as it is committed, a restart's included: test_fault_tolerance's
-# test_killed_workers_resume_to_bitwise_equal_losses (run_pretrain_job with an eval section).

@@ -349,14 +349,15 @@ def test_rayservice_serve_config_answers_and_upgrades_without_dropping_a_request
             return set()
         return {part.split('"')[1] for part in text.split("replica=")[1:]}
 
-    status_checked = [0.0]
+    status_checked = 0.0
 
     def answering() -> set[str]:
+        nonlocal status_checked
         seen = replicas()
         # a failed deploy ends the wait early; `serve status` (a CLI start) at most every 15 s,
         # not on every poll, where it would take the CPUs the deploy needs
-        if not seen and time.monotonic() - status_checked[0] > 15:
-            status_checked[0] = time.monotonic()
+        if not seen and time.monotonic() - status_checked > 15:
+            status_checked = time.monotonic()
             status = run([ray_cli("serve"), "status", "--address", address], env, timeout=120).stdout
             if "DEPLOY_FAILED" in status:
                 pytest.fail(f"the application failed to deploy:\n{status[-3000:]}")

@@ -170,7 +170,7 @@ def test_an_moe_models_tensor_parallel_layouts_are_planned_as_the_trainer_runs_t
     """The trainer splits an MoE model over a tensor-parallel group only with sequence
     parallelism and its experts over the group alone: without it no such layout is ranked, with
     it each has ep 1, and the recipe written for it validates with expert_parallel_size = tp."""
-    from lmfoundry.jobs.plan import recipe_model, runnable_recipe
+    from lmfoundry.jobs.plan import planner_layout, recipe_for, recipe_model, runnable_recipe
     from lmfoundry.model.flops import model_shape
     from lmfoundry.planner.search import Cluster, Recipe, gpu, search
     from lmfoundry.platform.config import load_config
@@ -189,3 +189,8 @@ def test_an_moe_models_tensor_parallel_layouts_are_planned_as_the_trainer_runs_t
     fitting = next(p for p in split if p.fits and p.layout.pp == 1)
     written = PretrainConfig.model_validate(runnable_recipe(sequence_parallel, fitting, 4096))
     assert written.parallelism.expert_parallel_size == written.parallelism.tensor_parallel_size == fitting.layout.tp
+    # and read back, the recipe is the layout the planner ranked (memory figures of a run use it)
+    assert planner_layout(written, written.parallelism.num_workers) == fitting.layout
+    expert_parallel = next(p for p in search(shape, recipe, cluster) if p.layout.ep > 1 and p.layout.pp == 1)
+    written = PretrainConfig.model_validate(recipe_for(cfg, expert_parallel))
+    assert planner_layout(written, written.parallelism.num_workers) == expert_parallel.layout

@@ -234,7 +234,8 @@ def composed_cases() -> dict[str, PretrainConfig]:
 def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> dict:
     """The planner's per-rank memory for this config trained the way measure_peak_bytes does."""
     from lmfoundry.model.flops import model_shape
-    from lmfoundry.planner.search import Layout, Recipe, training_memory_bytes
+    from lmfoundry.jobs.plan import planner_layout
+    from lmfoundry.planner.search import Recipe, training_memory_bytes
 
     par = cfg.parallelism
     recipe = Recipe(
@@ -250,9 +251,5 @@ def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> 
         reduce_bucket_size=par.reduce_bucket_size,
         overlap_comm=par.use_gpu,
     )
-    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    layout = Layout(
-        tp=tp, pp=pp, dp=world_size // (tp * pp), ep=par.expert_parallel_size, virtual_stages=par.virtual_stages
-    )
     micro_batches = gradient_accumulation(cfg, world_size, seq_len)
-    return training_memory_bytes(model_shape(cfg.model), layout, recipe, micro_batches)
+    return training_memory_bytes(model_shape(cfg.model), planner_layout(cfg, world_size), recipe, micro_batches)

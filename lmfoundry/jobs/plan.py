@@ -55,6 +55,24 @@ def recipe_for(cfg: PretrainConfig, plan) -> dict:
     return out
 
 
+def planner_layout(cfg: PretrainConfig, world_size: int):
+    """The planner's layout for a recipe run on `world_size` workers, the inverse of recipe_for:
+    the planner's `ep` counts the ranks that split the experts beyond a tensor-parallel group,
+    which splits an MoE model's experts by itself."""
+    from lmfoundry.planner.search import Layout
+
+    par = cfg.parallelism
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    experts_over_tp = tp if cfg.model.moe is not None else 1
+    return Layout(
+        tp=tp,
+        pp=pp,
+        dp=world_size // (tp * pp),
+        ep=max(par.expert_parallel_size // experts_over_tp, 1),
+        virtual_stages=par.virtual_stages,
+    )
+
+
 def runnable_recipe(cfg: PretrainConfig, plan, seq_len: int) -> dict | None:
     """The recipe for `plan` if `lmfoundry pretrain` runs that layout: it fits and the config
     accepts it (tensor parallelism needs key/value heads and an MLP that split evenly and ZeRO

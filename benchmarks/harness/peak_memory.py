@@ -233,8 +233,8 @@ def composed_cases() -> dict[str, PretrainConfig]:
 
 def predicted_peak_bytes(cfg: PretrainConfig, seq_len: int, world_size: int) -> dict:
     """The planner's per-rank memory for this config trained the way measure_peak_bytes does."""
-    from lmfoundry.model.flops import model_shape
     from lmfoundry.jobs.plan import planner_layout
+    from lmfoundry.model.flops import model_shape
     from lmfoundry.planner.search import Recipe, training_memory_bytes
 
     par = cfg.parallelism

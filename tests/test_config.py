@@ -161,12 +161,17 @@ def test_an_elastic_range_is_checked_and_every_size_in_it_must_divide_the_global
     base = dict(data="d", output="o")
     with pytest.raises(ValueError, match="min_workers=5 must not exceed num_workers=4"):
         PretrainConfig(**base, parallelism={"num_workers": 4, "min_workers": 5})
-    with pytest.raises(ValueError, match="expert_parallel_size=2"):
-        PretrainConfig(
-            **base,
-            parallelism={"num_workers": 4, "min_workers": 2, "expert_parallel_size": 2},
-            model=ModelConfig(moe=MoEConfig(num_experts=4, top_k=1)),
-        )
+    # an elastic run's experts split as each world size allows: over the largest divisor of
+    # expert_parallel_size that divides it
+    moe = PretrainConfig(
+        **base,
+        parallelism={"num_workers": 8, "min_workers": 1, "expert_parallel_size": 4},
+        model=ModelConfig(moe=MoEConfig(num_experts=8, top_k=1)),
+        batch={"micro_batch_size": 1, "global_batch_tokens": 840 * 64},
+    )
+    split = [moe.parallelism.at_world_size(w).expert_parallel_size for w in world_sizes(moe.parallelism)]
+    assert split == [1, 2, 1, 4, 1, 2, 1, 4]
+    assert moe.parallelism.at_world_size(8) is moe.parallelism  # the size it was set for: unchanged
     cfg = PretrainConfig(
         **base,
         parallelism={"num_workers": 4, "min_workers": 2},

@@ -160,15 +160,19 @@ def test_pretrain_moe_with_expert_parallelism_matches_without_and_moves_between_
     split its own way: the tensor-parallel run's step 6 finished on 4 workers in 2 pipeline
     stages whose 2 replicas each split their block's experts (ZeRO-1), its worker of rank 1
     killed while saving step 12 and resumed from its own step 9; that step 9 finished in the
-    tensor-parallel layout; the replicated run's step 6 finished by 2 workers splitting the
-    experts (expert_parallel_size=2); that run's step 9 finished by one worker."""
+    tensor-parallel layout. And an elastic run (min_workers=1) with expert_parallel_size=2 on
+    a cluster of training nodes (benchmarks/harness/elastic_drill.py): a node removed after step
+    4, so one worker holding every expert goes on from step 3, and added back after step 7, so 2
+    workers splitting the experts go on from step 6."""
     import torch
     from conftest import stopped_at
+    from harness.elastic_drill import run_elastic_drill
 
     from lmfoundry.model.checkpoint import load_model_files
     from lmfoundry.model.moe import MoEConfig
     from lmfoundry.model.transformer import ModelConfig
     from lmfoundry.platform import checkpoint
+    from lmfoundry.platform.ray_env import init_ray
     from lmfoundry.train.config import FaultDrill, PretrainConfig
     from lmfoundry.train.engine import wsd_schedule
     from lmfoundry.train.pretrain import run_pretrain
@@ -183,8 +187,8 @@ def test_pretrain_moe_with_expert_parallelism_matches_without_and_moves_between_
     # save before it, and a move's run would resume from the checkpoint it moved from)
     killed = {"tp2-ep2": 6, "tp2-to-pp2": 9}
 
-    def run(name: str, parallelism: dict, every: int = 6) -> dict:
-        cfg = PretrainConfig(
+    def config(name: str, parallelism: dict, every: int = 6) -> PretrainConfig:
+        return PretrainConfig(
             data=packed[0],
             output=str(tmp_path / name),
             model=ModelConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, moe=moe),
@@ -196,6 +200,9 @@ def test_pretrain_moe_with_expert_parallelism_matches_without_and_moves_between_
             logging={"every": 1},
             drills=[FaultDrill(at_step=12, rank=1, during_save=True)] if name in killed else [],
         )
+
+    def run(name: str, parallelism: dict, every: int = 6) -> PretrainConfig:
+        cfg = config(name, parallelism, every)
         result = run_pretrain(cfg)
         assert result["final_loss"] < result["first_loss"]
         if name in killed:
@@ -208,13 +215,17 @@ def test_pretrain_moe_with_expert_parallelism_matches_without_and_moves_between_
     run("tp2-to-pp2", pp2_ep2, every=3)  # its own checkpoint of step 9, from which it resumes
     stopped_at(tmp_path / "tp2-to-pp2", 9, tmp_path / "pp2-to-tp2")
     run("pp2-to-tp2", tp2_ep2)
-    stopped_at(tmp_path / "ep1", 6, tmp_path / "ep1-to-ep2")
-    run("ep1-to-ep2", ep2, every=3)
-    stopped_at(tmp_path / "ep1-to-ep2", 9, tmp_path / "ep2-to-one")
-    run("ep2-to-one", {"num_workers": 1})
+    elastic = {**ep2, "min_workers": 1, "elastic_resize_interval_s": 2}
+    try:
+        run_elastic_drill(config("elastic", elastic, every=3), remove_after=4, add_after=7)
+    finally:
+        init_ray()  # the session's local Ray again, for the tests after this one
     names = [p.name for p in tmp_path.iterdir() if (p / "metrics.jsonl").is_file()]
     metrics = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in names}
-    assert len(metrics) == 6
+    assert len(metrics) == 5
+    # every step once; the experts split over both workers, then whole on the one left, then split again
+    splits = [(r["world_size"], r["expert_parallel_size"]) for r in metrics["elastic"]]
+    assert splits == [(2, 2)] * 3 + [(1, 1)] * 3 + [(2, 2)] * 6
     for other in set(metrics) - {"ep1"}:
         for a, b in zip(metrics["ep1"], metrics[other], strict=True):
             assert a["step"] == b["step"]

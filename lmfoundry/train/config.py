@@ -12,6 +12,7 @@ is an error. The DeepSpeed JSON is derived from the components in train/engine.p
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -86,7 +87,13 @@ class ParallelismConfig(StageConfig):
         description="elements per ZeRO gradient-reduction bucket; DeepSpeed allocates one (two with "
         "overlapped communication) a micro-step",
     )
-    expert_parallel_size: int = Field(1, ge=1, description="workers that split each MoE layer's experts")
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="workers that split each MoE layer's experts; in an elastic run, at a world size it "
+        "does not divide, the largest of its divisors that divides the world (each worker then holds more "
+        "experts)",
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,
@@ -139,6 +146,14 @@ class ParallelismConfig(StageConfig):
         """Whether the head and the embedding are vocabulary-parallel: asked for, with tensor parallelism."""
         return self.vocab_parallel and self.tensor_parallel_size > 1
 
+    def at_world_size(self, world: int) -> ParallelismConfig:
+        """As the run trains at `world` workers: an elastic run, resized to a world size that
+        expert_parallel_size does not divide, splits its experts over the largest divisor of
+        expert_parallel_size that divides the world (the layout moves through the universal
+        checkpoint at each resize, as any resumed layout change does)."""
+        ep = math.gcd(world, self.expert_parallel_size)
+        return self if ep == self.expert_parallel_size else self.model_copy(update={"expert_parallel_size": ep})
+
     @property
     def model_parallel_size(self) -> int:
         """Workers that hold one replica of the model between them."""
@@ -153,12 +168,6 @@ class ParallelismConfig(StageConfig):
         if self.min_workers is not None:
             if self.min_workers > self.num_workers:
                 raise ValueError(f"min_workers={self.min_workers} must not exceed num_workers={self.num_workers}")
-            if self.expert_parallel_size > 1:
-                raise ValueError(
-                    f"min_workers (elastic) with expert_parallel_size={self.expert_parallel_size}: an elastic "
-                    "run resumes at any number of workers from min_workers to num_workers, and the experts "
-                    "split only over a multiple of expert_parallel_size; use a fixed num_workers"
-                )
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
             if self.num_workers % size:

@@ -125,8 +125,13 @@ class PretrainObjective:
 
 
 def train_loop(loop_config: dict) -> None:
-    """Ray Train's per-worker function."""
+    """Ray Train's per-worker function, at the world size Ray Train started (an elastic run's
+    experts split as that size allows)."""
+    import ray.train
+
     cfg = PretrainConfig.model_validate(loop_config["cfg"])
+    world = ray.train.get_context().get_world_size()
+    cfg = cfg.model_copy(update={"parallelism": cfg.parallelism.at_world_size(world)})
     skeleton.run(
         cfg,
         loop_config["run_dir"],

@@ -483,6 +483,8 @@ class Trainer:
                     ratio,
                 )
         if self.expert_load:
+            # an elastic run's split changes with its world size (ParallelismConfig.at_world_size)
+            metrics["expert_parallel_size"] = self.cfg.parallelism.expert_parallel_size
             metrics["expert_imbalance"] = imbalance(self.expert_load.last_step)
             metrics["tokens_per_expert"] = self.expert_load.last_step
         return metrics

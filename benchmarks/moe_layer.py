@@ -7,6 +7,9 @@
   DeepSpeed MoE               deepspeed.moe.layer.MoE, dropless (drop_tokens=False), same experts
   loop over experts + masks   the Mixtral-style reference: gather each expert's tokens by mask
   dense matmul (limit)        one dense product per projection of the same total FLOPs
+  expert products alone       the fused layer's own per-expert products, forward and backward, with
+                              its router's counts, on operands made beforehand: what the layer would
+                              take with no gathering, scattering, routing or elementwise work
   2048x2048 product           one square fp32 matrix product: the reference FLOP rate of the
                               machine, measured in the same run (the dense limit's thin products
                               run well below it)
@@ -173,6 +176,30 @@ def measure(args) -> dict:
         g, u = (a @ w1).chunk(2, dim=-1)
         ((F.silu(g) * u) @ w2).pow(2).mean().backward()
 
+    # the fused layer's own matrix products (forward: gate/up and down; backward: both weight
+    # gradients and both input gradients), one per expert over its rows as its router routes x,
+    # on operands made beforehand: no gathering, scattering, routing or elementwise work. The
+    # ceiling of any dispatch built from torch's products, against which the layer's other work shows
+    with torch.no_grad():
+        counts = torch.bincount(layers["lmfoundry MoE (fused)"].route(x)[0].flatten(), minlength=E).tolist()
+    M = sum(counts)
+    xs, gs, hidden, d_pre = torch.randn(M, C), torch.randn(M, C), torch.randn(M, H), torch.randn(M, 2 * H)
+    w_gate_up, w_down = torch.randn(E, C, 2 * H), torch.randn(E, H, C)
+    pre, ys, d_hidden, dxs = torch.empty(M, 2 * H), torch.empty(M, C), torch.empty(M, H), torch.empty(M, C)
+    d_gate_up, d_down = torch.empty(E, C, 2 * H), torch.empty(E, H, C)
+
+    def products():
+        start = 0
+        for e, m in enumerate(counts):
+            rows = slice(start, start + m)
+            torch.mm(xs[rows], w_gate_up[e], out=pre[rows])
+            torch.mm(hidden[rows], w_down[e], out=ys[rows])
+            torch.mm(hidden[rows].t(), gs[rows], out=d_down[e])
+            torch.mm(gs[rows], w_down[e].t(), out=d_hidden[rows])
+            torch.mm(xs[rows].t(), d_pre[rows], out=d_gate_up[e])
+            torch.mm(d_pre[rows], w_gate_up[e].t(), out=dxs[rows])
+            start += m
+
     sq_a, sq_b = torch.randn(2048, 2048), torch.randn(2048, 2048)
 
     def square():
@@ -181,6 +208,7 @@ def measure(args) -> dict:
     saved = {name: saved_for_backward_mib(layer, x) for name, layer in layers.items()}
     runs = {name: fwd_bwd(layer, x) for name, layer in layers.items()}
     runs["dense matmul (limit)"] = dense
+    runs["expert products alone"] = products
     runs["2048x2048 product"] = square
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):  # interleaved, so drift in the machine's speed hits every side alike

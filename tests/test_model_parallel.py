@@ -347,6 +347,43 @@ def test_split_experts_are_made_whole_for_a_universal_checkpoint_and_bad_files_a
     assert not ran.exists()
 
 
+def test_a_moves_name_check_reads_the_names_of_a_file_it_links_not_its_tensors(tmp_path):
+    """Every move checks each optimizer and model-state file's parameter names before DeepSpeed's
+    converter reads the file; a file the converter reads as it is (a link) is mapped for the check,
+    not read, so a move reads its tensors once (the bytes this process reads, from /proc/self/io)."""
+    from collections import OrderedDict
+
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from lmfoundry.train.expert_checkpoint import prepare_for_conversion
+
+    def bytes_read() -> int:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+    state = tmp_path / "state"
+    state.mkdir()
+    moments = {"exp_avg": torch.randn(2_000_000), "exp_avg_sq": torch.randn(2_000_000)}
+    for dp in range(2):
+        optimizer = {
+            "param_slice_mappings": [OrderedDict([("norm.weight", fragment_address(0, 16))])],
+            "fp32_flat_groups": [torch.randn(2_000_000)],
+            "base_optimizer_state": {"state": {0: moments}},
+        }
+        torch.save({"optimizer_state_dict": optimizer}, state / f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt")
+    shapes = [OrderedDict([("norm.weight", torch.Size([16]))])]
+    torch.save(
+        {"param_shapes": shapes, "module": {"norm.weight": torch.randn(2_000_000)}},
+        state / "mp_rank_00_model_states.pt",
+    )
+    size = sum(p.stat().st_size for p in state.iterdir())
+    before = bytes_read()
+    prepared = prepare_for_conversion(state, tmp_path / "input", [], ep=1, tp=1)
+    read = bytes_read() - before
+    assert all(p.is_symlink() for p in prepared.iterdir())
+    assert size > 50 * 2**20 and read < 2**20, (size, read)
+
+
 def test_a_ranks_expert_file_holds_its_experts_only_and_bad_ones_are_refused_by_name(tmp_path):
     """Under expert parallelism each rank writes its own experts beside DeepSpeed's files, which
     hold the rest: the file holds the routed-expert tensors only, and reads back into them; a

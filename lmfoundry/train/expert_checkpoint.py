@@ -59,10 +59,10 @@ def routed_expert_names(model_cfg, pipelined: bool) -> list[str]:
     return names
 
 
-def _load(path: Path) -> dict:
+def _load(path: Path, mmap: bool = False) -> dict:
     from lmfoundry.train.snapshot import load_deepspeed_file
 
-    state = load_deepspeed_file(path, "cpu")
+    state = load_deepspeed_file(path, "cpu", mmap)
     if not isinstance(state, dict):
         raise ValueError(f"the checkpoint file {path.name} holds {type(state).__name__}, not a dict")
     return state
@@ -78,7 +78,9 @@ def prepare_for_conversion(state_dir: Path, out: Path, expert_names: list[str], 
     split = bool(expert_names) and (tp > 1 or ep > 1)
     for path in sorted(state_dir.iterdir()):
         optimizer_file, model_state_file = _OPTIMIZER_FILE.fullmatch(path.name), _MODEL_STATE_FILE.fullmatch(path.name)
-        state = _load(path) if optimizer_file or model_state_file else None
+        # mapped, not read: a file the conversion reads as it is (a link) has only its names
+        # checked here, so DeepSpeed's converter is the one to read its tensors
+        state = _load(path, mmap=True) if optimizer_file or model_state_file else None
         if state is not None:
             _check_names(state, path.name)
         if split and tp == 1 and optimizer_file:

@@ -55,12 +55,12 @@ def deepspeed_checkpoint_classes() -> list[type]:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
-def load_deepspeed_file(path, map_location=None):
+def load_deepspeed_file(path, map_location=None, mmap: bool = False):
     """A DeepSpeed checkpoint file. DeepSpeed's own load unpickles anything (`weights_only=False`);
     this one rebuilds only tensors, plain containers and the three DeepSpeed classes its files
-    hold."""
+    hold. With `mmap` the tensors' bytes are mapped, not read: read where a tensor is touched."""
     with torch.serialization.safe_globals(deepspeed_checkpoint_classes()):
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 class SnapshotCheckpointEngine(TorchCheckpointEngine):

@@ -78,9 +78,10 @@ def prepare_for_conversion(state_dir: Path, out: Path, expert_names: list[str], 
     split = bool(expert_names) and (tp > 1 or ep > 1)
     for path in sorted(state_dir.iterdir()):
         optimizer_file, model_state_file = _OPTIMIZER_FILE.fullmatch(path.name), _MODEL_STATE_FILE.fullmatch(path.name)
-        # mapped, not read: a file the conversion reads as it is (a link) has only its names
-        # checked here, so DeepSpeed's converter is the one to read its tensors
-        state = _load(path, mmap=True) if optimizer_file or model_state_file else None
+        rewritten = split and bool(model_state_file or (tp == 1 and optimizer_file))
+        # a file the conversion reads as it is (a link) is mapped, not read: only its names are
+        # checked here, and DeepSpeed's converter is the one to read its tensors
+        state = _load(path, mmap=not rewritten) if optimizer_file or model_state_file else None
         if state is not None:
             _check_names(state, path.name)
         if split and tp == 1 and optimizer_file:

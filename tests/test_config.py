@@ -152,11 +152,14 @@ def test_large_recipes_have_the_sizes_their_names_promise(recipe, vocab, seq, lo
         assert matmul_params(model) + vocab * model_cfg.d_model < active_high
 
 
-def test_an_elastic_range_is_checked_and_every_size_in_it_must_divide_the_global_batch():
+def test_an_elastic_range_is_checked_and_every_size_in_it_must_divide_the_global_batch(caplog):
+    import logging
+
     from lmfoundry.model.moe import MoEConfig
     from lmfoundry.model.transformer import ModelConfig
     from lmfoundry.train.config import world_sizes
     from lmfoundry.train.engine import gradient_accumulation
+    from lmfoundry.train.pretrain import log_expert_splits
 
     base = dict(data="d", output="o")
     with pytest.raises(ValueError, match="min_workers=5 must not exceed num_workers=4"):
@@ -167,11 +170,14 @@ def test_an_elastic_range_is_checked_and_every_size_in_it_must_divide_the_global
         **base,
         parallelism={"num_workers": 8, "min_workers": 1, "expert_parallel_size": 4},
         model=ModelConfig(moe=MoEConfig(num_experts=8, top_k=1)),
-        batch={"micro_batch_size": 1, "global_batch_tokens": 840 * 64},
     )
     split = [moe.parallelism.at_world_size(w).expert_parallel_size for w in world_sizes(moe.parallelism)]
     assert split == [1, 2, 1, 4, 1, 2, 1, 4]
     assert moe.parallelism.at_world_size(8) is moe.parallelism  # the size it was set for: unchanged
+    with caplog.at_level(logging.INFO, logger="lmfoundry"):
+        log_expert_splits(moe.parallelism)
+    assert "{1: 1, 2: 2, 3: 1, 4: 4, 5: 1, 6: 2, 7: 1, 8: 4}" in caplog.text
+    assert "at 1, 2, 3, 5, 6, 7 workers the experts split fewer than expert_parallel_size=4 ways" in caplog.text
     cfg = PretrainConfig(
         **base,
         parallelism={"num_workers": 4, "min_workers": 2},

@@ -338,7 +338,7 @@ def test_split_experts_are_made_whole_for_a_universal_checkpoint_and_bad_files_a
         {"optimizer_state_dict": {"param_slice_mappings": []}}, state / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     )
     torch.save({"param_shapes": "no"}, state / "mp_rank_00_model_states.pt")
-    with pytest.raises(ValueError, match="mp_rank_00_model_states.pt has no parameter shapes"):
+    with pytest.raises(ValueError, match="mp_rank_00_model_states.pt: param_shapes is not a list of dicts"):
         prepare_for_conversion(state, tmp_path / "input-3", experts, ep=2, tp=1)
     ran = tmp_path / "ran"
     torch.save({"param_shapes": [RunsCode(ran)]}, state / "mp_rank_00_model_states.pt")
@@ -382,6 +382,16 @@ def test_a_moves_name_check_reads_the_names_of_a_file_it_links_not_its_tensors(t
     read = bytes_read() - before
     assert all(p.is_symlink() for p in prepared.iterdir())
     assert size > 50 * 2**20 and read < 2**20, (size, read)
+    # mapped or read, a file is loaded weights-only, and one torch cannot load is refused by name
+    ran, model_states = tmp_path / "ran", state / "mp_rank_00_model_states.pt"
+    torch.save({"param_shapes": [RunsCode(ran)]}, model_states)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        prepare_for_conversion(state, tmp_path / "input-2", [], ep=1, tp=1)
+    assert not ran.exists()
+    for damaged in (b"", b"PK\x03\x04 not a checkpoint", model_states.read_bytes()[:1000]):
+        model_states.write_bytes(damaged)
+        with pytest.raises(ValueError, match="the checkpoint file mp_rank_00_model_states.pt cannot be read"):
+            prepare_for_conversion(state, tmp_path / f"input-{len(damaged)}", [], ep=1, tp=1)
 
 
 def test_a_ranks_expert_file_holds_its_experts_only_and_bad_ones_are_refused_by_name(tmp_path):

@@ -61,14 +61,14 @@ def planner_layout(cfg: PretrainConfig, world_size: int):
     which splits an MoE model's experts by itself."""
     from lmfoundry.planner.search import Layout
 
-    par = cfg.parallelism
+    par = cfg.parallelism.at_world_size(world_size)
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     experts_over_tp = tp if cfg.model.moe is not None else 1
     return Layout(
         tp=tp,
         pp=pp,
         dp=world_size // (tp * pp),
-        ep=max(par.expert_parallel_size // experts_over_tp, 1),
+        ep=par.expert_parallel_size // experts_over_tp,
         virtual_stages=par.virtual_stages,
     )
 

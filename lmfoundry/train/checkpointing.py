@@ -271,6 +271,7 @@ def _load(engine, local: Path, uri: str, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     state = checkpoint.load_json_state(local / "train_state.json")
+    _check_position(state, uri)
     written_by, written_tp, written_pp, written_virtual = _written_layout(state, uri)
     tp, pp = tensor_parallel_size(engine), engine.num_stages if _pipelined(engine) else 1
     virtual = getattr(engine.module, "virtual_stages", 1) if pp > 1 else 1
@@ -413,6 +414,21 @@ def _check_expert_split(ep: int, world: int, tp: int, pp: int, model_cfg, uri: s
         )
 
 
+# more workers than any run has: a layout from storage past it is not one a run wrote
+MAX_WORLD_SIZE = 1 << 20
+
+
+def _check_position(state: dict, uri: str) -> None:
+    """The step, epoch and micro-batches into the epoch the checkpoint was written at, checked
+    before any arithmetic is done with them (the file comes from storage)."""
+    for key in ("step", "epoch", "batches_in_epoch"):
+        value = state.get(key)
+        if type(value) is not int or value < 0:
+            raise ValueError(
+                f"checkpoint {uri}: train_state.json names {key}={value!r}; it must be a non-negative integer"
+            )
+
+
 def _written_layout(state: dict, uri: str) -> tuple[int, int, int, int]:
     """The workers, tensor-parallel size, pipeline stages and virtual stages that wrote the
     checkpoint (older checkpoints name only the workers), checked before any arithmetic is done
@@ -425,14 +441,15 @@ def _written_layout(state: dict, uri: str) -> tuple[int, int, int, int]:
     )
     world, tp, pp, virtual = layout
     if (
-        not all(type(n) is int and n >= 1 for n in layout)
+        not all(type(n) is int and 1 <= n <= MAX_WORLD_SIZE for n in layout)
         or world % (tp * pp)
         or (pp == 1 and virtual != 1)
         or virtual > MAX_VIRTUAL_STAGES
     ):
         raise ValueError(
             f"checkpoint {uri}: train_state.json names world_size={world!r}, tensor_parallel_size={tp!r}, "
-            f"pipeline_parallel_size={pp!r}, virtual_stages={virtual!r}; each must be a positive integer, "
+            f"pipeline_parallel_size={pp!r}, virtual_stages={virtual!r}; each must be a positive integer "
+            f"(at most {MAX_WORLD_SIZE}), "
             "tensor x pipeline dividing world_size, and virtual stages 1 without a pipeline, at most "
             f"{MAX_VIRTUAL_STAGES} with one"
         )
@@ -557,11 +574,25 @@ def _rename_parameters(zero_dir: Path, pipeline_names: dict[str, str], to_pipeli
         (zero_dir / f"{new}.renamed").rename(zero_dir / new)
 
 
-# DeepSpeed's converter, run with its checkpoint classes allowed and every load weights-only
+# DeepSpeed's converter, run with its checkpoint classes allowed, every load weights-only, and
+# every folder it makes and file it saves confined to its output folder: it makes a folder of each
+# parameter name it reads, and lmfoundry's check of the names (expert_checkpoint.py) is the first
+# defence against a crafted one, this the second
 WEIGHTS_ONLY_UNIVERSAL_CONVERSION = """
-import runpy, sys, torch
+import os, runpy, sys, torch
 from lmfoundry.train.snapshot import deepspeed_checkpoint_classes
 torch.serialization.add_safe_globals(deepspeed_checkpoint_classes())
+output = os.path.realpath(sys.argv[sys.argv.index("--output_folder") + 1])
+
+def confined(path):
+    real = os.path.realpath(path)
+    if real != output and not real.startswith(output + os.sep):
+        raise PermissionError(f"the conversion writes only under its output folder, not to {path!r}")
+    return path
+
+makedirs, save = os.makedirs, torch.save
+os.makedirs = lambda name, *args, **kwargs: makedirs(confined(name), *args, **kwargs)
+torch.save = lambda obj, f, *args, **kwargs: save(obj, confined(f) if isinstance(f, (str, os.PathLike)) else f, *args, **kwargs)
 sys.argv[0] = "ds_to_universal"
 runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__")
 """

@@ -23,6 +23,7 @@ with split experts takes its expert-parallel rank's rows of it, any other the wh
 
 from __future__ import annotations
 
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -39,8 +40,19 @@ ROUTED_EXPERT_TENSORS = ("w_gate_up", "w_down")
 _OPTIMIZER_FILE = re.compile(r"(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_\d+(?:_\d+)?_optim_states\.pt")
 # (ZeRO-3 writes one per data-parallel rank, zero_pp_rank_<dp>_mp_rank_<tp>_model_states.pt)
 _MODEL_STATE_FILE = re.compile(r"(?:zero_pp_rank_\d+_)?mp_rank_\d+(?:_\d+)?_model_states\.pt")
+# a pipeline's per-layer files
+_LAYER_FILE = re.compile(r"layer_\d+-model_\d+-model_states\.pt")
+# what DeepSpeed's converter takes for one of its files (ds_to_universal, DeepSpeedCheckpoint): a
+# file it would read must be one of the three above, whose contents are checked
+_READ_BY_CONVERTER = re.compile(
+    r"(?:(?:bf16_|fp16_)?zero_pp_rank_|mp_rank_|layer_).*|.*(?:_optim_states|model_states)\.pt"
+)
 # a parameter's name as torch writes it; the conversion makes a folder of each name it reads
 _PARAMETER_NAME = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
+# a parameter's pattern in a universal-checkpoint description as DeepSpeed's AutoTP writes it
+# (rf"^{re.escape(name)}$"): the converter matches each against every name, so anything but a
+# literal name could take it any time (a crafted `^(\w+)+!`)
+_PARAMETER_PATTERN = re.compile(r"\^[A-Za-z0-9_]+(?:\\\.[A-Za-z0-9_]+)*\$")
 
 
 def routed_expert_names(model_cfg, pipelined: bool) -> list[str]:
@@ -60,9 +72,22 @@ def routed_expert_names(model_cfg, pipelined: bool) -> list[str]:
 
 
 def _load(path: Path, mmap: bool = False) -> dict:
+    """A checkpoint file, weights-only; with `mmap` its tensors mapped rather than read, where
+    torch can map them (else, a file not in torch's zip format, a file system that cannot map or a
+    damaged record, it is read, and torch's reading says what is wrong)."""
+    import zipfile
+
     from lmfoundry.train.snapshot import load_deepspeed_file
 
-    state = load_deepspeed_file(path, "cpu", mmap)
+    mapped = mmap and zipfile.is_zipfile(path)
+    try:
+        state = load_deepspeed_file(path, "cpu", mapped)
+    except pickle.UnpicklingError:
+        raise  # weights-only refused it: torch's message names what it would have run
+    except Exception as e:
+        if mapped:
+            return _load(path)
+        raise ValueError(f"the checkpoint file {path.name} cannot be read: {type(e).__name__}: {e}") from e
     if not isinstance(state, dict):
         raise ValueError(f"the checkpoint file {path.name} holds {type(state).__name__}, not a dict")
     return state
@@ -78,18 +103,35 @@ def prepare_for_conversion(state_dir: Path, out: Path, expert_names: list[str], 
     split = bool(expert_names) and (tp > 1 or ep > 1)
     for path in sorted(state_dir.iterdir()):
         optimizer_file, model_state_file = _OPTIMIZER_FILE.fullmatch(path.name), _MODEL_STATE_FILE.fullmatch(path.name)
-        rewritten = split and bool(model_state_file or (tp == 1 and optimizer_file))
-        # a file the conversion reads as it is (a link) is mapped, not read: only its names are
-        # checked here, and DeepSpeed's converter is the one to read its tensors
-        state = _load(path, mmap=not rewritten) if optimizer_file or model_state_file else None
-        if state is not None:
-            _check_names(state, path.name)
-        if split and tp == 1 and optimizer_file:
+        layer_file = _LAYER_FILE.fullmatch(path.name)
+        if _READ_BY_CONVERTER.fullmatch(path.name) and not (optimizer_file or model_state_file or layer_file):
+            raise ValueError(
+                f"the checkpoint's folder holds {path.name!r}, which DeepSpeed's conversion would read as one of "
+                "its files; a checkpoint's are zero_pp_rank_*_mp_rank_*_optim_states.pt, mp_rank_*_model_states.pt "
+                "and layer_*-model_*-model_states.pt"
+            )
+        if (optimizer_file or model_state_file or layer_file) and (path.is_symlink() or not path.is_file()):
+            raise ValueError(f"the checkpoint file {path.name} is not a regular file")
+        if not split:
+            change = None
+        elif tp == 1:  # expert parallelism: each rank's experts renamed, their shapes named per rank
+            change = "rename" if optimizer_file else "shapes" if model_state_file else None
+        else:  # tensor parallelism: the experts out of the replicated description
+            change = "unreplicate" if model_state_file else None
+        if optimizer_file or model_state_file or layer_file:
+            # a file the conversion reads as it is (a link) is mapped, not read: only its names are
+            # checked here, and DeepSpeed's converter is the one to read its tensors
+            state = _load(path, mmap=change is None)
+            if layer_file:  # a layer's own state dict
+                _check_names({"module": state}, path.name)
+            else:
+                _check_names(state, path.name)
+        if change == "rename":
             # the expert-parallel groups are ep consecutive data-parallel ranks (of a stage)
             torch.save(_renamed_fragments(state, expert_names, int(optimizer_file[1]) % ep), out / path.name)
-        elif split and tp == 1 and model_state_file:
+        elif change == "shapes":
             torch.save(_shapes_by_rank(state, expert_names, ep, path.name), out / path.name)
-        elif split and model_state_file:
+        elif change == "unreplicate":
             torch.save(_experts_not_replicated(state, expert_names), out / path.name)
         else:
             (out / path.name).symlink_to(path.resolve())
@@ -99,19 +141,86 @@ def prepare_for_conversion(state_dir: Path, out: Path, expert_names: list[str], 
 def _check_names(state: dict, file_name: str) -> None:
     """Refuses a file whose parameter names (its ZeRO slice map's, its shapes', its module's)
     are not torch's dotted names."""
+    from deepspeed.checkpoint.constants import AUTOEP_LAYERS_KEY, AUTOEP_LAYERS_KEY_LEGACY, UNIVERSAL_CHECKPOINT_INFO
+
+    def groups(owner: dict, key: str) -> list[dict]:
+        # where the file has them, a list of dicts (a weights-only load makes no other subclass):
+        # DeepSpeed's converter indexes any sequence or mapping, so a tuple or a mapping of groups
+        # would carry names past this check
+        value = owner.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(group, dict) for group in value):
+            raise ValueError(f"the checkpoint file {file_name}: {key} is not a list of dicts")
+        return value
+
     optimizer = state.get("optimizer_state_dict")
-    names = []
-    if isinstance(optimizer, dict) and isinstance(optimizer.get("param_slice_mappings"), list):
-        names += [n for group in optimizer["param_slice_mappings"] if isinstance(group, dict) for n in group]
-    if isinstance(state.get("param_shapes"), list):
-        names += [n for group in state["param_shapes"] if isinstance(group, dict) for n in group]
-    if isinstance(state.get("module"), dict):
-        names += list(state["module"])
+    names = [n for group in groups(state, "param_shapes") for n in group]
+    if optimizer is not None:
+        if not isinstance(optimizer, dict):
+            raise ValueError(f"the checkpoint file {file_name}: optimizer_state_dict is not a dict")
+        names += [n for group in groups(optimizer, "param_slice_mappings") for n in group]
+    module = state.get("module")
+    if module is not None:
+        if not isinstance(module, dict):
+            raise ValueError(f"the checkpoint file {file_name}: module is not a dict")
+        names += list(module)
     for name in names:
         if not isinstance(name, str) or not _PARAMETER_NAME.fullmatch(name):
             raise ValueError(
                 f"the checkpoint file {file_name} names a parameter {name!r}; a parameter's name is "
                 "dot-separated letters, digits and underscores"
+            )
+    for key in (AUTOEP_LAYERS_KEY, AUTOEP_LAYERS_KEY_LEGACY):  # DeepSpeed's own expert layers: never lmfoundry's
+        if key in state:
+            raise ValueError(f"the checkpoint file {file_name} holds {key}, which lmfoundry never writes")
+    if UNIVERSAL_CHECKPOINT_INFO in state:
+        _check_patterns(state[UNIVERSAL_CHECKPOINT_INFO], file_name)
+
+
+def _check_patterns(info, file_name: str) -> None:
+    """Refuses a universal-checkpoint description any of whose parameter patterns is not a literal
+    name (see _PARAMETER_PATTERN), or whose lists and maps of them are other containers."""
+    from deepspeed.checkpoint import constants as c
+
+    if not isinstance(info, dict):
+        raise ValueError(f"the checkpoint file {file_name}: {c.UNIVERSAL_CHECKPOINT_INFO} is not a dict")
+    patterns = []
+
+    def take(key: str, value, kind: type) -> None:
+        if not isinstance(value, kind):
+            raise ValueError(f"the checkpoint file {file_name}: {key} is not a {kind.__name__}")
+        patterns.extend(value)
+
+    for key in (
+        c.VOCABULARY_PARAMETER_PATTERNS,
+        c.PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+        c.PARAMETER_TO_AVERAGE_PATTERNS,
+        c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+        c.TP_REPLICATED_PARAMETER_PATTERNS,
+        c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0,
+    ):
+        if key in info:
+            take(key, info[key], list)
+    for key in (c.AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS, c.SUB_PARAM_SHARD_WIDTHS):
+        if key in info:
+            take(key, info[key], dict)
+    if c.PARAMETER_WITH_SUB_PARAMS in info:
+        sub_params = info[c.PARAMETER_WITH_SUB_PARAMS]
+        if not isinstance(sub_params, list) or not all(isinstance(entry, dict) for entry in sub_params):
+            raise ValueError(f"the checkpoint file {file_name}: {c.PARAMETER_WITH_SUB_PARAMS} is not a list of dicts")
+        for entry in sub_params:
+            take(c.PARAMETER_WITH_SUB_PARAMS, entry.get("patterns", []), list)
+    if c.AFFINE_MAP in info:
+        affine = info[c.AFFINE_MAP]
+        if not isinstance(affine, dict):
+            raise ValueError(f"the checkpoint file {file_name}: {c.AFFINE_MAP} is not a dict")
+        take(c.AFFINE_MAP, affine.get(c.AFFINE_MAP_PARAMS, {}), dict)
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not _PARAMETER_PATTERN.fullmatch(pattern):
+            raise ValueError(
+                f"the checkpoint file {file_name} holds a parameter pattern {pattern!r}; a pattern is a "
+                "parameter's name, its dots escaped, between ^ and $"
             )
 
 

@@ -80,6 +80,7 @@ TENSORBOARD_SCALARS = (
     "tflops_per_worker",
     "mfu",
     "expert_imbalance",
+    "expert_parallel_size",
     "skipped_batches",
     "rollbacks",
     "checkpoint_blocking_s",

@@ -23,7 +23,7 @@ from lmfoundry.model.transformer import ModelConfig, Transformer, build_on_meta
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import skeleton
-from lmfoundry.train.config import PretrainConfig
+from lmfoundry.train.config import PretrainConfig, world_sizes
 from lmfoundry.train.engine import build_engine, check_every_world_size, deepspeed_config
 from lmfoundry.train.expert_parallel import shard_model
 from lmfoundry.train.launch import open_run_dir, train_on_ray
@@ -124,6 +124,24 @@ class PretrainObjective:
         return {"tokens_seen": step * self.tokens_per_step}
 
 
+def log_expert_splits(par) -> None:
+    """An elastic expert-parallel run's split at each world size it may train at, with a warning
+    where it is smaller than expert_parallel_size (each worker then holds more experts)."""
+    if par.min_workers is None or par.expert_parallel_size == 1:
+        return
+    splits = {world: par.at_world_size(world).expert_parallel_size for world in world_sizes(par)}
+    logger.info("pretrain: the experts split over this many workers at each world size: %s", splits)
+    smaller = [world for world, split in splits.items() if split < par.expert_parallel_size]
+    if smaller:
+        logger.warning(
+            "pretrain: at %s workers the experts split fewer than expert_parallel_size=%d ways (%s), so each "
+            "worker holds more of them: every size must fit in memory with its own split",
+            ", ".join(map(str, smaller)),
+            par.expert_parallel_size,
+            ", ".join(f"{splits[world]} at {world}" for world in smaller),
+        )
+
+
 def train_loop(loop_config: dict) -> None:
     """Ray Train's per-worker function, at the world size Ray Train started (an elastic run's
     experts split as that size allows)."""
@@ -149,6 +167,7 @@ def train_loop(loop_config: dict) -> None:
 def build_pretrain_engine(cfg: PretrainConfig, world: int, seq_len: int):
     """The model in its DeepSpeed engine as the loop builds it, for tools that step it directly
     (memory and checkpoint benchmarks). Returns engine, scheduler and DeepSpeed config."""
+    cfg = cfg.model_copy(update={"parallelism": cfg.parallelism.at_world_size(world)})
     model = build_model(cfg)
     ds_config = deepspeed_config(cfg, world, seq_len, model.num_params())
     engine, scheduler = build_engine(model, cfg, ds_config)
@@ -305,6 +324,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     if done:
         return done
     logger.info("pretrain: DeepSpeed config %s", deepspeed_config(cfg, cfg.parallelism.num_workers, seq_len))
+    log_expert_splits(cfg.parallelism)
 
     started = time.time()
     if cfg.batch.micro_batch_size % layout.per_group:

@@ -483,7 +483,9 @@ class Trainer:
                     ratio,
                 )
         if self.expert_load:
-            # an elastic run's split changes with its world size (ParallelismConfig.at_world_size)
+            # the split the model was built with (build_model): an elastic run's changes with its
+            # world size (ParallelismConfig.at_world_size, applied to the config train_loop passes in);
+            # read from the config, since a pipeline stage may hold no MoE layer to read it from
             metrics["expert_parallel_size"] = self.cfg.parallelism.expert_parallel_size
             metrics["expert_imbalance"] = imbalance(self.expert_load.last_step)
             metrics["tokens_per_expert"] = self.expert_load.last_step

@@ -251,6 +251,134 @@ def test_universal_conversion_of_a_crafted_checkpoint_runs_no_pickle(tmp_path):
     assert not marker.exists()
 
 
+def _zero_checkpoint(
+    folder: Path,
+    names,
+    container=list,
+    optimizer_file="zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    model_file="mp_rank_00_model_states.pt",
+    **model_state,
+) -> Path:
+    """A one-rank ZeRO-1 checkpoint folder as DeepSpeed's converter reads it, with `names` as its
+    parameters' names (4 elements each), the slice maps and shapes in `container`."""
+    from collections import OrderedDict
+
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    folder.mkdir(parents=True, exist_ok=True)
+    total = 4 * len(names)
+    optimizer = {
+        "zero_stage": 1,
+        "param_slice_mappings": container([OrderedDict((n, fragment_address(4, 4 * i)) for i, n in enumerate(names))]),
+        "single_partition_of_fp32_groups": [torch.ones(total)],
+        "base_optimizer_state": {
+            "state": {0: {"exp_avg": torch.zeros(total), "exp_avg_sq": torch.zeros(total), "step": 1}},
+            "param_groups": [{"lr": 1e-3, "params": [0]}],
+        },
+        "partition_count": [1],
+        "group_paddings": [0],
+    }
+    torch.save({"optimizer_state_dict": optimizer}, folder / optimizer_file)
+    shapes = container([OrderedDict((n, torch.Size([4])) for n in names)])
+    module = OrderedDict((n, torch.ones(4)) for n in names)
+    torch.save({"param_shapes": shapes, "module": module, "iteration": 1, **model_state}, folder / model_file)
+    return folder
+
+
+def test_a_crafted_checkpoint_cannot_lead_a_layout_move_out_of_its_folder(tmp_path):
+    """Parameter names become folders in DeepSpeed's conversion. Hidden where a check of lists
+    would not look (a tuple, a map of groups), in a file lmfoundry does not recognise but the
+    converter reads, or past lmfoundry's check altogether: each is refused, by lmfoundry's check
+    or by the converter's confinement to its output folder, and nothing is written outside."""
+    import subprocess
+    import sys
+
+    from lmfoundry.train.checkpointing import WEIGHTS_ONLY_UNIVERSAL_CONVERSION
+    from lmfoundry.train.expert_checkpoint import prepare_for_conversion
+
+    outside = tmp_path / "outside"
+    escape = "../" * 12 + str(outside).lstrip("/")  # from any folder, up to the root and down to `outside`
+    # the names in a tuple, in a map of groups, and in files of names lmfoundry does not recognise
+    for folder in (
+        _zero_checkpoint(tmp_path / "tuple", [escape], container=tuple),
+        _zero_checkpoint(tmp_path / "map", [escape], container=lambda groups: dict(enumerate(groups))),
+        _zero_checkpoint(
+            tmp_path / "name",
+            [escape],
+            optimizer_file="zero_pp_rank_0_mp_rank_00_X_optim_states.pt",
+            model_file="mp_rank_00_X_model_states.pt",
+        ),
+    ):
+        for ep, tp in ((1, 1), (2, 1), (2, 2)):
+            experts = ["blocks.0.mlp.w_gate_up"] if ep > 1 else []
+            with pytest.raises(ValueError, match="not a list of dicts|would read as one of its files"):
+                prepare_for_conversion(folder, tmp_path / f"input-{folder.name}-{ep}-{tp}", experts, ep=ep, tp=tp)
+    # lmfoundry's check passed by: the converter itself refuses to write outside its folder
+    state = _zero_checkpoint(tmp_path / "unchecked", [escape])
+    done = subprocess.run(
+        [sys.executable, "-c", WEIGHTS_ONLY_UNIVERSAL_CONVERSION, "--input_folder", str(state)]
+        + ["--output_folder", str(tmp_path / "out" / "state"), "--num_extract_workers", "1"]
+        + ["--num_merge_workers", "1", "--inject_missing_state"],  # as a move runs it (checkpointing._convert)
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1", "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode != 0
+    assert "the conversion writes only under its output folder" in done.stderr, done.stderr[-2000:]
+    assert not outside.exists()
+
+
+def test_a_crafted_universal_description_cannot_stall_a_move(tmp_path):
+    """The converter matches every pattern of a checkpoint's universal description against every
+    parameter name: a pattern other than a literal name (this one backtracks for minutes) is
+    refused before the conversion runs, as is a description in other containers."""
+    import time
+
+    from lmfoundry.train.expert_checkpoint import prepare_for_conversion
+
+    stalls = {"tp_replicated_parameter_patterns": [r"^(([\w.]+)+)+!"]}
+    for label, info in {
+        "a backtracking pattern": stalls,
+        "a wildcard": {"parameter_to_average_patterns": [r"^.*$"]},
+        "an affine map's key": {"affine_map": {"version": 1, "params": {r"^(\w+)+!": {}}}},
+        "a tuple of patterns": {"tp_replicated_parameter_patterns": (r"^norm\.weight$",)},
+        "sub-parameters' patterns": {"parameter_with_sub_params": [{"patterns": [r"^(a|aa)+$"]}]},
+    }.items():
+        folder = _zero_checkpoint(tmp_path / label.replace(" ", "-"), ["norm.weight"], universal_checkpoint_info=info)
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="parameter pattern|is not a"):
+            prepare_for_conversion(folder, tmp_path / f"input-{label.replace(' ', '-')}", [], ep=1, tp=1)
+        assert time.monotonic() - started < 5, label
+    fine = {
+        "tp_replicated_parameter_patterns": [r"^norm\.weight$"],
+        "affine_map": {"params": {r"^blocks\.0\.attn\.wq\.weight$": {}}},
+    }
+    folder = _zero_checkpoint(tmp_path / "fine", ["norm.weight"], universal_checkpoint_info=fine)
+    prepare_for_conversion(folder, tmp_path / "input-fine", [], ep=1, tp=1)
+
+
+@pytest.mark.parametrize(
+    "position",
+    [{"step": "10"}, {"step": -1}, {"epoch": 1.5}, {"batches_in_epoch": True}, {"batches_in_epoch": None}],
+)
+def test_a_training_states_position_must_be_non_negative_integers(position):
+    """Resume multiplies and divides the position by the layouts' sizes: a string, a float or a
+    negative number from storage is refused first."""
+    from lmfoundry.train.checkpointing import _check_position
+
+    with pytest.raises(ValueError, match="must be a non-negative integer"):
+        _check_position({"step": 10, "epoch": 0, "batches_in_epoch": 20, **position}, "run/checkpoints/step-00000010")
+
+
+def test_a_training_states_layout_past_any_run_is_refused():
+    from lmfoundry.train.checkpointing import MAX_WORLD_SIZE, _written_layout
+
+    assert _written_layout({"world_size": MAX_WORLD_SIZE}, "uri") == (MAX_WORLD_SIZE, 1, 1, 1)
+    with pytest.raises(ValueError, match="at most"):
+        _written_layout({"world_size": 10**30}, "uri")
+
+
 def _torch_load_calls(path: Path) -> list[tuple[int, bool]]:
     """(line, passes weights_only=True) of every torch.load call in a source file."""
     found = []

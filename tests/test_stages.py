@@ -160,10 +160,11 @@ def test_pretrain_moe_with_expert_parallelism_matches_without_and_moves_between_
     split its own way: the tensor-parallel run's step 6 finished on 4 workers in 2 pipeline
     stages whose 2 replicas each split their block's experts (ZeRO-1), its worker of rank 1
     killed while saving step 12 and resumed from its own step 9; that step 9 finished in the
-    tensor-parallel layout. And an elastic run (min_workers=1) with expert_parallel_size=2 on
-    a cluster of training nodes (benchmarks/harness/elastic_drill.py): a node removed after step
-    4, so one worker holding every expert goes on from step 3, and added back after step 7, so 2
-    workers splitting the experts go on from step 6."""
+    tensor-parallel layout. And the replicated run's step 6 finished by an elastic run
+    (min_workers=1) with expert_parallel_size=2 on a cluster of training nodes
+    (benchmarks/harness/elastic_drill.py): 2 workers splitting the experts from step 7, a node
+    removed after step 9, so one worker holding every expert goes on from step 8, and added back
+    after step 11, so 2 workers splitting the experts go on from step 10."""
     import torch
     from conftest import stopped_at
     from harness.elastic_drill import run_elastic_drill
@@ -215,17 +216,19 @@ def test_pretrain_moe_with_expert_parallelism_matches_without_and_moves_between_
     run("tp2-to-pp2", pp2_ep2, every=3)  # its own checkpoint of step 9, from which it resumes
     stopped_at(tmp_path / "tp2-to-pp2", 9, tmp_path / "pp2-to-tp2")
     run("pp2-to-tp2", tp2_ep2)
+    stopped_at(tmp_path / "ep1", 6, tmp_path / "elastic")
     elastic = {**ep2, "min_workers": 1, "elastic_resize_interval_s": 2}
     try:
-        run_elastic_drill(config("elastic", elastic, every=3), remove_after=4, add_after=7)
+        run_elastic_drill(config("elastic", elastic, every=2), remove_after=9, add_after=11)
     finally:
         init_ray()  # the session's local Ray again, for the tests after this one
     names = [p.name for p in tmp_path.iterdir() if (p / "metrics.jsonl").is_file()]
     metrics = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in names}
     assert len(metrics) == 5
-    # every step once; the experts split over both workers, then whole on the one left, then split again
+    # every step once; the experts replicated, then split over the same 2 workers, whole on the one
+    # left, and split again
     splits = [(r["world_size"], r["expert_parallel_size"]) for r in metrics["elastic"]]
-    assert splits == [(2, 2)] * 3 + [(1, 1)] * 3 + [(2, 2)] * 6
+    assert splits == [(2, 1)] * 6 + [(2, 2)] * 2 + [(1, 1)] * 2 + [(2, 2)] * 2
     for other in set(metrics) - {"ep1"}:
         for a, b in zip(metrics["ep1"], metrics[other], strict=True):
             assert a["step"] == b["step"]

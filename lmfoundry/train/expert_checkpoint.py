@@ -171,9 +171,11 @@ def _check_names(state: dict, file_name: str) -> None:
                 f"the checkpoint file {file_name} names a parameter {name!r}; a parameter's name is "
                 "dot-separated letters, digits and underscores"
             )
-    for key in (AUTOEP_LAYERS_KEY, AUTOEP_LAYERS_KEY_LEGACY):  # DeepSpeed's own expert layers: never lmfoundry's
-        if key in state:
-            raise ValueError(f"the checkpoint file {file_name} holds {key}, which lmfoundry never writes")
+    # DeepSpeed's own expert layers (AutoEP), whose description the converter follows: never
+    # lmfoundry's (DeepSpeed writes the key with no value)
+    for key in (AUTOEP_LAYERS_KEY, AUTOEP_LAYERS_KEY_LEGACY):
+        if state.get(key) is not None:
+            raise ValueError(f"the checkpoint file {file_name} describes {key}, which lmfoundry never writes")
     if UNIVERSAL_CHECKPOINT_INFO in state:
         _check_patterns(state[UNIVERSAL_CHECKPOINT_INFO], file_name)
 

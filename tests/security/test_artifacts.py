@@ -354,8 +354,13 @@ def test_a_crafted_universal_description_cannot_stall_a_move(tmp_path):
         "tp_replicated_parameter_patterns": [r"^norm\.weight$"],
         "affine_map": {"params": {r"^blocks\.0\.attn\.wq\.weight$": {}}},
     }
-    folder = _zero_checkpoint(tmp_path / "fine", ["norm.weight"], universal_checkpoint_info=fine)
+    folder = _zero_checkpoint(tmp_path / "fine", ["norm.weight"], universal_checkpoint_info=fine, ds_autoep_layers=None)
     prepare_for_conversion(folder, tmp_path / "input-fine", [], ep=1, tp=1)
+    # DeepSpeed's own expert layers, whose description its converter would follow: lmfoundry
+    # writes none (DeepSpeed writes the key with no value, as above)
+    folder = _zero_checkpoint(tmp_path / "autoep", ["norm.weight"], ds_autoep_layers=[{"name": "blocks.0.mlp"}])
+    with pytest.raises(ValueError, match="describes ds_autoep_layers, which lmfoundry never writes"):
+        prepare_for_conversion(folder, tmp_path / "input-autoep", [], ep=1, tp=1)
 
 
 @pytest.mark.parametrize(

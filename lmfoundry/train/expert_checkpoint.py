@@ -104,13 +104,14 @@ def prepare_for_conversion(state_dir: Path, out: Path, expert_names: list[str], 
     for path in sorted(state_dir.iterdir()):
         optimizer_file, model_state_file = _OPTIMIZER_FILE.fullmatch(path.name), _MODEL_STATE_FILE.fullmatch(path.name)
         layer_file = _LAYER_FILE.fullmatch(path.name)
-        if _READ_BY_CONVERTER.fullmatch(path.name) and not (optimizer_file or model_state_file or layer_file):
+        checkpoint_file = optimizer_file or model_state_file or layer_file
+        if _READ_BY_CONVERTER.fullmatch(path.name) and not checkpoint_file:
             raise ValueError(
                 f"the checkpoint's folder holds {path.name!r}, which DeepSpeed's conversion would read as one of "
                 "its files; a checkpoint's are zero_pp_rank_*_mp_rank_*_optim_states.pt, mp_rank_*_model_states.pt "
                 "and layer_*-model_*-model_states.pt"
             )
-        if (optimizer_file or model_state_file or layer_file) and (path.is_symlink() or not path.is_file()):
+        if checkpoint_file and (path.is_symlink() or not path.is_file()):
             raise ValueError(f"the checkpoint file {path.name} is not a regular file")
         if not split:
             change = None
@@ -118,7 +119,7 @@ def prepare_for_conversion(state_dir: Path, out: Path, expert_names: list[str], 
             change = "rename" if optimizer_file else "shapes" if model_state_file else None
         else:  # tensor parallelism: the experts out of the replicated description
             change = "unreplicate" if model_state_file else None
-        if optimizer_file or model_state_file or layer_file:
+        if checkpoint_file:
             # a file the conversion reads as it is (a link) is mapped, not read: only its names are
             # checked here, and DeepSpeed's converter is the one to read its tensors
             state = _load(path, mmap=change is None)

@@ -23,7 +23,7 @@ from lmfoundry.model.transformer import ModelConfig, Transformer, build_on_meta
 from lmfoundry.platform import checkpoint, storage
 from lmfoundry.platform.log import get_logger
 from lmfoundry.train import skeleton
-from lmfoundry.train.config import PretrainConfig, world_sizes
+from lmfoundry.train.config import ParallelismConfig, PretrainConfig, world_sizes
 from lmfoundry.train.engine import build_engine, check_every_world_size, deepspeed_config
 from lmfoundry.train.expert_parallel import shard_model
 from lmfoundry.train.launch import open_run_dir, train_on_ray
@@ -124,7 +124,13 @@ class PretrainObjective:
         return {"tokens_seen": step * self.tokens_per_step}
 
 
-def log_expert_splits(par) -> None:
+def at_world_size(cfg: PretrainConfig, world: int) -> PretrainConfig:
+    """`cfg` as it trains at `world` workers (ParallelismConfig.at_world_size: an elastic run's
+    experts split as that size allows)."""
+    return cfg.model_copy(update={"parallelism": cfg.parallelism.at_world_size(world)})
+
+
+def log_expert_splits(par: ParallelismConfig) -> None:
     """An elastic expert-parallel run's split at each world size it may train at, with a warning
     where it is smaller than expert_parallel_size (each worker then holds more experts)."""
     if par.min_workers is None or par.expert_parallel_size == 1:
@@ -147,9 +153,7 @@ def train_loop(loop_config: dict) -> None:
     experts split as that size allows)."""
     import ray.train
 
-    cfg = PretrainConfig.model_validate(loop_config["cfg"])
-    world = ray.train.get_context().get_world_size()
-    cfg = cfg.model_copy(update={"parallelism": cfg.parallelism.at_world_size(world)})
+    cfg = at_world_size(PretrainConfig.model_validate(loop_config["cfg"]), ray.train.get_context().get_world_size())
     skeleton.run(
         cfg,
         loop_config["run_dir"],
@@ -167,7 +171,7 @@ def train_loop(loop_config: dict) -> None:
 def build_pretrain_engine(cfg: PretrainConfig, world: int, seq_len: int):
     """The model in its DeepSpeed engine as the loop builds it, for tools that step it directly
     (memory and checkpoint benchmarks). Returns engine, scheduler and DeepSpeed config."""
-    cfg = cfg.model_copy(update={"parallelism": cfg.parallelism.at_world_size(world)})
+    cfg = at_world_size(cfg, world)
     model = build_model(cfg)
     ds_config = deepspeed_config(cfg, world, seq_len, model.num_params())
     engine, scheduler = build_engine(model, cfg, ds_config)
